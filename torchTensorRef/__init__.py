@@ -1,0 +1,54 @@
+"""torchTensorRef: run PyTorch models larger than accelerator memory, unmodified.
+
+``import torchTensorRef`` patches torch's tensor-creating functions to return
+:class:`TensorRef` proxies; the global :data:`tensorsManager` moves their bytes between
+host and accelerator memory around every op, following a pluggable strategy.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import raw  # noqa: F401  (first: keeps the unpatched constructors)
+from .errors import DeviceOutOfMemoryError, OutOfBudgetError
+from .manage import manage
+from .manager import TensorsManager, tensorsManager
+from .patching import disabled, is_patched, patch, unpatch
+from .proxy_info import ProxyInfo
+from .tensor_ref import TensorRef
+from . import strategies
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TensorRef", "ProxyInfo", "TensorsManager", "tensorsManager", "manage",
+    "patch", "unpatch", "is_patched", "disabled", "strategies",
+    "OutOfBudgetError", "DeviceOutOfMemoryError", "configure_from_environment",
+]
+
+ENVIRONMENT = {
+    "TORCHTENSORREF_DEVICE": "device",
+    "TORCHTENSORREF_STRATEGY": "strategy",
+    "TORCHTENSORREF_BUDGET": "budget",
+}
+
+
+def configure_from_environment(environ=None) -> None:
+    """Apply ``TORCHTENSORREF_DEVICE``, ``_STRATEGY`` and ``_BUDGET`` to the manager.
+
+    Raises:
+        ValueError: naming the variable and what it accepts.
+    """
+    environ = os.environ if environ is None else environ
+    for var, attr in ENVIRONMENT.items():
+        value = environ.get(var)
+        if value is None or value == "":
+            continue
+        try:
+            setattr(tensorsManager, attr, value)
+        except ValueError as e:
+            raise ValueError(f"environment variable {var}: {e}") from e
+
+
+patch()
+configure_from_environment()

@@ -1,0 +1,78 @@
+"""Storage blocks: the unit torchTensorRef moves, and the coherence of their two copies.
+
+Note [Blocks and coherence]: every TensorRef views one *block*, the bytes of one torch
+storage. Views share their base's block, so moving a block moves every view at once and a
+write through any view is seen by all of them. A block has up to two copies: ``host``
+(in host memory) and ``dev`` (in accelerator memory). The rules:
+
+- at least one copy is valid at any time;
+- ``dev is not None`` means the accelerator copy is valid (an invalid one is dropped);
+- ``host_valid`` says whether the host copy holds the current bytes. An op writes only the
+  accelerator copy, so a write clears ``host_valid``: the block is *dirty*;
+- evicting a clean block just drops ``dev``; a dirty one is written back first.
+
+Strategies never touch these fields: they ask the manager to ``fetch`` or ``evict``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+
+_ids = itertools.count(1)
+
+
+class Block:
+    """The bytes behind one torch storage, with a host and an accelerator copy."""
+
+    __slots__ = (
+        "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
+        "refs", "pins", "alive", "last_use", "on_ref_dead", "__weakref__",
+    )
+
+    def __init__(self, nbytes: int, on_ref_dead=None):
+        self.id: int = next(_ids)
+        self.nbytes: int = nbytes
+        self.host: Optional[torch.UntypedStorage] = None
+        self.host_valid: bool = False
+        self.dev: Optional[torch.UntypedStorage] = None
+        #: bumped whenever ``dev`` or ``host`` changes, so TensorRefs know a cached view is stale
+        self.gen: int = 0
+        #: identity of the accelerator storage, to recognise op outputs that alias it
+        self.dev_key: int = 0
+        #: live TensorRefs viewing this block
+        self.refs: int = 0
+        #: explicit pins (``tensorsManager.pin``): a pinned block is never evicted
+        self.pins: int = 0
+        self.alive: bool = True
+        #: index of the last op that touched the block (recency, for strategies)
+        self.last_use: int = -1
+        #: weakref callback of the TensorRefs viewing the block (the manager's bookkeeping)
+        self.on_ref_dead = on_ref_dead
+
+    @property
+    def resident(self) -> bool:
+        """Whether the accelerator copy is valid."""
+        return self.dev is not None
+
+    @property
+    def dirty(self) -> bool:
+        """Whether the accelerator copy holds writes the host copy lacks."""
+        return self.dev is not None and not self.host_valid
+
+    def set_dev(self, storage: Optional[torch.UntypedStorage]) -> None:
+        self.dev = storage
+        self.gen += 1
+        self.dev_key = storage._cdata if storage is not None else 0
+
+    def set_host(self, storage: Optional[torch.UntypedStorage], valid: bool) -> None:
+        self.host = storage
+        self.host_valid = valid
+        self.gen += 1
+
+    def __repr__(self) -> str:
+        where = "device" if self.dev is not None else "host"
+        state = " dirty" if self.dirty else ""
+        return f"Block(id={self.id}, nbytes={self.nbytes}, on {where}{state}, refs={self.refs})"

@@ -1,0 +1,1 @@
+"""Op interception: what happens to each aten op that reaches a TensorRef."""

@@ -1,0 +1,72 @@
+"""How many bytes of new tensors an op will allocate, known before it runs.
+
+A strategy must make room for an op's results *before* the op runs, or the budget would
+be exceeded while it runs. The size is found by running the op on ``meta`` tensors (no
+data, no computation) and cached by the shapes and dtypes of the arguments, so a training
+loop pays this once per distinct op call. Ops whose result size depends on the data
+(``nonzero``, ``unique``) cannot run on meta: they estimate 0 and the manager makes room
+after the op instead (see ``TensorsManager._finish``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable
+
+import torch
+
+from .. import raw
+from .registry import OpSpec
+
+_cache: Dict[Hashable, int] = {}
+_META = torch.device("meta")
+_MAX_CACHE = 100_000
+
+
+def _key(value):
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_key(v) for v in value)
+    return value
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return raw.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=_META)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def _new_bytes(out, spec: OpSpec) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.untyped_storage().nbytes() if out.layout == torch.strided else 0
+    if isinstance(out, (list, tuple)):
+        return sum(_new_bytes(o, spec) for o in out)
+    return 0
+
+
+def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
+    """Bytes of the new (non-aliasing) tensors ``spec.func(*args, **kwargs)`` returns."""
+    if not spec.allocates:
+        return 0  # views and in-place results allocate nothing
+    try:
+        key = (spec.func, _key(args), _key(tuple(kwargs.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None:
+        hit = _cache.get(key)
+        if hit is not None:
+            return hit
+    meta_kwargs = {k: (_META if k == "device" else _to_meta(v)) for k, v in kwargs.items()}
+    try:
+        out = spec.func(*_to_meta(args), **meta_kwargs)
+        size = _new_bytes(out, spec)
+    except Exception:  # no meta kernel, or a data-dependent size
+        size = 0
+    if key is not None:
+        if len(_cache) >= _MAX_CACHE:
+            _cache.clear()
+        _cache[key] = size
+    return size

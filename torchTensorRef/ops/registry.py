@@ -1,0 +1,103 @@
+"""Per-op facts read once from the op's schema, and the table of special-case handlers.
+
+Everything not in the table goes through the one generic path in ``dispatch.py``;
+handlers are keyed by the exact ``OpOverload`` and registering one twice is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+Handler = Callable[..., object]
+
+
+class OpSpec:
+    """What the dispatcher needs to know about one ``OpOverload``, from its schema.
+
+    Attributes:
+        name: ``"aten.add_.Tensor"``.
+        write_args: ``(position, name)`` of each argument the op writes in place
+            (``self`` of ``add_``, ``out`` of ``add.out``, the list of ``_foreach_add_``).
+        return_args: for each return, the position of the written argument it is (an
+            in-place op returns its ``self``), or ``None`` for a new or view result.
+        allocates: whether the op returns a newly allocated tensor.
+        restrides: whether it may change a written argument's geometry or storage
+            (``resize_``, ``set_``, ``t_``, ``unsqueeze_``, ``out=`` variants ...).
+        handler: special-case handler, or ``None`` for the generic path.
+    """
+
+    __slots__ = ("func", "name", "write_args", "return_args", "allocates", "restrides", "handler")
+
+    def __init__(self, func):
+        self.func = func
+        self.name = str(func)
+        schema = func._schema
+        self.write_args: List[Tuple[int, str]] = []
+        sets = {}
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is not None and info.is_write:
+                self.write_args.append((i, arg.name))
+                for s in info.before_set:
+                    sets[s] = i
+        self.return_args: List[Optional[int]] = []
+        for ret in schema.returns:
+            info = ret.alias_info
+            index = None
+            if info is not None and info.is_write:
+                index = next((sets[s] for s in info.before_set if s in sets), None)
+            self.return_args.append(index)
+        #: whether some result is a new tensor (not a view or an in-place argument)
+        self.allocates: bool = any(r.alias_info is None for r in schema.returns)
+        #: whether the op may change the shape, strides or storage of an argument it writes
+        self.restrides: bool = bool(self.write_args) and (
+            func.overloadpacket.__name__ in _RESTRIDING or any(n == "out" for _i, n in self.write_args)
+        )
+        self.handler: Optional[Handler] = _HANDLERS.get(func)
+
+
+#: in-place ops that change their argument's metadata, not (only) its values
+_RESTRIDING = frozenset({
+    "resize_", "resize_as_", "set_", "as_strided_", "t_", "transpose_", "swapdims_",
+    "swapaxes_", "squeeze_", "unsqueeze_", "_resize_output_",
+})
+
+_HANDLERS: Dict[object, Handler] = {}
+_SPECS: Dict[object, OpSpec] = {}
+
+
+def implements(ops):
+    """Register the decorated function as the handler of each op in ``ops``.
+
+    The handler is called as ``handler(func, args, kwargs, spec)`` instead of the generic
+    path. Registering an op twice raises ``ValueError``.
+    """
+    ops = list(ops) if isinstance(ops, (list, tuple)) else [ops]
+
+    def register(fn: Handler) -> Handler:
+        for op in ops:
+            if op in _HANDLERS:
+                raise ValueError(f"{op} already has a handler: {_HANDLERS[op].__name__}")
+            _HANDLERS[op] = fn
+            _SPECS.pop(op, None)
+        return fn
+
+    return register
+
+
+def spec_of(func) -> OpSpec:
+    """The cached :class:`OpSpec` of ``func``."""
+    spec = _SPECS.get(func)
+    if spec is None:
+        spec = _SPECS[func] = OpSpec(func)
+    return spec
+
+
+def specs() -> Dict[object, OpSpec]:
+    """The cache itself, for the dispatcher's fast lookup."""
+    return _SPECS
+
+
+aten = torch.ops.aten

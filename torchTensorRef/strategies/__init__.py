@@ -1,0 +1,20 @@
+"""Paging policies: what to bring to the accelerator, what to evict, what to prefetch."""
+
+from .base import Strategy
+from .genoa import Genoa
+
+__all__ = ["Strategy", "Genoa", "by_name", "NAMES"]
+
+NAMES = ("genoa",)
+
+
+def by_name(name: str) -> Strategy:
+    """A new strategy instance for ``name``; raises ``ValueError`` naming the accepted ones."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key == "genoa":
+        return Genoa()
+    accepted = ", ".join(f'"{n}"' for n in NAMES)
+    raise ValueError(
+        f"strategy must be one of {accepted} or an instance of "
+        f"torchTensorRef.strategies.Strategy (got: {name!r})"
+    )

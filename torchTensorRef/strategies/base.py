@@ -1,0 +1,75 @@
+"""The ``Strategy`` base class: the hooks a paging policy implements.
+
+The manager calls the hooks around every op, holding its lock. A strategy decides; the
+manager does: it calls ``manager.fetch(block)`` / ``manager.evict(block)`` and never
+touches a block's copies itself. Whatever a strategy does, the manager guarantees the
+op's own blocks are resident when the op runs and that the budget holds.
+
+A minimal custom strategy::
+
+    from torchTensorRef.strategies import Strategy
+
+    class KeepWeights(Strategy):
+        '''Like Genoa, but never evicts blocks of 2-D tensors (weights) it has seen.'''
+        name = "keep-weights"
+
+        def after_op(self, op):
+            for block in op.blocks + op.outputs:
+                if block.id not in self.weights and block.resident:
+                    self.manager.evict(block)
+
+    tensorsManager.strategy = KeepWeights()
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+
+class Strategy:
+    """Base paging policy. Subclass it and override the hooks you need.
+
+    Hooks (``op`` is an :class:`~torchTensorRef.ops.dispatch.OpContext` with ``index``,
+    ``name``, ``blocks`` (inputs), ``written`` and, after the op, ``outputs``):
+
+    - ``before_op(op)``: before the op's blocks are made resident (prefetch, plan).
+    - ``after_op(op)``: after the op ran and its results were registered (evict, keep).
+    - ``choose_victim(protect)``: the block to evict when room is needed, or ``None``.
+    - ``on_release(block)``: a block died (no TensorRef views it any more).
+    - ``attach(manager)`` / ``detach()``: the strategy was installed / replaced.
+
+    The default victim is the least recently used unpinned resident block.
+    """
+
+    name = "base"
+
+    def __init__(self):
+        self.manager = None
+
+    def attach(self, manager) -> None:
+        self.manager = manager
+
+    def detach(self) -> None:
+        self.manager = None
+
+    def before_op(self, op) -> None:
+        pass
+
+    def after_op(self, op) -> None:
+        pass
+
+    def on_release(self, block) -> None:
+        pass
+
+    def choose_victim(self, protect: Iterable[int]):
+        """The resident, unpinned block not in ``protect`` (block ids) used least recently."""
+        best: Optional[object] = None
+        for block in self.manager.resident_blocks():
+            if block.pins or block.id in protect:
+                continue
+            if best is None or block.last_use < best.last_use:
+                best = block
+        return best
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
