@@ -313,22 +313,26 @@ class TensorsManager:
     # -- the op protocol (called by ops.dispatch, holding the lock) ---------------------
 
     def _prepare(self, ctx) -> None:
+        blocks = ctx.blocks
+        limit = self._limit
+        if limit is not None and not self._backend.passthrough:
+            # Checked before anything changes: an op that cannot fit is not counted, the
+            # strategy never sees it, and nothing is evicted for it.
+            need = ctx.output_estimate()
+            for b in blocks:
+                need += b.nbytes
+            if need > limit:
+                raise OutOfBudgetError(ctx.name, need, limit)
         ctx.index = self._op_count
         self._op_count += 1
         self._counters["ops"] += 1
         if self._backend.passthrough:
             return
         self._strategy.before_op(ctx)
-        blocks = ctx.blocks
         missing = [b for b in blocks if b.dev is None]
         limit = self._limit
         if limit is not None:
             estimate = ctx.output_estimate()
-            need = estimate
-            for b in blocks:
-                need += b.nbytes
-            if need > limit:
-                raise OutOfBudgetError(ctx.name, need, limit)
             room = estimate
             for b in missing:
                 room += b.nbytes
@@ -378,6 +382,8 @@ class TensorsManager:
             self._resident[block.id] = block
             self._add_device_bytes(block.nbytes)
             block.last_use = ctx.index
+            if self._trace is not None:
+                self._trace.resized(time.perf_counter_ns(), self._device_bytes)
         ctx.outputs.append(block)
         return make_ref(block, t, self._declared)
 
@@ -433,6 +439,8 @@ class TensorsManager:
         if block.dev is not None:
             del self._resident[block.id]
             self._device_bytes -= block.nbytes
+            if self._trace is not None:
+                self._trace.resized(time.perf_counter_ns(), self._device_bytes)
         if block.host is not None:
             self._by_host_storage.pop(block.host._cdata, None)
         block.set_dev(None)

@@ -39,6 +39,10 @@ class Trace:
         self.moves.append((kind, block_id, nbytes, start, end))
         self.resident.append((end, device_bytes))
 
+    def resized(self, when: int, device_bytes: int) -> None:
+        """Resident bytes changed without a move: an op's result was made or freed on the accelerator."""
+        self.resident.append((when, device_bytes))
+
     # -- reading -------------------------------------------------------------------------
 
     def bytes_moved(self) -> dict:

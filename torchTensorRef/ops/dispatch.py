@@ -31,10 +31,11 @@ class OpContext:
         outputs: new blocks the op created (filled in after it runs).
     """
 
-    __slots__ = ("index", "spec", "blocks", "written", "outputs", "args", "kwargs", "_estimate")
+    __slots__ = ("index", "spec", "blocks", "written", "outputs", "args", "kwargs", "_estimate", "_start")
 
     def __init__(self, spec, blocks, written, args, kwargs):
         self.index = -1
+        self._start = 0  # set by the manager while recording
         self.spec = spec
         self.blocks = blocks
         self.written = written

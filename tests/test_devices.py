@@ -1,0 +1,94 @@
+"""Tests of the backends: which device strings are accepted and how bytes are copied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import TensorRef, tensorsManager
+from torchTensorRef.devices import CudaBackend, PassthroughBackend, SimBackend, make_backend
+
+
+@pytest.mark.parametrize("spec, kind", [("cpu", PassthroughBackend), ("CPU", PassthroughBackend),
+                                        (torch.device("cpu"), PassthroughBackend), ("sim", SimBackend),
+                                        (" Sim ", SimBackend)])
+def test_make_backend(spec, kind):
+    backend = make_backend(spec)
+    assert type(backend) is kind
+    assert backend.compute == backend.declared == torch.device("cpu")
+    assert backend.passthrough is (kind is PassthroughBackend)
+
+
+@pytest.mark.parametrize("spec", ["gpu", "mps", "cuda0", "", 0, None, 1.0, "cuda:-1"])
+def test_make_backend_rejects(spec):
+    with pytest.raises(ValueError, match=r'device must be one of "cpu" \(pass-through\), "sim"'):
+        make_backend(spec)
+
+
+def test_sim_copies_are_real_copies():
+    x = torch.arange(16.0)
+    with torchTensorRef.disabled():
+        expected = torch.arange(16.0)
+    host_ptr = x.target.data_ptr()
+    x.toGPU()
+    assert x.target.data_ptr() != host_ptr  # the "accelerator" copy is other memory
+    assert torch.equal(x.target, expected)
+    tensorsManager.pin(x)
+    x.add_(1)
+    x.toCPU()  # pinned: the write is copied back into the host copy, which stays put
+    tensorsManager.unpin(x)
+    x.toCPU()
+    assert x.target.data_ptr() == host_ptr
+    assert torch.equal(x.target, expected + 1)
+
+
+def test_sim_moves_bytes_and_keeps_values():
+    x = torch.arange(12.0).reshape(3, 4)
+    assert x.proxyInfo.device == "cpu" and not x.proxyInfo.on_device
+    x.toGPU()
+    assert x.proxyInfo.device == "sim" and x.proxyInfo.on_device
+    assert x.device == torch.device("cpu")  # the declared device: where the ops run
+    assert tensorsManager.stats()["device_bytes"] == x.proxyInfo.nbytes
+    tensorsManager.pin(x)  # Genoa would send it back right after the next op
+    x.mul_(2)
+    assert x.proxyInfo.dirty and x.proxyInfo.pinned
+    x.toCPU()  # pinned: written back, but stays
+    assert x.proxyInfo.on_device and not x.proxyInfo.dirty
+    tensorsManager.unpin(x)
+    x.toCPU()
+    assert not x.proxyInfo.on_device
+    with torchTensorRef.disabled():
+        expected = torch.arange(12.0).reshape(3, 4) * 2
+    assert torch.equal(x.target, expected)
+    assert tensorsManager.stats()["bytes_to_host"] == x.proxyInfo.nbytes
+
+
+def test_cpu_pass_through_never_moves():
+    tensorsManager.device = "cpu"
+    x = torch.rand(10)
+    y = (x * 2).toGPU()
+    assert type(y) is TensorRef
+    assert not y.proxyInfo.on_device and y.proxyInfo.device == "cpu"
+    assert y.target.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+    assert tensorsManager.stats()["bytes_to_device"] == 0
+
+
+@pytest.mark.cuda
+def test_cuda_backend_moves_to_the_gpu():
+    tensorsManager.device = "cuda"
+    assert isinstance(tensorsManager._backend, CudaBackend)
+    x = torch.rand(256, 256)
+    with torchTensorRef.disabled():
+        expected = x.target.clone() @ x.target.clone()
+    y = x @ x
+    assert y.device.type == "cuda"
+    torch.testing.assert_close(y.target.cpu(), expected)
+    x.toGPU()
+    assert x.proxyInfo.device.startswith("cuda") and x.target.is_cuda
+
+
+@pytest.mark.cuda
+def test_cuda_device_index_out_of_range():
+    with pytest.raises(ValueError, match="does not exist"):
+        tensorsManager.device = f"cuda:{torch.cuda.device_count()}"

@@ -1,0 +1,303 @@
+"""Tests of the tensorsManager's settings, statistics, thread safety and budget errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import OutOfBudgetError, TensorRef, strategies, tensorsManager
+from torchTensorRef.strategies import Genoa, Strategy
+
+STAT_KEYS = {"bytes_to_device", "bytes_to_host", "peak_device_bytes", "device_bytes", "ops", "evictions"}
+
+
+def _state():
+    return (tensorsManager.device, tensorsManager.strategy, tensorsManager.budget, tensorsManager.stats())
+
+
+# -- device --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, expected", [("sim", "sim"), ("SIM", "sim"), (" cpu ", "cpu"),
+                                             (torch.device("cpu"), "cpu")])
+def test_device_accepts(value, expected):
+    tensorsManager.device = value
+    assert tensorsManager.device == expected
+
+
+@pytest.mark.parametrize("value", ["gpu", "", "tpu:0", 3, None, "cuda:x"])
+def test_bad_device_raises_naming_accepted_values(value):
+    x = torch.rand(8)
+    x + 1
+    before = _state()
+    with pytest.raises(ValueError) as info:
+        tensorsManager.device = value
+    message = str(info.value)
+    for accepted in ('"cpu"', '"sim"', '"cuda"', '"cuda:N"'):
+        assert accepted in message
+    assert repr(value) in message
+    assert _state() == before
+
+
+@pytest.mark.parametrize("value", ["cuda", "cuda:0", "cuda:1"])
+def test_cuda_without_cuda_raises(value, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    before = _state()
+    with pytest.raises(ValueError, match="needs CUDA, which is not available") as info:
+        tensorsManager.device = value
+    assert '"sim"' in str(info.value)
+    assert _state() == before
+
+
+def test_device_change_keeps_values():
+    x = torch.arange(10.0)
+    y = x * 2
+    tensorsManager.device = "cpu"
+    z = y + x
+    tensorsManager.device = "sim"
+    w = z + 1
+    with torchTensorRef.disabled():
+        expected = torch.arange(10.0) * 3 + 1
+    assert torch.equal(w.target, expected)
+
+
+# -- strategy ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", strategies.NAMES)
+def test_strategy_by_name(name):
+    tensorsManager.strategy = name.upper()
+    assert tensorsManager.strategy.name == name
+    assert tensorsManager.stats()["strategy"] == name
+
+
+def test_strategy_instance_is_attached_and_the_old_one_detached():
+    old = tensorsManager.strategy
+    mine = Genoa()
+    tensorsManager.strategy = mine
+    assert tensorsManager.strategy is mine
+    assert mine.manager is tensorsManager
+    assert old.manager is None
+
+
+@pytest.mark.parametrize("value", ["lru", "", 3, None, object()])
+def test_bad_strategy_raises_naming_accepted_values(value):
+    before = _state()
+    with pytest.raises(ValueError) as info:
+        tensorsManager.strategy = value
+    message = str(info.value)
+    for name in strategies.NAMES:
+        assert f'"{name}"' in message
+    assert "Strategy" in message
+    assert _state() == before
+    assert tensorsManager.strategy.manager is tensorsManager
+
+
+def test_strategy_class_instead_of_instance_says_how_to_fix():
+    before = _state()
+    with pytest.raises(ValueError, match=r"instance.*Genoa\(\)"):
+        tensorsManager.strategy = Genoa
+    assert _state() == before
+
+
+# -- budget --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("512MiB", 512 * 2**20), ("6GB", 6 * 10**9), ("1.5GiB", 3 * 2**29), ("64 kb", 64_000),
+    (4096, 4096), (0, 0), (None, None),
+])
+def test_budget_accepts(value, expected):
+    tensorsManager.budget = value
+    assert tensorsManager.budget == expected
+    assert tensorsManager.stats()["budget"] == expected
+
+
+@pytest.mark.parametrize("value", [-1, "-5MiB", "6 gigs", "MiB", "", 1.5, True, [1], "1e9"])
+def test_bad_budget_raises_naming_accepted_values(value):
+    tensorsManager.budget = "1MiB"
+    before = _state()
+    with pytest.raises(ValueError) as info:
+        tensorsManager.budget = value
+    message = str(info.value)
+    assert "budget must be" in message and '"512MiB"' in message and "None" in message
+    assert repr(value) in message
+    assert _state() == before
+
+
+def test_lowering_the_budget_evicts_down_to_it():
+    x = torch.rand(1000)
+    tensorsManager.strategy = _KeepEverything()
+    y = x + 1
+    assert tensorsManager.stats()["device_bytes"] == 8000
+    tensorsManager.budget = 4000
+    assert tensorsManager.stats()["device_bytes"] <= 4000
+    with torchTensorRef.disabled():
+        expected = x.target.clone() + 1
+    assert torch.equal(y.target, expected)
+
+
+def test_budget_below_pinned_bytes_raises_and_keeps_the_old_budget():
+    x = torch.rand(1000)
+    tensorsManager.budget = 10_000
+    tensorsManager.pin(x)
+    try:
+        before = _state()
+        with pytest.raises(OutOfBudgetError):
+            tensorsManager.budget = 1000
+        assert _state() == before
+    finally:
+        tensorsManager.unpin(x)
+
+
+class _KeepEverything(Strategy):
+    """Never evicts on its own: only the budget makes the manager evict."""
+
+    name = "keep-everything"
+
+
+# -- statistics ----------------------------------------------------------------------------
+
+
+def test_stats_keys():
+    assert STAT_KEYS <= set(tensorsManager.stats())
+
+
+def test_stats_count_moves_of_one_op():
+    x = torch.rand(1000)
+    tensorsManager.reset_stats()
+    y = x + 1
+    s = tensorsManager.stats()
+    nx, ny = x.proxyInfo.nbytes, y.proxyInfo.nbytes
+    assert s["ops"] == 1
+    assert s["bytes_to_device"] == nx  # Genoa brings the input in
+    assert s["bytes_to_host"] == ny  # and sends the new result back
+    assert s["peak_device_bytes"] == nx + ny
+    assert s["device_bytes"] == 0
+    assert s["evictions"] == 2
+
+
+def test_reset_stats_zeroes_counters_and_restarts_the_peak_from_now():
+    tensorsManager.strategy = _KeepEverything()
+    x = torch.rand(1000)
+    y = x * 3
+    before = tensorsManager.stats()
+    assert before["bytes_to_device"] > 0 and before["ops"] > 0
+    tensorsManager.reset_stats()
+    after = tensorsManager.stats()
+    for key in ("bytes_to_device", "bytes_to_host", "ops", "evictions"):
+        assert after[key] == 0, key
+    assert after["device_bytes"] == before["device_bytes"]
+    assert after["peak_device_bytes"] == after["device_bytes"]
+    del y
+
+
+def test_stats_on_cpu_pass_through_move_nothing():
+    tensorsManager.device = "cpu"
+    x = torch.rand(1000)
+    (x @ x).item()
+    s = tensorsManager.stats()
+    assert s["bytes_to_device"] == s["bytes_to_host"] == s["peak_device_bytes"] == 0
+    assert s["ops"] > 0
+
+
+# -- environment ---------------------------------------------------------------------------
+
+
+def test_configure_from_environment():
+    torchTensorRef.configure_from_environment(
+        {"TORCHTENSORREF_DEVICE": "cpu", "TORCHTENSORREF_BUDGET": "2MiB", "TORCHTENSORREF_STRATEGY": ""})
+    assert tensorsManager.device == "cpu"
+    assert tensorsManager.budget == 2 * 2**20
+    assert tensorsManager.strategy.name == "genoa"
+
+
+def test_bad_environment_variable_is_named():
+    with pytest.raises(ValueError, match="TORCHTENSORREF_BUDGET.*budget must be"):
+        torchTensorRef.configure_from_environment({"TORCHTENSORREF_BUDGET": "lots"})
+    assert tensorsManager.budget is None
+
+
+# -- thread safety -------------------------------------------------------------------------
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("budget", [None, 6000])
+@pytest.mark.parametrize("strategy", strategies.NAMES)
+def test_backward_on_several_threads_gives_the_grads_of_plain_torch(strategy, budget):
+    tensorsManager.strategy = strategy
+    torch.manual_seed(0)
+    model = _mlp()
+    inputs = [torch.randn(8, 16) for _ in range(4)]
+    with torchTensorRef.disabled():
+        reference = _mlp()
+        reference.load_state_dict({k: v.target.clone() for k, v in model.state_dict().items()})
+        plain_inputs = [x.target.clone() for x in inputs]
+        expected = [torch.autograd.grad(reference(x).square().sum(), list(reference.parameters()))
+                    for x in plain_inputs]
+    tensorsManager.budget = budget
+    params = list(model.parameters())
+    assert all(isinstance(p, torch.nn.Parameter) and isinstance(p, TensorRef) for p in params)
+    results, errors = [None] * len(inputs), []
+    start = threading.Barrier(len(inputs))
+
+    def work(i):
+        try:
+            start.wait()
+            for _ in range(3):
+                results[i] = torch.autograd.grad(model(inputs[i]).square().sum(), params)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for got, want in zip(results, expected):
+        for g, w in zip(got, want):
+            assert type(g) is TensorRef
+            torch.testing.assert_close(g.target, w)
+    if budget is not None:
+        assert tensorsManager.stats()["peak_device_bytes"] <= budget
+
+
+# -- an op larger than the budget ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", strategies.NAMES)
+def test_op_larger_than_budget_raises_and_changes_nothing(strategy):
+    tensorsManager.strategy = strategy
+    x = torch.rand(1000)
+    with torchTensorRef.disabled():
+        expected = x.target.clone()
+    tensorsManager.budget = 6000  # x alone fits; x + 1 needs x and its result: 8000 bytes
+    tensorsManager.reset_stats()
+    before = _state()
+    with pytest.raises(OutOfBudgetError) as info:
+        x + 1
+    e = info.value
+    assert (e.op, e.needed, e.budget) == ("aten.add.Tensor", 8000, 6000)
+    message = str(e)
+    assert "aten.add.Tensor" in message and "8000 bytes" in message and "6000 bytes" in message
+    assert _state() == before
+    assert torch.equal(x.target, expected)
+    tensorsManager.budget = 8000
+    torch.testing.assert_close((x + 1).target, expected + 1)
+
+
+def test_out_of_budget_in_backward_names_the_op():
+    torch.manual_seed(0)
+    w = torch.randn(100, 100, requires_grad=True)
+    loss = (w * 2).sum()
+    tensorsManager.budget = 100 * 100 * 4
+    with pytest.raises(OutOfBudgetError, match=r"op aten\.\w+"):
+        loss.backward()
+    assert w.grad is None

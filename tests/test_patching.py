@@ -1,0 +1,275 @@
+"""Tests of patching: which functions return TensorRefs, when, and undoing it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import TensorRef, patching
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.range is deprecated")
+
+def _saved_file(tmp_path):
+    path = tmp_path / "t.pt"
+    with torchTensorRef.disabled():
+        torch.save(torch.arange(6.0), path)
+    return path
+
+
+def _raw_file(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(4, dtype=np.float32).tofile(path)
+    return path
+
+
+#: one call per name in ``patching.CREATION_FUNCTIONS``; takes pytest's ``tmp_path``
+CALLS = {
+    "rand": lambda p: torch.rand(2, 3),
+    "randn": lambda p: torch.randn(2, 3),
+    "randint": lambda p: torch.randint(0, 10, (4,)),
+    "randperm": lambda p: torch.randperm(5),
+    "normal": lambda p: torch.normal(0.0, 1.0, (3,)),
+    "poisson": lambda p: torch.poisson(torch.ones(3)),
+    "zeros": lambda p: torch.zeros(2, 2),
+    "ones": lambda p: torch.ones(2, 2),
+    "empty": lambda p: torch.empty(2, 2),
+    "empty_strided": lambda p: torch.empty_strided((2, 2), (1, 2)),
+    "empty_permuted": lambda p: torch.empty_permuted((2, 3), (1, 0)),
+    "full": lambda p: torch.full((2,), 7.0),
+    "arange": lambda p: torch.arange(5),
+    "range": lambda p: torch.range(0, 4),
+    "linspace": lambda p: torch.linspace(0, 1, 5),
+    "logspace": lambda p: torch.logspace(0, 1, 5),
+    "eye": lambda p: torch.eye(3),
+    "tensor": lambda p: torch.tensor([1.0, 2.0]),
+    "as_tensor": lambda p: torch.as_tensor([1, 2, 3]),
+    "asarray": lambda p: torch.asarray([1, 2, 3]),
+    "from_numpy": lambda p: torch.from_numpy(np.arange(3.0)),
+    "frombuffer": lambda p: torch.frombuffer(bytearray(b"\x01\x02\x03\x04"), dtype=torch.uint8),
+    "from_file": lambda p: torch.from_file(str(_raw_file(p)), size=4, dtype=torch.float32),
+    "from_dlpack": lambda p: torch.from_dlpack(np.arange(3.0)),
+    "scalar_tensor": lambda p: torch.scalar_tensor(3.0),
+    "tril_indices": lambda p: torch.tril_indices(3, 3),
+    "triu_indices": lambda p: torch.triu_indices(3, 3),
+    "bartlett_window": lambda p: torch.bartlett_window(5),
+    "blackman_window": lambda p: torch.blackman_window(5),
+    "hamming_window": lambda p: torch.hamming_window(5),
+    "hann_window": lambda p: torch.hann_window(5),
+    "kaiser_window": lambda p: torch.kaiser_window(5),
+    "load": lambda p: torch.load(_saved_file(p), weights_only=True),
+}
+
+PRESENT = [name for name in patching.CREATION_FUNCTIONS if hasattr(torch, name)]
+
+
+def test_every_creation_function_has_a_call_here():
+    assert set(patching.CREATION_FUNCTIONS) <= set(CALLS)
+
+
+def _call(name, tmp_path):
+    torch.manual_seed(0)
+    return CALLS[name](tmp_path)
+
+
+@pytest.mark.parametrize("name", PRESENT)
+def test_creation_function_returns_tensor_ref_when_patched(name, tmp_path):
+    managed = _call(name, tmp_path)
+    assert type(managed) is TensorRef
+    with torchTensorRef.disabled():
+        plain = _call(name, tmp_path)
+    assert type(plain) is torch.Tensor
+    assert managed.dtype == plain.dtype
+    if name not in ("empty", "empty_strided", "empty_permuted"):
+        assert torch.equal(managed.target, plain)
+
+
+@pytest.mark.parametrize("name", PRESENT)
+def test_creation_function_returns_plain_tensor_after_unpatch(name, tmp_path):
+    torchTensorRef.unpatch()
+    assert not torchTensorRef.is_patched()
+    assert type(_call(name, tmp_path)) is torch.Tensor
+
+
+def test_unpatch_restores_the_originals():
+    torchTensorRef.unpatch()
+    originals = {name: getattr(torch, name) for name in PRESENT}
+    torchTensorRef.patch()
+    assert torch.zeros is not originals["zeros"]
+    torchTensorRef.unpatch()
+    for name in PRESENT:
+        assert getattr(torch, name) is originals[name], name
+    assert torch.save is torch.serialization.save
+
+
+def test_patch_twice_wraps_once():
+    torchTensorRef.patch()
+    wrapper = torch.zeros
+    torchTensorRef.patch()
+    assert torch.zeros is wrapper
+    assert torchTensorRef.is_patched()
+    torchTensorRef.unpatch()
+    assert type(torch.zeros(2)) is torch.Tensor
+    assert not hasattr(torch.zeros, "__wrapped__")
+
+
+def test_unpatch_twice_is_harmless():
+    torchTensorRef.unpatch()
+    original = torch.zeros
+    torchTensorRef.unpatch()
+    assert torch.zeros is original
+    assert not torchTensorRef.is_patched()
+    assert type(torch.ones(2)) is torch.Tensor
+
+
+def test_patch_unpatch_patch():
+    torchTensorRef.unpatch()
+    torchTensorRef.patch()
+    assert torchTensorRef.is_patched()
+    assert type(torch.zeros(2)) is TensorRef
+    torchTensorRef.unpatch()
+    assert type(torch.zeros(2)) is torch.Tensor
+    torchTensorRef.patch()
+    assert type(torch.zeros(2)) is TensorRef
+
+
+def test_unpatch_leaves_alone_a_function_someone_else_replaced():
+    def theirs(*args, **kwargs):
+        return "theirs"
+
+    torchTensorRef.unpatch()
+    original = torch.zeros
+    torchTensorRef.patch()
+    torch.zeros = theirs
+    try:
+        torchTensorRef.unpatch()
+        assert torch.zeros is theirs
+    finally:
+        torch.zeros = original
+
+
+def test_disabled_gives_plain_tensors_and_nests():
+    with torchTensorRef.disabled():
+        with torchTensorRef.disabled():
+            assert type(torch.zeros(2)) is torch.Tensor
+        assert type(torch.zeros(2)) is torch.Tensor
+    assert type(torch.zeros(2)) is TensorRef
+
+
+def test_disabled_still_manages_ops_on_existing_refs():
+    x = torch.ones(3)
+    with torchTensorRef.disabled():
+        y = x + 1
+    assert type(y) is TensorRef
+    torch.testing.assert_close(y.target, torch.full((3,), 2.0))
+
+
+def test_disabled_is_per_thread():
+    inside = threading.Event()
+    checked = threading.Event()
+    seen = {}
+
+    def other_thread():
+        inside.wait()
+        seen["other"] = type(torch.zeros(2))
+        checked.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with torchTensorRef.disabled():
+        inside.set()
+        assert checked.wait(30)
+        seen["this"] = type(torch.zeros(2))
+    thread.join()
+    assert seen == {"this": torch.Tensor, "other": TensorRef}
+
+
+def test_meta_tensors_stay_plain():
+    x = torch.empty(3, device="meta")
+    assert type(x) is torch.Tensor and x.is_meta
+    y = torch.zeros(2, 2, device=torch.device("meta"))
+    assert type(y) is torch.Tensor and y.is_meta
+
+
+def test_meta_device_context_stays_plain():
+    with torch.device("meta"):
+        x = torch.zeros(3)
+        layer = torch.nn.Linear(4, 4)
+    assert type(x) is torch.Tensor and x.is_meta
+    assert type(layer.weight) is torch.nn.Parameter and layer.weight.is_meta
+    assert type(torch.zeros(3)) is TensorRef
+
+
+def test_sparse_tensors_stay_plain():
+    x = torch.zeros(2, 2, layout=torch.sparse_coo)
+    assert type(x) is torch.Tensor and x.layout == torch.sparse_coo
+
+
+def test_load_returns_tensor_refs_inside_containers(tmp_path):
+    path = tmp_path / "sd.pt"
+    with torchTensorRef.disabled():
+        plain = {"w": torch.arange(4.0), "b": [torch.ones(2), torch.zeros(1)]}
+        torch.save(plain, path)
+    loaded = torch.load(path, weights_only=True)
+    assert type(loaded["w"]) is TensorRef
+    assert all(type(t) is TensorRef for t in loaded["b"])
+    assert torch.equal(loaded["w"].target, plain["w"])
+
+
+class _CreatingDataset(torch.utils.data.Dataset):
+    """Creates tensors in ``__getitem__`` and reports what type they got."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        t = torch.full((3,), float(i))
+        return t, type(t).__name__
+
+
+def test_dataloader_workers_get_plain_tensors():
+    loader = torch.utils.data.DataLoader(_CreatingDataset(), batch_size=2, num_workers=2)
+    values, kinds = [], []
+    for batch, names in loader:
+        values.append(batch)
+        kinds.extend(names)
+    assert kinds == ["Tensor"] * 4
+    assert type(torch.zeros(1)) is TensorRef  # the main process still gets TensorRefs
+    with torchTensorRef.disabled():
+        expected = torch.arange(4.0).repeat_interleave(3).reshape(4, 3)
+    assert torch.equal(torch.cat([torch.as_tensor(v) for v in values]).target, expected)
+
+
+def test_dataloader_in_the_main_process_gets_tensor_refs():
+    loader = torch.utils.data.DataLoader(_CreatingDataset(), batch_size=2, num_workers=0)
+    kinds = [name for _batch, names in loader for name in names]
+    assert kinds == ["TensorRef"] * 4
+
+
+IMPORT_ORDERS = {
+    "torchTensorRef first": "import torchTensorRef\nimport torch\n",
+    "torch first": "import torch\nimport torchTensorRef\n",
+}
+
+
+@pytest.mark.parametrize("order", sorted(IMPORT_ORDERS))
+def test_import_order(order):
+    code = IMPORT_ORDERS[order] + (
+        "x = torch.rand(3, 3)\n"
+        "assert type(x) is torchTensorRef.TensorRef, type(x)\n"
+        "assert torchTensorRef.is_patched()\n"
+        "torchTensorRef.tensorsManager.device = 'sim'\n"
+        "y = (x @ x).sum()\n"
+        "with torchTensorRef.disabled():\n"
+        "    ref = (x.target.clone() @ x.target.clone()).sum()\n"
+        "assert torch.equal(y.target, ref)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
