@@ -29,7 +29,8 @@ class Block:
 
     __slots__ = (
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
-        "refs", "pins", "alive", "last_use", "on_ref_dead", "__weakref__",
+        "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched", "ready",
+        "__weakref__",
     )
 
     def __init__(self, nbytes: int, on_ref_dead=None):
@@ -51,6 +52,12 @@ class Block:
         self.last_use: int = -1
         #: weakref callback of the TensorRefs viewing the block (the manager's bookkeeping)
         self.on_ref_dead = on_ref_dead
+        #: created as an op's result (an activation, a gradient), not by a creation function
+        self.from_op: bool = False
+        #: brought in by a prefetch and not used since (for the hit/miss statistics)
+        self.prefetched: bool = False
+        #: accelerator event an asynchronous copy into ``dev`` records; ops wait on it
+        self.ready = None
 
     @property
     def resident(self) -> bool:

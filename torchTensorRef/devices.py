@@ -19,6 +19,9 @@ import torch
 
 from . import raw
 
+#: most host memory pinned for asynchronous copies (page-locked memory is scarce)
+PINNED_LIMIT_BYTES = 8 * 2**30
+
 ACCEPTED_DEVICES = '"cpu" (pass-through), "sim" (simulated accelerator), "cuda" or "cuda:N"'
 
 
@@ -33,9 +36,26 @@ class Backend:
         self.compute = compute
         self.declared = declared
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Return a new accelerator copy of the flat uint8 ``host`` buffer."""
+    def to_device(self, host: torch.Tensor, asynchronous: bool = False):
+        """A new accelerator copy of the flat uint8 ``host`` buffer, and its ready event.
+
+        With ``asynchronous`` the copy may still be running when this returns; the event
+        (``None`` when the copy is complete) must be waited on before an op reads it.
+        """
         raise NotImplementedError
+
+    def wait(self, event) -> None:
+        """Make the compute stream wait for ``event`` (from an asynchronous ``to_device``)."""
+
+    def release_cached(self) -> None:
+        """Return cached free accelerator memory to the device (after an out-of-memory)."""
+
+    def pinned_copy(self, host: torch.UntypedStorage) -> Optional[torch.UntypedStorage]:
+        """A page-locked copy of ``host`` for asynchronous prefetches, or ``None``."""
+        return None
+
+    def host_freed(self, host: torch.UntypedStorage) -> None:
+        """A block's host copy was dropped (to account pinned memory)."""
 
     def to_host(self, dev: torch.Tensor, host: Optional[torch.Tensor]) -> torch.Tensor:
         """Copy the flat ``dev`` buffer into ``host`` (allocated when ``None``); return it."""
@@ -76,8 +96,8 @@ class SimBackend(Backend):
         cpu = torch.device("cpu")
         super().__init__(cpu, cpu)
 
-    def to_device(self, host):
-        return host.clone()
+    def to_device(self, host, asynchronous=False):
+        return host.clone(), None
 
     def to_host(self, dev, host):
         if host is None:
@@ -91,13 +111,62 @@ class CudaBackend(Backend):
 
     name = "cuda"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pinned_limit: int = None):
         super().__init__(device, device)
+        self.pinned_limit = PINNED_LIMIT_BYTES if pinned_limit is None else pinned_limit
+        self.pinned_bytes = 0
 
-    def to_device(self, host):
+    def to_device(self, host, asynchronous=False):
         dev = raw.empty(host.numel(), dtype=raw.UINT8, device=self.compute)
-        dev.copy_(host, non_blocking=host.is_pinned())
-        return dev
+        if not (asynchronous and host.is_pinned()):
+            dev.copy_(host)  # from pageable memory a copy is synchronous anyway
+            return dev, None
+        # Copy on the side stream, after the allocation is visible to it; the memory must
+        # not be reused by the compute stream before the copy ends (record_stream).
+        side = self._side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.compute))
+        with torch.cuda.stream(side):
+            dev.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        dev.record_stream(side)
+        return dev, event
+
+    def _side_stream(self):
+        stream = getattr(self, "_stream", None)
+        if stream is None:
+            stream = self._stream = torch.cuda.Stream(self.compute)
+        return stream
+
+    def wait(self, event):
+        torch.cuda.current_stream(self.compute).wait_event(event)
+
+    def release_cached(self):
+        torch.cuda.empty_cache()
+
+    def pinned_copy(self, host):
+        if host.is_pinned() or self.pinned_bytes + host.nbytes() > self.pinned_limit:
+            return None
+        pinned = self.new_host(host.nbytes())
+        if not pinned.is_pinned():
+            return None
+        pinned.copy_(raw.flat_bytes(host))
+        return pinned.untyped_storage()
+
+    def host_freed(self, host):
+        if host.is_pinned():
+            self.pinned_bytes -= host.nbytes()
+
+    def new_host(self, nbytes):
+        # Pinned host copies let prefetches run asynchronously; bounded (see PINNED_LIMIT_BYTES).
+        if self.pinned_bytes + nbytes <= self.pinned_limit:
+            try:
+                host = raw.empty(nbytes, dtype=raw.UINT8, pin_memory=True)
+                self.pinned_bytes += nbytes
+                return host
+            except RuntimeError:
+                pass  # pinning failed (locked-memory limits): pageable memory still works
+        return raw.empty(nbytes, dtype=raw.UINT8)
 
     def to_host(self, dev, host):
         if host is None:

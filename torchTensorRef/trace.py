@@ -28,6 +28,10 @@ class Trace:
         self.moves: List[tuple] = []
         #: (time_ns, device_bytes) after each change
         self.resident: List[tuple] = []
+        #: blocks resident when recording started: {block_id: (nbytes, dirty)}
+        self.initial: dict = {}
+        #: blocks created by ops while recording (they need no copy in)
+        self.created: set = set()
         self.t0 = time.perf_counter_ns()
 
     # -- recording (called by the manager, holding its lock) -----------------------------

@@ -36,6 +36,7 @@ class Strategy:
     - ``after_op(op)``: after the op ran and its results were registered (evict, keep).
     - ``choose_victim(protect)``: the block to evict when room is needed, or ``None``.
     - ``on_release(block)``: a block died (no TensorRef views it any more).
+    - ``on_adopt(block)``: a creation function made a new block (not an op).
     - ``attach(manager)`` / ``detach()``: the strategy was installed / replaced.
 
     The default victim is the least recently used unpinned resident block.
@@ -60,6 +61,9 @@ class Strategy:
 
     def on_release(self, block) -> None:
         pass
+
+    def on_adopt(self, block) -> None:
+        """A creation function (``torch.zeros``, ``torch.load`` ...) made a new block."""
 
     def choose_victim(self, protect: Iterable[int]):
         """The resident, unpinned block not in ``protect`` (block ids) used least recently."""

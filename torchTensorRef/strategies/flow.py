@@ -1,0 +1,326 @@
+"""Flow: keep what will be used again soon, evict what will not, prefetch what comes next.
+
+Flow learns the program's access order as it runs. Training loops and ``generate()``
+repeat the same sequence of ops, so once the sequence is seen to repeat with a period of
+``T`` ops, the future is the past shifted by ``T``:
+
+- a block that outlives a period (a weight, an optimizer state) is used again at its uses
+  of the last period plus ``T``;
+- a block created during this period (an activation, a gradient) is used like its
+  *counterpart*, the block created by the same op one period earlier, plus ``T``.
+
+Eviction picks the block whose predicted next use is farthest away (Belady's rule), blocks
+predicted dead first. Before the period is known (the first pass) or when the sequence
+stops repeating (data-dependent control flow), predictions fall back to recency (LRU),
+which is always correct, only slower.
+
+After each op Flow looks a few ops ahead and prefetches their blocks into free memory, so
+copies overlap compute on a GPU.
+
+Two ops one period apart match when they are the same aten op on blocks with the same
+*roles*: the same long-lived block, or blocks created the same number of ops earlier by
+the same output slot. Shapes are left out so that ``generate()``, whose activations grow
+every step, still repeats. Candidate periods come from the distances between earlier ops
+with the same op and long-lived (not op-created) inputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from typing import Dict, List, Optional, Tuple
+
+from .base import Strategy
+
+#: priority of blocks with no prediction: evicted after the predicted-dead, LRU among them
+_UNKNOWN = 1 << 60
+_DEAD = 1 << 62
+
+
+class Flow(Strategy):
+    """Budgeted, reuse-aware, prefetching paging policy (the default).
+
+    Args:
+        lookahead: how many upcoming ops to prefetch for.
+        min_period: shortest op sequence accepted as a repeating period.
+        max_history: ops of history kept to find the period (longer loops fall back to LRU).
+        prefetch_evicts: let a prefetch evict clean blocks needed later than the prefetched
+            one. Off by default: prefetching into free memory only never adds traffic
+            (measured in ``benchmarks/flow_vs_reference.py``), while evicting for a
+            prefetch can force a block out that would have stayed had we waited for
+            memory to free up. On a GPU, where a stall costs more than a copy, try it on.
+    """
+
+    name = "flow"
+
+    def __init__(self, lookahead: int = 6, min_period: int = 4, max_history: int = 200_000,
+                 prefetch_evicts: bool = False):
+        super().__init__()
+        if lookahead < 0 or min_period < 1 or max_history < 2 * min_period:
+            raise ValueError(
+                "Flow needs lookahead >= 0, min_period >= 1 and max_history >= 2 * min_period "
+                f"(got: lookahead={lookahead}, min_period={min_period}, max_history={max_history})"
+            )
+        self.lookahead = lookahead
+        self.prefetch_evicts = prefetch_evicts
+        self.min_period = min_period
+        self.max_history = max_history
+        self._reset()
+
+    def _reset(self) -> None:
+        self.period: Optional[int] = None
+        self._func: Dict[int, object] = {}            # op index -> aten op
+        self._sig_positions: Dict[tuple, List[int]] = {}
+        self._op_blocks: Dict[int, Tuple[int, ...]] = {}  # op index -> ids of blocks it read
+        self._created: Dict[int, Tuple[int, ...]] = {}   # op index -> ids of blocks it created
+        self._adopted: Dict[int, List[int]] = {}         # op index -> ids created just before it
+        # block id -> (op index, slot): slot j >= 0 is the op's j-th result; -k-1 is the k-th
+        # tensor created by a creation function just before that op
+        self._birth: Dict[int, Tuple[int, int]] = {}
+        self._uses: Dict[int, List[int]] = {}             # block id -> op indices using it
+        self._heap: List[Tuple[int, int, int]] = []       # (-priority, stamp, block id)
+        self._stamp: Dict[int, int] = {}                  # block id -> stamp of its live entry
+        self._counter = 0
+        self._now = -1
+        self._pruned_at = 0
+
+    def attach(self, manager) -> None:
+        super().attach(manager)
+        self._reset()
+
+    # -- learning the sequence -------------------------------------------------------------
+
+    def on_adopt(self, block) -> None:
+        n = self.manager._op_count
+        adopted = self._adopted.setdefault(n, [])
+        self._birth[block.id] = (n, -len(adopted) - 1)
+        adopted.append(block.id)
+
+    def before_op(self, op) -> None:
+        n = op.index
+        self._now = n
+        func = op.spec.func
+        self._func[n] = func
+        ids = tuple(b.id for b in op.blocks)
+        self._op_blocks[n] = ids
+        sig = (func, tuple(b.id for b in op.blocks if not b.from_op))
+        uses = self._uses
+        for i in ids:
+            lst = uses.get(i)
+            if lst is None:
+                uses[i] = [n]
+            else:
+                lst.append(n)
+        self._track_period(n, sig)
+        if n - self._pruned_at >= max(self.period or 0, 4096):
+            self._prune(n)
+
+    def _track_period(self, n: int, sig: tuple) -> None:
+        positions = self._sig_positions.setdefault(sig, [])
+        period = self.period
+        if period is not None and not self._same(n, period):
+            self.period = None  # the sequence changed: back to recency until it repeats
+            self._rebuild_heap()
+        if self.period is None:
+            for q in positions[-64:]:  # oldest first: the longest period that repeats
+                t = n - q
+                if t >= self.min_period and self._repeats(n, t):
+                    self.period = t
+                    self._rebuild_heap()
+                    break
+        positions.append(n)
+
+    def _role(self, block_id: int, m: int, period: int):
+        birth = self._birth.get(block_id)
+        if birth is None or birth[0] <= m - period:
+            return block_id  # long-lived: the very same block
+        return (m - birth[0], birth[1])  # created this many ops earlier, by this slot
+
+    def _same(self, n: int, t: int) -> bool:
+        """Whether op ``n`` repeats op ``n - t``: same aten op, same block roles."""
+        m = n - t
+        if self._func.get(m) is not self._func.get(n):
+            return False
+        a, b = self._op_blocks.get(n), self._op_blocks.get(m)
+        if a is None or b is None or len(a) != len(b):
+            return False
+        role = self._role
+        return all(role(x, n, t) == role(y, m, t) for x, y in zip(a, b))
+
+    def _repeats(self, n: int, t: int, window: int = 256) -> bool:
+        return all(self._same(n - i, t) for i in range(0, min(window, t, n - t + 1)))
+
+    def _prune(self, n: int) -> None:
+        keep_from = n - max(2 * (self.period or 0) + self.lookahead + 8, 64)
+        if self.period is None:
+            keep_from = n - self.max_history
+        for table in (self._func, self._op_blocks, self._created, self._adopted):
+            for k in [k for k in table if k < keep_from]:
+                del table[k]
+        for sig, pos in list(self._sig_positions.items()):
+            cut = bisect_right(pos, keep_from)
+            if cut == len(pos):
+                del self._sig_positions[sig]
+            elif cut:
+                del pos[:cut]
+        alive = self.manager._blocks
+        for bid, lst in list(self._uses.items()):
+            if lst[-1] < keep_from and bid not in alive:
+                del self._uses[bid]
+                self._birth.pop(bid, None)
+        self._pruned_at = n
+
+    # -- predicting ----------------------------------------------------------------------
+
+    def _counterpart(self, block_id: int, n: int, period: int) -> Optional[int]:
+        """The id of the block that played ``block_id``'s role one period ago."""
+        birth = self._birth.get(block_id)
+        if birth is None or birth[0] <= n - period:
+            return block_id  # it outlived a period: its own history is its pattern
+        return self._born_at(birth[0] - period, birth[1])
+
+    def _born_at(self, index: int, slot: int) -> Optional[int]:
+        """The id of the block born at op ``index`` in ``slot``, if known."""
+        if slot >= 0:
+            created = self._created.get(index)
+            return created[slot] if created is not None and slot < len(created) else None
+        adopted = self._adopted.get(index)
+        k = -slot - 1
+        return adopted[k] if adopted is not None and k < len(adopted) else None
+
+    def next_use(self, block_id: int, n: int) -> Optional[int]:
+        """Predicted op index of the next use of ``block_id`` after op ``n``; ``None`` if unknown.
+
+        Returns ``_DEAD`` when it was not used again within a whole period.
+        """
+        period = self.period
+        if period is None:
+            return None
+        cp = self._counterpart(block_id, n, period)
+        if cp is None:
+            return None
+        uses = self._uses.get(cp)
+        if not uses:
+            return None
+        i = bisect_right(uses, n - period)
+        if i < len(uses) and uses[i] <= n:
+            return uses[i] + period
+        return _DEAD
+
+    def _priority(self, block, n: int) -> int:
+        nxt = self.next_use(block.id, n)
+        if nxt is None:
+            return _UNKNOWN - block.last_use  # recency: least recently used first
+        if nxt == _DEAD and block.host_valid:
+            return _DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
+        return nxt
+
+    def _push(self, block, n: int) -> None:
+        self._counter += 1
+        self._stamp[block.id] = self._counter
+        heapq.heappush(self._heap, (-self._priority(block, n), self._counter, block.id))
+
+    def _rebuild_heap(self) -> None:
+        if self.manager is None:
+            return
+        self._heap = []
+        self._stamp = {}
+        for block in self.manager.resident_blocks():
+            self._push(block, self._now)
+
+    # -- decisions -----------------------------------------------------------------------
+
+    def after_op(self, op) -> None:
+        n = op.index
+        if op.outputs:
+            ids = tuple(b.id for b in op.outputs)
+            self._created[n] = ids
+            birth = self._birth
+            uses = self._uses
+            for j, i in enumerate(ids):
+                birth[i] = (n, j)
+                uses.setdefault(i, []).append(n)
+        mgr = self.manager
+        if mgr._limit is None:
+            return  # nothing is ever evicted: no need to rank blocks
+        for b in op.blocks:
+            if b.dev is not None:
+                self._push(b, n)
+        for b in op.outputs:
+            if b.dev is not None:
+                self._push(b, n)
+        if self.period is not None and self.lookahead:
+            self._prefetch(n)
+
+    def _upcoming(self, n: int):
+        """(op index, block) pairs the next ``lookahead`` ops will read, by prediction."""
+        period = self.period
+        blocks = self.manager._blocks
+        for m in range(n + 1, n + 1 + self.lookahead):
+            past = self._op_blocks.get(m - period)
+            if past is None:
+                return
+            for h in past:
+                birth = self._birth.get(h)
+                if birth is None or birth[0] <= m - 2 * period:
+                    current = h  # long-lived: the same block again
+                else:
+                    current = self._born_at(birth[0] + period, birth[1])
+                    if current is None:
+                        continue  # will be created by an op still to come
+                block = blocks.get(current)
+                if block is not None:
+                    yield m, block
+
+    def _prefetch(self, n: int) -> None:
+        mgr = self.manager
+        limit = mgr._limit
+        for m, block in self._upcoming(n):
+            if block.dev is not None:
+                continue
+            # Make room only from clean blocks predicted to be needed after op m: evicting
+            # them is free, while a dirty one might still die (be freed) before it is needed.
+            while mgr._device_bytes + block.nbytes > limit:
+                if not self.prefetch_evicts:
+                    return
+                victim = self._pop_victim((), worse_than=m, clean_only=True)
+                if victim is None:
+                    return
+                mgr.evict(victim)
+            mgr.prefetch(block)
+            block.last_use = n
+            self._push(block, n)
+
+    def _pop_victim(self, protect, worse_than: Optional[int] = None, clean_only: bool = False):
+        heap = self._heap
+        stamp = self._stamp
+        resident = self.manager._resident
+        skipped = []
+        found = None
+        while heap:
+            neg, s, bid = heap[0]
+            block = resident.get(bid)
+            if block is None or stamp.get(bid) != s:
+                heapq.heappop(heap)  # stale entry
+                continue
+            if worse_than is not None and -neg <= worse_than:
+                break  # everything left is needed sooner
+            heapq.heappop(heap)
+            if block.pins or bid in protect or (clean_only and not block.host_valid):
+                skipped.append((neg, s, bid))
+                continue
+            found = block
+            stamp.pop(bid, None)
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def choose_victim(self, protect):
+        victim = self._pop_victim(protect)
+        if victim is None:
+            return super().choose_victim(protect)  # blocks Flow never ranked (toGPU, pins)
+        return victim
+
+    def on_release(self, block) -> None:
+        self._stamp.pop(block.id, None)
