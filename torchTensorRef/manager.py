@@ -529,15 +529,17 @@ class TensorsManager:
         """Point ``ref`` at ``new``'s block (after ``ref.data = new``)."""
         with self._lock:
             old = ref._tr_block
+            block = new._tr_block
+            # Count the new view first: ``p.data = p`` (Module.to on a tied parameter that
+            # already has the dtype) rebinds a block to itself and must not release it.
+            block.refs += 1
             ref._tr_wr = None  # the old liveness weakref goes, and its callback with it
             old.refs -= 1
             if old.refs == 0 and old.alive:
                 self._release(old)
-            block = new._tr_block
             ref._tr_block = block
             ref._tr_view = compute_view(new)
             ref._tr_gen = block.gen
-            block.refs += 1
             import weakref
 
             ref._tr_wr = weakref.ref(ref, block.on_ref_dead)

@@ -70,6 +70,10 @@ def _adopt(obj):
         return [_adopt(v) for v in obj]
     if isinstance(obj, tuple) and type(obj) is tuple:
         return tuple(_adopt(v) for v in obj)
+    if isinstance(obj, torch.nn.Module):
+        from .manage import manage
+
+        return manage(obj)  # ``torch.load`` of a pickled module: its parameters and buffers
     return obj
 
 

@@ -5,7 +5,9 @@ be exceeded while it runs. The size is found by running the op on ``meta`` tenso
 data, no computation) and cached by the shapes and dtypes of the arguments, so a training
 loop pays this once per distinct op call. Ops whose result size depends on the data
 (``nonzero``, ``unique``) cannot run on meta: they estimate 0 and the manager makes room
-after the op instead (see ``TensorsManager._finish``).
+after the op instead (see ``TensorsManager._finish``). A few CPU ops return a workspace
+whose size the backend library decides when it runs, and their meta kernels report it
+empty: those are measured once per shapes by running them on zeros in host memory.
 """
 
 from __future__ import annotations
@@ -38,6 +40,18 @@ def _to_meta(value):
     return value
 
 
+#: CPU-only ops whose meta kernel returns an empty workspace (oneDNN sizes it at run time)
+_PROBED = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
+
+
+def _to_host_zeros(value):
+    if isinstance(value, torch.Tensor):
+        return raw.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="cpu").zero_()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host_zeros(v) for v in value)
+    return value
+
+
 def _new_bytes(out, spec: OpSpec) -> int:
     if isinstance(out, torch.Tensor):
         return out.untyped_storage().nbytes() if out.layout == torch.strided else 0
@@ -59,9 +73,12 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
         hit = _cache.get(key)
         if hit is not None:
             return hit
-    meta_kwargs = {k: (_META if k == "device" else _to_meta(v)) for k, v in kwargs.items()}
     try:
-        out = spec.func(*_to_meta(args), **meta_kwargs)
+        if spec.func in _PROBED:
+            out = spec.func(*_to_host_zeros(args), **{k: _to_host_zeros(v) for k, v in kwargs.items()})
+        else:
+            meta_kwargs = {k: (_META if k == "device" else _to_meta(v)) for k, v in kwargs.items()}
+            out = spec.func(*_to_meta(args), **meta_kwargs)
         size = _new_bytes(out, spec)
     except Exception:  # no meta kernel, or a data-dependent size
         size = 0

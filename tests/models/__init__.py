@@ -1,0 +1,1 @@
+"""Real clients: unmodified models run under torchTensorRef, checked against plain torch."""

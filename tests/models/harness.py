@@ -1,0 +1,290 @@
+"""Run a model managed and plain from the same seed, and compare everything its user sees.
+
+A :class:`Case` says how to build a model and its inputs from the current RNG state and
+how to run it. :func:`build_pair` builds the plain reference inside
+``torchTensorRef.disabled()`` and the managed model from the same seed, under a budget of
+``BUDGET_FRACTION`` of the model's parameter bytes. The ``check_*`` functions then do what
+the model's user would do to both (train a step, generate, save and reload) and compare
+every result; each asserts that the manager's peak stayed within the budget.
+
+Comparisons are bit-exact by default: the managed model runs the same CPU kernels on the
+same values, with the same strides and in the same order as plain torch, and plain torch is
+deterministic on CPU, so any difference is a bug. A case that cannot be bit-exact says why
+in its ``tolerance``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+import torchTensorRef
+from torchTensorRef import TensorRef, tensorsManager
+
+#: the budget is this fraction of the model's parameter bytes: weights must be paged
+BUDGET_FRACTION = 0.3
+#: seeds of the model's weights, of its inputs, and of the RNG its forward uses (dropout)
+MODEL_SEED, INPUT_SEED, FORWARD_SEED = 0, 1, 2
+
+Inputs = Dict[str, torch.Tensor]
+
+
+@dataclass
+class Case:
+    """One model as its user writes it.
+
+    Attributes:
+        name: test id.
+        build: builds the model from the current RNG state (no download).
+        inputs: the forward's keyword arguments, drawn from the current RNG state.
+        forward: ``(model, inputs) -> (logits, loss)``.
+        generate: ``(model, inputs) -> tokens`` for generative models.
+        tolerance: ``None`` for bit-exact comparisons, else ``assert_close`` keyword
+            arguments (and a comment saying why exactness is out of reach).
+    """
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    inputs: Callable[[], Inputs]
+    forward: Callable[[torch.nn.Module, Inputs], Tuple[torch.Tensor, torch.Tensor]]
+    generate: Optional[Callable[[torch.nn.Module, Inputs], torch.Tensor]] = None
+    tolerance: Optional[dict] = field(default=None)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def hf_forward(model, inputs: Inputs):
+    """A Hugging Face model called with labels: its logits and loss."""
+    out = model(**inputs)
+    return out.logits, out.loss
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's distinct parameters (tied ones once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@dataclass
+class Pair:
+    """A managed model and its plain twin, built from the same seed."""
+
+    case: Case
+    managed: torch.nn.Module
+    plain: torch.nn.Module
+    budget: int
+
+    def check_peak(self, when: str) -> None:
+        peak = tensorsManager.stats()["peak_device_bytes"]
+        assert peak <= self.budget, f"{when}: peak device bytes {peak} exceed the budget {self.budget}"
+
+    def compare(self, managed, plain, what: str) -> None:
+        compare(managed, plain, what, self.case.tolerance)
+
+
+def compare(managed, plain, what: str, tolerance: Optional[dict] = None) -> None:
+    """Assert that managed tensor ``managed`` holds plain tensor ``plain``'s values."""
+    assert isinstance(managed, TensorRef), f"{what}: managed result is a {type(managed).__name__}, not a TensorRef"
+    assert not isinstance(plain, TensorRef), f"{what}: the plain reference is managed"
+    actual = managed.target
+    assert actual.dtype == plain.dtype, f"{what}: dtype {actual.dtype} != {plain.dtype}"
+    assert actual.shape == plain.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(plain.shape)}"
+    if tolerance is None:
+        if not torch.equal(actual, plain):
+            diff = (actual.double() - plain.double()).abs().max().item() if actual.is_floating_point() else "n/a"
+            raise AssertionError(f"{what}: not bit-identical to plain torch (max abs diff {diff})")
+    else:
+        torch.testing.assert_close(actual, plain, msg=lambda m: f"{what}: {m}", **tolerance)
+
+
+def compare_state(pair: Pair, what: str) -> None:
+    """Every parameter and buffer (BatchNorm running statistics included)."""
+    managed = pair.managed.state_dict(keep_vars=True)
+    with torchTensorRef.disabled():
+        plain = pair.plain.state_dict(keep_vars=True)
+    assert list(managed) == list(plain)
+    for name, value in managed.items():
+        pair.compare(value, plain[name], f"{what}: {name}")
+
+
+def compare_grads(pair: Pair) -> None:
+    """Every parameter's gradient, including which ones have none."""
+    plain = dict(pair.plain.named_parameters())
+    for name, p in pair.managed.named_parameters():
+        q = plain[name]
+        assert (p.grad is None) == (q.grad is None), f"grad of {name}: managed {p.grad is None}, plain {q.grad is None}"
+        if p.grad is not None:
+            pair.compare(p.grad, q.grad, f"grad of {name}")
+
+
+def inputs_pair(case: Case, seed: int = INPUT_SEED) -> Tuple[Inputs, Inputs]:
+    """The case's inputs made by patched torch (TensorRefs) and by plain torch, same seed."""
+    torch.manual_seed(seed)
+    managed = case.inputs()
+    with torchTensorRef.disabled():
+        torch.manual_seed(seed)
+        plain = case.inputs()
+    for name, value in managed.items():
+        compare(value, plain[name], f"input {name}")
+    return managed, plain
+
+
+def build_pair(case: Case, convert: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m) -> Pair:
+    """Build the plain model, set the budget from its size, then build the managed one.
+
+    ``convert`` is applied to both right after building (``.to(bfloat16)``, enabling
+    gradient checkpointing, ...), as the user would.
+    """
+    with torchTensorRef.disabled():
+        torch.manual_seed(MODEL_SEED)
+        plain = convert(case.build())
+    budget = int(BUDGET_FRACTION * param_bytes(plain))
+    tensorsManager.budget = budget
+    tensorsManager.reset_stats()
+    torch.manual_seed(MODEL_SEED)
+    managed = convert(case.build())
+    pair = Pair(case, managed, plain, budget)
+    compare_state(pair, "after construction")
+    pair.check_peak("construction")
+    return pair
+
+
+def _run(pair: Pair, managed_inputs, plain_inputs, autocast):
+    ctx = autocast or contextlib.nullcontext
+    torch.manual_seed(FORWARD_SEED)
+    with ctx():
+        logits_m, loss_m = pair.case.forward(pair.managed, managed_inputs)
+    with torchTensorRef.disabled():
+        torch.manual_seed(FORWARD_SEED)
+        with ctx():
+            logits_p, loss_p = pair.case.forward(pair.plain, plain_inputs)
+    pair.compare(logits_m, logits_p, "logits")
+    pair.compare(loss_m, loss_p, "loss")
+    return loss_m, loss_p
+
+
+def check_training(pair: Pair, autocast: Optional[Callable] = None) -> None:
+    """Forward (logits, loss), backward (every gradient), an AdamW step (every parameter
+    and buffer), then a second forward with the updated weights.
+
+    ``autocast`` is a factory of the context the forwards run in (mixed precision).
+    """
+    managed_inputs, plain_inputs = inputs_pair(pair.case)
+    pair.managed.train()
+    pair.plain.train()
+    loss_m, loss_p = _run(pair, managed_inputs, plain_inputs, autocast)
+    pair.check_peak("forward")
+
+    loss_m.backward()
+    with torchTensorRef.disabled():
+        loss_p.backward()
+    compare_grads(pair)
+    pair.check_peak("backward")
+
+    opt_m = torch.optim.AdamW(pair.managed.parameters(), lr=1e-2)
+    with torchTensorRef.disabled():
+        opt_p = torch.optim.AdamW(pair.plain.parameters(), lr=1e-2)
+    opt_m.step()
+    opt_m.zero_grad()
+    with torchTensorRef.disabled():
+        opt_p.step()
+        opt_p.zero_grad()
+    compare_state(pair, "after an AdamW step")
+    pair.check_peak("optimizer step")
+
+    # The step's in-place writes must be what the next forward reads.
+    _run(pair, managed_inputs, plain_inputs, autocast)
+    pair.check_peak("second forward")
+
+
+def check_generate(pair: Pair) -> None:
+    """Greedy ``generate()`` gives the same tokens."""
+    assert pair.case.generate is not None
+    managed_inputs, plain_inputs = inputs_pair(pair.case)
+    pair.managed.eval()
+    tokens_m = pair.case.generate(pair.managed, managed_inputs)
+    with torchTensorRef.disabled():
+        pair.plain.eval()
+        tokens_p = pair.case.generate(pair.plain, plain_inputs)
+    compare(tokens_m, tokens_p, "generated tokens")
+    pair.check_peak("generate")
+
+
+def eval_logits(case: Case, model, inputs: Inputs):
+    model.eval()
+    with torch.no_grad():
+        return case.forward(model, inputs)[0]
+
+
+def check_save_pretrained(pair: Pair, folder) -> None:
+    """``save_pretrained`` writes the same files as plain torch; ``from_pretrained`` gives a
+    managed model with the same logits."""
+    managed_dir, plain_dir = folder / "managed", folder / "plain"
+    pair.managed.save_pretrained(managed_dir)
+    with torchTensorRef.disabled():
+        pair.plain.save_pretrained(plain_dir)
+    weights = sorted(p.name for p in plain_dir.glob("*.safetensors"))
+    assert weights and weights == sorted(p.name for p in managed_dir.glob("*.safetensors"))
+    for name in weights:
+        assert (managed_dir / name).read_bytes() == (plain_dir / name).read_bytes(), f"{name} differs"
+    pair.check_peak("save_pretrained")
+
+    reloaded = type(pair.managed).from_pretrained(managed_dir)
+    for name, value in reloaded.state_dict().items():
+        assert isinstance(value, TensorRef), f"reloaded {name} is a {type(value).__name__}, not a TensorRef"
+    pair.check_peak("from_pretrained")
+    managed_inputs, plain_inputs = inputs_pair(pair.case)
+    logits = eval_logits(pair.case, reloaded, managed_inputs)
+    with torchTensorRef.disabled():
+        expected = eval_logits(pair.case, pair.plain, plain_inputs)
+    pair.compare(logits, expected, "logits of the reloaded model")
+    pair.check_peak("reloaded forward")
+
+
+def check_state_dict_roundtrip(pair: Pair, folder) -> None:
+    """``torch.save(model.state_dict())`` then ``load_state_dict(torch.load(...))`` into a
+    fresh model: same state, same outputs; the file holds plain tensors."""
+    path = folder / "model.pt"
+    torch.save(pair.managed.state_dict(), path)
+    with torchTensorRef.disabled():
+        saved = torch.load(path, weights_only=True)
+        expected = pair.plain.state_dict()
+        assert list(saved) == list(expected)
+        for name, value in saved.items():
+            assert type(value) is torch.Tensor, f"saved {name} is a {type(value).__name__}"
+            assert torch.equal(value, expected[name]), f"saved {name} differs"
+
+    torch.manual_seed(MODEL_SEED + 1)  # other weights, so that loading has to overwrite them
+    fresh = pair.case.build()
+    fresh.load_state_dict(torch.load(path, weights_only=True))
+    reloaded = Pair(pair.case, fresh, pair.plain, pair.budget)
+    compare_state(reloaded, "after load_state_dict")
+    managed_inputs, plain_inputs = inputs_pair(pair.case)
+    logits = eval_logits(pair.case, fresh, managed_inputs)
+    with torchTensorRef.disabled():
+        expected_logits = eval_logits(pair.case, pair.plain, plain_inputs)
+    pair.compare(logits, expected_logits, "outputs of the reloaded model")
+    pair.check_peak("state dict round trip")
+
+
+
+def check_pickled_module_roundtrip(pair: Pair, folder) -> None:
+    """``torch.save(model)`` then ``torch.load(..., weights_only=False)``: a managed model
+    (tied parameters still shared) with the same state and outputs."""
+    path = folder / "model.pkl"
+    torch.save(pair.managed, path)
+    loaded = torch.load(path, weights_only=False)
+    for name, value in loaded.state_dict(keep_vars=True).items():
+        assert isinstance(value, TensorRef), f"loaded {name} is a {type(value).__name__}, not a TensorRef"
+    assert len(list(loaded.parameters())) == len(list(pair.managed.parameters())), "tied parameters came apart"
+    reloaded = Pair(pair.case, loaded, pair.plain, pair.budget)
+    compare_state(reloaded, "after torch.load")
+    managed_inputs, plain_inputs = inputs_pair(pair.case)
+    logits = eval_logits(pair.case, loaded, managed_inputs)
+    with torchTensorRef.disabled():
+        expected = eval_logits(pair.case, pair.plain, plain_inputs)
+    pair.compare(logits, expected, "outputs of the loaded model")
+    pair.check_peak("pickled module round trip")

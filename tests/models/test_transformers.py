@@ -1,0 +1,166 @@
+"""Hugging Face ``transformers`` models, unmodified, under every strategy and a tight budget.
+
+Each model is built from a small config with random weights (no download). Configs have
+several thin layers so that the budget (30% of the parameter bytes) forces weights out
+while every single op, optimizer updates included, still fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from . import harness  # noqa: E402
+from .harness import Case, hf_forward  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+VOCAB = 128
+BATCH, SEQ = 2, 8
+#: special tokens inside the small vocabulary (the defaults of some configs are not)
+SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _causal_inputs():
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ))
+    return dict(input_ids=ids, attention_mask=torch.ones(BATCH, SEQ, dtype=torch.long), labels=ids)
+
+
+def _generate(model, inputs):
+    kwargs = {k: v for k, v in inputs.items() if k != "labels"}
+    return model.generate(**kwargs, max_new_tokens=6, do_sample=False)
+
+
+def gpt2_config():
+    return transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=2, **SPECIAL)
+
+
+def llama_config():
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **SPECIAL)
+
+
+def mistral_config():
+    # A sliding window shorter than prompt + generated tokens, so the window is exercised.
+    return transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=6,
+        **SPECIAL)
+
+
+def bert_config():
+    return transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+        num_attention_heads=2, max_position_embeddings=32, pad_token_id=0)
+
+
+def t5_config():
+    return transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3,
+        num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1)
+
+
+def vit_config():
+    return transformers.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=2, num_labels=5)
+
+
+def whisper_config():
+    return transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=3, decoder_layers=3,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_source_positions=8, max_target_positions=32, decoder_start_token_id=1,
+        suppress_tokens=None, begin_suppress_tokens=None, **SPECIAL)
+
+
+def _bert_inputs():
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ))
+    labels = ids.masked_fill(torch.rand(BATCH, SEQ) < 0.5, -100)  # loss on about half the tokens
+    return dict(input_ids=ids, token_type_ids=torch.zeros_like(ids), labels=labels)
+
+
+def _t5_inputs():
+    return dict(input_ids=torch.randint(3, VOCAB, (BATCH, SEQ)), labels=torch.randint(3, VOCAB, (BATCH, 6)))
+
+
+def _vit_inputs():
+    return dict(pixel_values=torch.randn(BATCH, 3, 16, 16), labels=torch.randint(0, 5, (BATCH,)))
+
+
+def _whisper_inputs():
+    # input_features: (batch, num_mel_bins, 2 * max_source_positions)
+    return dict(input_features=torch.randn(BATCH, 8, 16), labels=torch.randint(3, VOCAB, (BATCH, 6)))
+
+
+def _auto(auto_class, config_fn):
+    return lambda: getattr(transformers, auto_class).from_config(config_fn())
+
+
+CASES = {
+    "gpt2": Case("gpt2", _auto("AutoModelForCausalLM", gpt2_config), _causal_inputs, hf_forward, _generate),
+    "llama": Case("llama", _auto("AutoModelForCausalLM", llama_config), _causal_inputs, hf_forward, _generate),
+    "mistral": Case("mistral", _auto("AutoModelForCausalLM", mistral_config), _causal_inputs, hf_forward, _generate),
+    "bert": Case("bert", _auto("AutoModelForMaskedLM", bert_config), _bert_inputs, hf_forward),
+    "t5": Case("t5", _auto("AutoModelForSeq2SeqLM", t5_config), _t5_inputs, hf_forward, _generate),
+    "vit": Case("vit", _auto("AutoModelForImageClassification", vit_config), _vit_inputs, hf_forward),
+    "whisper": Case("whisper", _auto("AutoModelForSpeechSeq2Seq", whisper_config), _whisper_inputs, hf_forward,
+                    _generate),
+}
+GENERATIVE = [name for name, case in CASES.items() if case.generate is not None]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_step(name, strategy):
+    harness.check_training(harness.build_pair(CASES[name]))
+
+
+@pytest.mark.parametrize("name", GENERATIVE)
+def test_generate_greedy(name, strategy):
+    harness.check_generate(harness.build_pair(CASES[name]))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_save_and_from_pretrained(name, strategy, tmp_path):
+    harness.check_save_pretrained(harness.build_pair(CASES[name]), tmp_path)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_autocast_bfloat16(name, strategy):
+    pair = harness.build_pair(CASES[name])
+    harness.check_training(pair, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+
+
+def test_bfloat16_weights_by_to(strategy):
+    # GPT-2 ties lm_head to wte: Module.to visits the tied parameter twice.
+    pair = harness.build_pair(CASES["gpt2"], convert=lambda m: m.to(torch.bfloat16))
+    assert all(p.dtype == torch.bfloat16 for p in pair.managed.parameters())
+    harness.check_training(pair)
+
+
+def test_bfloat16_weights_from_config(strategy):
+    case = dataclasses.replace(
+        CASES["llama"],
+        build=lambda: transformers.AutoModelForCausalLM.from_config(llama_config(), dtype=torch.bfloat16))
+    pair = harness.build_pair(case)
+    assert all(p.dtype == torch.bfloat16 for p in pair.managed.parameters())
+    harness.check_training(pair)
+    harness.check_generate(pair)
+
+
+@pytest.mark.parametrize("name, reentrant", [("gpt2", True), ("llama", False)])
+def test_gradient_checkpointing(name, reentrant, strategy):
+    def enable(model):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return model
+
+    pair = harness.build_pair(CASES[name], convert=enable)
+    assert pair.managed.is_gradient_checkpointing
+    harness.check_training(pair)
