@@ -1,0 +1,58 @@
+"""Smoke tests of ``python -m torchTensorRef demo`` (tiny settings) and its comparison."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import torch
+
+import torchTensorRef
+from torchTensorRef import demo, strategies
+
+
+def _demo(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "torchTensorRef", "demo", "--device", "sim", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_quick_demo_matches_plain_and_writes_its_files(tmp_path):
+    out = tmp_path / "demo-out"
+    done = _demo("--quick", "--layers", "1", "--tokens", "3", "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.strip()}
+    for name in strategies.NAMES:
+        assert rows[name][1:3] == ["identical", "identical"], done.stdout
+        with open(out / f"trace-{name}.json") as f:
+            events = json.load(f)["traceEvents"]
+        assert any(e.get("cat") == "op" for e in events)
+    assert "4/4 steps" in done.stderr  # the progress bar: the forward pass and 3 tokens
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert 'pip install "torchTensorRef[plot]"' in done.stdout
+        assert not (out / "memory.png").exists()
+
+
+def test_demo_budget_too_small_says_what_to_do(tmp_path):
+    done = _demo("--quick", "--layers", "1", "--tokens", "1", "--budget", "1KiB",
+                 "--out", str(tmp_path), cwd=tmp_path)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "error: op aten." in done.stderr and "budget is 1.0 KiB" in done.stderr
+    assert "try --budget" in done.stderr
+
+
+def test_compare():
+    with torchTensorRef.disabled():
+        a = torch.tensor([1.0, 2.0, 3.0])
+        b = torch.tensor([1.0, 2.5, 3.0])
+        assert demo._compare(a, a.clone()) == "identical"
+        assert demo._compare(b, a) == "max diff 5.0e-01"
+        assert demo._compare(torch.tensor([1, 2]), torch.tensor([1, 3])) == "1 differ"
+        assert demo._compare(a[:2], a) == "shape (2,)"
+    managed = torch.tensor([1.0, 2.0, 3.0])
+    assert type(managed) is torchTensorRef.TensorRef
+    assert demo._compare(managed, a) == "identical"

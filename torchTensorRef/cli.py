@@ -1,0 +1,178 @@
+"""The command line: ``python -m torchTensorRef run script.py`` and ``python -m torchTensorRef demo``.
+
+``run`` executes an unmodified script the way ``python -m cProfile`` does: the script sees
+the ``sys.argv``, ``sys.path[0]`` and ``__name__`` it would see under plain ``python``, its
+exceptions are shown with its own traceback and the process exits with its exit code. The
+difference is that torch is patched and the manager configured before the script's first
+line, so every tensor it creates is a TensorRef.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import importlib.machinery
+import io
+import os
+import signal
+import sys
+import time
+import types
+from typing import List, Optional
+
+import torch
+
+from . import strategies
+from .devices import ACCEPTED_DEVICES
+from .manager import tensorsManager
+from .sizes import ACCEPTED as ACCEPTED_SIZES, format_size
+
+
+def default_device() -> str:
+    """``TORCHTENSORREF_DEVICE`` if set, else ``"cuda"`` where there is a GPU, else ``"sim"``."""
+    env = os.environ.get("TORCHTENSORREF_DEVICE")
+    if env:
+        return env
+    return "cuda" if torch.cuda.is_available() else "sim"
+
+
+def add_manager_options(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--strategy`` and ``--budget``, shared by ``run`` and ``demo``."""
+    names = ", ".join(strategies.NAMES)
+    parser.add_argument("--device", metavar="D", default=None,
+                        help=f"{ACCEPTED_DEVICES}; default: TORCHTENSORREF_DEVICE, else cuda when "
+                             f"available, else sim")
+    parser.add_argument("--strategy", metavar="S", default=None,
+                        help=f"one of: {names}; default: TORCHTENSORREF_STRATEGY, else "
+                             f"{tensorsManager.strategy.name}")
+    parser.add_argument("--budget", metavar="B", default=None,
+                        help=f"accelerator bytes to use: {ACCEPTED_SIZES}; default: "
+                             f"TORCHTENSORREF_BUDGET, else the free memory (unlimited on sim)")
+
+
+def configure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Apply ``--device/--strategy/--budget``; a bad value is a usage error (exit code 2)."""
+    settings = [("device", args.device if args.device is not None else default_device()),
+                ("strategy", args.strategy), ("budget", args.budget)]
+    for name, value in settings:
+        if value is None:
+            continue
+        try:
+            setattr(tensorsManager, name, value)
+        except ValueError as e:
+            parser.error(f"--{name}: {e}")
+
+
+def summary(elapsed: float) -> str:
+    """A few lines on what the manager did: bytes moved, peak vs budget, evictions, time."""
+    s = tensorsManager.stats()
+    return (
+        f"torchTensorRef: device {s['device']}, strategy {s['strategy']}, "
+        f"budget {format_size(s['budget'])}\n"
+        f"  moved {format_size(s['bytes_to_device'])} to the accelerator and "
+        f"{format_size(s['bytes_to_host'])} back; peak {format_size(s['peak_device_bytes'])} "
+        f"resident of {format_size(s['budget'])}; {s['evictions']} evictions; "
+        f"{s['ops']} ops; {elapsed:.1f} s"
+    )
+
+
+def _strip_runner_frames(tb, filename: str):
+    """``tb`` from the script's first frame on, or ``None`` if the script never ran."""
+    while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+        tb = tb.tb_next
+    return tb
+
+
+def run_script(path: str, argv: List[str]) -> int:
+    """Run ``path`` as ``__main__`` with ``sys.argv = [path, *argv]``; return its exit code.
+
+    As under plain ``python``: ``__file__`` is the absolute path, ``sys.path[0]`` the
+    script's folder and the script's module stays ``sys.modules["__main__"]``.
+    ``SystemExit`` from the script propagates (Python turns it into the exit code); other
+    exceptions are reported through ``sys.excepthook`` with the script's traceback and
+    give exit code 1.
+    """
+    filename = os.path.abspath(path)
+    sys.argv[:] = [path, *argv]
+    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=filename, __builtins__=builtins, __cached__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", filename))
+    sys.modules["__main__"] = main
+    try:
+        with io.open_code(filename) as f:
+            code = compile(f.read(), filename, "exec")
+        exec(code, main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as e:  # shown as plain python shows it, without the runner's frames
+        tb = _strip_runner_frames(e.__traceback__, filename)
+        sys.excepthook(type(e), e.with_traceback(tb), tb)  # Python prints the exception's own
+        if isinstance(e, KeyboardInterrupt):
+            return -signal.SIGINT
+        return 1
+    return 0
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not os.path.isfile(args.script):
+        parser.error(f"script {args.script!r} is not a file")
+    configure(parser, args)
+    tensorsManager.reset_stats()
+    start = time.perf_counter()
+    code = 0
+    try:
+        code = run_script(args.script, args.args)
+    finally:
+        if not args.quiet:
+            sys.stdout.flush()
+            print(summary(time.perf_counter() - start), file=sys.stderr)
+            sys.stderr.flush()
+    if code < 0:  # killed by a signal under plain python: die the same way
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.main(parser, args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchTensorRef",
+        description="Run PyTorch code with every tensor paged between host and accelerator memory.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="{run,demo}", required=True)
+
+    run = commands.add_parser(
+        "run", help="run an unmodified script under torchTensorRef",
+        description="Run an unmodified Python script with torch patched and the manager configured; "
+                    "print a summary to stderr at exit.",
+        usage="python -m torchTensorRef run [--device D] [--strategy S] [--budget B] [--quiet] "
+              "script.py [args ...]",
+    )
+    add_manager_options(run)
+    run.add_argument("--quiet", action="store_true", help="print no summary at exit")
+    run.add_argument("script", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    run.set_defaults(handler=_run, parser=run)
+
+    from . import demo
+
+    demo_parser = commands.add_parser(
+        "demo", help="run a GPT-2 model plain and under each strategy, compare",
+        description=demo.__doc__.splitlines()[0],
+    )
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(handler=_demo, parser=demo_parser)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``python -m torchTensorRef``; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.handler(args.parser, args)
