@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 
 from . import raw  # noqa: F401  (first: keeps the unpatched constructors)
-from .errors import DeviceOutOfMemoryError, OutOfBudgetError
+from .errors import DeviceOutOfMemoryError, OpVetoedError, OutOfBudgetError
+from .host_memory import HostMemoryError
 from .manage import manage
 from .manager import TensorsManager, tensorsManager
 from .patching import disabled, is_patched, patch, unpatch
@@ -23,7 +24,8 @@ __version__ = "0.1.0"
 __all__ = [
     "TensorRef", "ProxyInfo", "TensorsManager", "tensorsManager", "manage",
     "patch", "unpatch", "is_patched", "disabled", "strategies",
-    "OutOfBudgetError", "DeviceOutOfMemoryError", "configure_from_environment",
+    "OutOfBudgetError", "DeviceOutOfMemoryError", "OpVetoedError", "HostMemoryError",
+    "configure_from_environment",
 ]
 
 ENVIRONMENT = {

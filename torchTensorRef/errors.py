@@ -33,3 +33,11 @@ class DeviceOutOfMemoryError(RuntimeError):
             f"op {op} ran out of accelerator memory: it needed about {format_size(needed)}, "
             f"{format_size(available)} was free after evicting every unpinned tensor"
         )
+
+
+class OpVetoedError(RuntimeError):
+    """A ``before`` callback returned ``False`` for this op."""
+
+    def __init__(self, op: str):
+        self.op = op
+        super().__init__(f"op {op} was vetoed by a tensorsManager callback (it returned False)")

@@ -20,16 +20,20 @@ import torch
 from . import raw
 from .blocks import Block
 from .devices import Backend, PassthroughBackend, make_backend
-from .errors import DeviceOutOfMemoryError, OutOfBudgetError
+from .errors import DeviceOutOfMemoryError, OpVetoedError, OutOfBudgetError
+from .host_memory import HostMemoryWatch
 from .sizes import format_size, parse_size
-from .strategies import Strategy, by_name
-from .tensor_ref import TensorRef, compute_view, make_ref
+from .strategies import DEFAULT, Strategy, by_name
+from .tensor_ref import TensorRef, compute_view, make_ref, with_math_bits
 from .trace import Trace
 
 #: accelerator memory left free when ``budget=None`` on CUDA (allocator slack, kernels' workspaces)
 CUDA_RESERVE_BYTES = 512 * 2**20
 
-_STAT_KEYS = ("bytes_to_device", "bytes_to_host", "fetches", "writebacks", "evictions", "ops")
+_STAT_KEYS = (
+    "bytes_to_device", "bytes_to_host", "fetches", "writebacks", "evictions", "ops",
+    "prefetches", "prefetch_hits", "prefetch_misses",
+)
 
 
 class TensorsManager:
@@ -52,7 +56,7 @@ class TensorsManager:
         self._backend: Backend = PassthroughBackend()
         self._declared = self._backend.declared
         self._move_plain_to: Optional[torch.device] = None
-        self._strategy: Strategy = by_name("genoa")
+        self._strategy: Strategy = by_name(DEFAULT)
         self._strategy.attach(self)
         self._budget: Optional[int] = None
         self._limit: Optional[int] = None  # the budget in force (CUDA: free memory when None)
@@ -67,6 +71,8 @@ class TensorsManager:
         self._trace: Optional[Trace] = None
         #: test hook: a callable(op_context) raising torch.OutOfMemoryError to inject faults
         self.fault_injector = None
+        self._callbacks: List[OpCallback] = []
+        self._host_watch = HostMemoryWatch()
 
     # -- settings ------------------------------------------------------------------------
 
@@ -99,6 +105,7 @@ class TensorsManager:
             for block in self._blocks.values():
                 block.dev_key = block.host._cdata if backend.passthrough and block.host is not None else 0
             self._limit = self._compute_limit(self._budget)
+            self._strategy.device_changed()
 
     @property
     def strategy(self) -> Strategy:
@@ -186,6 +193,8 @@ class TensorsManager:
         """Record block accesses, moves and resident bytes; yields a :class:`Trace`."""
         trace = Trace(self.device, self._limit)
         with self._lock:
+            self._drain()
+            trace.initial = {b.id: (b.nbytes, b.dirty) for b in self._resident.values()}
             previous, self._trace = self._trace, trace
         try:
             yield trace
@@ -221,6 +230,51 @@ class TensorsManager:
             else:
                 self.evict(block)
 
+    @property
+    def host_reserve(self) -> int:
+        """Host bytes that must stay available; a copy that would eat into them raises
+        ``HostMemoryError`` (default: 5% of RAM, at least 256 MiB)."""
+        return self._host_watch.reserve
+
+    @host_reserve.setter
+    def host_reserve(self, value) -> None:
+        nbytes = parse_size(value, "host_reserve")
+        if nbytes is None:
+            raise ValueError('host_reserve must be a size such as "1GiB" or an int >= 0 (got: None)')
+        self._host_watch.reserve = nbytes
+
+    def add_callback(self, before=None, after=None) -> "OpCallback":
+        """Run ``before(op)`` / ``after(op)`` around every managed op; returns a handle.
+
+        ``op`` is the op in flight (``op.name``, ``op.index``, ``op.blocks``, ``op.args``
+        and, after, ``op.outputs``). A ``before`` callback that returns ``False`` vetoes the
+        op: it raises ``OpVetoedError`` before anything changes. Callbacks may hint moves
+        (``tensorsManager.pin``, ``tensor.toGPU()``, ``tensor.toCPU()``). Remove with
+        ``handle.remove()``.
+
+        Example::
+
+            seen = []
+            handle = tensorsManager.add_callback(before=lambda op: seen.append(op.name))
+            ...
+            handle.remove()
+        """
+        if before is None and after is None:
+            raise ValueError("add_callback needs a before and/or an after callable (got neither)")
+        for name, fn in (("before", before), ("after", after)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name} must be callable (got: {type(fn).__name__})")
+        handle = OpCallback(self, before, after)
+        with self._lock:
+            self._callbacks.append(handle)
+        return handle
+
+    def _run_callbacks(self, when: str, ctx) -> None:
+        for handle in list(self._callbacks):
+            fn = handle.before if when == "before" else handle.after
+            if fn is not None and fn(ctx) is False and when == "before":
+                raise OpVetoedError(ctx.name)
+
     def pin(self, tensor: TensorRef) -> None:
         """Keep ``tensor``'s block resident until ``unpin``; pins nest."""
         if not isinstance(tensor, TensorRef):
@@ -241,12 +295,26 @@ class TensorsManager:
 
     # -- block moves (for strategies; the caller holds the lock) ------------------------
 
-    def fetch(self, block: Block) -> None:
+    def fetch(self, block: Block, asynchronous: bool = False) -> None:
         """Give ``block`` a valid accelerator copy (no budget check: see ``_make_room``)."""
         if block.dev is not None or self._backend.passthrough:
             return
         start = time.perf_counter_ns()
-        dev = self._backend.to_device(raw.flat_bytes(block.host))
+        if asynchronous and block.host_valid:
+            pinned = self._backend.pinned_copy(block.host)
+            if pinned is not None:  # re-home the host copy once, so prefetches overlap compute
+                self._by_host_storage.pop(block.host._cdata, None)
+                block.set_host(pinned, True)
+        if self._backend.name == "sim":
+            self._host_watch.reserve_bytes(block.nbytes)  # the simulated device is host memory
+        host = raw.flat_bytes(block.host)
+        try:
+            dev, block.ready = self._backend.to_device(host, asynchronous)
+        except torch.OutOfMemoryError:
+            # The accelerator is fuller than our accounting says (another process): evict
+            # what no op is using right now and try once more.
+            self._evict_all_unpinned(protect=(block.id,))
+            dev, block.ready = self._backend.to_device(host, asynchronous)
         block.set_dev(dev.untyped_storage())
         self._resident[block.id] = block
         self._add_device_bytes(block.nbytes)
@@ -255,6 +323,14 @@ class TensorsManager:
         c["fetches"] += 1
         if self._trace is not None:
             self._trace.move("to_device", block.id, block.nbytes, start, time.perf_counter_ns(), self._device_bytes)
+
+    def prefetch(self, block: Block) -> None:
+        """Fetch ``block`` ahead of use (asynchronously where the backend can); no budget check."""
+        if block.dev is not None or self._backend.passthrough:
+            return
+        self.fetch(block, asynchronous=True)
+        block.prefetched = True
+        self._counters["prefetches"] += 1
 
     def evict(self, block: Block) -> None:
         """Drop ``block``'s accelerator copy, writing it back first if it is dirty."""
@@ -276,6 +352,8 @@ class TensorsManager:
         """Make the host copy valid (keeping the accelerator copy); return whether it copied."""
         if block.host_valid or block.dev is None:
             return False
+        if block.host is None:
+            self._host_watch.reserve_bytes(block.nbytes)
         start = time.perf_counter_ns()
         host = self._backend.to_host(raw.flat_bytes(block.dev),
                                      raw.flat_bytes(block.host) if block.host is not None else None)
@@ -323,6 +401,8 @@ class TensorsManager:
                 need += b.nbytes
             if need > limit:
                 raise OutOfBudgetError(ctx.name, need, limit)
+        if self._callbacks:
+            self._run_callbacks("before", ctx)  # may veto: nothing has changed yet
         ctx.index = self._op_count
         self._op_count += 1
         self._counters["ops"] += 1
@@ -338,11 +418,20 @@ class TensorsManager:
                 room += b.nbytes
             if room:
                 self._make_room(room, {b.id for b in blocks}, ctx.name)
+        c = self._counters
         for b in missing:
             self.fetch(b)
+        c["prefetch_misses"] += len(missing)
         index = ctx.index
         for b in blocks:
             b.last_use = index
+            if b.prefetched:
+                b.prefetched = False
+                c["prefetch_hits"] += 1
+            if b.ready is not None:
+                self._backend.wait(b.ready)
+                b.ready = None
+        self._strategy.before_run(ctx)
         if self._trace is not None:
             ctx._start = time.perf_counter_ns()  # type: ignore[attr-defined]
 
@@ -356,16 +445,19 @@ class TensorsManager:
                 raise
         # Another process (or the allocator's fragmentation) took memory: evict what this op
         # does not use and try once more.
-        protect = {b.id for b in ctx.blocks}
-        for block in [b for b in self._resident.values() if b.id not in protect and not b.pins]:
-            self.evict(block)
-        if self._backend.name == "cuda":
-            torch.cuda.empty_cache()
+        self._evict_all_unpinned(protect={b.id for b in ctx.blocks})
         try:
+            if self.fault_injector is not None:
+                self.fault_injector(ctx)
             return func(*args, **kwargs)
         except torch.OutOfMemoryError as e:
             free = self._backend.free_bytes() or 0
             raise DeviceOutOfMemoryError(ctx.name, sum(b.nbytes for b in ctx.blocks) + ctx.output_estimate(), free) from e
+
+    def _evict_all_unpinned(self, protect) -> None:
+        for block in [b for b in self._resident.values() if b.id not in protect and not b.pins]:
+            self.evict(block)
+        self._backend.release_cached()
 
     def _mark_written(self, blocks) -> None:
         if not self._backend.passthrough:
@@ -375,6 +467,7 @@ class TensorsManager:
     def _adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
         storage = t.untyped_storage()
         block = self._new_block(storage.nbytes())
+        block.from_op = True
         if self._backend.passthrough or not self._backend.is_device_output(t):
             self._set_host_only(block, storage)
         else:
@@ -397,6 +490,8 @@ class TensorsManager:
         block.nbytes = nbytes
 
     def _finish(self, ctx) -> None:
+        if self._callbacks:
+            self._run_callbacks("after", ctx)
         if self._backend.passthrough:
             return
         self._strategy.after_op(ctx)
@@ -410,6 +505,7 @@ class TensorsManager:
                 trace.accesses.append((index, b.id, b.nbytes, b.id in written))
             for b in ctx.outputs:
                 trace.accesses.append((index, b.id, b.nbytes, True))
+                trace.created.add(b.id)
             trace.op(index, ctx.name, getattr(ctx, "_start", 0), time.perf_counter_ns())
 
     # -- blocks' lifetime ---------------------------------------------------------------
@@ -443,6 +539,7 @@ class TensorsManager:
                 self._trace.resized(time.perf_counter_ns(), self._device_bytes)
         if block.host is not None:
             self._by_host_storage.pop(block.host._cdata, None)
+            self._backend.host_freed(block.host)
         block.set_dev(None)
         block.host = None
         block.alive = False
@@ -495,6 +592,7 @@ class TensorsManager:
                 else:
                     self._set_host_only(block, storage)
                     self._by_host_storage[key] = block
+                self._strategy.on_adopt(block)
             # t views the block's storage unless an existing block's current copy is elsewhere
             current = block.dev if block.dev is not None else block.host
             view = t if current is storage else compute_view_of(block, t)
@@ -508,11 +606,13 @@ class TensorsManager:
             new_block = memo.get(key)
             if new_block is None:
                 self.sync_host(block)
+                self._host_watch.reserve_bytes(block.nbytes)
                 storage = raw.flat_bytes(block.host).clone().untyped_storage()
                 new_block = self._new_block(block.nbytes)
                 self._set_host_only(new_block, storage)
                 memo[key] = new_block
-            view = raw.typed_view(new_block.host, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
+            view = with_math_bits(raw.typed_view(new_block.host, ref.dtype, ref.size(), ref.stride(),
+                                                 ref.storage_offset()), ref)
             new = make_ref(new_block, view, self._declared, requires_grad=ref.requires_grad)
         if getattr(ref, "_is_param", False):
             new = torch.nn.Parameter(new, requires_grad=ref.requires_grad)
@@ -545,9 +645,22 @@ class TensorsManager:
             ref._tr_wr = weakref.ref(ref, block.on_ref_dead)
 
 
+class OpCallback:
+    """Handle of callbacks added with ``tensorsManager.add_callback``."""
+
+    def __init__(self, manager: TensorsManager, before, after):
+        self.manager, self.before, self.after = manager, before, after
+
+    def remove(self) -> None:
+        """Stop calling these callbacks (idempotent)."""
+        with self.manager._lock:
+            if self in self.manager._callbacks:
+                self.manager._callbacks.remove(self)
+
+
 def compute_view_of(block: Block, t: torch.Tensor) -> torch.Tensor:
     storage = block.dev if block.dev is not None else block.host
-    return raw.typed_view(storage, t.dtype, t.size(), t.stride(), t.storage_offset())
+    return with_math_bits(raw.typed_view(storage, t.dtype, t.size(), t.stride(), t.storage_offset()), t)
 
 
 tensorsManager = TensorsManager()

@@ -33,6 +33,7 @@ class Strategy:
     ``name``, ``blocks`` (inputs), ``written`` and, after the op, ``outputs``):
 
     - ``before_op(op)``: before the op's blocks are made resident (prefetch, plan).
+    - ``before_run(op)``: its blocks are resident and it is about to run (prefetch).
     - ``after_op(op)``: after the op ran and its results were registered (evict, keep).
     - ``choose_victim(protect)``: the block to evict when room is needed, or ``None``.
     - ``on_release(block)``: a block died (no TensorRef views it any more).
@@ -56,11 +57,17 @@ class Strategy:
     def before_op(self, op) -> None:
         pass
 
+    def before_run(self, op) -> None:
+        """The op's blocks are resident and it is about to run (prefetch here)."""
+
     def after_op(self, op) -> None:
         pass
 
     def on_release(self, block) -> None:
         pass
+
+    def device_changed(self) -> None:
+        """``tensorsManager.device`` changed (every block was sent back to the host first)."""
 
     def on_adopt(self, block) -> None:
         """A creation function (``torch.zeros``, ``torch.load`` ...) made a new block."""

@@ -45,16 +45,17 @@ class Flow(Strategy):
         min_period: shortest op sequence accepted as a repeating period.
         max_history: ops of history kept to find the period (longer loops fall back to LRU).
         prefetch_evicts: let a prefetch evict clean blocks needed later than the prefetched
-            one. Off by default: prefetching into free memory only never adds traffic
-            (measured in ``benchmarks/flow_vs_reference.py``), while evicting for a
-            prefetch can force a block out that would have stayed had we waited for
-            memory to free up. On a GPU, where a stall costs more than a copy, try it on.
+            one. ``None`` (default): on for CUDA, off for ``"sim"``. Prefetching into free
+            memory only never adds traffic, but memory is mostly full of blocks worth
+            keeping, so few prefetches happen; evicting for a prefetch can force out a block
+            that would have stayed had we waited, which costs bytes (the measure on
+            ``"sim"``) but on a GPU overlaps compute where a demand fetch would stall it.
     """
 
     name = "flow"
 
-    def __init__(self, lookahead: int = 6, min_period: int = 4, max_history: int = 200_000,
-                 prefetch_evicts: bool = False):
+    def __init__(self, lookahead: int = 6, min_period: int = 1, max_history: int = 200_000,
+                 prefetch_evicts: Optional[bool] = None):
         super().__init__()
         if lookahead < 0 or min_period < 1 or max_history < 2 * min_period:
             raise ValueError(
@@ -63,6 +64,7 @@ class Flow(Strategy):
             )
         self.lookahead = lookahead
         self.prefetch_evicts = prefetch_evicts
+        self._evicting_prefetch = bool(prefetch_evicts)
         self.min_period = min_period
         self.max_history = max_history
         self._reset()
@@ -87,6 +89,11 @@ class Flow(Strategy):
     def attach(self, manager) -> None:
         super().attach(manager)
         self._reset()
+        self.device_changed()
+
+    def device_changed(self) -> None:
+        if self.prefetch_evicts is None:
+            self._evicting_prefetch = self.manager._backend.name == "cuda"
 
     # -- learning the sequence -------------------------------------------------------------
 
@@ -122,7 +129,7 @@ class Flow(Strategy):
             self.period = None  # the sequence changed: back to recency until it repeats
             self._rebuild_heap()
         if self.period is None:
-            for q in positions[-64:]:  # oldest first: the longest period that repeats
+            for q in reversed(positions[-64:]):  # newest first: the shortest period that repeats
                 t = n - q
                 if t >= self.min_period and self._repeats(n, t):
                     self.period = t
@@ -145,10 +152,15 @@ class Flow(Strategy):
         if a is None or b is None or len(a) != len(b):
             return False
         role = self._role
-        return all(role(x, n, t) == role(y, m, t) for x, y in zip(a, b))
+        return all(x == y or role(x, n, t) == role(y, m, t) for x, y in zip(a, b))
 
     def _repeats(self, n: int, t: int, window: int = 256) -> bool:
-        return all(self._same(n - i, t) for i in range(0, min(window, t, n - t + 1)))
+        # Compare a whole period, or the window, and never fewer than 16 ops: a few ops that
+        # happen to look alike are not a loop.
+        span = min(window, max(t, 16))
+        if (n - t - span + 1) not in self._func:
+            return False  # not enough history yet
+        return all(self._same(n - i, t) for i in range(span))
 
     def _prune(self, n: int) -> None:
         keep_from = n - max(2 * (self.period or 0) + self.lookahead + 8, 64)
@@ -249,8 +261,13 @@ class Flow(Strategy):
         for b in op.outputs:
             if b.dev is not None:
                 self._push(b, n)
-        if self.period is not None and self.lookahead:
-            self._prefetch(n)
+
+    def before_run(self, op) -> None:
+        # Prefetch now: the op's blocks are in, the room for its results is known, and the
+        # memory of tensors that died since the last op is free; on a GPU the copies then
+        # overlap this op's compute.
+        if self.period is not None and self.lookahead and self.manager._limit is not None:
+            self._prefetch(op.index, op.output_estimate())
 
     def _upcoming(self, n: int):
         """(op index, block) pairs the next ``lookahead`` ops will read, by prediction."""
@@ -272,16 +289,16 @@ class Flow(Strategy):
                 if block is not None:
                     yield m, block
 
-    def _prefetch(self, n: int) -> None:
+    def _prefetch(self, n: int, reserved: int) -> None:
         mgr = self.manager
-        limit = mgr._limit
+        limit = mgr._limit - reserved  # the op's results still need their room
         for m, block in self._upcoming(n):
             if block.dev is not None:
                 continue
             # Make room only from clean blocks predicted to be needed after op m: evicting
             # them is free, while a dirty one might still die (be freed) before it is needed.
             while mgr._device_bytes + block.nbytes > limit:
-                if not self.prefetch_evicts:
+                if not self._evicting_prefetch:
                     return
                 victim = self._pop_victim((), worse_than=m, clean_only=True)
                 if victim is None:
