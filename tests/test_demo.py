@@ -36,6 +36,19 @@ def test_quick_demo_matches_plain_and_writes_its_files(tmp_path):
         assert not (out / "memory.png").exists()
 
 
+def test_demo_without_matplotlib_says_how_to_get_the_plot(tmp_path):
+    code = ("import sys, runpy; sys.modules['matplotlib'] = None; "  # makes `import matplotlib` fail
+            "sys.argv = ['torchTensorRef', 'demo', '--device', 'sim', '--quick', '--layers', '1', "
+            "'--tokens', '1', '--out', 'out']; runpy.run_module('torchTensorRef', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert 'matplotlib is not installed (pip install "torchTensorRef[plot]")' in done.stdout
+    assert "identical  identical" in done.stdout  # the table is still there
+    assert not (tmp_path / "out" / "memory.png").exists()
+    assert (tmp_path / "out" / "trace-genoa.json").exists()
+
+
 def test_demo_budget_too_small_says_what_to_do(tmp_path):
     done = _demo("--quick", "--layers", "1", "--tokens", "1", "--budget", "1KiB",
                  "--out", str(tmp_path), cwd=tmp_path)

@@ -178,7 +178,7 @@ def _plot(traces: Dict[str, object], budget: int, param_bytes: int, path: str) -
     ax.set_ylabel("accelerator memory in use (MiB)")
     ax.set_title(f"GPT-2 forward + generate(), budget {format_size(budget)}")
     ax.set_ylim(bottom=0)
-    ax.legend(loc="upper right", fontsize="small")
+    ax.legend(loc="center right", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
