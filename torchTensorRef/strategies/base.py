@@ -5,20 +5,20 @@ manager does: it calls ``manager.fetch(block)`` / ``manager.evict(block)`` and n
 touches a block's copies itself. Whatever a strategy does, the manager guarantees the
 op's own blocks are resident when the op runs and that the budget holds.
 
-A minimal custom strategy::
+A minimal custom strategy (``docs/custom-strategy.md`` develops it)::
 
     from torchTensorRef.strategies import Strategy
 
-    class KeepWeights(Strategy):
-        '''Like Genoa, but never evicts blocks of 2-D tensors (weights) it has seen.'''
-        name = "keep-weights"
+    class WeightsStay(Strategy):
+        '''Keep long-lived tensors on the accelerator; send op results back right away.'''
+        name = "weights-stay"
 
         def after_op(self, op):
-            for block in op.blocks + op.outputs:
-                if block.id not in self.weights and block.resident:
+            for block in op.outputs:
+                if block.resident and not block.pins:
                     self.manager.evict(block)
 
-    tensorsManager.strategy = KeepWeights()
+    tensorsManager.strategy = WeightsStay()
 """
 
 from __future__ import annotations
