@@ -101,6 +101,20 @@ def _wrapper_for(name: str):
     return _save_wrapper if name in SAVE_FUNCTIONS else _creation_wrapper
 
 
+class _FunctionWrapper(wrapt.FunctionWrapper):
+    """A wrapt wrapper that ``copy`` treats as an atom, like the function it wraps.
+
+    A bare wrapt proxy refuses ``copy.deepcopy``, which broke code that deep-copies tables
+    holding ``torch.zeros`` (PyTorch's own OpInfo database does).
+    """
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def patch() -> None:
     """Wrap torch's creation functions so they return TensorRefs (idempotent)."""
     with _lock:
@@ -108,7 +122,7 @@ def patch() -> None:
             if name in _patched or not hasattr(torch, name):
                 continue
             original = getattr(torch, name)
-            wrapper = wrapt.FunctionWrapper(original, _wrapper_for(name))
+            wrapper = _FunctionWrapper(original, _wrapper_for(name))
             setattr(torch, name, wrapper)
             _patched[name] = (original, wrapper)
 

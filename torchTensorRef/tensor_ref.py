@@ -177,6 +177,10 @@ def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_
         TensorRef, view.size(), strides=view.stride(), storage_offset=view.storage_offset(),
         dtype=view.dtype, device=declared, requires_grad=requires_grad,
     )
+    if view.is_conj():
+        torch._C._set_conj(ref, True)  # conj() and neg views are lazy: the bit is the value
+    if view.is_neg():
+        torch._C._set_neg(ref, True)
     ref._tr_block = block
     ref._tr_view = view
     ref._tr_gen = block.gen
@@ -194,15 +198,24 @@ def compute_view(ref: TensorRef) -> torch.Tensor:
     if ref._tr_gen == block.gen:
         return ref._tr_view
     storage = block.dev if block.dev is not None else block.host
-    view = raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
+    view = with_math_bits(raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset()), ref)
     ref._tr_view, ref._tr_gen = view, block.gen
+    return view
+
+
+def with_math_bits(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``view`` with the conjugate and negative bits of ``like`` (a fresh view has neither)."""
+    if like.is_conj():
+        torch._C._set_conj(view, True)
+    if like.is_neg():
+        torch._C._set_neg(view, True)
     return view
 
 
 def host_view(ref: TensorRef) -> torch.Tensor:
     """Plain view of ``ref`` on the host copy; the caller made that copy valid."""
     block = ref._tr_block
-    return raw.typed_view(block.host, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
+    return with_math_bits(raw.typed_view(block.host, ref.dtype, ref.size(), ref.stride(), ref.storage_offset()), ref)
 
 
 def host_copy(ref: TensorRef, share: bool = False) -> torch.Tensor:

@@ -127,6 +127,8 @@ def run_generic(func, args, kwargs, spec: OpSpec):
         out = mgr._call(ctx, func, cargs, ckwargs)
         if spec.restrides:
             _follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
+        elif written:
+            _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
         if written:
             mgr._mark_written(written)
         if move is not None and spec.write_args:
@@ -147,6 +149,15 @@ def _follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
             for r, v in zip(ref, view):
                 if isinstance(r, TensorRef):
                     _follow_restride(r, v, ctx, mgr)
+
+
+def _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
+    # Some in-place ops resize their argument as an out= op would: x.addbmm_(b1, b2) turns
+    # a (1,) x into (n, m), on a larger storage. Only a changed shape needs the full check.
+    for i, name in spec.write_args:
+        ref, view = (args[i], cargs[i]) if i < len(args) else (kwargs.get(name), ckwargs.get(name))
+        if isinstance(ref, TensorRef) and ref.shape != view.shape:
+            _follow_restride(ref, view, ctx, mgr)
 
 
 def _follow_restride(ref, view, ctx, mgr):

@@ -42,6 +42,10 @@ class OpSpec:
                 self.write_args.append((i, arg.name))
                 for s in info.before_set:
                     sets[s] = i
+        unannotated = _UNANNOTATED_WRITES.get(func.overloadpacket.__name__, ())
+        for i, arg in enumerate(schema.arguments):
+            if arg.name in unannotated and (i, arg.name) not in self.write_args:
+                self.write_args.append((i, arg.name))
         self.return_args: List[Optional[int]] = []
         for ret in schema.returns:
             info = ret.alias_info
@@ -63,6 +67,14 @@ _RESTRIDING = frozenset({
     "resize_", "resize_as_", "set_", "as_strided_", "t_", "transpose_", "swapdims_",
     "swapaxes_", "squeeze_", "unsqueeze_", "_resize_output_",
 })
+
+#: ops that write arguments their schema does not mark ``(a!)``: native_batch_norm updates
+#: the running statistics in place (a known schema gap kept for compatibility)
+_UNANNOTATED_WRITES = {
+    "native_batch_norm": ("running_mean", "running_var"),
+    "cudnn_batch_norm": ("running_mean", "running_var"),
+    "miopen_batch_norm": ("running_mean", "running_var"),
+}
 
 _HANDLERS: Dict[object, Handler] = {}
 _SPECS: Dict[object, OpSpec] = {}

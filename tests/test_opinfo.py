@@ -1,0 +1,335 @@
+"""Every aten op: PyTorch's OpInfo database, plain torch vs TensorRefs on "sim" under a tight budget.
+
+For each ``op_db`` entry that supports float32 on the CPU and each strategy, the first
+``SAMPLES_PER_OP`` sample inputs run twice: once in plain torch, once with every tensor of
+the sample made a TensorRef, ``tensorsManager.device = "sim"`` and a budget of twice the
+sample's bytes (so the op's intermediate tensors and autograd's saved tensors are evicted
+and fetched back). Forward outputs, the inputs afterwards (ops may write them), and the
+gradients of a fixed random weighting of the outputs must match plain torch bit for bit;
+where plain torch raises, the managed run must raise the same exception type.
+
+An op whose own working set does not fit raises ``OutOfBudgetError``, which is correct
+behaviour: the managed run is then repeated from fresh inputs with a larger budget.
+
+Known failures are listed with their reason in ``opinfo_xfails.py``; they are strict, so a
+fixed op fails the sweep until its entry is removed. ``python tests/test_opinfo.py`` prints
+the match rate.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+pytest.importorskip("expecttest")  # op_db needs it
+
+import torchTensorRef  # noqa: E402
+from torchTensorRef import TensorRef, OutOfBudgetError, raw, tensorsManager  # noqa: E402
+from torchTensorRef.strategies import NAMES  # noqa: E402
+from torchTensorRef.tensor_ref import with_math_bits  # noqa: E402
+
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from opinfo_xfails import XFAILS  # noqa: E402
+
+#: sample inputs per op (op_db's first ones are the typical shapes; more only costs time)
+SAMPLES_PER_OP = 2
+#: required share of the swept ops that match plain torch
+REQUIRED_MATCH_RATE = 0.98
+#: ops whose outputs are uninitialized memory: only their metadata is compared
+UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+                           "empty_permuted"})
+#: times the budget may be raised after an OutOfBudgetError before the op is declared failing
+BUDGET_RETRIES = 12
+
+SWEPT = [op for op in op_db if torch.float32 in op.supported_dtypes("cpu")]
+
+
+def op_key(op):
+    """The ``(name, variant)`` key of an OpInfo in the expected-failure table."""
+    return (op.name, op.variant_test_name)
+
+
+def op_id(op) -> str:
+    return op.name + ("." + op.variant_test_name if op.variant_test_name else "")
+
+
+def _params():
+    params = []
+    for op in SWEPT:
+        reason = XFAILS.get(op_key(op))
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        params.append(pytest.param(op, id=op_id(op), marks=marks))
+    return params
+
+
+# -- running one sample ------------------------------------------------------------------------
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _samples(op):
+    with torchTensorRef.disabled():
+        samples = []
+        for sample in op.sample_inputs("cpu", torch.float32, requires_grad=op.supports_autograd):
+            samples.append(sample)
+            if len(samples) == SAMPLES_PER_OP:
+                break
+        return samples
+
+
+def _copy(tree, managed: bool, grad: bool = True):
+    """Independent copies of the tensors of ``tree`` (one copy per distinct tensor)."""
+    memo = {}
+
+    def one(t):
+        if not _is_tensor(t):
+            return t
+        if id(t) not in memo:
+            with torchTensorRef.disabled():
+                c = t.detach().clone()
+            if managed and c.layout == torch.strided:
+                c = TensorRef(c)  # sparse inputs stay plain: only strided tensors are managed
+            memo[id(t)] = c.requires_grad_(grad and t.requires_grad)
+        return memo[id(t)]
+
+    return tree_map(one, tree)
+
+
+def _weights(outputs):
+    """Fixed random weights, one plain tensor per differentiable output."""
+    weights = []
+    with torchTensorRef.disabled():
+        for i, o in enumerate(outputs):
+            g = torch.Generator().manual_seed(1000 + i)
+            shape = o.shape if not o.is_complex() else (2,) + tuple(o.shape)
+            weights.append(torch.randn(shape, generator=g, dtype=o.real.dtype if o.is_complex() else o.dtype))
+    return weights
+
+
+def _loss(outputs, weights):
+    total = None
+    for o, w in zip(outputs, weights):
+        term = (o.real * w[0]).sum() + (o.imag * w[1]).sum() if o.is_complex() else (o * w).sum()
+        total = term if total is None else total + term
+    return total
+
+
+def _identity(result, written):
+    """Which results are the very objects the op wrote (in-place and out= ops return them)."""
+    results = result if isinstance(result, tuple) else (result,)
+    written = written if isinstance(written, tuple) else (written,)
+    return tuple(r is w for r, w in zip(results, written))
+
+
+def _run(op, sample, tree, variant: str, managed: bool):
+    """Run a variant of ``op`` on the copied sample ``tree``: (result, tree after, grads or identity).
+
+    ``tree`` is ``(input, args, kwargs)``, plus the ``out`` tensors for the ``"out"`` variant.
+    """
+    inp, args, kwargs = tree[:3]
+    torch.manual_seed(0)  # random ops draw the same numbers in both runs
+    if variant == "inplace":
+        out = op.inplace_variant(inp, *args, **kwargs)
+        return out, tree, _identity(out, inp)
+    if variant == "out":
+        out = op(inp, *args, out=tree[3], **kwargs)
+        return out, tree, _identity(out, tree[3])
+    out = op(inp, *args, **kwargs)
+    grads = None
+    leaves = [t for t in tree_flatten(tree)[0] if _is_tensor(t) and t.requires_grad]
+    if op.supports_autograd and leaves:
+        diff = [o for o in tree_flatten(sample.output_process_fn_grad(out))[0]
+                if _is_tensor(o) and o.requires_grad and (o.is_floating_point() or o.is_complex())]
+        if diff:
+            weights = _weights(diff)
+            if managed:
+                weights = [TensorRef(w) for w in weights]
+            torch.manual_seed(1)
+            grads = torch.autograd.grad(_loss(diff, weights), leaves, allow_unused=True)
+    return out, tree, grads
+
+
+def _plain(tree):
+    """``tree`` with TensorRefs replaced by plain copies of their values."""
+    def one(t):
+        if isinstance(t, TensorRef):
+            v = t.target  # copied with its storage, to keep strides (clone would make it dense)
+            copy = raw.typed_view(v.untyped_storage().clone(), v.dtype, v.size(), v.stride(), v.storage_offset())
+            return with_math_bits(copy, v)
+        if _is_tensor(t):
+            return t.detach()
+        return t
+
+    return tree_map(one, tree)
+
+
+def _check_managed(tree, what: str, zeros_may_escape: bool = False):
+    """Every strided tensor in ``tree`` is a TensorRef.
+
+    With ``zeros_may_escape``, a plain all-zero tensor is accepted: autograd's engine fills
+    an undefined gradient with ``aten.zeros``, which has no tensor argument to dispatch on.
+    """
+    for t in tree_flatten(tree)[0]:
+        if _is_tensor(t) and t.layout == torch.strided and not isinstance(t, TensorRef):
+            assert zeros_may_escape and not t.any(), f"{what}: a {type(t).__name__} escaped management"
+
+
+def _compare(actual, expected, what: str, values: bool = True):
+    a_flat, a_spec = tree_flatten(actual)
+    e_flat, e_spec = tree_flatten(expected)
+    assert a_spec == e_spec, f"{what}: structure {a_spec} != {e_spec}"
+    for i, (a, e) in enumerate(zip(a_flat, e_flat)):
+        label = f"{what} (leaf {i})"
+        if _is_tensor(e):
+            assert _is_tensor(a), f"{label}: got {type(a).__name__}, expected a tensor"
+            if values:
+                torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{label}: {m}")
+            else:
+                assert (a.shape, a.dtype, a.stride()) == (e.shape, e.dtype, e.stride()), label
+        else:
+            assert a == e or (a != a and e != e), f"{label}: {a!r} != {e!r}"
+
+
+def _sample_bytes(tree) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tree_flatten(tree)[0]
+               if _is_tensor(t) and t.layout == torch.strided)
+
+
+def _managed_run(op, sample, pristine, variant):
+    """The managed run, under a budget raised (from fresh inputs) as long as it is too small."""
+    budget = max(2 * _sample_bytes(pristine), 64)
+    for _ in range(BUDGET_RETRIES):
+        tree = _copy(pristine, managed=True, grad=variant == "function")
+        tensorsManager.budget = budget
+        try:
+            return _run(op, sample, tree, variant, managed=True)
+        except OutOfBudgetError as e:
+            del tree
+            tensorsManager.budget = None
+            budget = max(2 * budget, e.needed)
+    raise AssertionError(f"still out of budget at {budget} bytes")
+
+
+class _SubclassPath(TorchDispatchMode):
+    """Plain torch as it runs for a tensor subclass.
+
+    Some of torch's formulas branch on ``isTensorSubclassLike`` (``prod``'s backward avoids
+    a data-dependent ``nonzero`` for subclasses), and the branches round differently. Under
+    an active dispatch mode plain tensors take the subclass branch too.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _reference(op, sample, pristine, variant, subclass_path: bool = False):
+    """Plain torch's result for the sample, or the exception it raised."""
+    with torchTensorRef.disabled():
+        tree = _copy(pristine, managed=False, grad=variant == "function")
+        try:
+            if subclass_path:
+                with _SubclassPath():
+                    return _plain(_run(op, sample, tree, variant, managed=False))
+            return _plain(_run(op, sample, tree, variant, managed=False))
+        except Exception as e:
+            return e
+
+
+def _compare_all(got, expected, values: bool):
+    _compare(got[0], expected[0], "result", values)
+    _compare(got[1], expected[1], "inputs after the op", values)  # out= of empty() stays uninitialized
+    _compare(got[2], expected[2], "gradients or returned objects", values)
+
+
+def check_variant(op, sample, pristine, variant: str):
+    """Assert the managed run of one variant on ``sample`` matches plain torch bit for bit.
+
+    Returns plain torch's result (or the exception it raised).
+    """
+    expected = _reference(op, sample, pristine, variant)
+    if isinstance(expected, Exception):  # plain torch rejects the sample: so must we
+        with pytest.raises(type(expected)):
+            _managed_run(op, sample, pristine, variant)
+        return expected
+    got = _managed_run(op, sample, pristine, variant)
+    _check_managed(got[0], f"{variant}: result")
+    _check_managed(got[2], f"{variant}: gradient", zeros_may_escape=True)
+    got = _plain(got)
+    values = op.name not in UNINITIALIZED
+    try:
+        _compare_all(got, expected, values)
+    except AssertionError:
+        # Bit-identical to torch's subclass branch is a match too (see _SubclassPath).
+        subclass_expected = _reference(op, sample, pristine, variant, subclass_path=True)
+        try:
+            assert not isinstance(subclass_expected, Exception)
+            _compare_all(got, subclass_expected, values)
+        except AssertionError:
+            _compare_all(got, expected, values)  # report the difference from plain torch
+    return expected
+
+
+def _out_templates(result):
+    """Empty tensors to pass as ``out=`` (size 0, so the op must resize them), or ``None``."""
+    with torchTensorRef.disabled():
+        if _is_tensor(result) and result.layout == torch.strided:
+            return torch.empty(0, dtype=result.dtype)
+        if type(result) is tuple and result and all(_is_tensor(r) and r.layout == torch.strided for r in result):
+            return tuple(torch.empty(0, dtype=r.dtype) for r in result)
+    return None
+
+
+def check_sample(op, sample):
+    """Check the function variant (forward and backward), the in-place one and ``out=``."""
+    with torchTensorRef.disabled():
+        pristine = _copy((sample.input, sample.args, sample.kwargs), managed=False)
+    expected = check_variant(op, sample, pristine, "function")
+    if op.inplace_variant is not None and _is_tensor(sample.input):
+        check_variant(op, sample, pristine, "inplace")
+    if op.supports_out and not isinstance(expected, Exception):
+        templates = _out_templates(expected[0])
+        if templates is not None:
+            check_variant(op, sample, pristine + (templates,), "out")
+
+
+@pytest.mark.parametrize("strategy", NAMES)
+@pytest.mark.parametrize("op", _params())
+def test_op_matches_plain_torch(op, strategy, fresh_manager):
+    fresh_manager.strategy = strategy
+    samples = _samples(op)
+    assert samples, f"{op_id(op)} has no float32 sample inputs"
+    for sample in samples:
+        check_sample(op, sample)
+
+
+# -- the rate and the table ---------------------------------------------------------------------
+
+def match_rate():
+    """(matched, swept): the swept ops minus the expected failures, and the swept ops."""
+    swept = {op_key(op) for op in SWEPT}
+    return len(swept) - len(swept & set(XFAILS)), len(swept)
+
+
+def test_match_rate_is_at_least_required():
+    matched, swept = match_rate()
+    assert matched / swept >= REQUIRED_MATCH_RATE, f"{matched}/{swept} ops match plain torch"
+
+
+def test_xfail_table_names_swept_ops_with_reasons():
+    swept = {op_key(op) for op in SWEPT}
+    stale = sorted(set(XFAILS) - swept)
+    assert not stale, f"expected failures for ops the sweep does not run: {stale}"
+    assert all(isinstance(r, str) and r.strip() for r in XFAILS.values())
+
+
+if __name__ == "__main__":
+    matched, swept = match_rate()
+    print(f"{matched}/{swept} ops ({matched / swept:.1%}) match plain torch; {swept - matched} expected failures")
