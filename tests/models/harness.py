@@ -166,11 +166,27 @@ def _run(pair: Pair, managed_inputs, plain_inputs, autocast):
     return loss_m, loss_p
 
 
-def check_training(pair: Pair, autocast: Optional[Callable] = None) -> None:
-    """Forward (logits, loss), backward (every gradient), an AdamW step (every parameter
-    and buffer), then a second forward with the updated weights.
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
 
-    ``autocast`` is a factory of the context the forwards run in (mixed precision).
+
+def check_training(
+    pair: Pair,
+    autocast: Optional[Callable] = None,
+    optimizer: Callable = adamw,
+    clip_foreach: Optional[bool] = None,
+    scaler: bool = False,
+) -> None:
+    """Forward (logits, loss), backward (every gradient), an optimizer step (every
+    parameter and buffer), then a second forward with the updated weights.
+
+    Args:
+        autocast: factory of the context the forwards run in (mixed precision).
+        optimizer: ``params -> torch.optim.Optimizer`` (AdamW by default).
+        clip_foreach: if not ``None``, ``clip_grad_norm_(..., foreach=clip_foreach)``
+            before the step (its total norm is compared too).
+        scaler: step through a ``torch.amp.GradScaler("cpu")`` (scaled backward, unscale,
+            inf check, scale update).
     """
     managed_inputs, plain_inputs = inputs_pair(pair.case)
     pair.managed.train()
@@ -178,21 +194,43 @@ def check_training(pair: Pair, autocast: Optional[Callable] = None) -> None:
     loss_m, loss_p = _run(pair, managed_inputs, plain_inputs, autocast)
     pair.check_peak("forward")
 
-    loss_m.backward()
+    opt_m = optimizer(pair.managed.parameters())
+    scaler_m = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaler else None
     with torchTensorRef.disabled():
-        loss_p.backward()
+        opt_p = optimizer(pair.plain.parameters())
+        scaler_p = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaler else None
+    (scaler_m.scale(loss_m) if scaler else loss_m).backward()
+    with torchTensorRef.disabled():
+        (scaler_p.scale(loss_p) if scaler else loss_p).backward()
     compare_grads(pair)
     pair.check_peak("backward")
 
-    opt_m = torch.optim.AdamW(pair.managed.parameters(), lr=1e-2)
-    with torchTensorRef.disabled():
-        opt_p = torch.optim.AdamW(pair.plain.parameters(), lr=1e-2)
-    opt_m.step()
+    if scaler:
+        scaler_m.unscale_(opt_m)
+        with torchTensorRef.disabled():
+            scaler_p.unscale_(opt_p)
+        compare_grads(pair)
+    if clip_foreach is not None:
+        norm_m = torch.nn.utils.clip_grad_norm_(pair.managed.parameters(), 0.5, foreach=clip_foreach)
+        with torchTensorRef.disabled():
+            norm_p = torch.nn.utils.clip_grad_norm_(pair.plain.parameters(), 0.5, foreach=clip_foreach)
+        pair.compare(norm_m, norm_p, "total gradient norm")
+        compare_grads(pair)
+    if scaler:
+        scaler_m.step(opt_m)
+        scaler_m.update()
+        with torchTensorRef.disabled():
+            scaler_p.step(opt_p)
+            scaler_p.update()
+        assert scaler_m.get_scale() == scaler_p.get_scale()
+    else:
+        opt_m.step()
+        with torchTensorRef.disabled():
+            opt_p.step()
     opt_m.zero_grad()
     with torchTensorRef.disabled():
-        opt_p.step()
         opt_p.zero_grad()
-    compare_state(pair, "after an AdamW step")
+    compare_state(pair, f"after a {type(opt_m).__name__} step")
     pair.check_peak("optimizer step")
 
     # The step's in-place writes must be what the next forward reads.
@@ -200,15 +238,21 @@ def check_training(pair: Pair, autocast: Optional[Callable] = None) -> None:
     pair.check_peak("second forward")
 
 
-def check_generate(pair: Pair) -> None:
-    """Greedy ``generate()`` gives the same tokens."""
-    assert pair.case.generate is not None
+def check_generate(pair: Pair, generate: Optional[Callable] = None) -> None:
+    """``generate()`` (the case's greedy one by default) gives the same tokens.
+
+    The RNG is seeded alike before both calls, so sampling draws the same numbers.
+    """
+    generate = generate or pair.case.generate
+    assert generate is not None
     managed_inputs, plain_inputs = inputs_pair(pair.case)
     pair.managed.eval()
-    tokens_m = pair.case.generate(pair.managed, managed_inputs)
+    torch.manual_seed(FORWARD_SEED)
+    tokens_m = generate(pair.managed, managed_inputs)
     with torchTensorRef.disabled():
         pair.plain.eval()
-        tokens_p = pair.case.generate(pair.plain, plain_inputs)
+        torch.manual_seed(FORWARD_SEED)
+        tokens_p = generate(pair.plain, plain_inputs)
     compare(tokens_m, tokens_p, "generated tokens")
     pair.check_peak("generate")
 

@@ -40,9 +40,9 @@ def gpt2_config():
     return transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=2, **SPECIAL)
 
 
-def llama_config():
+def llama_config(layers=4):
     return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **SPECIAL)
 
 
@@ -127,6 +127,24 @@ def test_generate_greedy(name, strategy):
     harness.check_generate(harness.build_pair(CASES[name]))
 
 
+GENERATION_MODES = {
+    "static_cache": dict(do_sample=False, cache_implementation="static"),
+    "beam_search": dict(do_sample=False, num_beams=3),
+    "sampling": dict(do_sample=True, top_k=20, top_p=0.9, temperature=0.8),
+}
+
+
+@pytest.mark.parametrize("mode", list(GENERATION_MODES))
+def test_generate_modes(mode, strategy):
+    # A static cache is preallocated and written in place; beam search reorders the cache;
+    # sampling draws from the RNG.
+    def generate(model, inputs):
+        kwargs = {k: v for k, v in inputs.items() if k != "labels"}
+        return model.generate(**kwargs, max_new_tokens=6, **GENERATION_MODES[mode])
+
+    harness.check_generate(harness.build_pair(CASES["llama"]), generate)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_save_and_from_pretrained(name, strategy, tmp_path):
     harness.check_save_pretrained(harness.build_pair(CASES[name]), tmp_path)
@@ -164,3 +182,15 @@ def test_gradient_checkpointing(name, reentrant, strategy):
     pair = harness.build_pair(CASES[name], convert=enable)
     assert pair.managed.is_gradient_checkpointing
     harness.check_training(pair)
+
+
+@pytest.mark.parametrize("options", [dict(foreach=True), dict(fused=True)], ids=["foreach", "fused"])
+def test_list_optimizers_and_clipping(options, strategy):
+    # foreach and fused optimizers, and foreach gradient clipping, update every parameter in
+    # one op whose lists are larger than the budget. A fused AdamW position holds a weight,
+    # its gradient and two states: six layers, so that the embedding's four fit the budget.
+    case = dataclasses.replace(
+        CASES["llama"], build=lambda: transformers.AutoModelForCausalLM.from_config(llama_config(layers=6)))
+    pair = harness.build_pair(case)
+    harness.check_training(
+        pair, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2, **options), clip_foreach=True)

@@ -1,1 +1,3 @@
 """Op interception: what happens to each aten op that reaches a TensorRef."""
+
+from . import foreach  # noqa: F401,E402  (registers the handlers of list ops)

@@ -213,8 +213,8 @@ def _wrap_nested(out, ctx, mgr):
 
 
 def _wrap_one(t, ctx, mgr):
-    if isinstance(t, TensorRef) or t.layout is not _strided or t.device.type == "meta":
-        return t
+    if isinstance(t, TensorRef) or t.layout is not _strided or t.is_nested or t.device.type == "meta":
+        return t  # nested tensors have strided layout but no single storage to page
     key = t.untyped_storage()._cdata
     for b in ctx.blocks:
         if b.dev_key == key:

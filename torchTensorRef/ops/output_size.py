@@ -67,7 +67,7 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
     try:
         key = (spec.func, _key(args), _key(tuple(kwargs.items())))
         hash(key)
-    except TypeError:
+    except (TypeError, RuntimeError):  # unhashable arguments; nested tensors have no sizes
         key = None
     if key is not None:
         hit = _cache.get(key)

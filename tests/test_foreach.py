@@ -1,0 +1,134 @@
+"""List ops (``_foreach_*``, fused optimizers) larger than the budget run in slices that fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import OutOfBudgetError, TensorRef, strategies, tensorsManager
+
+aten = torch.ops.aten
+N, SIZE = 10, 256  # ten tensors of 1 KiB each
+BUDGET = 5 * 1024 + 512  # one position of a fused AdamW step (four lists), a few of smaller ops
+
+
+def _lists(count, seed=0):
+    """``count`` lists of N float tensors: managed and plain, from the same seed."""
+    torch.manual_seed(seed)
+    managed = [[torch.rand(SIZE) + 1 for _ in range(N)] for _ in range(count)]
+    with torchTensorRef.disabled():
+        torch.manual_seed(seed)
+        plain = [[torch.rand(SIZE) + 1 for _ in range(N)] for _ in range(count)]
+    return managed, plain
+
+
+def _same(managed, plain):
+    assert len(managed) == len(plain)
+    for m, p in zip(managed, plain):
+        assert isinstance(m, TensorRef)
+        assert torch.equal(m.target, p)
+
+
+@pytest.fixture(params=strategies.NAMES)
+def budgeted(request, fresh_manager):
+    fresh_manager.strategy = request.param
+    fresh_manager.budget = BUDGET
+    fresh_manager.reset_stats()
+    yield fresh_manager
+    assert fresh_manager.stats()["peak_device_bytes"] <= BUDGET
+
+
+@pytest.mark.parametrize("call", [
+    lambda xs, ys, zs: aten._foreach_add_.List(xs, ys, alpha=2),
+    lambda xs, ys, zs: aten._foreach_mul_.Scalar(xs, 3.0),
+    lambda xs, ys, zs: aten._foreach_addcdiv_.Scalar(xs, ys, zs, value=0.5),
+    lambda xs, ys, zs: aten._foreach_addcdiv_.ScalarList(xs, ys, zs, [float(i) for i in range(N)]),
+    lambda xs, ys, zs: aten._foreach_lerp_.Scalar(xs, ys, 0.25),
+], ids=["add_List", "mul_Scalar", "addcdiv_Scalar", "addcdiv_ScalarList", "lerp_Scalar"])
+def test_in_place(budgeted, call):
+    (xs, ys, zs), (pxs, pys, pzs) = _lists(3)
+    call(xs, ys, zs)
+    with torchTensorRef.disabled():
+        call(pxs, pys, pzs)
+    _same(xs, pxs)
+    _same(ys, pys)
+
+
+def test_per_position_scalars_tensor(budgeted):
+    # addcmul_.Tensor takes one scalar per position in a 1-D tensor: it is sliced with the lists.
+    (xs, ys, zs), (pxs, pys, pzs) = _lists(3)
+    scalars = torch.arange(N, dtype=torch.float32)
+    aten._foreach_addcmul_.Tensor(xs, ys, zs, scalars)
+    with torchTensorRef.disabled():
+        aten._foreach_addcmul_.Tensor(pxs, pys, pzs, torch.arange(N, dtype=torch.float32))
+    _same(xs, pxs)
+
+
+@pytest.mark.parametrize("call", [
+    lambda xs, ys: aten._foreach_mul.Scalar(xs, 3.0),
+    lambda xs, ys: aten._foreach_add.List(xs, ys),
+    lambda xs, ys: aten._foreach_sqrt.default(xs),
+    lambda xs, ys: aten._foreach_norm.Scalar(xs),
+], ids=["mul_Scalar", "add_List", "sqrt", "norm"])
+def test_out_of_place(budgeted, call):
+    (xs, ys), (pxs, pys) = _lists(2)
+    out = call(xs, ys)
+    with torchTensorRef.disabled():
+        expected = call(pxs, pys)
+    _same(out, expected)
+    _same(xs, pxs)
+
+
+def test_amp_unscale_sees_every_slice(budgeted):
+    # found_inf is shared by all slices: an inf in the last position must still set it.
+    (grads,), (pgrads,) = _lists(1)
+    grads[-1][0] = float("inf")
+    found = torch.zeros(1)
+    inv_scale = torch.full((1,), 0.5)
+    aten._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
+    with torchTensorRef.disabled():
+        pgrads[-1][0] = float("inf")
+        pfound = torch.zeros(1)
+        aten._amp_foreach_non_finite_check_and_unscale_(pgrads, pfound, torch.full((1,), 0.5))
+    _same(grads, pgrads)
+    assert torch.equal(found.target, pfound) and pfound.item() == 1.0
+
+
+@pytest.mark.parametrize("options", [dict(foreach=True), dict(fused=True)], ids=["foreach", "fused"])
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+def test_optimizer_steps(budgeted, optimizer, options):
+    (params, grads), (pparams, pgrads) = _lists(2)
+    params = [torch.nn.Parameter(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    kwargs = dict(lr=0.1, momentum=0.9) if optimizer == "SGD" else dict(lr=0.1)
+    opt = getattr(torch.optim, optimizer)(params, **kwargs, **options)
+    with torchTensorRef.disabled():
+        pparams = [torch.nn.Parameter(p) for p in pparams]
+        for p, g in zip(pparams, pgrads):
+            p.grad = g
+        popt = getattr(torch.optim, optimizer)(pparams, **kwargs, **options)
+    for _ in range(2):
+        opt.step()
+        with torchTensorRef.disabled():
+            popt.step()
+    _same(params, pparams)
+
+
+def test_fits_whole_runs_as_one_op(fresh_manager):
+    (xs, ys), _ = _lists(2)
+    fresh_manager.budget = 2 * N * SIZE * 4
+    fresh_manager.reset_stats()
+    aten._foreach_add_.List(xs, ys)
+    assert fresh_manager.stats()["ops"] == 1
+
+
+def test_position_too_large_fails_before_writing(fresh_manager):
+    (xs, ys), (pxs, _pys) = _lists(2)
+    big = torch.ones(4 * SIZE)
+    xs[-1], ys[-1] = big, torch.ones(4 * SIZE)
+    fresh_manager.budget = BUDGET  # every position fits but the last (8 KiB)
+    with pytest.raises(OutOfBudgetError, match="_foreach_add_"):
+        aten._foreach_add_.List(xs, ys)
+    _same(xs[:-1], pxs[:-1])  # no slice ran

@@ -1,0 +1,177 @@
+"""Ops over lists of tensors (``_foreach_*``, fused optimizers) run in slices that fit.
+
+``torch.optim`` with ``foreach=True`` or ``fused=True``, ``clip_grad_norm_(foreach=True)``
+and ``GradScaler.unscale_`` update every parameter in one op whose lists hold all the
+parameters, gradients and optimizer states: more than the budget whenever the model is.
+These ops treat each list position independently (the CPU kernels even loop over the
+positions), so running them on consecutive slices of their lists gives the same result,
+bit for bit. When the whole op fits the budget it takes the generic path unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .. import raw
+from ..errors import OutOfBudgetError
+from ..tensor_ref import TensorRef
+from .dispatch import run_generic
+from .output_size import estimate_output_bytes
+from .registry import OpSpec, implements
+
+#: fused optimizer steps: lists of parameters, gradients and states, shared scalar options
+_FUSED = frozenset({
+    "_fused_adam", "_fused_adam_", "_fused_adamw", "_fused_adamw_", "_fused_sgd", "_fused_sgd_",
+    "_fused_adagrad", "_fused_adagrad_",
+    "_amp_foreach_non_finite_check_and_unscale", "_amp_foreach_non_finite_check_and_unscale_",
+})
+
+
+class _Layout:
+    """Which arguments of one op are per-position (sliced) and how its results combine."""
+
+    __slots__ = ("lists", "per_position_tensor", "returns_lists")
+
+    def __init__(self, func):
+        schema = func._schema
+        #: (position, name) of list arguments (tensors, scalars): sliced when as long as ``self``
+        self.lists: List[Tuple[int, str]] = []
+        #: (position, name) of a 1-D tensor holding one scalar per position (``scalars``)
+        self.per_position_tensor: Optional[Tuple[int, str]] = None
+        for i, arg in enumerate(schema.arguments):
+            if isinstance(arg.type, torch._C.ListType):
+                self.lists.append((i, arg.name))
+            elif arg.name == "scalars" and isinstance(arg.type, torch._C.TensorType):
+                self.per_position_tensor = (i, arg.name)
+        #: how many results there are, each a list (``_foreach_norm``) or none (in place)
+        self.returns_lists = len(schema.returns)
+
+
+def _foreach_ops():
+    ops = []
+    for schema in torch._C._jit_get_all_schemas():
+        name = schema.name
+        if not name.startswith("aten::"):
+            continue
+        name = name[len("aten::"):]
+        if not (name.startswith("_foreach_") or name in _FUSED):
+            continue
+        if not any(isinstance(a.type, torch._C.ListType) and "Tensor" in str(a.type) for a in schema.arguments):
+            continue
+        packet = getattr(torch.ops.aten, name, None)
+        overload = getattr(packet, schema.overload_name or "default", None) if packet is not None else None
+        if overload is not None:
+            ops.append(overload)
+    return ops
+
+
+_layouts: Dict[object, _Layout] = {}
+
+
+def _get(args, kwargs, index, name):
+    return args[index] if index < len(args) else kwargs.get(name)
+
+
+def _set(args, kwargs, index, name, value):
+    if index < len(args):
+        args[index] = value
+    else:
+        kwargs[name] = value
+
+
+def _refs_bytes(values, seen) -> int:
+    """Bytes of the blocks of TensorRefs among ``values`` not yet in ``seen`` (block ids)."""
+    total = 0
+    for v in values:
+        if isinstance(v, TensorRef):
+            b = v._tr_block
+            if b.id not in seen:
+                seen.add(b.id)
+                total += b.nbytes
+        elif isinstance(v, (list, tuple)):
+            total += _refs_bytes(v, seen)
+    return total
+
+
+def _sliced(layout, n, args, kwargs, start, stop, scalars_slice):
+    """``(args, kwargs)`` restricted to list positions ``start:stop``."""
+    args, kwargs = list(args), dict(kwargs)
+    for index, name in layout.lists:
+        value = _get(args, kwargs, index, name)
+        if isinstance(value, (list, tuple)) and len(value) == n:
+            _set(args, kwargs, index, name, value[start:stop])
+    if layout.per_position_tensor is not None:
+        index, name = layout.per_position_tensor
+        value = _get(args, kwargs, index, name)
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == n:
+            _set(args, kwargs, index, name, scalars_slice(value, start, stop))
+    return args, kwargs
+
+
+def _meta_slice(value, start, stop):
+    return raw.empty_strided((stop - start,), (1,), dtype=value.dtype, device="meta")
+
+
+def _slices(spec, layout, n, args, kwargs, limit) -> List[Tuple[int, int]]:
+    """Consecutive position ranges, each as long as fits within ``limit`` together with the
+    op's shared arguments.
+
+    Raises:
+        OutOfBudgetError: before anything runs, when one position does not fit alone.
+    """
+    per_position = []
+    for index, name in layout.lists:
+        value = _get(args, kwargs, index, name)
+        if isinstance(value, (list, tuple)) and len(value) == n:
+            per_position.append(value)
+    shared_seen: set = set()
+    sliced_ids = {id(v) for v in per_position}
+    shared = _refs_bytes([v for v in list(args) + list(kwargs.values()) if id(v) not in sliced_ids], shared_seen)
+    slices, start, used = [], 0, shared
+    for i in range(n):
+        # A tensor repeated at several positions is counted at each: slices only get smaller.
+        cost = _refs_bytes([value[i] for value in per_position], set(shared_seen))
+        if spec.allocates:
+            cost += estimate_output_bytes(spec, *_sliced(layout, n, args, kwargs, i, i + 1, _meta_slice))
+        if shared + cost > limit:  # no slice can hold it: fail before any slice has written
+            raise OutOfBudgetError(spec.name, shared + cost, limit)
+        if i > start and used + cost > limit:
+            slices.append((start, i))
+            start, used = i, shared
+        used += cost
+    slices.append((start, n))
+    return slices
+
+
+def run_in_slices(func, args, kwargs, spec: OpSpec):
+    """The op on consecutive slices of its lists when all of it would exceed the budget."""
+    from ..manager import tensorsManager as mgr
+
+    limit = mgr._limit
+    layout = _layouts.get(func)
+    if layout is None:
+        layout = _layouts[func] = _Layout(func)
+    first = _get(args, kwargs, *layout.lists[0]) if layout.lists else None
+    if limit is None or mgr._backend.passthrough or not isinstance(first, (list, tuple)) or len(first) < 2:
+        return run_generic(func, args, kwargs, spec)
+    n = len(first)
+    need = _refs_bytes(list(args) + list(kwargs.values()), set())
+    if spec.allocates:
+        need += estimate_output_bytes(spec, args, kwargs)
+    if need <= limit:
+        return run_generic(func, args, kwargs, spec)
+
+    results = []
+    for start, stop in _slices(spec, layout, n, args, kwargs, limit):
+        slice_args, slice_kwargs = _sliced(layout, n, args, kwargs, start, stop, lambda v, a, b: v[a:b])
+        results.append(run_generic(func, slice_args, slice_kwargs, spec))
+    if layout.returns_lists == 0:
+        return None
+    if layout.returns_lists == 1:
+        return [t for part in results for t in part]
+    return tuple([t for part in results for t in part[k]] for k in range(layout.returns_lists))
+
+
+implements(_foreach_ops())(run_in_slices)
