@@ -25,7 +25,7 @@ import torch
 from . import strategies
 from .devices import ACCEPTED_DEVICES
 from .manager import tensorsManager
-from .sizes import ACCEPTED as ACCEPTED_SIZES, format_size
+from .sizes import format_size
 
 
 def default_device() -> str:
@@ -46,8 +46,9 @@ def add_manager_options(parser: argparse.ArgumentParser) -> None:
                         help=f"one of: {names}; default: TORCHTENSORREF_STRATEGY, else "
                              f"{tensorsManager.strategy.name}")
     parser.add_argument("--budget", metavar="B", default=None,
-                        help=f"accelerator bytes to use: {ACCEPTED_SIZES}; default: "
-                             f"TORCHTENSORREF_BUDGET, else the free memory (unlimited on sim)")
+                        help='accelerator bytes to use: an int, or a size such as "512MiB", "6GB" '
+                             'or "1.5GiB"; default: TORCHTENSORREF_BUDGET, else the free memory '
+                             '(unlimited on sim)')
 
 
 def configure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -46,14 +46,15 @@ def _positive_int(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's command-line options."""
     parser.add_argument("--device", metavar="D", default=None,
-                        help='"cuda", "cuda:N" or "sim"; default: cuda when available, else sim')
+                        help='"cuda", "cuda:N" or "sim"; default: TORCHTENSORREF_DEVICE, else cuda '
+                             'when available, else sim')
     parser.add_argument("--budget", metavar="B", default=None,
                         help='accelerator budget such as "8MiB"; default: half the parameter bytes')
     parser.add_argument("--out", metavar="DIR", default="torchTensorRef-demo",
                         help="folder for the plot and the traces (default: ./torchTensorRef-demo)")
-    parser.add_argument("--layers", type=_positive_int, default=None,
+    parser.add_argument("--layers", metavar="N", type=_positive_int, default=None,
                         help=f"transformer layers (default: {SIZES['default']['layers']})")
-    parser.add_argument("--tokens", type=_positive_int, default=None,
+    parser.add_argument("--tokens", metavar="N", type=_positive_int, default=None,
                         help=f"tokens to generate (default: {SIZES['default']['tokens']})")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny model and few tokens: checks that everything works, in seconds")
