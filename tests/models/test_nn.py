@@ -20,6 +20,9 @@ from .harness import Case
 
 BATCH, SEQ = 2, 8
 
+# TransformerEncoder's eval fast path warns that nested tensors are a prototype API.
+pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+
 
 class AttentionStack(nn.Module):
     """Residual ``nn.MultiheadAttention`` layers, optionally checkpointed."""

@@ -173,14 +173,22 @@ def test_bfloat16_weights_from_config(strategy):
     harness.check_generate(pair)
 
 
-@pytest.mark.parametrize("name, reentrant", [("gpt2", True), ("llama", False)])
-def test_gradient_checkpointing(name, reentrant, strategy):
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("name, reentrant, method", [
+    ("gpt2", True, "gradient_checkpointing_enable"),  # the long-standing name (deprecated in v5)
+    ("llama", False, "activation_checkpointing_enable"),
+])
+def test_gradient_checkpointing(name, reentrant, method, strategy):
+    if not hasattr(transformers.PreTrainedModel, method):
+        method = "gradient_checkpointing_enable"  # transformers before v5
+    options = method.split("_enable")[0] + "_kwargs"
+
     def enable(model):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        getattr(model, method)(**{options: {"use_reentrant": reentrant}})
         return model
 
     pair = harness.build_pair(CASES[name], convert=enable)
-    assert pair.managed.is_gradient_checkpointing
+    assert any(getattr(m, "gradient_checkpointing", False) for m in pair.managed.modules())
     harness.check_training(pair)
 
 

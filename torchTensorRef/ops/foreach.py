@@ -21,8 +21,9 @@ from .dispatch import run_generic
 from .output_size import estimate_output_bytes
 from .registry import OpSpec, implements
 
-#: fused optimizer steps: lists of parameters, gradients and states, shared scalar options
-_FUSED = frozenset({
+#: list ops outside the ``_foreach_`` family: fused optimizer steps (lists of parameters,
+#: gradients and states) and AMP's unscale (the gradients, one shared ``found_inf``)
+_LIST_OPS = frozenset({
     "_fused_adam", "_fused_adam_", "_fused_adamw", "_fused_adamw_", "_fused_sgd", "_fused_sgd_",
     "_fused_adagrad", "_fused_adagrad_",
     "_amp_foreach_non_finite_check_and_unscale", "_amp_foreach_non_finite_check_and_unscale_",
@@ -56,7 +57,7 @@ def _foreach_ops():
         if not name.startswith("aten::"):
             continue
         name = name[len("aten::"):]
-        if not (name.startswith("_foreach_") or name in _FUSED):
+        if not (name.startswith("_foreach_") or name in _LIST_OPS):
             continue
         if not any(isinstance(a.type, torch._C.ListType) and "Tensor" in str(a.type) for a in schema.arguments):
             continue
