@@ -11,6 +11,14 @@ write through any view is seen by all of them. A block has up to two copies: ``h
   accelerator copy, so a write clears ``host_valid``: the block is *dirty*;
 - evicting a clean block just drops ``dev``; a dirty one is written back first.
 
+Note [External bytes]: a block is *external* when its host copy is memory that code outside
+torchTensorRef reads and writes directly: a numpy array from ``x.numpy()`` (while the array
+lives) or given to ``torch.from_numpy`` (for good). Such writes are invisible to the
+manager, so an external block is
+never kept on the accelerator between ops, whatever pins, prefetches or ``toGPU()`` ask
+(it is written back and dropped after each op, and fetched afresh by the next one), and
+its host copy is never re-homed.
+
 Strategies never touch these fields: they ask the manager to ``fetch`` or ``evict``.
 """
 
@@ -29,7 +37,7 @@ class Block:
 
     __slots__ = (
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
-        "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched", "ready",
+        "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched", "ready", "external",
         "__weakref__",
     )
 
@@ -58,6 +66,8 @@ class Block:
         self.prefetched: bool = False
         #: accelerator event an asynchronous copy into ``dev`` records; ops wait on it
         self.ready = None
+        #: holders of its host bytes outside the manager (Note [External bytes])
+        self.external: int = 0
 
     @property
     def resident(self) -> bool:

@@ -73,6 +73,7 @@ class TensorsManager:
         self.fault_injector = None
         self._callbacks: List[OpCallback] = []
         self._host_watch = HostMemoryWatch()
+        self._external = 0  # live external blocks (Note [External bytes])
 
     # -- settings ------------------------------------------------------------------------
 
@@ -213,8 +214,8 @@ class TensorsManager:
         with self._lock:
             self._drain()
             block = ref._tr_block
-            if self._backend.passthrough or block.dev is not None:
-                return
+            if self._backend.passthrough or block.dev is not None or block.external:
+                return  # (an external block stays on the host: Note [External bytes])
             if self._limit is not None and block.nbytes > self._limit:
                 raise OutOfBudgetError("toGPU", block.nbytes, self._limit)
             self._make_room(block.nbytes, (block.id,), "toGPU")
@@ -300,7 +301,7 @@ class TensorsManager:
         if block.dev is not None or self._backend.passthrough:
             return
         start = time.perf_counter_ns()
-        if asynchronous and block.host_valid:
+        if asynchronous and block.host_valid and not block.external:
             pinned = self._backend.pinned_copy(block.host)
             if pinned is not None:  # re-home the host copy once, so prefetches overlap compute
                 self._by_host_storage.pop(block.host._cdata, None)
@@ -326,7 +327,7 @@ class TensorsManager:
 
     def prefetch(self, block: Block) -> None:
         """Fetch ``block`` ahead of use (asynchronously where the backend can); no budget check."""
-        if block.dev is not None or self._backend.passthrough:
+        if block.dev is not None or self._backend.passthrough or block.external:
             return
         self.fetch(block, asynchronous=True)
         block.prefetched = True
@@ -495,6 +496,10 @@ class TensorsManager:
         if self._backend.passthrough:
             return
         self._strategy.after_op(ctx)
+        if self._external:
+            for b in ctx.blocks:
+                if b.external and b.dev is not None:
+                    self.evict(b)  # even if pinned: Note [External bytes]
         if self._limit is not None and self._device_bytes > self._limit:
             self._make_room(0, (), ctx.name)  # the op's results were larger than estimated
         trace = self._trace
@@ -531,7 +536,23 @@ class TensorsManager:
             if block.refs == 0 and block.alive:
                 self._release(block)
 
+    def mark_external(self, block: Block) -> None:
+        """Note one more holder of ``block``'s host bytes outside the manager (Note [External bytes])."""
+        with self._lock:
+            if not block.external and block.alive:
+                self._external += 1
+            block.external += 1
+            self.evict(block)
+
+    def unmark_external(self, block: Block) -> None:
+        """Undo one ``mark_external`` (counters only: it may run from a weakref callback)."""
+        block.external -= 1
+        if not block.external and block.alive:
+            self._external -= 1
+
     def _release(self, block: Block) -> None:
+        if block.external:
+            self._external -= 1  # (a late unmark_external sees the block dead)
         if block.dev is not None:
             del self._resident[block.id]
             self._device_bytes -= block.nbytes
@@ -569,7 +590,9 @@ class TensorsManager:
         rg = t.requires_grad if requires_grad is None else requires_grad
         ref = self._wrap_plain(t.detach(), rg)
         if isinstance(t, torch.nn.Parameter):
-            return torch.nn.Parameter(ref, requires_grad=rg)
+            ref = torch.nn.Parameter(ref, requires_grad=rg)
+        if t.__dict__:
+            ref.__dict__.update(t.__dict__)  # attributes users set (transformers marks parameters)
         return ref
 
     def _wrap_plain(self, t: torch.Tensor, requires_grad: bool) -> TensorRef:

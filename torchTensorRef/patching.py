@@ -34,6 +34,11 @@ CREATION_FUNCTIONS: Tuple[str, ...] = (
 )
 #: torch functions wrapped for another reason than creation
 SAVE_FUNCTIONS: Tuple[str, ...] = ("save",)
+#: creation functions whose result may share the memory of their input (a numpy array, a
+#: buffer, a DLPack capsule): that memory stays writable from outside (Note [External bytes])
+SHARING_FUNCTIONS = frozenset({"from_numpy", "frombuffer", "as_tensor", "asarray", "from_dlpack"})
+#: inputs those functions copy or return as they are (tensors are managed on their own)
+_NOT_SHARED = (torch.Tensor, list, tuple, int, float, bool, complex)
 
 _local = threading.local()
 _patched: Dict[str, Tuple[object, object]] = {}  # name -> (original, our wrapper)
@@ -44,9 +49,16 @@ def _is_disabled() -> bool:
     return getattr(_local, "depth", 0) > 0 or torch.utils.data.get_worker_info() is not None
 
 
-def _adopt(obj):
-    """``obj`` with its plain tensors (also inside lists, tuples and dicts) made TensorRefs."""
+def _adopt(obj, memo=None):
+    """``obj`` with its plain tensors (also inside lists, tuples and dicts) made TensorRefs.
+
+    A tensor found twice gives one TensorRef, twice (``memo``: id -> TensorRef).
+    """
+    if memo is None:
+        memo = {}
     if isinstance(obj, torch.Tensor):
+        if id(obj) in memo:
+            return memo[id(obj)]
         if type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter:
             return obj  # a TensorRef already, or another subclass (fake tensors)
         if obj.layout is not torch.strided or obj.device.type == "meta":
@@ -55,9 +67,10 @@ def _adopt(obj):
 
         if obj.device.type != "cpu" and obj.device != mgr._backend.compute:
             return obj  # explicitly asked for another device than the managed one
-        return mgr.manage_tensor(obj)
+        memo[id(obj)] = ref = mgr.manage_tensor(obj)
+        return ref
     if isinstance(obj, dict):
-        items = [(k, _adopt(v)) for k, v in obj.items()]
+        items = [(k, _adopt(v, memo)) for k, v in obj.items()]
         try:
             new = type(obj)()
         except TypeError:
@@ -67,9 +80,9 @@ def _adopt(obj):
             new._metadata = obj._metadata  # state dicts carry version metadata
         return new
     if isinstance(obj, list) and type(obj) is list:
-        return [_adopt(v) for v in obj]
+        return [_adopt(v, memo) for v in obj]
     if isinstance(obj, tuple) and type(obj) is tuple:
-        return tuple(_adopt(v) for v in obj)
+        return tuple(_adopt(v, memo) for v in obj)
     if isinstance(obj, torch.nn.Module):
         from .manage import manage
 
@@ -92,13 +105,28 @@ def _creation_wrapper(wrapped, instance, args, kwargs):
     return _adopt(result)
 
 
+def _sharing_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if _is_disabled() or sys._getframe(1).f_globals.get("__name__") in _PLAIN_CALLERS:
+        return result
+    ref = _adopt(result)
+    source = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(ref, TensorRef) and not isinstance(source, _NOT_SHARED):
+        from .manager import tensorsManager
+
+        tensorsManager.mark_external(ref._tr_block)
+    return ref
+
+
 def _save_wrapper(wrapped, instance, args, kwargs):
     with saving():
         return wrapped(*args, **kwargs)
 
 
 def _wrapper_for(name: str):
-    return _save_wrapper if name in SAVE_FUNCTIONS else _creation_wrapper
+    if name in SAVE_FUNCTIONS:
+        return _save_wrapper
+    return _sharing_wrapper if name in SHARING_FUNCTIONS else _creation_wrapper
 
 
 class _FunctionWrapper(wrapt.FunctionWrapper):

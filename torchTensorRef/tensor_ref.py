@@ -14,6 +14,7 @@ here to read the host copy.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -95,9 +96,17 @@ class TensorRef(torch.Tensor):
             raise RuntimeError(
                 "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
             )
-        # The array shares the host copy, so keep no accelerator copy that would hide its writes.
-        _manager().move_to_host(self)
-        return host_view(self).numpy()
+        # The array shares the host copy: from now on the block must not hide its writes
+        # behind an accelerator copy (Note [External bytes]).
+        mgr = _manager()
+        block = self._tr_block
+        with mgr._lock:
+            mgr.mark_external(block)  # writes back and drops the accelerator copy
+            array = host_view(self).numpy()
+        # Every numpy view of the array keeps its base (a tensor) alive: when the last one
+        # dies, nothing outside writes the block any more.
+        weakref.finalize(array.base, mgr.unmark_external, block)
+        return array
 
     def tolist(self):
         return host_copy(self).tolist()
@@ -111,33 +120,31 @@ class TensorRef(torch.Tensor):
         return storage.data_ptr() + self.storage_offset() * self.element_size()
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        text = repr(host_copy(self))
-        extra = ""
-        if self.device.type != "cpu":
-            extra += f", device='{self.device}'"
-        if self.grad_fn is not None:
-            extra += f", grad_fn=<{type(self.grad_fn).__name__}>"
-        elif self.requires_grad:
-            extra += ", requires_grad=True"
-        if extra:
-            text = text[:-1] + extra + ")"
+        text = tensor_text(self, tensor_contents)
         if getattr(self, "_is_param", False):
             text = "Parameter containing:\n" + text
         return text
 
     def __format__(self, format_spec: str) -> str:
-        if self.dim() == 0:
-            return self.item().__format__(format_spec)
+        # as torch: 0-dim plain tensors format as their value, Parameters never do
+        if self.dim() == 0 and not getattr(self, "_is_param", False):
+            return self.detach().item().__format__(format_spec)
         return object.__format__(self, format_spec)
 
     def __reduce_ex__(self, protocol):
         plain = host_copy(self, share=True)
-        if self.requires_grad and self.is_leaf:
-            plain.requires_grad_(True)
-        if getattr(_saving, "active", False):
-            # torch.save: write plain tensors, readable with weights_only=True and without us.
+        plain.requires_grad_(self.requires_grad)  # torch pickles it for non-leaves too
+        plain.__dict__.update(user_attributes(self))
+        is_param = bool(getattr(self, "_is_param", False))
+        if getattr(_saving, "active", False) or _called_by_torch_save():
+            # torch.save: write plain tensors and Parameters, readable with
+            # weights_only=True and without torchTensorRef.
+            if is_param:
+                param = torch.nn.Parameter(plain, requires_grad=self.requires_grad)
+                param.__dict__.update(plain.__dict__)
+                plain = param
             return plain.__reduce_ex__(protocol)
-        return (_rebuild, (plain, bool(getattr(self, "_is_param", False))))
+        return (_rebuild, (plain, is_param))
 
     def __deepcopy__(self, memo):
         if not self.is_leaf:
@@ -164,11 +171,78 @@ class TensorRef(torch.Tensor):
         _manager().rebind(self, new)
 
 
+def tensor_text(ref: TensorRef, tensor_contents=None) -> str:
+    """``repr`` of a plain tensor with ``ref``'s values, metadata and autograd state.
+
+    Mirrors ``torch._tensor_str._str`` for dense tensors: the suffixes (device, dtype,
+    grad_fn ...) must be known before the text is laid out, because a long one moves to a
+    line of its own, so appending them to the repr of a host copy wraps lines differently.
+    """
+    from torch._tensor_str import PRINT_OPTS, _add_suffixes, _tensor_str
+
+    plain = host_copy(ref)
+    prefix = "tensor("
+    indent = len(prefix)
+    suffixes = []
+    device = ref.device
+    if device.type != torch._C._get_default_device() or (
+        device.type == "cuda" and torch.cuda.current_device() != device.index
+    ):
+        suffixes.append(f"device='{device}'")
+    default = torch.get_default_dtype()
+    complex_default = torch.cdouble if default == torch.double else torch.cfloat
+    empty = plain.numel() == 0
+    if empty:
+        if plain.dim() != 1:
+            suffixes.append(f"size={tuple(plain.shape)}")
+        if plain.dtype != default:
+            suffixes.append(f"dtype={plain.dtype}")
+    else:
+        if not PRINT_OPTS.edgeitems:
+            suffixes.append(f"size={tuple(plain.shape)}")
+        if plain.dtype not in (default, complex_default, torch.int64, torch.bool):
+            suffixes.append(f"dtype={plain.dtype}")
+    if tensor_contents is not None:
+        text = tensor_contents
+    elif empty:
+        text = "[]"
+    else:
+        with torch.no_grad():
+            text = _tensor_str(plain, indent)
+    try:
+        grad_fn = ref.grad_fn
+        name = None if grad_fn is None else type(grad_fn).__name__
+        if name == "CppFunction":
+            name = grad_fn.name().rsplit("::", 1)[-1]
+    except RuntimeError:  # a view made and written in place under no_grad (pytorch#99968)
+        name = "Invalid"
+    if name is not None:
+        suffixes.append(f"grad_fn=<{name}>")
+    elif ref.requires_grad:
+        suffixes.append("requires_grad=True")
+    return _add_suffixes(prefix + text, suffixes, indent, force_newline=False)
+
+
 def _rebuild(plain: torch.Tensor, is_param: bool):
-    ref = _manager().manage_tensor(plain)
+    ref = _manager().manage_tensor(plain)  # with plain's attributes
     if is_param:
-        return torch.nn.Parameter(ref, requires_grad=plain.requires_grad)
+        ref = torch.nn.Parameter(ref, requires_grad=plain.requires_grad)
+        ref.__dict__.update(plain.__dict__)
     return ref
+
+
+def user_attributes(ref: TensorRef) -> dict:
+    """Attributes set on ``ref`` by its users (not torchTensorRef's own, nor ``_is_param``)."""
+    return {k: v for k, v in ref.__dict__.items() if not k.startswith("_tr_") and k != "_is_param"}
+
+
+def _called_by_torch_save() -> bool:
+    # torch.serialization pickles from its own frame (the C pickler adds none): this catches
+    # torch.save bound before torchTensorRef patched it, and torch.serialization.save.
+    try:
+        return sys._getframe(2).f_globals.get("__name__") == "torch.serialization"
+    except ValueError:  # no such frame
+        return False
 
 
 def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_grad=False) -> TensorRef:

@@ -1,0 +1,77 @@
+"""Run the same code on plain torch and on TensorRefs, and compare what it returns.
+
+Shared by the semantic test modules (tensor_ref, autograd, serialization, manage). The
+``paging`` fixture puts the manager under every strategy of
+``torchTensorRef.strategies.NAMES``, with no budget and with a budget so small that blocks
+are evicted between ops.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import TensorRef, tensorsManager
+from torchTensorRef.strategies import NAMES
+
+#: a budget under which any of the tests' models pages its weights
+TINY_BUDGET = 2048
+SETTINGS = list(itertools.product(NAMES, (None, TINY_BUDGET)))
+
+
+@pytest.fixture(params=SETTINGS, ids=[f"{s}-{b or 'unlimited'}" for s, b in SETTINGS])
+def paging(request):
+    """The manager under one strategy and budget (``"sim"``, from the autouse fixture)."""
+    strategy, budget = request.param
+    tensorsManager.strategy = strategy
+    tensorsManager.budget = budget
+    tensorsManager.reset_stats()
+    yield tensorsManager
+    if budget is not None:
+        assert tensorsManager.stats()["peak_device_bytes"] <= budget
+
+
+def run_both(fn, seed: int = 0):
+    """``(plain, managed)``: ``fn()`` run on plain torch, then managed, from the same seed."""
+    with torchTensorRef.disabled():
+        torch.manual_seed(seed)
+        plain = fn()
+    torch.manual_seed(seed)
+    managed = fn()
+    return plain, managed
+
+
+def to_plain(obj):
+    """``obj`` with every tensor replaced by a plain, detached copy of its values."""
+    if isinstance(obj, TensorRef):
+        with torchTensorRef.disabled():
+            return obj.target.detach().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_plain(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def assert_identical(plain, managed, where: str = "result") -> None:
+    """Same structure, and bit-identical tensors (plain torch on CPU is deterministic)."""
+    if isinstance(plain, torch.Tensor):
+        assert isinstance(managed, torch.Tensor), f"{where}: {type(managed).__name__}"
+        a, b = to_plain(plain), to_plain(managed)
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a, b), f"{where}: {b} != {a}"
+    elif isinstance(plain, (list, tuple)):
+        assert type(managed) is type(plain) and len(managed) == len(plain), where
+        for i, (p, m) in enumerate(zip(plain, managed)):
+            assert_identical(p, m, f"{where}[{i}]")
+    elif isinstance(plain, dict):
+        assert managed.keys() == plain.keys(), where
+        for k in plain:
+            assert_identical(plain[k], managed[k], f"{where}[{k!r}]")
+    else:
+        assert managed == plain, f"{where}: {managed!r} != {plain!r}"
