@@ -1,12 +1,14 @@
 """Every aten op: PyTorch's OpInfo database, plain torch vs TensorRefs on "sim" under a tight budget.
 
 For each ``op_db`` entry that supports float32 on the CPU and each strategy, the first
-``SAMPLES_PER_OP`` sample inputs run twice: once in plain torch, once with every tensor of
-the sample made a TensorRef, ``tensorsManager.device = "sim"`` and a budget of twice the
-sample's bytes (so the op's intermediate tensors and autograd's saved tensors are evicted
-and fetched back). Forward outputs, the inputs afterwards (ops may write them), and the
-gradients of a fixed random weighting of the outputs must match plain torch bit for bit;
-where plain torch raises, the managed run must raise the same exception type.
+``SAMPLES_PER_OP`` sample inputs and a non-contiguous copy of the first run twice: once in
+plain torch, once with every tensor of the sample made a TensorRef, on device "sim" under a
+budget of twice the sample's bytes (so the op's intermediate tensors and autograd's saved
+tensors are evicted and fetched back). The function variant runs forward and backward (the
+gradients of a fixed random weighting of its outputs); the in-place variant and ``out=``
+(into empty tensors the op must resize) run forward. Results, the inputs afterwards (ops
+may write them) and gradients must match plain torch bit for bit; where plain torch
+raises, the managed run must raise the same exception type.
 
 An op whose own working set does not fit raises ``OutOfBudgetError``, which is correct
 behaviour: the managed run is then repeated from fresh inputs with a larger budget.
@@ -75,26 +77,52 @@ def _is_tensor(x) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+_sample_cache: dict = {}
+
+
 def _samples(op):
+    """The first ``SAMPLES_PER_OP`` samples, then the first again with non-contiguous tensors.
+
+    The non-contiguous copy views every other element of a larger storage at an offset, so
+    the managed tensors are strided views of their blocks. Cached for the other strategies
+    (making samples costs as much as checking them; they are only ever copied).
+    """
+    if op_key(op) not in _sample_cache:
+        _sample_cache.clear()  # an op's strategies are collected next to each other
+        _sample_cache[op_key(op)] = _make_samples(op)
+    return _sample_cache[op_key(op)]
+
+
+def _make_samples(op):
     with torchTensorRef.disabled():
         samples = []
         for sample in op.sample_inputs("cpu", torch.float32, requires_grad=op.supports_autograd):
             samples.append(sample)
             if len(samples) == SAMPLES_PER_OP:
                 break
+        if samples and all(t.layout == torch.strided for t in tree_flatten(
+                (samples[0].input, samples[0].args, samples[0].kwargs))[0] if _is_tensor(t)):
+            samples.append(samples[0].noncontiguous())
         return samples
 
 
 def _copy(tree, managed: bool, grad: bool = True):
-    """Independent copies of the tensors of ``tree`` (one copy per distinct tensor)."""
-    memo = {}
+    """Independent copies of the tensors of ``tree``, with their strides and storage sharing."""
+    memo, storages = {}, {}
 
     def one(t):
         if not _is_tensor(t):
             return t
         if id(t) not in memo:
             with torchTensorRef.disabled():
-                c = t.detach().clone()
+                if t.layout == torch.strided:
+                    key = t.untyped_storage()._cdata
+                    if key not in storages:
+                        storages[key] = t.untyped_storage().clone()
+                    c = with_math_bits(raw.typed_view(storages[key], t.dtype, t.size(), t.stride(),
+                                                      t.storage_offset()), t)
+                else:
+                    c = t.detach().clone()
             if managed and c.layout == torch.strided:
                 c = TensorRef(c)  # sparse inputs stay plain: only strided tensors are managed
             memo[id(t)] = c.requires_grad_(grad and t.requires_grad)
@@ -267,6 +295,11 @@ def check_variant(op, sample, pristine, variant: str):
     try:
         _compare_all(got, expected, values)
     except AssertionError:
+        if not _reproducible(op, sample, pristine, variant, expected):
+            # Plain torch gives other values each run (native_batch_norm's out= variant on a
+            # non-contiguous input reads memory it did not write): only metadata can match.
+            _compare_all(got, expected, values=False)
+            return expected
         # Bit-identical to torch's subclass branch is a match too (see _SubclassPath).
         subclass_expected = _reference(op, sample, pristine, variant, subclass_path=True)
         try:
@@ -275,6 +308,17 @@ def check_variant(op, sample, pristine, variant: str):
         except AssertionError:
             _compare_all(got, expected, values)  # report the difference from plain torch
     return expected
+
+
+def _reproducible(op, sample, pristine, variant, expected) -> bool:
+    """Whether plain torch gives ``expected`` again."""
+    again = _reference(op, sample, pristine, variant)
+    try:
+        assert not isinstance(again, Exception)
+        _compare_all(again, expected, values=True)
+    except AssertionError:
+        return False
+    return True
 
 
 def _out_templates(result):
@@ -298,6 +342,16 @@ def check_sample(op, sample):
         templates = _out_templates(expected[0])
         if templates is not None:
             check_variant(op, sample, pristine + (templates,), "out")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: ``pytest -n 2`` runs two workers on two cores, and the sweep's
+    tensors are too small to gain from more (plain and managed runs use the same setting)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("strategy", NAMES)
