@@ -178,8 +178,9 @@ def _plot(traces: Dict[str, object], budget: int, param_bytes: int, path: str) -
     ax.set_xlabel("time (s)")
     ax.set_ylabel("accelerator memory in use (MiB)")
     ax.set_title(f"GPT-2 forward + generate(), budget {format_size(budget)}")
-    ax.set_ylim(bottom=0)
-    ax.legend(loc="center right", fontsize="small")
+    top = max([param_bytes, budget] + [b for t in traces.values() for _t, b in t.resident]) / mib
+    ax.set_ylim(0, top * 1.3)  # room above the lines for a one-row legend
+    ax.legend(loc="upper center", ncol=4, fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
