@@ -4,9 +4,9 @@ For each ``op_db`` entry that supports float32 on the CPU and each strategy, the
 ``SAMPLES_PER_OP`` sample inputs and a non-contiguous copy of the first run twice: once in
 plain torch, once with every tensor of the sample made a TensorRef, on device "sim" under a
 budget of twice the sample's bytes (so the op's intermediate tensors and autograd's saved
-tensors are evicted and fetched back). The function variant runs forward and backward (the
-gradients of a fixed random weighting of its outputs); the in-place variant and ``out=``
-(into empty tensors the op must resize) run forward. Results, the inputs afterwards (ops
+tensors are evicted and fetched back). The function and in-place variants run forward and
+backward (the gradients of a fixed random weighting of the outputs; in place on a clone of
+the input); ``out=`` (into empty tensors the op must resize) runs forward. Results, the inputs afterwards (ops
 may write them) and gradients must match plain torch bit for bit; where plain torch
 raises, the managed run must raise the same exception type.
 
@@ -158,31 +158,47 @@ def _identity(result, written):
 
 
 def _run(op, sample, tree, variant: str, managed: bool):
-    """Run a variant of ``op`` on the copied sample ``tree``: (result, tree after, grads or identity).
+    """Run a variant of ``op`` on the copied sample ``tree``: (result, tree after, extras).
 
     ``tree`` is ``(input, args, kwargs)``, plus the ``out`` tensors for the ``"out"`` variant.
+    ``extras`` holds the gradients and, for in-place and ``out=``, whether the op returned
+    the very tensors it wrote.
     """
     inp, args, kwargs = tree[:3]
     torch.manual_seed(0)  # random ops draw the same numbers in both runs
-    if variant == "inplace":
-        out = op.inplace_variant(inp, *args, **kwargs)
-        return out, tree, _identity(out, inp)
     if variant == "out":
         out = op(inp, *args, out=tree[3], **kwargs)
         return out, tree, _identity(out, tree[3])
+    if variant == "inplace":
+        # Autograd through an in-place op needs a non-leaf to write: a clone of the input.
+        target = inp.clone() if inp.requires_grad else inp
+        out = op.inplace_variant(target, *args, **kwargs)
+        return out, tree, (_identity(out, target), _grads(op, sample, tree, out, managed))
     out = op(inp, *args, **kwargs)
-    grads = None
+    return out, tree, _grads(op, sample, tree, out, managed)
+
+
+def _grads(op, sample, tree, out, managed: bool):
+    """Gradients of a fixed random weighting of ``out`` w.r.t. the sample's tensors, or None."""
     leaves = [t for t in tree_flatten(tree)[0] if _is_tensor(t) and t.requires_grad]
-    if op.supports_autograd and leaves:
-        diff = [o for o in tree_flatten(sample.output_process_fn_grad(out))[0]
-                if _is_tensor(o) and o.requires_grad and (o.is_floating_point() or o.is_complex())]
-        if diff:
-            weights = _weights(diff)
-            if managed:
-                weights = [TensorRef(w) for w in weights]
-            torch.manual_seed(1)
-            grads = torch.autograd.grad(_loss(diff, weights), leaves, allow_unused=True)
-    return out, tree, grads
+    if not (op.supports_autograd and leaves):
+        return None
+    diff = [o for o in tree_flatten(sample.output_process_fn_grad(out))[0]
+            if _is_tensor(o) and o.requires_grad and (o.is_floating_point() or o.is_complex())]
+    if not diff:
+        return None
+    weights = _weights(diff)
+    if managed:
+        weights = [TensorRef(w) for w in weights]
+    torch.manual_seed(1)
+    return torch.autograd.grad(_loss(diff, weights), leaves, allow_unused=True)
+
+
+def _grad_enabled(op, variant: str) -> bool:
+    """Whether the variant runs backward too (its sample keeps ``requires_grad``)."""
+    if variant == "function":
+        return True
+    return variant == "inplace" and op.supports_inplace_autograd
 
 
 def _plain(tree):
@@ -235,7 +251,7 @@ def _managed_run(op, sample, pristine, variant):
     """The managed run, under a budget raised (from fresh inputs) as long as it is too small."""
     budget = max(2 * _sample_bytes(pristine), 64)
     for _ in range(BUDGET_RETRIES):
-        tree = _copy(pristine, managed=True, grad=variant == "function")
+        tree = _copy(pristine, managed=True, grad=_grad_enabled(op, variant))
         tensorsManager.budget = budget
         try:
             return _run(op, sample, tree, variant, managed=True)
@@ -261,7 +277,7 @@ class _SubclassPath(TorchDispatchMode):
 def _reference(op, sample, pristine, variant, subclass_path: bool = False):
     """Plain torch's result for the sample, or the exception it raised."""
     with torchTensorRef.disabled():
-        tree = _copy(pristine, managed=False, grad=variant == "function")
+        tree = _copy(pristine, managed=False, grad=_grad_enabled(op, variant))
         try:
             if subclass_path:
                 with _SubclassPath():
@@ -289,7 +305,7 @@ def check_variant(op, sample, pristine, variant: str):
         return expected
     got = _managed_run(op, sample, pristine, variant)
     _check_managed(got[0], f"{variant}: result")
-    _check_managed(got[2], f"{variant}: gradient", zeros_may_escape=True)
+    _check_managed(got[2], f"{variant}: gradient or returned objects", zeros_may_escape=True)
     got = _plain(got)
     values = op.name not in UNINITIALIZED
     try:
