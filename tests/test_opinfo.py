@@ -6,9 +6,9 @@ plain torch, once with every tensor of the sample made a TensorRef, on device "s
 budget of twice the sample's bytes (so the op's intermediate tensors and autograd's saved
 tensors are evicted and fetched back). The function and in-place variants run forward and
 backward (the gradients of a fixed random weighting of the outputs; in place on a clone of
-the input); ``out=`` (into empty tensors the op must resize) runs forward. Results, the inputs afterwards (ops
-may write them) and gradients must match plain torch bit for bit; where plain torch
-raises, the managed run must raise the same exception type.
+the input); ``out=`` (into empty tensors the op must resize) runs forward. Results, the
+inputs afterwards (ops may write them) and gradients must match plain torch bit for bit;
+where plain torch raises, the managed run must raise the same exception type.
 
 An op whose own working set does not fit raises ``OutOfBudgetError``, which is correct
 behaviour: the managed run is then repeated from fresh inputs with a larger budget.
