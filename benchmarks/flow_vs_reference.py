@@ -80,7 +80,7 @@ def run(strategy: str, fraction: float, layers: int, steps: int, seed: int = 0) 
     return result
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4)
@@ -107,11 +107,13 @@ def main(argv=None) -> int:
         g_moved = genoa["bytes_to_device"] + genoa["bytes_to_host"]
         print(f"budget {fraction:.0%}: flow/reference = {flow['ratio_to_reference']:.3f} (target <= 1.10), "
               f"genoa/flow = {g_moved / f_moved:.1f}x, losses equal: {flow['losses'] == genoa['losses']}")
+    result = {"torch": torch.__version__, "device": "sim", "layers": args.layers, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": "sim", "rows": rows}, f, indent=2)
-    return 0
+            json.dump(result, f, indent=2)
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    sys.exit(0)

@@ -1,0 +1,1 @@
+"""Performance benchmarks of torchTensorRef (not part of the installed package); see docs/benchmarks/."""

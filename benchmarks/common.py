@@ -1,0 +1,232 @@
+"""What the benchmarks share: models, workloads, accelerate's copy counter, result metadata."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from typing import Callable, Dict, Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import torchTensorRef  # noqa: E402
+from torchTensorRef import tensorsManager as tm  # noqa: E402
+
+#: special tokens inside every benchmark's vocabulary; no eos, so generate() always makes its tokens
+SPECIAL = dict(bos_token_id=1, eos_token_id=None, pad_token_id=0)
+MIB = 2**20
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' config and generation warnings (they fill the benchmark's output)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+# -- models (built plain, on the host, from a seed) ------------------------------------------------
+
+def gpt2(layers: int, embd: int, vocab: int, positions: int, seed: int = 0) -> torch.nn.Module:
+    """A plain ``transformers`` GPT-2 with random weights and no dropout (comparisons stay exact)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    quiet_transformers()
+    config = GPT2Config(n_layer=layers, n_embd=embd, n_head=max(embd // 32, 1), vocab_size=vocab,
+                        n_positions=positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **SPECIAL)
+    with torchTensorRef.disabled():
+        torch.manual_seed(seed)
+        return GPT2LMHeadModel(config)
+
+
+def llama(layers: int, hidden: int, intermediate: int, vocab: int, heads: int, kv_heads: int,
+          positions: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    """A plain ``transformers`` Llama with random weights, built directly in ``dtype``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    quiet_transformers()
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
+                         vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=positions, **SPECIAL)
+    previous = torch.get_default_dtype()
+    with torchTensorRef.disabled():
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)  # build in dtype: a 1B model never exists in float32
+        try:
+            return LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's distinct parameters (tied ones once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def plain_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """An independent plain copy of plain ``model``."""
+    with torchTensorRef.disabled():
+        return copy.deepcopy(model)
+
+
+def managed_copy(model: torch.nn.Module, device: str, strategy: str) -> torch.nn.Module:
+    """A copy of plain ``model`` brought under management on ``device`` with ``strategy``, no budget yet."""
+    tm.budget = None
+    tm.device = device
+    tm.strategy = strategy
+    return torchTensorRef.manage(plain_copy(model))
+
+
+def plain_inputs(seed: int, vocab: int, batch: int, seq: int) -> torch.Tensor:
+    """Token ids (a plain tensor) from ``seed``."""
+    with torchTensorRef.disabled():
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(2, vocab, (batch, seq), generator=g)
+
+
+# -- workloads ---------------------------------------------------------------------------------------
+
+def generate(model: torch.nn.Module, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Greedy ``generate()`` of exactly ``tokens`` new tokens."""
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                              min_new_tokens=tokens, do_sample=False, pad_token_id=SPECIAL["pad_token_id"])
+
+
+def trainer(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
+    """One AdamW training step of ``model`` on ``ids`` (labels = ids) per call; returns the loss."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step.optimizer = opt  # type: ignore[attr-defined]
+    return step
+
+
+def as_plain(t: torch.Tensor) -> torch.Tensor:
+    """The values of a TensorRef or plain tensor as a plain host tensor."""
+    if isinstance(t, torchTensorRef.TensorRef):
+        t = t.target
+    with torchTensorRef.disabled():
+        return t.detach().cpu().clone()
+
+
+# -- accelerate ---------------------------------------------------------------------------------------
+
+class AccelerateCopies:
+    """Counts the bytes accelerate's hooks copy to an execution device.
+
+    ``accelerate.cpu_offload`` keeps the weights on the host and, in each module's
+    pre-forward hook, sets every weight on the execution device with
+    ``set_module_tensor_to_device`` (and back to ``meta`` after). Wrapping that function in
+    ``accelerate.hooks`` counts every value set on a real device: what a GPU would receive
+    over PCIe, also when the execution device is the host (where ``.to`` copies nothing).
+    """
+
+    def __init__(self):
+        self.bytes = 0
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        import accelerate.hooks
+
+        original = accelerate.hooks.set_module_tensor_to_device
+
+        def counted(module, tensor_name, device, value=None, *args, **kwargs):
+            if isinstance(device, int) or torch.device(device).type != "meta":
+                self._count(module, tensor_name, device, value, kwargs.get("tied_params_map"))
+            return original(module, tensor_name, device, value, *args, **kwargs)
+
+        accelerate.hooks.set_module_tensor_to_device = counted
+        try:
+            yield self
+        finally:
+            accelerate.hooks.set_module_tensor_to_device = original
+
+    def _count(self, module, name, device, value, tied) -> None:
+        if value is None:
+            owner = module
+            for part in name.split(".")[:-1]:
+                owner = getattr(owner, part)
+            value = getattr(owner, name.split(".")[-1])
+        if value is None or value.device.type == "meta":
+            return
+        if tied is not None and value.data_ptr() in tied and device in tied[value.data_ptr()]:
+            return  # a tied weight already on the device: accelerate reuses it
+        self.bytes += value.numel() * value.element_size()
+        self.calls += 1
+
+    def reset(self) -> None:
+        self.bytes = self.calls = 0
+
+
+def offloaded_copy(model: torch.nn.Module, execution_device) -> torch.nn.Module:
+    """A plain copy of ``model`` under ``accelerate.cpu_offload`` (weights on the host)."""
+    import accelerate
+
+    with torchTensorRef.disabled():
+        return accelerate.cpu_offload(plain_copy(model), execution_device=execution_device)
+
+
+# -- results --------------------------------------------------------------------------------------------
+
+def command_line(script: str, argv) -> str:
+    """The command that reproduces a run, from the repository root."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python", script] + [shlex.quote(str(a)) for a in args])
+
+
+def metadata(command: str, device: str) -> Dict[str, object]:
+    """Where, when and how a result was obtained."""
+    meta = {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+    }
+    for name in ("transformers", "accelerate"):
+        try:
+            meta[name] = __import__(name).__version__
+        except ImportError:
+            meta[name] = None
+    if hasattr(os, "getloadavg"):
+        meta["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    if device.startswith("cuda") and torch.cuda.is_available():
+        meta["gpu"] = torch.cuda.get_device_name()
+        meta["cuda"] = torch.version.cuda
+    return meta
+
+
+def write_json(path: str, result: dict) -> None:
+    """Write ``result`` to ``path`` (folders made as needed)."""
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+        f.write("\n")
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """``a / b``, or ``None`` when either is missing or ``b`` is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b

@@ -1,0 +1,361 @@
+"""Throughput on a CUDA GPU: a 1B-parameter Llama under Flow, Genoa, accelerate's offload and all-resident.
+
+A Llama-style model (random weights from ``LlamaConfig``: hidden 2048, 22 layers,
+intermediate 5632, vocab 32000, about 1.1B parameters, bfloat16) is run
+
+- all resident on the GPU (plain torch): the compute time;
+- under ``accelerate.cpu_offload`` (weights on the host, copied in by its hooks);
+- managed by torchTensorRef with Flow and with Genoa at budgets of 25%, 50% and 100% of
+  its weight bytes,
+
+measuring greedy ``generate()`` tokens per second and the time of an AdamW training step,
+the bytes each moved, and ``torch.cuda.max_memory_allocated`` against the budget. With the
+pinned host-to-device bandwidth measured here (CUDA events around a large copy), the bound
+for a run is ``max(compute time, bytes moved / bandwidth)``; the targets are printed with
+the figures: Flow within 80% of the bound, at least 3x accelerate's tokens/s at the same
+budget, at 100% budget at least 0.95x all-resident, and a real peak within the budget + 10%.
+
+    python benchmarks/gpu_throughput.py [--json out.json]
+    python benchmarks/gpu_throughput.py --device sim --tiny   # the same harness, no GPU
+
+Without CUDA (and without ``--device sim``) it says so and exits 0. On ``"sim"`` the times
+are meaningless (the "GPU" is host memory) but the bytes are real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import torchTensorRef  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import MIB, tm  # noqa: E402
+
+SIZES = {
+    # TinyLlama-1.1B's shape
+    "full": dict(model=dict(layers=22, hidden=2048, intermediate=5632, vocab=32000, heads=32, kv_heads=4),
+                 dtype="bfloat16", prompt=128, tokens=32, batch=1, seq=256, calls=3, warmup_steps=3, steps=3,
+                 bandwidth_bytes=1 << 30),
+    # thin and several layers, so that every op fits in 25% of the weight bytes; float32,
+    # because CPUs without native bfloat16 run bfloat16 matmuls tens of times slower
+    "tiny": dict(model=dict(layers=6, hidden=32, intermediate=64, vocab=128, heads=4, kv_heads=2),
+                 dtype="float32", prompt=8, tokens=3, batch=2, seq=8, calls=3, warmup_steps=2, steps=1,
+                 bandwidth_bytes=16 << 20),
+}
+STRATEGIES = ("flow", "genoa")
+FRACTIONS = (0.25, 0.5, 1.0)
+TARGETS = {
+    "flow_to_bound": 0.8,       # bound / measured time
+    "flow_to_accelerate": 3.0,  # tokens/s
+    "full_budget_to_resident": 0.95,
+    "peak_over_budget": 1.10,
+}
+NEEDS_CUDA = ("gpu_throughput needs CUDA: torch.cuda.is_available() is False (torch {torch}). "
+              "Run it on a machine with an NVIDIA GPU, or check the harness with "
+              "`python benchmarks/gpu_throughput.py --device sim --tiny`.")
+ACCELERATE_TRAINING = "not supported by accelerate's cpu_offload (it offloads for inference)"
+
+
+class Device:
+    """Timing, synchronization and peak memory on the GPU, or on ``"sim"`` for the harness."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.cuda = name.startswith("cuda")
+        self.compute = torch.device(name) if self.cuda else torch.device("cpu")
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.compute)
+
+    def timed(self, fn: Callable[[], object]):
+        self.sync()
+        start = time.perf_counter()
+        out = fn()
+        self.sync()
+        return out, time.perf_counter() - start
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.compute)
+
+    def peak(self, managed: bool) -> Optional[int]:
+        """The real peak on a GPU; on ``"sim"`` the manager's accounted peak (none for plain runs)."""
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.compute)
+        return tm.stats()["peak_device_bytes"] if managed else None
+
+    def free(self) -> None:
+        gc.collect()
+        tm.stats()  # releases the blocks of dead TensorRefs
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def bandwidth(self, nbytes: int, repeats: int = 5) -> dict:
+        """Best host-to-device and device-to-host copy rates of a pinned ``nbytes`` buffer (bytes/s)."""
+        with torchTensorRef.disabled():
+            if not self.cuda:  # the simulated device copies host memory to host memory
+                src = torch.empty(nbytes, dtype=torch.uint8)
+                dst = torch.empty_like(src)
+                best = min(self.timed(lambda: dst.copy_(src))[1] for _ in range(repeats))
+                return {"h2d": nbytes / best, "d2h": nbytes / best, "bytes": nbytes, "pinned": False}
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.compute)
+            out = {"bytes": nbytes, "pinned": True}
+            for key, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+                dst.copy_(src, non_blocking=True)  # warm-up
+                ms = []
+                for _ in range(repeats):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    dst.copy_(src, non_blocking=True)
+                    end.record()
+                    end.synchronize()
+                    ms.append(start.elapsed_time(end))
+                out[key] = nbytes / (min(ms) / 1e3)
+            del host, dev
+            return out
+
+
+# -- one configuration -----------------------------------------------------------------------------
+
+def measure_generate(dev: Device, model, ids, size: dict, moved: Callable[[], int], managed: bool) -> dict:
+    """Warm up, then time one greedy ``generate()`` call."""
+    for _ in range(size["calls"] - 1):
+        common.generate(model, ids, size["tokens"])
+    moved(reset=True)
+    out, seconds = dev.timed(lambda: common.generate(model, ids, size["tokens"]))
+    return {"seconds": seconds, "tokens_per_s": ids.shape[0] * size["tokens"] / seconds,
+            "moved": moved(), "peak": dev.peak(managed), "tokens": common.as_plain(out)}
+
+
+def measure_train(dev: Device, model, ids, size: dict, moved: Callable[[], int], managed: bool) -> dict:
+    """Warm up, then time a few AdamW steps; the median step time."""
+    step = common.trainer(model, ids)
+    losses = [step() for _ in range(size["warmup_steps"])]
+    moved(reset=True)
+    times = []
+    for _ in range(size["steps"]):
+        loss, seconds = dev.timed(step)
+        losses.append(loss)
+        times.append(seconds)
+    result = {"seconds": statistics.median(times), "step_seconds": times,
+              "moved": moved() // size["steps"], "peak": dev.peak(managed), "losses": losses}
+    del step
+    return result
+
+
+def run_config(dev: Device, plain, ids: dict, size: dict, config: str, fraction: Optional[float],
+               wbytes: int) -> dict:
+    """Both workloads of one configuration: "resident", "accelerate", or a strategy at a budget."""
+    row = {"config": config, "budget_fraction": fraction,
+           "budget": None if fraction is None else int(wbytes * fraction)}
+    for workload in ("generate", "train"):
+        if config == "accelerate" and workload == "train":
+            row[workload] = {"skipped": ACCELERATE_TRAINING}
+            continue
+        dev.free()
+        dev.reset_peak()
+        try:
+            row[workload] = _run_workload(dev, plain, ids[workload], size, config, row["budget"], workload)
+        except Exception as e:  # one failing configuration must not lose the others' figures
+            traceback.print_exc()
+            row[workload] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            tm.budget = None
+            dev.free()
+    return row
+
+
+def _run_workload(dev: Device, plain, ids, size, config, budget, workload):
+    measure = measure_generate if workload == "generate" else measure_train
+    if config in ("resident", "accelerate"):
+        counter = common.AccelerateCopies()
+
+        def moved(reset=False):
+            if reset:
+                counter.reset()
+            return counter.bytes
+
+        with torchTensorRef.disabled(), counter.counting():
+            if config == "resident":
+                model = common.plain_copy(plain).to(dev.compute)
+            else:
+                model = common.offloaded_copy(plain, dev.compute)
+            model.train(workload == "train")
+            result = measure(dev, model, ids.to(dev.compute), size, moved, managed=False)
+        del model
+        return result
+
+    def moved(reset=False):
+        if reset:
+            tm.reset_stats()
+        s = tm.stats()
+        return s["bytes_to_device"] + s["bytes_to_host"]
+
+    model = common.managed_copy(plain, dev.name, config)
+    tm.budget = budget
+    model.train(workload == "train")
+    mids = torchTensorRef.manage(ids.clone())
+    try:
+        result = measure(dev, model, mids, size, moved, managed=True)
+        if not dev.cuda:
+            result["peak"] = tm.stats()["peak_device_bytes"]
+    finally:
+        del model, mids
+    return result
+
+
+# -- the bound and the targets -------------------------------------------------------------------
+
+def evaluate(rows: list, bandwidth: dict) -> list:
+    """Bound, efficiency and each target's figure, per managed configuration and workload."""
+    by = {(r["config"], r["budget_fraction"]): r for r in rows}
+    resident = by.get(("resident", None), {})
+    acc = by.get(("accelerate", None), {})
+    checks = []
+    for r in rows:
+        if r["budget_fraction"] is None:
+            continue
+        for workload in ("generate", "train"):
+            m = r.get(workload, {})
+            base = resident.get(workload, {})
+            if "seconds" not in m or "seconds" not in base:
+                continue
+            transfer = m["moved"] / bandwidth["h2d"]
+            bound = max(base["seconds"], transfer)
+            m["transfer_seconds"] = transfer
+            m["bound_seconds"] = bound
+            m["bound_to_measured"] = bound / m["seconds"]
+            m["to_resident"] = base["seconds"] / m["seconds"]
+            m["peak_to_budget"] = common.ratio(m["peak"], r["budget"])
+            if workload == "generate" and "tokens" in base:
+                m["tokens_equal_resident"] = bool(torch.equal(m["tokens"], base["tokens"]))
+            if "seconds" in acc.get(workload, {}):
+                m["to_accelerate"] = acc[workload]["seconds"] / m["seconds"]
+            if r["config"] != "flow":
+                continue
+            name = f"flow {r['budget_fraction']:.0%} {workload}"
+            checks.append(_check(f"{name}: bound / time", m["bound_to_measured"], ">=", TARGETS["flow_to_bound"]))
+            if m.get("to_accelerate") is not None:
+                checks.append(_check(f"{name}: tokens/s vs accelerate", m["to_accelerate"], ">=",
+                                     TARGETS["flow_to_accelerate"]))
+            if r["budget_fraction"] >= 1.0:
+                checks.append(_check(f"{name}: vs all-resident", m["to_resident"], ">=",
+                                     TARGETS["full_budget_to_resident"]))
+            if m["peak_to_budget"] is not None:
+                checks.append(_check(f"{name}: real peak / budget", m["peak_to_budget"], "<=",
+                                     TARGETS["peak_over_budget"]))
+    return checks
+
+
+def _check(name: str, value: float, op: str, target: float) -> dict:
+    ok = value >= target if op == ">=" else value <= target
+    return {"check": name, "value": value, "target": f"{op} {target}", "met": ok}
+
+
+def print_report(result: dict) -> None:
+    size, bw = result["size"], result["bandwidth"]
+    print(f"{result['model']} ({result['parameters'] / 1e9:.2f}B parameters, {size['dtype']}, "
+          f"{result['weight_bytes'] / MIB:.0f} MiB of weights) on {result['device']}, torch {result['torch']}")
+    print(f"bandwidth: host to device {bw['h2d'] / 1e9:.1f} GB/s, device to host {bw['d2h'] / 1e9:.1f} GB/s "
+          f"({'pinned' if bw['pinned'] else 'host memcpy'}, {bw['bytes'] / MIB:.0f} MiB)")
+    if not result["device"].startswith("cuda"):
+        print("on 'sim' the times are meaningless (the accelerator is host memory); the bytes are real")
+    print(f"generate: batch {ids_shape(size, 'generate')}, {size['tokens']} new tokens; "
+          f"train: AdamW, batch {ids_shape(size, 'train')}")
+    print(f"{'config':>10} {'budget':>6} | {'tok/s':>8} {'MiB/call':>9} {'bound/t':>7} {'peak MiB':>8} | "
+          f"{'s/step':>7} {'MiB/step':>9} {'bound/t':>7} {'peak MiB':>8}")
+
+    def cell(value, spec, scale=1):
+        return "-" if value is None else format(value / scale, spec)
+
+    for r in result["rows"]:
+        g, t = r.get("generate", {}), r.get("train", {})
+        frac = "-" if r["budget_fraction"] is None else f"{r['budget_fraction']:.0%}"
+        print(f"{r['config']:>10} {frac:>6} | {cell(g.get('tokens_per_s'), '.2f'):>8} "
+              f"{cell(g.get('moved'), '.1f', MIB):>9} {cell(g.get('bound_to_measured'), '.2f'):>7} "
+              f"{cell(g.get('peak'), '.1f', MIB):>8} | {cell(t.get('seconds'), '.3f'):>7} "
+              f"{cell(t.get('moved'), '.1f', MIB):>9} {cell(t.get('bound_to_measured'), '.2f'):>7} "
+              f"{cell(t.get('peak'), '.1f', MIB):>8}")
+        for workload in ("generate", "train"):
+            m = r.get(workload, {})
+            if "error" in m or "skipped" in m:
+                print(f"{'':>10} {workload}: {m.get('error') or m.get('skipped')}")
+    print("targets:")
+    for c in result["checks"]:
+        print(f"  {'met ' if c['met'] else 'MISS'} {c['check']}: {c['value']:.3f} (target {c['target']})")
+
+
+def ids_shape(size: dict, workload: str) -> str:
+    return f"{size['batch']}x{size['seq']}" if workload == "train" else f"1x{size['prompt']}"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help='"cuda", "cuda:N", or "sim" to check the harness')
+    parser.add_argument("--tiny", action="store_true", help="a tiny model: checks the harness in seconds")
+    parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument("--json", help="write the results to this file")
+    args = parser.parse_args(argv)
+    command = common.command_line("benchmarks/gpu_throughput.py", argv)
+    if args.device != "sim" and not args.device.startswith("cuda"):
+        parser.error(f'--device must be "cuda", "cuda:N" or "sim" (got: {args.device!r})')
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        message = NEEDS_CUDA.format(torch=torch.__version__)
+        print(message)
+        return {**common.metadata(command, args.device), "skipped": message}
+
+    size = SIZES["tiny" if args.tiny else "full"]
+    dev = Device(args.device)
+    plain = common.llama(positions=max(size["seq"], size["prompt"] + size["tokens"]) + 8,
+                         dtype=getattr(torch, size["dtype"]), **size["model"])
+    wbytes = common.param_bytes(plain)
+    vocab = plain.config.vocab_size
+    ids = {"generate": common.plain_inputs(2, vocab, 1, size["prompt"]),
+           "train": common.plain_inputs(1, vocab, size["batch"], size["seq"])}
+    bandwidth = dev.bandwidth(size["bandwidth_bytes"])
+    previous = (tm.device, tm.strategy, tm.budget)
+    rows = [run_config(dev, plain, ids, size, "resident", None, wbytes),
+            run_config(dev, plain, ids, size, "accelerate", None, wbytes)]
+    try:
+        for fraction in args.fractions:
+            for strategy in args.strategies:
+                rows.append(run_config(dev, plain, ids, size, strategy, fraction, wbytes))
+    finally:
+        tm.budget = None
+        tm.device, tm.strategy = previous[0], previous[1]
+        tm.budget = previous[2]
+    checks = evaluate(rows, bandwidth)
+    result = {
+        **common.metadata(command, args.device),
+        "model": "Llama (random init)", "parameters": sum(p.numel() for p in plain.parameters()),
+        "weight_bytes": wbytes, "sizes": "tiny" if args.tiny else "full", "size": size,
+        "bandwidth": bandwidth, "targets": TARGETS, "rows": rows, "checks": checks,
+    }
+    if not dev.cuda:
+        result["note"] = "device 'sim': times are meaningless (the accelerator is host memory), bytes are real"
+    print_report(result)
+    for r in rows:  # the tokens were for comparisons; the losses stay
+        for workload in ("generate", "train"):
+            r.get(workload, {}).pop("tokens", None)
+    if args.json:
+        common.write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

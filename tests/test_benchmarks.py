@@ -1,0 +1,150 @@
+"""Smoke runs of the benchmark harnesses on "sim" with tiny models: they run, their byte counts agree.
+
+Timings are never checked (they depend on the machine); the bytes are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import torchTensorRef
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common, gpu_throughput, plots, run_all, transfer  # noqa: E402
+
+METADATA = ("device", "torch", "date", "command")
+
+
+def _moved(row):
+    return row["bytes_to_device"] + row["bytes_to_host"]
+
+
+@pytest.fixture(scope="module")
+def transfer_result(tmp_path_factory):
+    path = tmp_path_factory.mktemp("transfer") / "transfer.json"
+    result = transfer.main(["--quick", "--models", "gpt2", "--fractions", "0.5", "--json", str(path)])
+    return result, path
+
+
+def test_transfer_writes_json_with_metadata(transfer_result):
+    result, path = transfer_result
+    with open(path) as f:
+        saved = json.load(f)
+    for key in METADATA:
+        assert saved[key], key
+    assert saved["command"].startswith("python benchmarks/transfer.py --quick")
+    assert saved["rows"] == json.loads(json.dumps(result["rows"]))
+
+
+def test_transfer_flow_between_reference_and_genoa(transfer_result):
+    rows = transfer_result[0]["rows"]
+    for workload in transfer.WORKLOADS:
+        flow = transfer._find(rows, "gpt2", workload, "flow", 0.5)
+        genoa = transfer._find(rows, "gpt2", workload, "genoa", 0.5)
+        for r in (flow, genoa):
+            assert r["equal_to_plain"], r
+            assert r["peak_device_bytes"] <= r["budget"]
+            assert r["moved"] == _moved(r)
+            assert r["reference_moved"] <= r["moved"], r
+        assert flow["moved"] <= genoa["moved"], (flow, genoa)
+
+
+def test_transfer_counts_accelerate_copies(transfer_result):
+    rows = transfer_result[0]["rows"]
+    tokens = transfer.SIZES["quick"]["tokens"]
+    train = transfer._find(rows, "gpt2", "train", "accelerate")
+    gen = transfer._find(rows, "gpt2", "generate", "accelerate")
+    # every forward copies every weight in (the tied embedding twice): at least the parameter bytes
+    assert train["forward_only"] and train["moved"] >= train["param_bytes"]
+    assert not gen["forward_only"] and gen["equal_to_plain"]
+    assert gen["moved"] == tokens * train["moved"]  # one forward per new token, each copying the same
+
+
+def test_accelerate_counter_against_parameter_bytes():
+    model = common.llama(layers=2, hidden=16, intermediate=32, vocab=64, heads=2, kv_heads=1, positions=16)
+    ids = common.plain_inputs(0, 64, 1, 4)
+    counter = common.AccelerateCopies()
+    with counter.counting():
+        offloaded = common.offloaded_copy(model, "cpu")
+        counter.reset()
+        with torch.no_grad(), torchTensorRef.disabled():
+            offloaded(ids)
+    # untied Llama: each parameter is copied exactly once per forward; buffers stay put
+    assert counter.bytes == common.param_bytes(model)
+    assert counter.calls == len(list(model.parameters()))
+
+
+def test_transfer_plot(transfer_result, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = plots.plot("transfer", transfer_result[0], str(tmp_path))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_throughput_harness_on_sim(tmp_path):
+    path = tmp_path / "gpu.json"
+    result = gpu_throughput.main(["--device", "sim", "--tiny", "--fractions", "0.5", "--json", str(path)])
+    with open(path) as f:
+        saved = json.load(f)
+    for key in METADATA:
+        assert saved[key], key
+    rows = {(r["config"], r["budget_fraction"]): r for r in result["rows"]}
+    size = gpu_throughput.SIZES["tiny"]
+    wbytes = result["weight_bytes"]
+    for (config, _f), r in rows.items():
+        for workload in ("generate", "train"):
+            assert "error" not in r[workload], (config, workload, r[workload])
+    assert rows[("resident", None)]["generate"]["moved"] == 0
+    assert rows[("resident", None)]["train"]["moved"] == 0
+    assert "skipped" in rows[("accelerate", None)]["train"]
+    # accelerate copies all weights for every forward: the prompt's and one per further token
+    assert rows[("accelerate", None)]["generate"]["moved"] == size["tokens"] * wbytes
+    flow, genoa = rows[("flow", 0.5)], rows[("genoa", 0.5)]
+    for workload in ("generate", "train"):
+        assert flow[workload]["moved"] <= genoa[workload]["moved"]
+        for r in (flow, genoa):
+            assert r[workload]["peak"] <= r["budget"]
+            assert r[workload]["bound_seconds"] >= r[workload]["transfer_seconds"]
+    assert flow["generate"]["tokens_equal_resident"] and genoa["generate"]["tokens_equal_resident"]
+    assert flow["train"]["losses"] == rows[("resident", None)]["train"]["losses"]
+    assert {c["check"] for c in result["checks"]} >= {"flow 50% generate: bound / time",
+                                                      "flow 50% generate: tokens/s vs accelerate",
+                                                      "flow 50% train: real peak / budget"}
+
+
+def test_gpu_throughput_without_cuda_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = gpu_throughput.main([])
+    assert "needs CUDA" in capsys.readouterr().out
+    assert "needs CUDA" in result["skipped"]
+
+
+def test_run_all_writes_json_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out, assets = tmp_path / "out", tmp_path / "assets"
+    argv = ["--quick", "--only", "flow_vs_reference", "--out", str(out), "--assets", str(assets), "--noisy"]
+    written = run_all.main(argv)
+    with open(out / "flow_vs_reference.json") as f:
+        saved = json.load(f)
+    for key in METADATA:
+        assert saved[key], key
+    assert saved["command"] == "python benchmarks/run_all.py " + " ".join(argv)
+    assert "noisy" in saved["note"]
+    rows = saved["result"]["rows"]
+    flow = next(r for r in rows if r["strategy"] == "flow")
+    genoa = next(r for r in rows if r["strategy"] == "genoa")
+    assert _moved(flow) <= _moved(genoa)
+    assert flow["losses"] == genoa["losses"]
+    png = out / "flow_vs_reference.png"
+    assert written["flow_vs_reference"]["files"] == [str(out / "flow_vs_reference.json"), str(png)]
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
