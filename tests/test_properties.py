@@ -10,6 +10,7 @@ in plain torch must fail the same way managed.
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -109,6 +110,10 @@ def _write(t, kind, p, pool):
     elif kind == "setitem":
         index, value = p
         t[index] = value
+    elif kind == "resize":  # new storage bytes are uninitialised: write them all
+        t.resize_(p).fill_(1)
+    elif kind == "set_":  # t now views the other tensor's storage
+        t.set_(pool[p])
     elif kind == "numpy_write":  # through an array sharing the bytes
         t.detach().numpy()[p] = 7
     else:
@@ -268,7 +273,7 @@ def _draw_view(data, pool):
     return ("view", i, kind, p)
 
 
-def _draw_write(data, pool):
+def _draw_write(data, pool, arrays):
     i = data.draw(st.sampled_from(_live(pool)), label="target")
     t = pool[i]
     options = ["add_", "mul_", "copy_", "fill_", "zero_", "masked_fill_"]
@@ -283,9 +288,16 @@ def _draw_write(data, pool):
         options.append("setitem")
     if t.numel() > 0:
         options.append("numpy_write")
+    if not t.requires_grad and not arrays and t.untyped_storage().resizable():
+        # (not once numpy arrays exist: a storage that grows moves, and writes through an
+        # array of the old bytes corrupt the heap; nor on storages numpy has seen, which
+        # plain torch refuses to resize after changing the tensor's shape, corrupting it)
+        options.append("resize")
     same = _live(pool, lambda u: u.shape == t.shape and u.dtype == t.dtype)
     if same:
         options.append("out")
+    if not t.requires_grad:
+        options.append("set_")
     kind = data.draw(st.sampled_from(options), label="write")
     small = st.integers(-3, 3)
     if kind == "add_":
@@ -325,6 +337,12 @@ def _draw_write(data, pool):
              data.draw(small, label="value"))
     elif kind == "numpy_write":
         p = tuple(data.draw(st.integers(0, n - 1), label="at") for n in t.shape)
+    elif kind == "resize":
+        # no larger: growth is not made room for before the op (see the expected failures)
+        p = tuple(data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=3)
+                            .filter(lambda shape: math.prod(shape) <= t.numel()), label="shape"))
+    elif kind == "set_":
+        p = data.draw(st.sampled_from(_live(pool, lambda u: u.dtype == t.dtype)), label="source")
     else:
         p = None
     return ("write", i, kind, p, data.draw(st.booleans(), label="no_grad"))
@@ -370,7 +388,7 @@ def _draw_step(data, pool, arrays):
     if kind == "view":
         return _draw_view(data, pool)
     if kind == "write":
-        return _draw_write(data, pool)
+        return _draw_write(data, pool, arrays)
     if kind == "compute":
         return _draw_compute(data, pool)
     if kind == "move":
@@ -479,3 +497,36 @@ def test_programs_match_plain_torch(strategy, data):
     assert log == plain_log
     assert_same_pool(plain, managed)
     assert tm.stats()["peak_device_bytes"] <= budget
+
+
+# -- found by these programs, not fixed yet --------------------------------------------------
+
+GROWTH = ("the manager makes room for an op's new tensors before it runs, but not for the "
+          "growth of a tensor it writes (resize_, out= into a smaller tensor): the device "
+          "holds more than the budget while the op runs")
+
+
+@pytest.mark.xfail(strict=True, reason=GROWTH)
+def test_resize_growth_stays_within_the_budget():
+    tm = tensorsManager
+    x = torch.zeros(2, dtype=torch.float64)
+    y = torch.ones(2, dtype=torch.float64)
+    y.toGPU()
+    tm.budget = 720
+    tm.reset_stats()
+    x.resize_(90)  # 720 bytes, all the budget
+    assert tm.stats()["peak_device_bytes"] <= 720
+
+
+@pytest.mark.xfail(strict=True, reason=GROWTH)
+def test_out_growth_stays_within_the_budget():
+    tm = tensorsManager
+    tm.strategy = "flow"
+    a = torch.zeros(36, dtype=torch.int64)  # 288 bytes
+    b = a.clone()
+    a.toGPU()
+    b.toGPU()
+    tm.budget = 576
+    tm.reset_stats()
+    torch.mul(a, a, out=torch.empty(0, dtype=torch.int64))
+    assert tm.stats()["peak_device_bytes"] <= 576

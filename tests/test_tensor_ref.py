@@ -309,3 +309,14 @@ def test_data_setter_rebinds_the_parameter():
     assert p.tolist() == [1.0, 1.0]
     p.data.mul_(3)  # the new block is the parameter's
     assert p.tolist() == [3.0, 3.0]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "resize_ runs on the accelerator copy, which is resizable: plain torch refuses to resize "
+    "a storage a numpy array shares, managed the resize succeeds and the array is left behind"))
+def test_resize_of_a_tensor_numpy_shares_is_refused_like_torch():
+    x = torch.zeros(3)
+    array = x.numpy()
+    with pytest.raises(RuntimeError, match="not resizable"):
+        x.resize_(10)
+    assert array.__array_interface__["data"][0] == x.data_ptr()
