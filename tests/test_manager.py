@@ -304,3 +304,19 @@ def test_out_of_budget_in_backward_names_the_op():
     with pytest.raises(OutOfBudgetError, match=r"op aten\.\w+"):
         loss.backward()
     assert w.grad is None
+
+
+def test_evict_all_sends_unpinned_blocks_home_and_keeps_values():
+    tm = tensorsManager
+    tm.strategy = "flow"
+    a, pinned = torch.ones(64), torch.ones(64)
+    b = a * 3  # only on the device, dirty
+    tm.pin(pinned)
+    try:
+        tm.evict_all()
+        assert not a.proxyInfo.on_device and not b.proxyInfo.on_device
+        assert pinned.proxyInfo.on_device
+        assert tm.stats()["device_bytes"] == pinned.proxyInfo.nbytes
+    finally:
+        tm.unpin(pinned)
+    assert torch.equal(b.toCPU().target, torch.full((64,), 3.0))

@@ -276,6 +276,13 @@ class TensorsManager:
             if fn is not None and fn(ctx) is False and when == "before":
                 raise OpVetoedError(ctx.name)
 
+    def evict_all(self) -> None:
+        """Send every unpinned block back to host memory (writing back what changed)."""
+        with self._lock:
+            self._drain()
+            for block in [b for b in self._resident.values() if not b.pins]:
+                self.evict(block)
+
     def pin(self, tensor: TensorRef) -> None:
         """Keep ``tensor``'s block resident until ``unpin``; pins nest."""
         if not isinstance(tensor, TensorRef):
@@ -488,6 +495,8 @@ class TensorsManager:
             if block.host is not None:  # the host copy has the old size: drop it
                 self._by_host_storage.pop(block.host._cdata, None)
                 block.set_host(None, False)
+            if self._trace is not None:
+                self._trace.resized(time.perf_counter_ns(), self._device_bytes)
         block.nbytes = nbytes
 
     def _finish(self, ctx) -> None:
