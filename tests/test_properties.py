@@ -240,7 +240,8 @@ def _draw_view(data, pool):
         n = t.shape[dim]
         start = data.draw(st.integers(0, max(n - 1, 0)), label="start")
         if kind == "slice":
-            p = (dim, start, data.draw(st.integers(start, n), label="stop"), data.draw(st.integers(1, 3), label="step"))
+            stop = data.draw(st.integers(start, n), label="stop")
+            p = (dim, start, stop, data.draw(st.integers(1, 3), label="step"))
         elif kind == "narrow":
             p = (dim, start, data.draw(st.integers(0, n - start), label="length"))
         else:
@@ -316,7 +317,8 @@ def _draw_write(data, pool, arrays):
     elif kind == "index_put_":
         n = t.shape[0]
         accumulate = data.draw(st.booleans(), label="accumulate")
-        rows = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=not accumulate), label="rows")
+        rows = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=not accumulate),
+                         label="rows")
         p = (rows, data.draw(st.integers(0, 2**16), label="seed"), accumulate)
     elif kind == "restride":
         d = t.dim()
@@ -382,7 +384,8 @@ def _draw_step(data, pool, arrays):
         kinds = [k for k in kinds if k not in ("new", "view", "compute")]
     kind = data.draw(st.sampled_from(kinds), label="step")
     if kind == "new":
-        dtype = data.draw(st.sampled_from([torch.float32, torch.float32, torch.float64, torch.int64]), label="dtype")
+        dtype = data.draw(st.sampled_from([torch.float32, torch.float32, torch.float64, torch.int64]),
+                          label="dtype")
         rg = dtype.is_floating_point and data.draw(st.booleans(), label="requires_grad")
         return ("new", _draw_shape(data), dtype, rg, data.draw(st.integers(0, 2**16), label="seed"))
     if kind == "view":
@@ -401,7 +404,8 @@ def _draw_step(data, pool, arrays):
         return ("array_write", k, at, data.draw(st.integers(-3, 3), label="value"))
     if kind == "backward":
         grads = _live(pool, lambda t: t.requires_grad)
-        return ("backward", data.draw(st.sampled_from(grads), label="loss of"), data.draw(st.booleans(), label="retain"))
+        i = data.draw(st.sampled_from(grads), label="loss of")
+        return ("backward", i, data.draw(st.booleans(), label="retain"))
     i = data.draw(st.sampled_from(live), label="observed")
     options = ["tolist", "numpy", "repr"] + (["item", "format"] if pool[i].numel() == 1 else [])
     return ("observe", i, data.draw(st.sampled_from(options), label="observe"))
@@ -455,14 +459,16 @@ def assert_same_pool(plain, managed):
         if _autograd_state(p) == (p.requires_grad, True):
             assert (p.grad is None) == (m.grad is None), f"{where}.grad"
             if p.grad is not None:
-                torch.testing.assert_close(_plain_of(m.grad), p.grad, rtol=0, atol=0, equal_nan=True, msg=f"{where}.grad")
+                torch.testing.assert_close(_plain_of(m.grad), p.grad, rtol=0, atol=0, equal_nan=True,
+                                           msg=f"{where}.grad")
     # views share a block exactly where plain tensors share a storage
     live = [k for k, p in enumerate(plain) if p is not None]
     for a in live:
         for b in live:
             same_storage = plain[a].untyped_storage()._cdata == plain[b].untyped_storage()._cdata
             same_block = managed[a].proxyInfo.block_id == managed[b].proxyInfo.block_id
-            assert same_storage == same_block, f"pool[{a}] and pool[{b}]: shared storage {same_storage}, shared block {same_block}"
+            assert same_storage == same_block, \
+                f"pool[{a}] and pool[{b}]: shared storage {same_storage}, shared block {same_block}"
 
 
 def working_set(trace) -> int:

@@ -90,6 +90,24 @@ def test_a_write_on_the_accelerator_is_written_back_by_to_cpu(strategy):
         assert torch.equal(x.target, torch.ones(4))
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_write_through_a_view_is_seen_by_the_base_and_every_view(where, paging):
+    def run():
+        base = torch.arange(24.0).reshape(4, 6)
+        views = [base[1], base.t(), base[:, 2:4], base.view(-1)[5:], base.unsqueeze(0).narrow(2, 1, 3)]
+        seen = []
+        for k, v in enumerate(views):
+            for t in views + [base]:
+                if isinstance(t, TensorRef):
+                    t.toGPU() if where == "device" else t.toCPU()
+            with torch.no_grad():
+                v.mul_(-1).add_(k)
+            seen.append([u.clone() for u in [base] + views])
+        return seen
+
+    assert_identical(*run_both(run))
+
+
 def test_to_gpu_over_the_budget_raises_and_moves_nothing():
     tm = tensorsManager
     tm.budget = 64
