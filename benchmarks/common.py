@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from typing import Callable, Dict, Optional
 
@@ -207,12 +208,26 @@ def metadata(command: str, device: str) -> Dict[str, object]:
             meta[name] = __import__(name).__version__
         except ImportError:
             meta[name] = None
+    meta["commit"] = _git_commit()
     if hasattr(os, "getloadavg"):
         meta["load_average"] = [round(x, 2) for x in os.getloadavg()]
     if device.startswith("cuda") and torch.cuda.is_available():
         meta["gpu"] = torch.cuda.get_device_name()
         meta["cuda"] = torch.version.cuda
     return meta
+
+
+def _git_commit() -> Optional[str]:
+    """The repository's commit, with "+changes" when the tree differs from it; None outside git."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+changes" if dirty else "")
 
 
 def write_json(path: str, result: dict) -> None:
@@ -223,6 +238,11 @@ def write_json(path: str, result: dict) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2, default=str)
         f.write("\n")
+
+
+def parameters_text(n: int) -> str:
+    """``1.10B`` or ``0.25M`` parameters."""
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 import torchTensorRef  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import MIB, tm  # noqa: E402
+from torchTensorRef.sizes import format_size  # noqa: E402
 
 SIZES = {
     # TinyLlama-1.1B's shape
@@ -267,8 +268,8 @@ def _check(name: str, value: float, op: str, target: float) -> dict:
 
 def print_report(result: dict) -> None:
     size, bw = result["size"], result["bandwidth"]
-    print(f"{result['model']} ({result['parameters'] / 1e9:.2f}B parameters, {size['dtype']}, "
-          f"{result['weight_bytes'] / MIB:.0f} MiB of weights) on {result['device']}, torch {result['torch']}")
+    print(f"{result['model']} ({common.parameters_text(result['parameters'])} parameters, {size['dtype']}, "
+          f"{format_size(result['weight_bytes'])} of weights) on {result['device']}, torch {result['torch']}")
     print(f"bandwidth: host to device {bw['h2d'] / 1e9:.1f} GB/s, device to host {bw['d2h'] / 1e9:.1f} GB/s "
           f"({'pinned' if bw['pinned'] else 'host memcpy'}, {bw['bytes'] / MIB:.0f} MiB)")
     if not result["device"].startswith("cuda"):

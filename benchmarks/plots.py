@@ -114,7 +114,7 @@ def flow_vs_reference(result: dict, path: str) -> str:
 def gpu_throughput(result: dict, path: str) -> str:
     """Tokens/s and training step time per configuration, with the bound."""
     plt = _pyplot()
-    rows = [r for r in result["rows"]]
+    rows = result["rows"]
     labels = [r["config"] if r["budget_fraction"] is None else f"{r['config']}\n{r['budget_fraction']:.0%}"
               for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -130,7 +130,10 @@ def gpu_throughput(result: dict, path: str) -> str:
     for ax in (ax1, ax2):
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(labels, fontsize=7)
-    fig.suptitle(f"{result['model']} {result['parameters'] / 1e9:.2f}B on {result.get('gpu', result['device'])}",
+    from benchmarks.common import parameters_text
+
+    fig.suptitle(f"{result['model']}, {parameters_text(result['parameters'])} parameters, on "
+                 f"{result.get('gpu', result['device'])}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -90,9 +90,15 @@ def test_transfer_plot(transfer_result, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_gpu_throughput_harness_on_sim(tmp_path):
-    path = tmp_path / "gpu.json"
+@pytest.fixture(scope="module")
+def gpu_result(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu") / "gpu.json"
     result = gpu_throughput.main(["--device", "sim", "--tiny", "--fractions", "0.5", "--json", str(path)])
+    return result, path
+
+
+def test_gpu_throughput_harness_on_sim(gpu_result):
+    result, path = gpu_result
     with open(path) as f:
         saved = json.load(f)
     for key in METADATA:
@@ -119,6 +125,13 @@ def test_gpu_throughput_harness_on_sim(tmp_path):
     assert {c["check"] for c in result["checks"]} >= {"flow 50% generate: bound / time",
                                                       "flow 50% generate: tokens/s vs accelerate",
                                                       "flow 50% train: real peak / budget"}
+
+
+def test_gpu_throughput_plot(gpu_result, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = plots.plot("gpu_throughput", gpu_result[0], str(tmp_path))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_gpu_throughput_without_cuda_says_so(monkeypatch, capsys):
