@@ -27,6 +27,18 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 _saving = threading.local()
 
 
+_dispatch = None
+_NO_KWARGS: dict = {}
+
+
+def _bind_dispatch():
+    global _dispatch
+    from .ops.dispatch import dispatch
+
+    _dispatch = dispatch
+    return dispatch
+
+
 def _manager():
     from .manager import tensorsManager
 
@@ -60,9 +72,10 @@ class TensorRef(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .ops.dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        dispatch = _dispatch
+        if dispatch is None:  # first op: ops.dispatch imports this module, so bind late
+            dispatch = _bind_dispatch()
+        return dispatch(func, args, kwargs or _NO_KWARGS)
 
     # -- the proxy API -------------------------------------------------------------------
 

@@ -13,8 +13,11 @@ from __future__ import annotations
 import torch
 from torch.utils._mode_utils import no_dispatch
 
+from ..manager import tensorsManager as _mgr
 from ..tensor_ref import TensorRef, compute_view, make_ref
 from .registry import OpSpec, specs, spec_of
+
+_SPECS = specs()
 
 _Tensor = torch.Tensor
 _strided = torch.strided
@@ -101,15 +104,14 @@ def _swap(a, move_plain):
 
 def dispatch(func, args, kwargs):
     """Run aten ``func`` on arguments that include TensorRefs; return TensorRef results."""
-    spec = specs().get(func) or spec_of(func)
+    spec = _SPECS.get(func) or spec_of(func)
     if spec.handler is not None:
         return spec.handler(func, args, kwargs, spec)
     return run_generic(func, args, kwargs, spec)
 
 
 def run_generic(func, args, kwargs, spec: OpSpec):
-    from ..manager import tensorsManager as mgr
-
+    mgr = _mgr
     with mgr._lock:
         if mgr._dead:
             mgr._drain()

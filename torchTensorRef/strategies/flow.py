@@ -104,6 +104,8 @@ class Flow(Strategy):
         adopted.append(block.id)
 
     def before_op(self, op) -> None:
+        if self.manager._limit is None:
+            return  # nothing is ever evicted or prefetched: nothing to learn
         n = op.index
         self._now = n
         func = op.spec.func
@@ -243,6 +245,9 @@ class Flow(Strategy):
     # -- decisions -----------------------------------------------------------------------
 
     def after_op(self, op) -> None:
+        mgr = self.manager
+        if mgr._limit is None:
+            return  # see before_op
         n = op.index
         if op.outputs:
             ids = tuple(b.id for b in op.outputs)
@@ -252,9 +257,6 @@ class Flow(Strategy):
             for j, i in enumerate(ids):
                 birth[i] = (n, j)
                 uses.setdefault(i, []).append(n)
-        mgr = self.manager
-        if mgr._limit is None:
-            return  # nothing is ever evicted: no need to rank blocks
         for b in op.blocks:
             if b.dev is not None:
                 self._push(b, n)
