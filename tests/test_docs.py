@@ -51,7 +51,7 @@ def test_local_links_resolve(page):
 
 def test_readme_keeps_the_two_set_up_commands():
     readme = _read("README.md")
-    assert "    pip install . && python -m torchTensorRef demo\n" in readme
+    assert "    pip install \".[demo]\" && python -m torchTensorRef demo\n" in readme
     assert '    pip install -e ".[test]" && python -m pytest -n 2 -q\n' in readme
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         assert 'pip install -q -e ".[test]" && python -m pytest -n 2 -q' in f.read()

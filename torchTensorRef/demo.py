@@ -192,7 +192,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         import transformers
     except ImportError:
-        parser.error("the demo needs the transformers package: pip install transformers")
+        parser.error('the demo needs the transformers package: pip install "torchTensorRef[demo]" '
+                     "(or pip install transformers)")
     transformers.logging.set_verbosity_error()
     from .cli import default_device
 
