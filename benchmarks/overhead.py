@@ -58,7 +58,8 @@ def main(argv=None) -> dict:
             p.copy_(q)
 
     def plain():
-        with torch.no_grad():
+        # disabled(): the masks and positions the model creates per call stay plain too
+        with torch.no_grad(), torchTensorRef.disabled():
             return plain_model(plain_ids).logits
 
     def managed():

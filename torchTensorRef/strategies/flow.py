@@ -54,7 +54,7 @@ class Flow(Strategy):
 
     name = "flow"
 
-    def __init__(self, lookahead: int = 6, min_period: int = 1, max_history: int = 200_000,
+    def __init__(self, lookahead: int = 6, min_period: int = 1, max_history: int = 50_000,
                  prefetch_evicts: Optional[bool] = None):
         super().__init__()
         if lookahead < 0 or min_period < 1 or max_history < 2 * min_period:
@@ -121,7 +121,7 @@ class Flow(Strategy):
             else:
                 lst.append(n)
         self._track_period(n, sig)
-        if n - self._pruned_at >= max(self.period or 0, 4096):
+        if n - self._pruned_at >= max(self.period or 0, self.max_history // 4):
             self._prune(n)
 
     def _track_period(self, n: int, sig: tuple) -> None:
@@ -156,7 +156,7 @@ class Flow(Strategy):
         role = self._role
         return all(x == y or role(x, n, t) == role(y, m, t) for x, y in zip(a, b))
 
-    def _repeats(self, n: int, t: int, window: int = 256) -> bool:
+    def _repeats(self, n: int, t: int, window: int = 64) -> bool:
         # Compare a whole period, or the window, and never fewer than 16 ops: a few ops that
         # happen to look alike are not a loop.
         span = min(window, max(t, 16))
@@ -165,9 +165,9 @@ class Flow(Strategy):
         return all(self._same(n - i, t) for i in range(span))
 
     def _prune(self, n: int) -> None:
-        keep_from = n - max(2 * (self.period or 0) + self.lookahead + 8, 64)
-        if self.period is None:
-            keep_from = n - self.max_history
+        # Keep much more than a period: a longer loop around this one (each generate() call
+        # around its tokens) is only found again if its previous round is still on record.
+        keep_from = n - max(self.max_history, 2 * (self.period or 0) + self.lookahead + 8)
         for table in (self._func, self._op_blocks, self._created, self._adopted):
             for k in [k for k in table if k < keep_from]:
                 del table[k]
