@@ -218,12 +218,17 @@ def metadata(command: str, device: str) -> Dict[str, object]:
 
 
 def _git_commit() -> Optional[str]:
-    """The repository's commit, with "+changes" when the tree differs from it; None outside git."""
+    """The repository's commit, with "+changes" when the tree differs from it; None outside git.
+
+    The benchmarks' own outputs (``docs/benchmarks``, ``assets``) do not count as changes: a
+    run writes them one benchmark after another.
+    """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!docs/benchmarks", ":!assets"], cwd=root,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
