@@ -56,7 +56,7 @@ class OpContext:
         if self._estimate is None:
             from .output_size import estimate_output_bytes
 
-            self._estimate = estimate_output_bytes(self.spec, self.args, self.kwargs) if self.spec.allocates else 0
+            self._estimate = estimate_output_bytes(self.spec, self.args, self.kwargs)
         return self._estimate
 
 

@@ -60,9 +60,30 @@ def _new_bytes(out, spec: OpSpec) -> int:
     return 0
 
 
+def _storage_nbytes(value) -> int:
+    from ..tensor_ref import TensorRef
+
+    if isinstance(value, TensorRef):
+        return value._tr_block.nbytes
+    return value.untyped_storage().nbytes()
+
+
+def _growth(spec: OpSpec, args, kwargs, meta_args, meta_kwargs) -> int:
+    """Bytes by which the op grows the tensors it writes (``resize_``, ``out=``)."""
+    grown = 0
+    for i, name in spec.write_args:
+        before, after = (args[i], meta_args[i]) if i < len(args) else (kwargs.get(name), meta_kwargs.get(name))
+        pairs = zip(before, after) if isinstance(before, (list, tuple)) else [(before, after)]
+        for b, a in pairs:
+            if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor):
+                grown += max(0, a.untyped_storage().nbytes() - _storage_nbytes(b))
+    return grown
+
+
 def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
-    """Bytes of the new (non-aliasing) tensors ``spec.func(*args, **kwargs)`` returns."""
-    if not spec.allocates:
+    """Bytes the op adds on the accelerator: the new (non-aliasing) tensors it returns, and
+    the growth of the tensors it writes when it may resize them (``resize_``, ``out=``)."""
+    if not spec.allocates and not spec.restrides:
         return 0  # views and in-place results allocate nothing
     try:
         key = (spec.func, _key(args), _key(tuple(kwargs.items())))
@@ -77,9 +98,12 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
         if spec.func in _PROBED:
             out = spec.func(*_to_host_zeros(args), **{k: _to_host_zeros(v) for k, v in kwargs.items()})
         else:
+            meta_args = _to_meta(args)
             meta_kwargs = {k: (_META if k == "device" else _to_meta(v)) for k, v in kwargs.items()}
-            out = spec.func(*_to_meta(args), **meta_kwargs)
-        size = _new_bytes(out, spec)
+            out = spec.func(*meta_args, **meta_kwargs)
+        size = _new_bytes(out, spec) if spec.allocates else 0
+        if spec.restrides and spec.func not in _PROBED:
+            size += _growth(spec, args, kwargs, meta_args, meta_kwargs)
     except Exception:  # no meta kernel, or a data-dependent size
         size = 0
     if key is not None:
