@@ -401,6 +401,8 @@ class TensorsManager:
     def _prepare(self, ctx) -> None:
         blocks = ctx.blocks
         limit = self._limit
+        if ctx.spec.restrides and self._external and not self._backend.passthrough:
+            self._refuse_growing_external(ctx)
         if limit is not None and not self._backend.passthrough:
             # Checked before anything changes: an op that cannot fit is not counted, the
             # strategy never sees it, and nothing is evicted for it.
@@ -442,6 +444,14 @@ class TensorsManager:
         self._strategy.before_run(ctx)
         if self._trace is not None:
             ctx._start = time.perf_counter_ns()  # type: ignore[attr-defined]
+
+    def _refuse_growing_external(self, ctx) -> None:
+        # The op runs on the accelerator copy, which could grow; but the host bytes are shared
+        # with numpy or a buffer (Note [External bytes]), which plain torch refuses to resize.
+        if any(b.external for b in ctx.written) and ctx.output_estimate() > 0:
+            raise RuntimeError(
+                f"{ctx.name}: Trying to resize storage that is not resizable: its bytes are "
+                f"shared with memory outside torch (a numpy array, a buffer); resize a copy instead")
 
     def _call(self, ctx, func, args, kwargs):
         try:
