@@ -97,7 +97,8 @@ def _swap(a, move_plain):
         return compute_view(a)
     if a.__class__ is list or a.__class__ is tuple:
         return a.__class__(_swap(e, move_plain) for e in a)
-    if move_plain is not None and isinstance(a, _Tensor) and a.device != move_plain and a.dim() > 0:
+    if (move_plain is not None and isinstance(a, _Tensor) and a.device != move_plain and a.dim() > 0
+            and a.device.type != "meta"):
         return a.to(move_plain)  # a plain host tensor joins an accelerator op
     return a
 

@@ -68,14 +68,21 @@ def _storage_nbytes(value) -> int:
     return value.untyped_storage().nbytes()
 
 
+def _views_another(t: torch.Tensor, metas) -> bool:
+    """Whether ``t`` now shares another argument's storage (``set_``): that allocates nothing."""
+    key = t.untyped_storage()._cdata
+    return any(m is not t and m.untyped_storage()._cdata == key for m in metas)
+
+
 def _growth(spec: OpSpec, args, kwargs, meta_args, meta_kwargs) -> int:
     """Bytes by which the op grows the tensors it writes (``resize_``, ``out=``)."""
+    metas = [v for v in list(meta_args) + list(meta_kwargs.values()) if isinstance(v, torch.Tensor)]
     grown = 0
     for i, name in spec.write_args:
         before, after = (args[i], meta_args[i]) if i < len(args) else (kwargs.get(name), meta_kwargs.get(name))
         pairs = zip(before, after) if isinstance(before, (list, tuple)) else [(before, after)]
         for b, a in pairs:
-            if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor):
+            if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor) and not _views_another(a, metas):
                 grown += max(0, a.untyped_storage().nbytes() - _storage_nbytes(b))
     return grown
 
@@ -86,7 +93,8 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
     if not spec.allocates and not spec.restrides:
         return 0  # views and in-place results allocate nothing
     try:
-        key = (spec.func, _key(args), _key(tuple(kwargs.items())))
+        # Growth depends on the written tensors' blocks, not only on shapes: not cached.
+        key = None if spec.restrides else (spec.func, _key(args), _key(tuple(kwargs.items())))
         hash(key)
     except (TypeError, RuntimeError):  # unhashable arguments; nested tensors have no sizes
         key = None
