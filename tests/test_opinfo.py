@@ -13,6 +13,10 @@ where plain torch raises, the managed run must raise the same exception type.
 An op whose own working set does not fit raises ``OutOfBudgetError``, which is correct
 behaviour: the managed run is then repeated from fresh inputs with a larger budget.
 
+Two more modes run the sweep where nothing has to move, so that ops take the fast path
+(Note [Fast path] in ``ops/dispatch.py``): ``"resident"`` (Flow on "sim" with no budget,
+every input brought in before the op) and ``"pass-through"`` (device "cpu").
+
 Known failures are listed with their reason in ``opinfo_xfails.py``; they are strict, so a
 fixed op fails the sweep until its entry is removed. ``python tests/test_opinfo.py`` prints
 the match rate.
@@ -51,6 +55,10 @@ UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "new_empty_stride
 BUDGET_RETRIES = 12
 
 SWEPT = [op for op in op_db if torch.float32 in op.supported_dtypes("cpu")]
+
+#: each strategy under a tight budget, then the two modes in which nothing moves
+MODES = NAMES + ("resident", "pass-through")
+_mode = {"tight_budget": True, "bring_in": False}
 
 
 def op_key(op):
@@ -249,6 +257,13 @@ def _sample_bytes(tree) -> int:
 
 def _managed_run(op, sample, pristine, variant):
     """The managed run, under a budget raised (from fresh inputs) as long as it is too small."""
+    if not _mode["tight_budget"]:
+        tree = _copy(pristine, managed=True, grad=_grad_enabled(op, variant))
+        if _mode["bring_in"]:
+            for t in tree_flatten(tree)[0]:
+                if isinstance(t, TensorRef):
+                    t.toGPU()
+        return _run(op, sample, tree, variant, managed=True)
     budget = max(2 * _sample_bytes(pristine), 64)
     for _ in range(BUDGET_RETRIES):
         tree = _copy(pristine, managed=True, grad=_grad_enabled(op, variant))
@@ -370,10 +385,21 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("strategy", NAMES)
+@pytest.fixture
+def mode(request, fresh_manager):
+    """Set the manager up for one of ``MODES``."""
+    name = request.param
+    fresh_manager.strategy = "flow" if name in ("resident", "pass-through") else name
+    if name == "pass-through":
+        fresh_manager.device = "cpu"
+    _mode.update(tight_budget=name in NAMES, bring_in=name == "resident")
+    yield name
+    _mode.update(tight_budget=True, bring_in=False)
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("op", _params())
-def test_op_matches_plain_torch(op, strategy, fresh_manager):
-    fresh_manager.strategy = strategy
+def test_op_matches_plain_torch(op, mode):
     samples = _samples(op)
     assert samples, f"{op_id(op)} has no float32 sample inputs"
     for sample in samples:

@@ -31,7 +31,7 @@ from .trace import Trace
 CUDA_RESERVE_BYTES = 512 * 2**20
 
 _STAT_KEYS = (
-    "bytes_to_device", "bytes_to_host", "fetches", "writebacks", "evictions", "ops",
+    "bytes_to_device", "bytes_to_host", "fetches", "writebacks", "evictions",
     "prefetches", "prefetch_hits", "prefetch_misses",
 )
 
@@ -66,14 +66,33 @@ class TensorsManager:
         self._dead: List[Block] = []
         self._device_bytes = 0
         self._peak = 0
-        self._op_count = 0
+        self._op_count = 0  # ops ever run: the index of the next op
+        self._ops_at_reset = 0
         self._counters = dict.fromkeys(_STAT_KEYS, 0)
         self._trace: Optional[Trace] = None
-        #: test hook: a callable(op_context) raising torch.OutOfMemoryError to inject faults
-        self.fault_injector = None
+        self._fault_injector = None
         self._callbacks: List[OpCallback] = []
         self._host_watch = HostMemoryWatch()
         self._external = 0  # live external blocks (Note [External bytes])
+        #: whether ops may take the fast path (Note [Fast path] in ops/dispatch.py)
+        self._fast = False
+        self._refresh_fast()
+
+    def _refresh_fast(self) -> None:
+        """Recompute ``_fast``; every setting it depends on calls this when it changes."""
+        self._fast = (not self._callbacks and self._trace is None and self._fault_injector is None
+                      and (self._backend.passthrough or not self._strategy.needs_every_op()))
+
+    @property
+    def fault_injector(self):
+        """Test hook: a callable(op) that may raise ``torch.OutOfMemoryError``, or ``None``."""
+        return self._fault_injector
+
+    @fault_injector.setter
+    def fault_injector(self, fn) -> None:
+        with self._lock:
+            self._fault_injector = fn
+            self._refresh_fast()
 
     # -- settings ------------------------------------------------------------------------
 
@@ -107,6 +126,7 @@ class TensorsManager:
                 block.dev_key = block.host._cdata if backend.passthrough and block.host is not None else 0
             self._limit = self._compute_limit(self._budget)
             self._strategy.device_changed()
+            self._refresh_fast()
 
     @property
     def strategy(self) -> Strategy:
@@ -127,6 +147,7 @@ class TensorsManager:
             self._strategy.detach()
             self._strategy = new
             new.attach(self)
+            self._refresh_fast()
 
     @property
     def budget(self) -> Optional[int]:
@@ -149,6 +170,8 @@ class TensorsManager:
             except OutOfBudgetError:
                 self._budget, self._limit = old
                 raise
+            finally:
+                self._refresh_fast()
 
     def _compute_limit(self, budget: Optional[int]) -> Optional[int]:
         if budget is not None or self._backend.passthrough:
@@ -171,6 +194,7 @@ class TensorsManager:
         with self._lock:
             self._drain()
             out = dict(self._counters)
+            out["ops"] = self._op_count - self._ops_at_reset
             out["peak_device_bytes"] = self._peak
             out["device_bytes"] = self._device_bytes
             out["budget"] = self._limit
@@ -187,6 +211,7 @@ class TensorsManager:
         """Zero the counters; the peak restarts from the bytes resident now."""
         with self._lock:
             self._counters = dict.fromkeys(_STAT_KEYS, 0)
+            self._ops_at_reset = self._op_count
             self._peak = self._device_bytes
 
     @contextlib.contextmanager
@@ -197,11 +222,13 @@ class TensorsManager:
             self._drain()
             trace.initial = {b.id: (b.nbytes, b.dirty) for b in self._resident.values()}
             previous, self._trace = self._trace, trace
+            self._refresh_fast()
         try:
             yield trace
         finally:
             with self._lock:
                 self._trace = previous
+                self._refresh_fast()
 
     def resident_blocks(self):
         """The blocks with a valid accelerator copy (for strategies)."""
@@ -268,6 +295,7 @@ class TensorsManager:
         handle = OpCallback(self, before, after)
         with self._lock:
             self._callbacks.append(handle)
+            self._refresh_fast()
         return handle
 
     def _run_callbacks(self, when: str, ctx) -> None:
@@ -415,7 +443,6 @@ class TensorsManager:
             self._run_callbacks("before", ctx)  # may veto: nothing has changed yet
         ctx.index = self._op_count
         self._op_count += 1
-        self._counters["ops"] += 1
         if self._backend.passthrough:
             return
         self._strategy.before_op(ctx)
@@ -455,18 +482,21 @@ class TensorsManager:
 
     def _call(self, ctx, func, args, kwargs):
         try:
-            if self.fault_injector is not None:
-                self.fault_injector(ctx)
+            if self._fault_injector is not None:
+                self._fault_injector(ctx)
             return func(*args, **kwargs)
         except torch.OutOfMemoryError:
             if self._backend.passthrough:
                 raise
+        return self._recover_from_oom(ctx, func, args, kwargs)
+
+    def _recover_from_oom(self, ctx, func, args, kwargs):
         # Another process (or the allocator's fragmentation) took memory: evict what this op
         # does not use and try once more.
         self._evict_all_unpinned(protect={b.id for b in ctx.blocks})
         try:
-            if self.fault_injector is not None:
-                self.fault_injector(ctx)
+            if self._fault_injector is not None:
+                self._fault_injector(ctx)
             return func(*args, **kwargs)
         except torch.OutOfMemoryError as e:
             free = self._backend.free_bytes() or 0
@@ -483,6 +513,14 @@ class TensorsManager:
                 b.host_valid = False
 
     def _adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
+        block = self._result_block(t, ctx.index)
+        if block.dev is not None and self._trace is not None:
+            self._trace.resized(time.perf_counter_ns(), self._device_bytes)
+        ctx.outputs.append(block)
+        return make_ref(block, t, self._declared)
+
+    def _result_block(self, t: torch.Tensor, index: int) -> Block:
+        """A new block for the storage of ``t``, the result of op ``index``."""
         storage = t.untyped_storage()
         block = self._new_block(storage.nbytes())
         block.from_op = True
@@ -492,11 +530,8 @@ class TensorsManager:
             block.set_dev(storage)
             self._resident[block.id] = block
             self._add_device_bytes(block.nbytes)
-            block.last_use = ctx.index
-            if self._trace is not None:
-                self._trace.resized(time.perf_counter_ns(), self._device_bytes)
-        ctx.outputs.append(block)
-        return make_ref(block, t, self._declared)
+            block.last_use = index
+        return block
 
     def _resized(self, block: Block, nbytes: int) -> None:
         """``block``'s storage was resized in place (``resize_``) to ``nbytes``."""
@@ -698,6 +733,7 @@ class OpCallback:
         with self.manager._lock:
             if self in self.manager._callbacks:
                 self.manager._callbacks.remove(self)
+                self.manager._refresh_fast()
 
 
 def compute_view_of(block: Block, t: torch.Tensor) -> torch.Tensor:

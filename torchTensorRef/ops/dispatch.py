@@ -6,6 +6,14 @@
 4. wrap the results: an in-place op returns its own argument, a result that shares an
    input's storage (a view) joins that input's block, anything else gets a new block;
 5. let the strategy react (Genoa sends everything back to the host).
+
+Note [Fast path]: most ops of a model that fits (pass-through, or Flow with no budget)
+move nothing, and then the steps above only cost time. When the manager says nobody needs
+to see the op (``TensorsManager._fast``: no callbacks, no recording, no fault injector,
+and a strategy that does not need every op) and every TensorRef argument is resident,
+``run_fast`` swaps the arguments for their plain views, runs the op and wraps its results
+in one pass. Anything else (a block to fetch, a pending prefetch, a plain host tensor to
+copy to the accelerator) is found before anything changed, and the generic path runs.
 """
 
 from __future__ import annotations
@@ -73,9 +81,15 @@ def _collect(values, refs):
 def _blocks_of(refs):
     if len(refs) == 1:
         return [refs[0]._tr_block]
+    return _blocks_of_list([r._tr_block for r in refs])
+
+
+def _blocks_of_list(blocks):
+    """``blocks`` without repeats, in order."""
+    if len(blocks) < 2:
+        return blocks
     seen = {}
-    for r in refs:
-        b = r._tr_block
+    for b in blocks:
         seen.setdefault(b.id, b)
     return list(seen.values())
 
@@ -108,7 +122,104 @@ def dispatch(func, args, kwargs):
     spec = _SPECS.get(func) or spec_of(func)
     if spec.handler is not None:
         return spec.handler(func, args, kwargs, spec)
+    return run(func, args, kwargs, spec)
+
+
+def run(func, args, kwargs, spec: OpSpec):
+    """The fast path when it applies (Note [Fast path]), else the generic one."""
+    if _mgr._fast and not spec.restrides:
+        out = run_fast(func, args, kwargs, spec)
+        if out is not _NOT_FAST:
+            return out
     return run_generic(func, args, kwargs, spec)
+
+
+_NOT_FAST = object()
+
+
+class _NotResident(Exception):
+    """An argument needs a move: the generic path must run the op."""
+
+
+def _fast_view(a, blocks, live, move):
+    # ``live``: pass-through, where ops run on the host copy itself
+    if isinstance(a, TensorRef):
+        b = a._tr_block
+        if (b.dev is None and not live) or b.ready is not None or b.prefetched:
+            raise _NotResident
+        blocks.append(b)
+        return a._tr_view if a._tr_gen == b.gen else compute_view(a)
+    cls = a.__class__
+    if cls is list or cls is tuple:
+        for e in a:
+            if isinstance(e, _Tensor):
+                return cls([_fast_view(e, blocks, live, move) for e in a])
+        return a  # sizes, dims: nothing to swap
+    if move is not None and isinstance(a, _Tensor):
+        raise _NotResident  # a plain host tensor must be copied to the accelerator first
+    return a
+
+
+def run_fast(func, args, kwargs, spec: OpSpec):
+    """Run ``func`` on resident blocks only (Note [Fast path]); ``_NOT_FAST`` if it cannot."""
+    mgr = _mgr
+    with mgr._lock:
+        if not mgr._fast:  # the settings change under the lock: read them under it
+            return _NOT_FAST
+        if mgr._dead:
+            mgr._drain()
+        live = mgr._backend.passthrough
+        move = mgr._move_plain_to
+        blocks = []
+        cargs = []
+        try:
+            for a in args:  # _fast_view, unrolled for the common argument kinds
+                if isinstance(a, TensorRef):
+                    b = a._tr_block
+                    if (b.dev is None and not live) or b.ready is not None or b.prefetched:
+                        return _NOT_FAST
+                    blocks.append(b)
+                    cargs.append(a._tr_view if a._tr_gen == b.gen else compute_view(a))
+                elif a.__class__ is list or a.__class__ is tuple or (move is not None and isinstance(a, _Tensor)):
+                    cargs.append(_fast_view(a, blocks, live, move))
+                else:
+                    cargs.append(a)
+            ckwargs = {k: _fast_view(v, blocks, live, move) for k, v in kwargs.items()} if kwargs else kwargs
+        except _NotResident:
+            return _NOT_FAST
+        index = mgr._op_count
+        mgr._op_count = index + 1
+        for b in blocks:
+            b.last_use = index
+        if spec.write_args or not spec.one_result:
+            # in-place ops and several results: the generic bookkeeping, without the moves
+            written = _written_blocks(spec, args, kwargs) if spec.write_args else []
+            ctx = OpContext(spec, _blocks_of_list(blocks), written, args, kwargs)
+            ctx.index = index
+            out = mgr._call(ctx, func, cargs, ckwargs)
+            if written:
+                _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
+                mgr._mark_written(written)
+            return _wrap_outputs(out, ctx, spec, args, kwargs, mgr)
+        try:
+            out = spec.call(*cargs, **ckwargs)
+        except torch.OutOfMemoryError:
+            if live:
+                raise
+            ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
+            ctx.index = index
+            out = mgr._recover_from_oom(ctx, func, cargs, ckwargs)
+        if out.__class__ is not _Tensor:  # a list of tensors, a number
+            ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
+            ctx.index = index
+            return _wrap_nested(out, ctx, mgr)
+        if out.layout is not _strided or out.is_nested or out.is_meta:
+            return out  # no single strided storage to page: as _wrap_one
+        key = out.untyped_storage()._cdata
+        for b in blocks:
+            if b.dev_key == key:
+                return make_ref(b, out, mgr._declared)  # a view: shares the input's block
+        return make_ref(mgr._result_block(out, index), out, mgr._declared)
 
 
 def run_generic(func, args, kwargs, spec: OpSpec):

@@ -25,13 +25,17 @@ class OpSpec:
         allocates: whether the op returns a newly allocated tensor.
         restrides: whether it may change a written argument's geometry or storage
             (``resize_``, ``set_``, ``t_``, ``unsqueeze_``, ``out=`` variants ...).
+        one_result: whether it returns one new tensor or view (or one list of them).
         handler: special-case handler, or ``None`` for the generic path.
     """
 
-    __slots__ = ("func", "name", "write_args", "return_args", "allocates", "restrides", "handler")
+    __slots__ = ("func", "name", "write_args", "return_args", "allocates", "restrides", "one_result", "call",
+                 "handler")
 
     def __init__(self, func):
         self.func = func
+        #: the C++ callable behind ``func`` (calling it skips one Python frame per op)
+        self.call = getattr(func, "_op", func)
         self.name = str(func)
         schema = func._schema
         self.write_args: List[Tuple[int, str]] = []
@@ -59,6 +63,8 @@ class OpSpec:
         self.restrides: bool = bool(self.write_args) and (
             func.overloadpacket.__name__ in _RESTRIDING or any(n == "out" for _i, n in self.write_args)
         )
+        #: whether it returns a single new tensor or view (not an argument it wrote)
+        self.one_result: bool = len(self.return_args) == 1 and self.return_args[0] is None
         self.handler: Optional[Handler] = _HANDLERS.get(func)
 
 

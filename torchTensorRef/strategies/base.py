@@ -54,6 +54,16 @@ class Strategy:
     def detach(self) -> None:
         self.manager = None
 
+    def needs_every_op(self) -> bool:
+        """Whether ``before_op``, ``before_run`` and ``after_op`` must see every op.
+
+        ``False`` lets ops whose blocks are all resident skip them (and skip the manager's
+        bookkeeping for them), which is what makes a model that fits run at nearly plain
+        speed. The manager asks again whenever the budget, the device or the strategy
+        changes; ``choose_victim``, ``on_release`` and ``on_adopt`` are always called.
+        """
+        return True
+
     def before_op(self, op) -> None:
         pass
 

@@ -103,6 +103,10 @@ class Flow(Strategy):
         self._birth[block.id] = (n, -len(adopted) - 1)
         adopted.append(block.id)
 
+    def needs_every_op(self) -> bool:
+        # without a limit nothing is ever evicted or prefetched: nothing to learn
+        return self.manager is not None and self.manager._limit is not None
+
     def before_op(self, op) -> None:
         if self.manager._limit is None:
             return  # nothing is ever evicted or prefetched: nothing to learn

@@ -1,0 +1,200 @@
+"""The fast path (Note [Fast path] in ops/dispatch.py): same results, same bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import tensorsManager
+from torchTensorRef.ops import dispatch
+from torchTensorRef.ops.registry import spec_of
+
+aten = torch.ops.aten
+
+#: where ops move nothing: Flow with no budget on "sim" (after the first touch), pass-through
+FAST_DEVICES = ("sim", "cpu")
+
+
+@pytest.fixture
+def fast(fresh_manager, request):
+    fresh_manager.strategy = "flow"
+    fresh_manager.device = request.param
+    assert fresh_manager._fast
+    return fresh_manager
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of the ops the fast path ran and the ones it handed to the generic path."""
+    counts = {"fast": 0, "generic": 0}
+    run_fast, run_generic = dispatch.run_fast, dispatch.run_generic
+
+    def fast(*a):
+        out = run_fast(*a)
+        counts["fast"] += out is not dispatch._NOT_FAST
+        return out
+
+    def generic(*a):
+        counts["generic"] += 1
+        return run_generic(*a)
+
+    monkeypatch.setattr(dispatch, "run_fast", fast)
+    monkeypatch.setattr(dispatch, "run_generic", generic)
+    return counts
+
+
+def _model_step(x, w):
+    """A forward and backward with views, in-place ops, several results and a reduction."""
+    h = (x @ w).relu_()
+    a, b = h.split(2, dim=1)
+    v = h.t()[0]
+    loss = (a * b).sum() + v.mean() + h.max(dim=0).values.sum()
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
+def test_results_and_gradients_match_plain_torch(fast, counted):
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    w = torch.randn(4, 4, requires_grad=True)
+    w.toGPU()
+    x.toGPU()
+    with torchTensorRef.disabled():
+        px, pw = x.target.clone(), w.target.clone().requires_grad_()
+        expected = _model_step(px, pw)
+    got = _model_step(x, w)
+    assert counted["fast"] > 10
+    assert torch.equal(got.toCPU().target, expected)
+    assert torch.equal(w.grad.toCPU().target, pw.grad)
+
+
+@pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
+def test_a_view_shares_its_base_block_and_writes_survive_eviction(fast, counted):
+    x = torch.arange(12.0).reshape(3, 4)
+    x.toGPU()
+    before = counted["fast"]
+    row = x[1]
+    col = x.t()[2]
+    assert counted["fast"] > before  # the views were made on the fast path
+    assert row.proxyInfo.block_id == x.proxyInfo.block_id == col.proxyInfo.block_id
+    row.mul_(10)
+    col.add_(0.5)
+    fast.evict_all()  # one block: one write-back carries both writes
+    with torchTensorRef.disabled():
+        expected = torch.arange(12.0).reshape(3, 4)
+        expected[1] *= 10
+        expected[:, 2] += 0.5
+    assert torch.equal(x.target, expected)
+    assert torch.equal(row.target, expected[1])
+
+
+@pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
+def test_stats_count_the_same_ops_as_the_generic_path(fast):
+    def work():
+        x = torch.ones(8, 8)
+        x.toGPU()
+        y = (x * 2 + 1).sum(dim=0)
+        y.add_(1)
+        return y.split(4)
+
+    tensorsManager.reset_stats()
+    work()
+    fast_ops = tensorsManager.stats()["ops"]
+    handle = tensorsManager.add_callback(before=lambda op: None)  # every op is seen: generic path
+    try:
+        assert not tensorsManager._fast
+        tensorsManager.reset_stats()
+        work()
+        assert tensorsManager.stats()["ops"] == fast_ops
+    finally:
+        handle.remove()
+    assert tensorsManager._fast
+
+
+@pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
+def test_callbacks_and_recording_still_see_every_op(fast):
+    x = torch.ones(4, 4)
+    x.toGPU()
+    seen = []
+    handle = tensorsManager.add_callback(before=lambda op: seen.append(op.name))
+    x + x
+    handle.remove()
+    assert seen == ["aten.add.Tensor"]
+    if fast.device == "sim":  # (pass-through records nothing: nothing moves)
+        with tensorsManager.recording() as trace:
+            x * x
+        assert [name for _i, name, *_ in trace.ops] == ["aten.mul.Tensor"]
+
+
+def test_a_block_that_must_be_fetched_takes_the_generic_path(fresh_manager, counted):
+    fresh_manager.strategy = "flow"
+    x = torch.ones(4, 4)  # created on the host: the first op must fetch it
+    fresh_manager.reset_stats()
+    y = x + 1
+    assert counted == {"fast": 0, "generic": 1}
+    assert fresh_manager.stats()["bytes_to_device"] == x.proxyInfo.nbytes
+    y + 1  # now everything is resident
+    assert counted == {"fast": 1, "generic": 1}
+
+
+def test_genoa_and_a_flow_budget_need_every_op(fresh_manager):
+    assert not fresh_manager._fast  # conftest: Genoa on "sim"
+    fresh_manager.strategy = "flow"
+    assert fresh_manager._fast
+    fresh_manager.budget = "1MiB"  # Flow learns the op sequence to evict and prefetch
+    assert not fresh_manager._fast
+    fresh_manager.budget = None
+    assert fresh_manager._fast
+    fresh_manager.fault_injector = lambda op: None
+    assert not fresh_manager._fast
+
+
+def test_flow_keeps_the_budget_after_running_without_one(fresh_manager):
+    """Ops on the fast path leave Flow no history: a budget set later must still hold."""
+    fresh_manager.strategy = "flow"
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64) for _ in range(8)]
+
+    def forward(x):
+        for w in ws:
+            x = (x @ w).tanh()
+        return x
+
+    x = torch.randn(4, 64)
+    with torchTensorRef.disabled():
+        expected = x.target.clone()
+        for w in ws:
+            expected = (expected @ w.target.clone()).tanh()
+    assert torch.equal(forward(x).toCPU().target, expected)
+    budget = 3 * ws[0].proxyInfo.nbytes
+    fresh_manager.budget = budget
+    fresh_manager.reset_stats()
+    for _ in range(3):
+        assert torch.equal(forward(x).toCPU().target, expected)
+    assert fresh_manager.stats()["peak_device_bytes"] <= budget
+
+
+def test_out_of_memory_on_the_fast_path_evicts_and_retries(fresh_manager, monkeypatch):
+    fresh_manager.strategy = "flow"
+    other = torch.ones(256)
+    other.toGPU()
+    x = torch.ones(4, 4)
+    x.toGPU()
+    spec = spec_of(aten.add.Tensor)
+    calls = []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("injected")
+        return aten.add.Tensor(*args, **kwargs)
+
+    monkeypatch.setattr(spec, "call", fails_once)
+    y = x + x  # the retry calls the op itself, not the failing fast-path callable
+    assert len(calls) == 1
+    assert not other.proxyInfo.on_device  # evicted to make room for the retry
+    assert x.proxyInfo.on_device
+    with torchTensorRef.disabled():
+        assert torch.equal(y.toCPU().target, torch.full((4, 4), 2.0))
