@@ -31,7 +31,8 @@ BENCHMARKS = ("overhead", "flow_vs_reference", "transfer", "gpu_throughput")
 ARGS = {
     "full": {"overhead": [], "flow_vs_reference": ["--fractions", "0.5", "0.25"], "transfer": [],
              "gpu_throughput": []},
-    "quick": {"overhead": ["--layers", "2", "--width", "128", "--seq", "32", "--vocab", "512", "--repeats", "3"],
+    "quick": {"overhead": ["--layers", "2", "--width", "128", "--seq", "32", "--vocab", "512", "--repeats", "3",
+                           "--small-op-calls", "500"],
               "flow_vs_reference": ["--layers", "2", "--steps", "2", "--fractions", "0.5"],
               "transfer": ["--quick"], "gpu_throughput": ["--tiny"]},
 }

@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common, gpu_throughput, plots, run_all, transfer  # noqa: E402
+from benchmarks import common, gpu_throughput, overhead, plots, run_all, transfer  # noqa: E402
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -139,6 +139,30 @@ def test_gpu_throughput_without_cuda_says_so(monkeypatch, capsys):
     result = gpu_throughput.main([])
     assert "needs CUDA" in capsys.readouterr().out
     assert "needs CUDA" in result["skipped"]
+
+
+def test_overhead_harness_runs_and_outputs_match(tmp_path):
+    path = tmp_path / "overhead.json"
+    result = overhead.main(["--layers", "1", "--width", "64", "--seq", "8", "--vocab", "64", "--repeats", "1",
+                            "--small-op-calls", "50", "--json", str(path)])
+    assert result["outputs_equal"] == {"pass-through": True, "sim": True}
+    assert result["ops_per_forward"] > 10
+    assert result["bytes_to_device_per_forward"]["pass-through"] == 0
+    assert set(result["small_op"]) == {"pass-through", "sim"}
+    with open(path) as f:
+        saved = json.load(f)
+    for key in METADATA:
+        assert saved[key], key
+    assert saved["command"].startswith("python benchmarks/overhead.py --layers 1")
+    assert saved["result"]["ratio_sim"] == result["ratio_sim"]
+
+
+def test_minimal_wrapper_computes_as_plain_torch():
+    with torchTensorRef.disabled():
+        x = torch.randn(3, 3)
+        w = overhead.MinimalWrapper.wrap(x)
+        got = (w @ w + 1).elem
+        assert type(got) is torch.Tensor and torch.equal(got, x @ x + 1)
 
 
 def test_run_all_writes_json_and_plot(tmp_path):

@@ -24,7 +24,7 @@ from .errors import DeviceOutOfMemoryError, OpVetoedError, OutOfBudgetError
 from .host_memory import HostMemoryWatch
 from .sizes import format_size, parse_size
 from .strategies import DEFAULT, Strategy, by_name
-from .tensor_ref import TensorRef, compute_view, make_ref, with_math_bits
+from .tensor_ref import TensorRef, compute_view, make_ref, user_attributes, with_math_bits
 from .trace import Trace
 
 #: accelerator memory left free when ``budget=None`` on CUDA (allocator slack, kernels' workspaces)
@@ -697,9 +697,8 @@ class TensorsManager:
 
         if ref.grad is not None:
             new.grad = copy.deepcopy(ref.grad, memo)
-        for name, value in ref.__dict__.items():
-            if not name.startswith("_tr_") and name != "_is_param":
-                setattr(new, name, copy.deepcopy(value, memo))
+        for name, value in user_attributes(ref).items():
+            setattr(new, name, copy.deepcopy(value, memo))
         return new
 
     def rebind(self, ref: TensorRef, new: TensorRef) -> None:

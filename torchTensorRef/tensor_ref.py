@@ -60,6 +60,9 @@ class TensorRef(torch.Tensor):
     # Internals, all prefixed to stay clear of torch.Tensor's own attributes:
     #   _tr_block: the Block; _tr_view: cached plain view of its current copy;
     #   _tr_gen: the block generation the view was made for; _tr_wr: liveness weakref.
+    # Slots, not the instance dict: every op's result sets them, and users' attributes
+    # (``__dict__``) then hold only what users set.
+    __slots__ = ("_tr_block", "_tr_view", "_tr_gen", "_tr_wr")
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool | None = None):
@@ -245,8 +248,8 @@ def _rebuild(plain: torch.Tensor, is_param: bool):
 
 
 def user_attributes(ref: TensorRef) -> dict:
-    """Attributes set on ``ref`` by its users (not torchTensorRef's own, nor ``_is_param``)."""
-    return {k: v for k, v in ref.__dict__.items() if not k.startswith("_tr_") and k != "_is_param"}
+    """Attributes set on ``ref`` by its users (torchTensorRef's own are slots; not ``_is_param``)."""
+    return {k: v for k, v in ref.__dict__.items() if k != "_is_param"}
 
 
 def _called_by_torch_save() -> bool:
