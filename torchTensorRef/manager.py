@@ -18,13 +18,16 @@ from typing import Dict, List, Optional
 import torch
 
 from . import raw
+from .adoption import Adoption
 from .blocks import Block
+from .callbacks import Callbacks, OpCallback
 from .devices import Backend, PassthroughBackend, make_backend
-from .errors import DeviceOutOfMemoryError, OpVetoedError, OutOfBudgetError
+from .errors import OutOfBudgetError
 from .host_memory import HostMemoryWatch
+from .op_protocol import OpProtocol
 from .sizes import format_size, parse_size
 from .strategies import DEFAULT, Strategy, by_name
-from .tensor_ref import TensorRef, compute_view, make_ref, user_attributes, with_math_bits
+from .tensor_ref import TensorRef
 from .trace import Trace
 
 #: accelerator memory left free when ``budget=None`` on CUDA (allocator slack, kernels' workspaces)
@@ -36,8 +39,12 @@ _STAT_KEYS = (
 )
 
 
-class TensorsManager:
+class TensorsManager(OpProtocol, Adoption, Callbacks):
     """The global pager; use the ``torchTensorRef.tensorsManager`` instance.
+
+    Settings, statistics, explicit moves and blocks' lifetime are here; the op protocol
+    (``op_protocol.py``), adoption of existing tensors (``adoption.py``) and callbacks
+    (``callbacks.py``) are mixed in from their own modules.
 
     Example::
 
@@ -271,39 +278,6 @@ class TensorsManager:
             raise ValueError('host_reserve must be a size such as "1GiB" or an int >= 0 (got: None)')
         self._host_watch.reserve = nbytes
 
-    def add_callback(self, before=None, after=None) -> "OpCallback":
-        """Run ``before(op)`` / ``after(op)`` around every managed op; returns a handle.
-
-        ``op`` is the op in flight (``op.name``, ``op.index``, ``op.blocks``, ``op.args``
-        and, after, ``op.outputs``). A ``before`` callback that returns ``False`` vetoes the
-        op: it raises ``OpVetoedError`` before anything changes. Callbacks may hint moves
-        (``tensorsManager.pin``, ``tensor.toGPU()``, ``tensor.toCPU()``). Remove with
-        ``handle.remove()``.
-
-        Example::
-
-            seen = []
-            handle = tensorsManager.add_callback(before=lambda op: seen.append(op.name))
-            ...
-            handle.remove()
-        """
-        if before is None and after is None:
-            raise ValueError("add_callback needs a before and/or an after callable (got neither)")
-        for name, fn in (("before", before), ("after", after)):
-            if fn is not None and not callable(fn):
-                raise ValueError(f"{name} must be callable (got: {type(fn).__name__})")
-        handle = OpCallback(self, before, after)
-        with self._lock:
-            self._callbacks.append(handle)
-            self._refresh_fast()
-        return handle
-
-    def _run_callbacks(self, when: str, ctx) -> None:
-        for handle in list(self._callbacks):
-            fn = handle.before if when == "before" else handle.after
-            if fn is not None and fn(ctx) is False and when == "before":
-                raise OpVetoedError(ctx.name)
-
     def evict_all(self) -> None:
         """Send every unpinned block back to host memory (writing back what changed)."""
         with self._lock:
@@ -424,149 +398,6 @@ class TensorsManager:
                 )
             self.evict(victim)
 
-    # -- the op protocol (called by ops.dispatch, holding the lock) ---------------------
-
-    def _prepare(self, ctx) -> None:
-        blocks = ctx.blocks
-        limit = self._limit
-        if ctx.spec.restrides and self._external and not self._backend.passthrough:
-            self._refuse_growing_external(ctx)
-        if limit is not None and not self._backend.passthrough:
-            # Checked before anything changes: an op that cannot fit is not counted, the
-            # strategy never sees it, and nothing is evicted for it.
-            need = ctx.output_estimate()
-            for b in blocks:
-                need += b.nbytes
-            if need > limit:
-                raise OutOfBudgetError(ctx.name, need, limit)
-        if self._callbacks:
-            self._run_callbacks("before", ctx)  # may veto: nothing has changed yet
-        ctx.index = self._op_count
-        self._op_count += 1
-        if self._backend.passthrough:
-            return
-        self._strategy.before_op(ctx)
-        missing = [b for b in blocks if b.dev is None]
-        limit = self._limit
-        if limit is not None:
-            estimate = ctx.output_estimate()
-            room = estimate
-            for b in missing:
-                room += b.nbytes
-            if room:
-                self._make_room(room, {b.id for b in blocks}, ctx.name)
-        c = self._counters
-        for b in missing:
-            self.fetch(b)
-        c["prefetch_misses"] += len(missing)
-        index = ctx.index
-        for b in blocks:
-            b.last_use = index
-            if b.prefetched:
-                b.prefetched = False
-                c["prefetch_hits"] += 1
-            if b.ready is not None:
-                self._backend.wait(b.ready)
-                b.ready = None
-        self._strategy.before_run(ctx)
-        if self._trace is not None:
-            ctx._start = time.perf_counter_ns()  # type: ignore[attr-defined]
-
-    def _refuse_growing_external(self, ctx) -> None:
-        # The op runs on the accelerator copy, which could grow; but the host bytes are shared
-        # with numpy or a buffer (Note [External bytes]), which plain torch refuses to resize.
-        if any(b.external for b in ctx.written) and ctx.output_estimate() > 0:
-            raise RuntimeError(
-                f"{ctx.name}: Trying to resize storage that is not resizable: its bytes are "
-                f"shared with memory outside torch (a numpy array, a buffer); resize a copy instead")
-
-    def _call(self, ctx, func, args, kwargs):
-        try:
-            if self._fault_injector is not None:
-                self._fault_injector(ctx)
-            return func(*args, **kwargs)
-        except torch.OutOfMemoryError:
-            if self._backend.passthrough:
-                raise
-        return self._recover_from_oom(ctx, func, args, kwargs)
-
-    def _recover_from_oom(self, ctx, func, args, kwargs):
-        # Another process (or the allocator's fragmentation) took memory: evict what this op
-        # does not use and try once more.
-        self._evict_all_unpinned(protect={b.id for b in ctx.blocks})
-        try:
-            if self._fault_injector is not None:
-                self._fault_injector(ctx)
-            return func(*args, **kwargs)
-        except torch.OutOfMemoryError as e:
-            free = self._backend.free_bytes() or 0
-            raise DeviceOutOfMemoryError(ctx.name, sum(b.nbytes for b in ctx.blocks) + ctx.output_estimate(), free) from e
-
-    def _evict_all_unpinned(self, protect) -> None:
-        for block in [b for b in self._resident.values() if b.id not in protect and not b.pins]:
-            self.evict(block)
-        self._backend.release_cached()
-
-    def _mark_written(self, blocks) -> None:
-        if not self._backend.passthrough:
-            for b in blocks:
-                b.host_valid = False
-
-    def _adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
-        block = self._result_block(t, ctx.index)
-        if block.dev is not None and self._trace is not None:
-            self._trace.resized(time.perf_counter_ns(), self._device_bytes)
-        ctx.outputs.append(block)
-        return make_ref(block, t, self._declared)
-
-    def _result_block(self, t: torch.Tensor, index: int) -> Block:
-        """A new block for the storage of ``t``, the result of op ``index``."""
-        storage = t.untyped_storage()
-        block = self._new_block(storage.nbytes())
-        block.from_op = True
-        if self._backend.passthrough or not self._backend.is_device_output(t):
-            self._set_host_only(block, storage)
-        else:
-            block.set_dev(storage)
-            self._resident[block.id] = block
-            self._add_device_bytes(block.nbytes)
-            block.last_use = index
-        return block
-
-    def _resized(self, block: Block, nbytes: int) -> None:
-        """``block``'s storage was resized in place (``resize_``) to ``nbytes``."""
-        if block.dev is not None:
-            self._add_device_bytes(nbytes - block.nbytes)
-            if block.host is not None:  # the host copy has the old size: drop it
-                self._by_host_storage.pop(block.host._cdata, None)
-                block.set_host(None, False)
-            if self._trace is not None:
-                self._trace.resized(time.perf_counter_ns(), self._device_bytes)
-        block.nbytes = nbytes
-
-    def _finish(self, ctx) -> None:
-        if self._callbacks:
-            self._run_callbacks("after", ctx)
-        if self._backend.passthrough:
-            return
-        self._strategy.after_op(ctx)
-        if self._external:
-            for b in ctx.blocks:
-                if b.external and b.dev is not None:
-                    self.evict(b)  # even if pinned: Note [External bytes]
-        if self._limit is not None and self._device_bytes > self._limit:
-            self._make_room(0, (), ctx.name)  # the op's results were larger than estimated
-        trace = self._trace
-        if trace is not None:
-            written = {b.id for b in ctx.written}
-            index = ctx.index
-            for b in ctx.blocks:
-                trace.accesses.append((index, b.id, b.nbytes, b.id in written))
-            for b in ctx.outputs:
-                trace.accesses.append((index, b.id, b.nbytes, True))
-                trace.created.add(b.id)
-            trace.op(index, ctx.name, getattr(ctx, "_start", 0), time.perf_counter_ns())
-
     # -- blocks' lifetime ---------------------------------------------------------------
 
     def _new_block(self, nbytes: int) -> Block:
@@ -621,123 +452,5 @@ class TensorsManager:
         block.on_ref_dead = None
         del self._blocks[block.id]
         self._strategy.on_release(block)
-
-    # -- bringing tensors under management ----------------------------------------------
-
-    def manage_tensor(self, t: torch.Tensor, requires_grad: Optional[bool] = None):
-        """A TensorRef over plain tensor ``t``'s bytes (shared, not copied).
-
-        A ``Parameter`` stays a ``Parameter``; a TensorRef is returned as is. Tensors on
-        another accelerator than the manager's are copied to host memory first.
-
-        Raises:
-            ValueError: for tensors that cannot be managed (meta, sparse, other subclasses).
-        """
-        if isinstance(t, TensorRef):
-            return t
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise ValueError(f"only plain torch.Tensor can be managed (got: {type(t).__name__})")
-        if t.layout is not torch.strided or t.device.type == "meta":
-            raise ValueError(
-                f"only strided tensors with data can be managed (got: layout={t.layout}, device={t.device})"
-            )
-        rg = t.requires_grad if requires_grad is None else requires_grad
-        ref = self._wrap_plain(t.detach(), rg)
-        if isinstance(t, torch.nn.Parameter):
-            ref = torch.nn.Parameter(ref, requires_grad=rg)
-        if t.__dict__:
-            ref.__dict__.update(t.__dict__)  # attributes users set (transformers marks parameters)
-        return ref
-
-    def _wrap_plain(self, t: torch.Tensor, requires_grad: bool) -> TensorRef:
-        with self._lock:
-            self._drain()
-            backend = self._backend
-            on_device = (not backend.passthrough and t.device == backend.compute
-                         and backend.is_device_output(t) and backend.name != "sim")
-            if not on_device and t.device.type != "cpu":
-                t = t.to("cpu")
-            storage = t.untyped_storage()
-            key = storage._cdata
-            block = self._by_host_storage.get(key) if not on_device else None
-            if block is None:
-                block = self._new_block(storage.nbytes())
-                if on_device:
-                    block.set_dev(storage)
-                    self._resident[block.id] = block
-                    self._add_device_bytes(block.nbytes)
-                else:
-                    self._set_host_only(block, storage)
-                    self._by_host_storage[key] = block
-                self._strategy.on_adopt(block)
-            # t views the block's storage unless an existing block's current copy is elsewhere
-            current = block.dev if block.dev is not None else block.host
-            view = t if current is storage else compute_view_of(block, t)
-            return make_ref(block, view, self._declared, requires_grad=requires_grad)
-
-    def clone_ref(self, ref: TensorRef, memo: dict):
-        """A deep copy of leaf ``ref`` with its own block (``copy.deepcopy``)."""
-        with self._lock:
-            block = ref._tr_block
-            key = ("torchTensorRef.block", block.id)
-            new_block = memo.get(key)
-            if new_block is None:
-                self.sync_host(block)
-                self._host_watch.reserve_bytes(block.nbytes)
-                storage = raw.flat_bytes(block.host).clone().untyped_storage()
-                new_block = self._new_block(block.nbytes)
-                self._set_host_only(new_block, storage)
-                memo[key] = new_block
-            view = with_math_bits(raw.typed_view(new_block.host, ref.dtype, ref.size(), ref.stride(),
-                                                 ref.storage_offset()), ref)
-            new = make_ref(new_block, view, self._declared, requires_grad=ref.requires_grad)
-        if getattr(ref, "_is_param", False):
-            new = torch.nn.Parameter(new, requires_grad=ref.requires_grad)
-        import copy
-
-        if ref.grad is not None:
-            new.grad = copy.deepcopy(ref.grad, memo)
-        for name, value in user_attributes(ref).items():
-            setattr(new, name, copy.deepcopy(value, memo))
-        return new
-
-    def rebind(self, ref: TensorRef, new: TensorRef) -> None:
-        """Point ``ref`` at ``new``'s block (after ``ref.data = new``)."""
-        with self._lock:
-            old = ref._tr_block
-            block = new._tr_block
-            # Count the new view first: ``p.data = p`` (Module.to on a tied parameter that
-            # already has the dtype) rebinds a block to itself and must not release it.
-            block.refs += 1
-            ref._tr_wr = None  # the old liveness weakref goes, and its callback with it
-            old.refs -= 1
-            if old.refs == 0 and old.alive:
-                self._release(old)
-            ref._tr_block = block
-            ref._tr_view = compute_view(new)
-            ref._tr_gen = block.gen
-            import weakref
-
-            ref._tr_wr = weakref.ref(ref, block.on_ref_dead)
-
-
-class OpCallback:
-    """Handle of callbacks added with ``tensorsManager.add_callback``."""
-
-    def __init__(self, manager: TensorsManager, before, after):
-        self.manager, self.before, self.after = manager, before, after
-
-    def remove(self) -> None:
-        """Stop calling these callbacks (idempotent)."""
-        with self.manager._lock:
-            if self in self.manager._callbacks:
-                self.manager._callbacks.remove(self)
-                self.manager._refresh_fast()
-
-
-def compute_view_of(block: Block, t: torch.Tensor) -> torch.Tensor:
-    storage = block.dev if block.dev is not None else block.host
-    return with_math_bits(raw.typed_view(storage, t.dtype, t.size(), t.stride(), t.storage_offset()), t)
-
 
 tensorsManager = TensorsManager()

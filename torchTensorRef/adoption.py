@@ -1,0 +1,115 @@
+"""Bringing tensors under management: plain tensors, deep copies, rebinding ``p.data``."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Optional
+
+import torch
+
+from . import raw
+from .blocks import Block
+from .tensor_ref import TensorRef, compute_view, make_ref, user_attributes, with_math_bits
+
+
+class Adoption:
+    """The ``TensorsManager`` methods that make TensorRefs over existing bytes."""
+
+    def manage_tensor(self, t: torch.Tensor, requires_grad: Optional[bool] = None):
+        """A TensorRef over plain tensor ``t``'s bytes (shared, not copied).
+
+        A ``Parameter`` stays a ``Parameter``; a TensorRef is returned as is. Tensors on
+        another accelerator than the manager's are copied to host memory first.
+
+        Raises:
+            ValueError: for tensors that cannot be managed (meta, sparse, other subclasses).
+        """
+        if isinstance(t, TensorRef):
+            return t
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise ValueError(f"only plain torch.Tensor can be managed (got: {type(t).__name__})")
+        if t.layout is not torch.strided or t.device.type == "meta":
+            raise ValueError(
+                f"only strided tensors with data can be managed (got: layout={t.layout}, device={t.device})"
+            )
+        rg = t.requires_grad if requires_grad is None else requires_grad
+        ref = self._wrap_plain(t.detach(), rg)
+        if isinstance(t, torch.nn.Parameter):
+            ref = torch.nn.Parameter(ref, requires_grad=rg)
+        if t.__dict__:
+            ref.__dict__.update(t.__dict__)  # attributes users set (transformers marks parameters)
+        return ref
+
+    def _wrap_plain(self, t: torch.Tensor, requires_grad: bool) -> TensorRef:
+        with self._lock:
+            self._drain()
+            backend = self._backend
+            on_device = (not backend.passthrough and t.device == backend.compute
+                         and backend.is_device_output(t) and backend.name != "sim")
+            if not on_device and t.device.type != "cpu":
+                t = t.to("cpu")
+            storage = t.untyped_storage()
+            key = storage._cdata
+            block = self._by_host_storage.get(key) if not on_device else None
+            if block is None:
+                block = self._new_block(storage.nbytes())
+                if on_device:
+                    block.set_dev(storage)
+                    self._resident[block.id] = block
+                    self._add_device_bytes(block.nbytes)
+                else:
+                    self._set_host_only(block, storage)
+                    self._by_host_storage[key] = block
+                self._strategy.on_adopt(block)
+            # t views the block's storage unless an existing block's current copy is elsewhere
+            current = block.dev if block.dev is not None else block.host
+            view = t if current is storage else compute_view_of(block, t)
+            return make_ref(block, view, self._declared, requires_grad=requires_grad)
+
+    def clone_ref(self, ref: TensorRef, memo: dict):
+        """A deep copy of leaf ``ref`` with its own block (``copy.deepcopy``)."""
+        with self._lock:
+            block = ref._tr_block
+            key = ("torchTensorRef.block", block.id)
+            new_block = memo.get(key)
+            if new_block is None:
+                self.sync_host(block)
+                self._host_watch.reserve_bytes(block.nbytes)
+                storage = raw.flat_bytes(block.host).clone().untyped_storage()
+                new_block = self._new_block(block.nbytes)
+                self._set_host_only(new_block, storage)
+                memo[key] = new_block
+            view = with_math_bits(raw.typed_view(new_block.host, ref.dtype, ref.size(), ref.stride(),
+                                                 ref.storage_offset()), ref)
+            new = make_ref(new_block, view, self._declared, requires_grad=ref.requires_grad)
+        if getattr(ref, "_is_param", False):
+            new = torch.nn.Parameter(new, requires_grad=ref.requires_grad)
+        if ref.grad is not None:
+            new.grad = copy.deepcopy(ref.grad, memo)
+        for name, value in user_attributes(ref).items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
+    def rebind(self, ref: TensorRef, new: TensorRef) -> None:
+        """Point ``ref`` at ``new``'s block (after ``ref.data = new``)."""
+        with self._lock:
+            old = ref._tr_block
+            block = new._tr_block
+            # Count the new view first: ``p.data = p`` (Module.to on a tied parameter that
+            # already has the dtype) rebinds a block to itself and must not release it.
+            block.refs += 1
+            ref._tr_wr = None  # the old liveness weakref goes, and its callback with it
+            old.refs -= 1
+            if old.refs == 0 and old.alive:
+                self._release(old)
+            ref._tr_block = block
+            ref._tr_view = compute_view(new)
+            ref._tr_gen = block.gen
+            ref._tr_wr = weakref.ref(ref, block.on_ref_dead)
+
+
+def compute_view_of(block: Block, t: torch.Tensor) -> torch.Tensor:
+    """``t``'s geometry on ``block``'s current copy."""
+    storage = block.dev if block.dev is not None else block.host
+    return with_math_bits(raw.typed_view(storage, t.dtype, t.size(), t.stride(), t.storage_offset()), t)
