@@ -446,8 +446,9 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
         if block.host is not None:
             self._by_host_storage.pop(block.host._cdata, None)
             self._backend.host_freed(block.host)
-        block.set_dev(None)
-        block.host = None
+            block.host = None
+        if block.dev is not None:
+            block.set_dev(None)
         block.alive = False
         block.on_ref_dead = None
         del self._blocks[block.id]

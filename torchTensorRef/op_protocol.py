@@ -116,14 +116,18 @@ class OpProtocol:
     def _result_block(self, t: torch.Tensor, index: int) -> Block:
         """A new block for the storage of ``t``, the result of op ``index``."""
         storage = t.untyped_storage()
-        block = self._new_block(storage.nbytes())
+        nbytes = storage.nbytes()
+        block = self._new_block(nbytes)
         block.from_op = True
         if self._backend.passthrough or not self._backend.is_device_output(t):
             self._set_host_only(block, storage)
         else:
             block.set_dev(storage)
             self._resident[block.id] = block
-            self._add_device_bytes(block.nbytes)
+            # (_add_device_bytes inlined: this runs for every op's result)
+            total = self._device_bytes = self._device_bytes + nbytes
+            if total > self._peak:
+                self._peak = total
             block.last_use = index
         return block
 

@@ -27,16 +27,6 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 _saving = threading.local()
 
 
-_dispatch = None
-_NO_KWARGS: dict = {}
-
-
-def _bind_dispatch():
-    global _dispatch
-    from .ops.dispatch import dispatch
-
-    _dispatch = dispatch
-    return dispatch
 
 
 def _manager():
@@ -75,10 +65,12 @@ class TensorRef(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        dispatch = _dispatch
-        if dispatch is None:  # first op: ops.dispatch imports this module, so bind late
-            dispatch = _bind_dispatch()
-        return dispatch(func, args, kwargs or _NO_KWARGS)
+        # The first op binds ``ops.dispatch.torch_dispatch`` (which imports this module) as
+        # this method, so that every later op enters it directly, one Python frame less.
+        from .ops.dispatch import torch_dispatch
+
+        TensorRef.__torch_dispatch__ = classmethod(torch_dispatch)
+        return torch_dispatch(cls, func, types, args, kwargs)
 
     # -- the proxy API -------------------------------------------------------------------
 

@@ -117,12 +117,22 @@ def _swap(a, move_plain):
     return a
 
 
-def dispatch(func, args, kwargs):
-    """Run aten ``func`` on arguments that include TensorRefs; return TensorRef results."""
+_NO_KWARGS: dict = {}
+
+
+def torch_dispatch(cls, func, types, args=(), kwargs=None):
+    """``TensorRef.__torch_dispatch__``: run aten ``func`` on arguments that include
+    TensorRefs; return TensorRef results."""
+    if kwargs is None:
+        kwargs = _NO_KWARGS
     spec = _SPECS.get(func) or spec_of(func)
     if spec.handler is not None:
         return spec.handler(func, args, kwargs, spec)
-    return run(func, args, kwargs, spec)
+    if _mgr._fast and not spec.restrides:  # run(), inlined: this is every op's path
+        out = run_fast(func, args, kwargs, spec)
+        if out is not _NOT_FAST:
+            return out
+    return run_generic(func, args, kwargs, spec)
 
 
 def run(func, args, kwargs, spec: OpSpec):
