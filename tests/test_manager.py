@@ -320,3 +320,65 @@ def test_evict_all_sends_unpinned_blocks_home_and_keeps_values():
     finally:
         tm.unpin(pinned)
     assert torch.equal(b.toCPU().target, torch.full((64,), 3.0))
+
+
+# -- dead tensors ---------------------------------------------------------------------------
+
+
+def _resident_bytes():
+    return sum(b.nbytes for b in tensorsManager.resident_blocks())  # (does not drain: stats() would)
+
+
+def test_a_dead_tensor_frees_its_device_memory_at_once(fresh_manager):
+    fresh_manager.strategy = "flow"  # no budget: results stay resident
+    x = torch.ones(256)
+    y = x * 2
+    before = _resident_bytes()
+    del y
+    assert before - _resident_bytes() == 256 * 4  # no op has run since
+
+
+def test_a_tensor_dying_mid_op_is_released_after_the_op(fresh_manager):
+    fresh_manager.strategy = "flow"
+    x = torch.ones(4)
+    held = [x * 3]
+    dead_block = held[0]._tr_block
+    released_in_op = []
+
+    def drop(op):
+        held.clear()  # the TensorRef dies while the manager is in the middle of this op
+        released_in_op.append(not dead_block.alive)
+
+    handle = fresh_manager.add_callback(before=drop)
+    try:
+        y = x + 1
+    finally:
+        handle.remove()
+    assert released_in_op == [False]
+    x + 1  # the next op releases it
+    assert not dead_block.alive
+    with torchTensorRef.disabled():
+        assert torch.equal(y.toCPU().target, torch.full((4,), 2.0))
+
+
+def test_a_tensor_dying_while_another_thread_holds_the_lock_is_released_later(fresh_manager):
+    fresh_manager.strategy = "flow"
+    x = torch.ones(4)
+    y = x * 3
+    block = y._tr_block
+    holding, done = threading.Event(), threading.Event()
+
+    def hold():
+        with fresh_manager._lock:
+            holding.set()
+            done.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    holding.wait(10)
+    del y  # must not wait for the other thread's lock
+    assert block.alive
+    done.set()
+    t.join()
+    x + 1
+    assert not block.alive

@@ -402,10 +402,27 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
 
     def _new_block(self, nbytes: int) -> Block:
         block = Block(nbytes)
-        dead = self._dead
-        block.on_ref_dead = lambda _wr, b=block: dead.append(b)
+        died = self._ref_died
+        block.on_ref_dead = lambda _wr, b=block: died(b)
         self._blocks[block.id] = block
         return block
+
+    def _ref_died(self, block: Block) -> None:
+        """Weakref callback: a TensorRef viewing ``block`` died.
+
+        It may run anywhere (in the middle of an op, on an autograd thread), so the death is
+        queued; it is applied at once when no op is in flight, so that a dead tensor's memory
+        comes back when plain torch would free it, not at the next op (allocations then
+        reuse it instead of taking fresh pages, and on an accelerator the budget sees it).
+        """
+        self._dead.append(block)
+        lock = self._lock
+        if lock._is_owned() or not lock.acquire(blocking=False):
+            return  # mid-op on this thread, or another thread holds the lock: the next op drains
+        try:
+            self._drain()
+        finally:
+            lock.release()
 
     def _set_host_only(self, block: Block, storage) -> None:
         block.set_host(storage, True)
