@@ -9,9 +9,9 @@ count) and the ratio to plain is the median of the per-repeat ratios, so that dr
 machine's speed hits both sides of each ratio alike; the ratio of the fastest runs is
 reported beside it (noise only ever adds time).
 
-A cheap op (a 64x64 add) then gives the time the proxy adds per op, beside the floor of
-any Python tensor subclass: a minimal ``__torch_dispatch__`` wrapper that unwraps, calls
-and rewraps.
+The same model with a minimal ``__torch_dispatch__`` wrapper (it unwraps, calls and
+rewraps, nothing else) gives the floor of any Python tensor subclass on this model; a cheap
+op (a 64x64 add) then gives the time the proxy adds per op beside that floor.
 
     python benchmarks/overhead.py [--layers 6] [--seq 128] [--repeats 21] [--json out.json]
 """
@@ -27,6 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch.utils._pytree import tree_map  # noqa: E402
 
 import torchTensorRef  # noqa: E402
 from benchmarks import common  # noqa: E402
@@ -49,10 +50,23 @@ class MinimalWrapper(torch.Tensor):
         w.elem = t
         return w
 
+    @staticmethod
+    def unwrap(a):
+        if isinstance(a, MinimalWrapper):
+            return a.elem
+        if a.__class__ is list or a.__class__ is tuple:  # torch.cat's list of tensors
+            return a.__class__(MinimalWrapper.unwrap(e) for e in a)
+        return a
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        args = [a.elem if isinstance(a, MinimalWrapper) else a for a in args]
-        return MinimalWrapper.wrap(func(*args, **(kwargs or {})))
+        unwrap = MinimalWrapper.unwrap
+        args = [a.elem if isinstance(a, MinimalWrapper) else unwrap(a) if a.__class__ in (list, tuple) else a
+                for a in args]
+        out = func(*args, **{k: unwrap(v) for k, v in kwargs.items()} if kwargs else {})
+        if isinstance(out, torch.Tensor):
+            return MinimalWrapper.wrap(out)
+        return tree_map(lambda t: MinimalWrapper.wrap(t) if isinstance(t, torch.Tensor) else t, out)
 
 
 def build(layers: int, width: int, seq: int, vocab: int):
@@ -66,6 +80,18 @@ def build(layers: int, width: int, seq: int, vocab: int):
         torch.manual_seed(0)
         model = GPT2LMHeadModel(config).eval()
     return model, common.plain_inputs(0, vocab, 1, seq)
+
+
+def minimal_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain copy of ``model`` whose parameters and buffers are ``MinimalWrapper``s."""
+    with torchTensorRef.disabled():
+        copy = common.plain_copy(model)
+        for module in copy.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                setattr(module, name, torch.nn.Parameter(MinimalWrapper.wrap(p.detach()), requires_grad=False))
+            for name, b in list(module.named_buffers(recurse=False)):
+                setattr(module, name, MinimalWrapper.wrap(b))
+    return copy
 
 
 def small_op_us(device: str, calls: int = 20000) -> dict:
@@ -114,6 +140,7 @@ def main(argv=None) -> dict:
     tm.budget = None
     tm.device = "cpu"
     model = torchTensorRef.manage(common.plain_copy(plain_model))
+    minimal_model = minimal_copy(plain_model)
 
     def plain():
         # disabled(): the masks and positions the model creates per call stay plain too
@@ -124,7 +151,12 @@ def main(argv=None) -> dict:
         with torch.no_grad():
             return model(ids).logits
 
+    def minimal():
+        with torch.no_grad(), torchTensorRef.disabled():
+            return minimal_model(ids).logits.elem
+
     reference = plain()
+    equal_minimal = torch.equal(minimal(), reference)
     times, ratios, equal, ops, moved = {"plain": []}, {}, {}, {}, {}
     # One phase per device, each interleaved with plain torch: switching the device sends
     # every block back to the host, which is not what is measured here.
@@ -146,6 +178,16 @@ def main(argv=None) -> dict:
                 pair[name] = time.thread_time() - start
                 times[name].append(pair[name])
             ratios[label].append(pair[label] / pair["plain"])
+    # the same for the minimal subclass: what any Python tensor subclass costs on this model
+    times["minimal subclass"], ratios["minimal subclass"] = [], []
+    for _ in range(args.repeats):
+        pair = {}
+        for name, fn in (("plain", plain), ("minimal subclass", minimal)):
+            start = time.thread_time()
+            fn()
+            pair[name] = time.thread_time() - start
+            times[name].append(pair[name])
+        ratios["minimal subclass"].append(pair["minimal subclass"] / pair["plain"])
     med = {name: statistics.median(ts) for name, ts in times.items()}
     ops_per_forward = ops["sim"]
     ratio = {label: statistics.median(r) for label, r in ratios.items()}
@@ -156,25 +198,28 @@ def main(argv=None) -> dict:
         "clock": "thread CPU time", "median_seconds": med,
         "ratio_pass_through": ratio["pass-through"], "ratio_sim": ratio["sim"],
         # noise only ever adds time: the fastest runs are the other estimate of the cost
-        "ratio_of_fastest": {label: min(times[label]) / min(times["plain"]) for _d, label in MODES},
+        "ratio_minimal_subclass": ratio["minimal subclass"],
+        "ratio_of_fastest": {label: min(times[label]) / min(times["plain"]) for label in ratio},
         "added_us_per_op_pass_through": (ratio["pass-through"] - 1) * med["plain"] / ops_per_forward * 1e6,
         "added_us_per_op_sim": (ratio["sim"] - 1) * med["plain"] / ops_per_forward * 1e6,
-        "outputs_equal": equal, "bytes_to_device_per_forward": moved,
+        "outputs_equal": {**equal, "minimal subclass": equal_minimal}, "bytes_to_device_per_forward": moved,
         "small_op": small,
     }
     print(f"GPT-2 forward, {args.layers} layers x {args.width}, seq {args.seq}, 1 thread, "
           f"{ops_per_forward} ops, torch {torch.__version__}, {args.repeats} repeats (thread CPU time)")
-    for name in ("plain",) + tuple(label for _d, label in MODES):
+    for name in ("plain",) + tuple(label for _d, label in MODES) + ("minimal subclass",):
         print(f"  {name:>12}: median {med[name] * 1e3:8.2f} ms")
     fastest = result["ratio_of_fastest"]
     print(f"  pass-through / plain = {result['ratio_pass_through']:.3f} (target <= 1.05), "
           f"{result['added_us_per_op_pass_through']:.1f} us added per op; fastest runs: {fastest['pass-through']:.3f}")
     print(f"  sim resident / plain = {result['ratio_sim']:.3f} (target <= 1.10), "
           f"{result['added_us_per_op_sim']:.1f} us added per op; fastest runs: {fastest['sim']:.3f}")
+    print(f"  a minimal Python subclass / plain = {result['ratio_minimal_subclass']:.3f}; "
+          f"fastest runs: {fastest['minimal subclass']:.3f}")
     for label, s in small.items():
         print(f"  64x64 add, {label}: {s['added_us']:.1f} us added per op (target < 8); a minimal "
               f"Python subclass adds {s['floor_added_us']:.1f} us, torchTensorRef {s['own_us']:.1f} us more")
-    print(f"  outputs equal to plain: {equal}; bytes copied in per forward: {moved}")
+    print(f"  outputs equal to plain: {result['outputs_equal']}; bytes copied in per forward: {moved}")
     if args.json:
         common.write_json(args.json, {**common.metadata(common.command_line("benchmarks/overhead.py", argv),
                                                         "cpu (pass-through) and sim"), "result": result})

@@ -66,7 +66,12 @@ def overhead(result: dict, path: str) -> str:
     fig, ax = plt.subplots(figsize=(4.8, 3.4))
     names = ["plain", "pass-through", "sim"]
     values = [1.0, result["ratio_pass_through"], result["ratio_sim"]]
-    ax.bar(names, values, color=[COLORS["resident"], COLORS["flow"], COLORS["reference"]])
+    colors = [COLORS["resident"], COLORS["flow"], COLORS["reference"]]
+    if "ratio_minimal_subclass" in result:  # the floor of any Python tensor subclass
+        names.insert(1, "minimal\nsubclass")
+        values.insert(1, result["ratio_minimal_subclass"])
+        colors.insert(1, COLORS["genoa"])
+    ax.bar(names, values, color=colors)
     for x, v in enumerate(values):
         ax.text(x, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
     ax.axhline(1.05, color="gray", linestyle=":", label="target pass-through 1.05")
