@@ -26,7 +26,7 @@ _MAX_CACHE = 100_000
 
 def _key(value):
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype)
+        return (value.shape, value.dtype)  # torch.Size hashes as the tuple it is
     if isinstance(value, (list, tuple)):
         return tuple(_key(v) for v in value)
     return value

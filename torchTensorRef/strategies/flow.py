@@ -272,7 +272,10 @@ class Flow(Strategy):
         # Prefetch now: the op's blocks are in, the room for its results is known, and the
         # memory of tensors that died since the last op is free; on a GPU the copies then
         # overlap this op's compute.
-        if self.period is not None and self.lookahead and self.manager._limit is not None:
+        mgr = self.manager
+        if self.period is not None and self.lookahead and mgr._limit is not None:
+            if len(mgr._resident) == len(mgr._blocks):
+                return  # every block is in already: nothing to look for
             self._prefetch(op.index, op.output_estimate())
 
     def _upcoming(self, n: int):
