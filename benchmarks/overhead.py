@@ -94,12 +94,14 @@ def minimal_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy
 
 
-def small_op_us(device: str, calls: int = 20000) -> dict:
+def small_op_us(device: str, calls: int = 20000, budget=None) -> dict:
     """Median µs of one 64x64 add: plain, the minimal wrapper and TensorRefs on ``device``.
 
-    The three alternate call by call, so that the machine's drift hits them alike.
+    The three alternate call by call, so that the machine's drift hits them alike. With a
+    ``budget`` (one that holds everything) Flow watches every op: the generic path.
     """
     tm.device = device
+    tm.budget = budget
     x = torch.rand(64, 64)
     with torchTensorRef.disabled():
         y = torch.rand(64, 64)
@@ -117,6 +119,7 @@ def small_op_us(device: str, calls: int = 20000) -> dict:
         managed.append(clock() - end)
         plain.append(mid - start)
         minimal.append(end - mid)
+    tm.budget = None
     plain_us, minimal_us, managed_us = (statistics.median(v) / 1e3 for v in (plain, minimal, managed))
     return {"plain_us": plain_us, "minimal_wrapper_us": minimal_us, "managed_us": managed_us,
             "added_us": managed_us - plain_us, "floor_added_us": minimal_us - plain_us,
@@ -192,6 +195,8 @@ def main(argv=None) -> dict:
     ops_per_forward = ops["sim"]
     ratio = {label: statistics.median(r) for label, r in ratios.items()}
     small = {label: small_op_us(device, args.small_op_calls) for device, label in MODES}
+    # not the fast path: Flow under a budget sees every op (what a GPU run under a budget pays)
+    small["sim, Flow with a 1 GiB budget"] = small_op_us("sim", args.small_op_calls, budget="1GiB")
     result = {
         "torch": torch.__version__, "threads": 1, "layers": args.layers, "width": args.width,
         "seq": args.seq, "repeats": args.repeats, "ops_per_forward": ops_per_forward,
