@@ -20,16 +20,22 @@ from .. import raw
 from .registry import OpSpec
 
 _cache: Dict[Hashable, int] = {}
+_Tensor = torch.Tensor
 _META = torch.device("meta")
 _MAX_CACHE = 100_000
 
 
-def _key(value):
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype)  # torch.Size hashes as the tuple it is
-    if isinstance(value, (list, tuple)):
-        return tuple(_key(v) for v in value)
-    return value
+def _key(values) -> tuple:
+    """The cache key of an argument list: tensors by shape and dtype, the rest as they are."""
+    out = []
+    for v in values:
+        if isinstance(v, _Tensor):
+            out.append((v.shape, v.dtype))  # torch.Size hashes as the tuple it is
+        elif v.__class__ is list or v.__class__ is tuple:
+            out.append(_key(v))
+        else:
+            out.append(v)
+    return tuple(out)
 
 
 def _to_meta(value):
@@ -94,7 +100,7 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
         return 0  # views and in-place results allocate nothing
     try:
         # Growth depends on the written tensors' blocks, not only on shapes: not cached.
-        key = None if spec.restrides else (spec.func, _key(args), _key(tuple(kwargs.items())))
+        key = None if spec.restrides else (spec.func, _key(args), _key(kwargs.items()) if kwargs else ())
         hash(key)
     except (TypeError, RuntimeError):  # unhashable arguments; nested tensors have no sizes
         key = None
