@@ -125,7 +125,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     TensorRefs; return TensorRef results."""
     if kwargs is None:
         kwargs = _NO_KWARGS
-    spec = _SPECS.get(func) or spec_of(func)
+    spec = _SPECS.get(id(func)) or spec_of(func)
     if spec.handler is not None:
         return spec.handler(func, args, kwargs, spec)
     if _mgr._fast and not spec.restrides:  # run(), inlined: this is every op's path

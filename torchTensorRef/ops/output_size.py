@@ -100,7 +100,7 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
         return 0  # views and in-place results allocate nothing
     try:
         # Growth depends on the written tensors' blocks, not only on shapes: not cached.
-        key = None if spec.restrides else (spec.func, _key(args), _key(kwargs.items()) if kwargs else ())
+        key = None if spec.restrides else (spec, _key(args), _key(kwargs.items()) if kwargs else ())
         hash(key)
     except (TypeError, RuntimeError):  # unhashable arguments; nested tensors have no sizes
         key = None

@@ -83,7 +83,7 @@ _UNANNOTATED_WRITES = {
 }
 
 _HANDLERS: Dict[object, Handler] = {}
-_SPECS: Dict[object, OpSpec] = {}
+_SPECS: Dict[int, OpSpec] = {}
 
 
 def implements(ops):
@@ -99,7 +99,7 @@ def implements(ops):
             if op in _HANDLERS:
                 raise ValueError(f"{op} already has a handler: {_HANDLERS[op].__name__}")
             _HANDLERS[op] = fn
-            _SPECS.pop(op, None)
+            _SPECS.pop(id(op), None)
         return fn
 
     return register
@@ -107,14 +107,18 @@ def implements(ops):
 
 def spec_of(func) -> OpSpec:
     """The cached :class:`OpSpec` of ``func``."""
-    spec = _SPECS.get(func)
+    spec = _SPECS.get(id(func))
     if spec is None:
-        spec = _SPECS[func] = OpSpec(func)
+        spec = _SPECS[id(func)] = OpSpec(func)
     return spec
 
 
-def specs() -> Dict[object, OpSpec]:
-    """The cache itself, for the dispatcher's fast lookup."""
+def specs() -> Dict[int, OpSpec]:
+    """The cache itself, for the dispatcher's fast lookup: keyed by ``id(func)``.
+
+    ``OpOverload.__hash__`` is Python code, too slow to run for every op; the ids are stable
+    because each spec holds its op.
+    """
     return _SPECS
 
 

@@ -71,7 +71,7 @@ class Flow(Strategy):
 
     def _reset(self) -> None:
         self.period: Optional[int] = None
-        self._func: Dict[int, object] = {}            # op index -> aten op
+        self._func: Dict[int, object] = {}            # op index -> aten op (its OpSpec)
         self._sig_positions: Dict[tuple, List[int]] = {}
         self._op_blocks: Dict[int, Tuple[int, ...]] = {}  # op index -> ids of blocks it read
         self._created: Dict[int, Tuple[int, ...]] = {}   # op index -> ids of blocks it created
@@ -112,7 +112,7 @@ class Flow(Strategy):
             return  # nothing is ever evicted or prefetched: nothing to learn
         n = op.index
         self._now = n
-        func = op.spec.func
+        func = op.spec  # one per aten op; hashing it is cheaper than the op's own __hash__
         self._func[n] = func
         ids = tuple(b.id for b in op.blocks)
         self._op_blocks[n] = ids
