@@ -185,3 +185,11 @@ def test_run_all_writes_json_and_plot(tmp_path):
     assert written["flow_vs_reference"]["files"] == [str(out / "flow_vs_reference.json"), str(png)]
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_all_copies_headline_plots_to_assets(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    out, assets = tmp_path / "out", tmp_path / "assets"
+    monkeypatch.setattr(run_all, "HEADLINES", {"flow_vs_reference": "headline.png"})
+    run_all.main(["--quick", "--only", "flow_vs_reference", "--out", str(out), "--assets", str(assets)])
+    assert (assets / "headline.png").read_bytes() == (out / "flow_vs_reference.png").read_bytes()
