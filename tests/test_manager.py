@@ -382,3 +382,23 @@ def test_a_tensor_dying_while_another_thread_holds_the_lock_is_released_later(fr
     t.join()
     x + 1
     assert not block.alive
+
+
+# -- room ------------------------------------------------------------------------------------
+
+
+def test_room_is_the_budget_less_the_resident_bytes(fresh_manager):
+    assert fresh_manager.room() is None  # no budget
+    fresh_manager.strategy = "flow"
+    fresh_manager.budget = 10_000
+    assert fresh_manager.room() == 10_000
+    x = torch.ones(500)  # 2000 bytes, on the host until used
+    assert fresh_manager.room() == 10_000
+    x.toGPU()
+    assert fresh_manager.room() == 8_000
+    y = x + 1
+    assert fresh_manager.room() == 6_000
+    del y
+    assert fresh_manager.room() == 8_000
+    fresh_manager.budget = 2_000  # exactly x: nothing else fits
+    assert fresh_manager.room() == 0

@@ -241,6 +241,16 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
         """The blocks with a valid accelerator copy (for strategies)."""
         return self._resident.values()
 
+    def room(self) -> Optional[int]:
+        """Accelerator bytes that still fit under the budget now; ``None`` when unlimited.
+
+        For strategies that bring blocks in ahead of time: ``fetch`` does not check the
+        budget, so a prefetch must fit in ``room()`` (less what the op in flight will add).
+        """
+        with self._lock:
+            limit = self._limit
+            return None if limit is None else max(limit - self._device_bytes, 0)
+
     # -- explicit moves -------------------------------------------------------------------
 
     def move_to_device(self, ref: TensorRef) -> None:
