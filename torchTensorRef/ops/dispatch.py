@@ -128,16 +128,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     spec = _SPECS.get(id(func)) or spec_of(func)
     if spec.handler is not None:
         return spec.handler(func, args, kwargs, spec)
-    if _mgr._fast and not spec.restrides:  # run(), inlined: this is every op's path
-        out = run_fast(func, args, kwargs, spec)
-        if out is not _NOT_FAST:
-            return out
-    return run_generic(func, args, kwargs, spec)
-
-
-def run(func, args, kwargs, spec: OpSpec):
-    """The fast path when it applies (Note [Fast path]), else the generic one."""
-    if _mgr._fast and not spec.restrides:
+    if _mgr._fast and not spec.restrides:  # Note [Fast path]
         out = run_fast(func, args, kwargs, spec)
         if out is not _NOT_FAST:
             return out
