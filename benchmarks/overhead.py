@@ -126,6 +126,20 @@ def small_op_us(device: str, calls: int = 20000, budget=None) -> dict:
             "own_us": managed_us - minimal_us}
 
 
+def interleaved(plain, fn, label: str, repeats: int, times: dict, ratios: dict) -> None:
+    """Time ``plain`` and ``fn`` in turn ``repeats`` times (thread CPU time); add the times
+    to ``times["plain"]`` and ``times[label]`` and the per-pair ratios to ``ratios[label]``."""
+    times[label], ratios[label] = [], []
+    for _ in range(repeats):
+        pair = {}
+        for name, f in (("plain", plain), (label, fn)):
+            start = time.thread_time()
+            f()
+            pair[name] = time.thread_time() - start
+            times[name].append(pair[name])
+        ratios[label].append(pair[label] / pair["plain"])
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
@@ -172,25 +186,9 @@ def main(argv=None) -> dict:
         ops[label] = tm.stats()["ops"]
         # only the tensors the model creates per call (masks, positions) are copied in now
         moved[label] = tm.stats()["bytes_to_device"]
-        times[label], ratios[label] = [], []
-        for _ in range(args.repeats):
-            pair = {}
-            for name, fn in (("plain", plain), (label, managed)):
-                start = time.thread_time()
-                fn()
-                pair[name] = time.thread_time() - start
-                times[name].append(pair[name])
-            ratios[label].append(pair[label] / pair["plain"])
+        interleaved(plain, managed, label, args.repeats, times, ratios)
     # the same for the minimal subclass: what any Python tensor subclass costs on this model
-    times["minimal subclass"], ratios["minimal subclass"] = [], []
-    for _ in range(args.repeats):
-        pair = {}
-        for name, fn in (("plain", plain), ("minimal subclass", minimal)):
-            start = time.thread_time()
-            fn()
-            pair[name] = time.thread_time() - start
-            times[name].append(pair[name])
-        ratios["minimal subclass"].append(pair["minimal subclass"] / pair["plain"])
+    interleaved(plain, minimal, "minimal subclass", args.repeats, times, ratios)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     ops_per_forward = ops["sim"]
     ratio = {label: statistics.median(r) for label, r in ratios.items()}

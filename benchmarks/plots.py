@@ -11,6 +11,14 @@ COLORS = {"genoa": "#d62728", "flow": "#1f77b4", "reference": "#2ca02c", "accele
 PLOT_HINT = 'the plots need matplotlib: pip install "torchTensorRef[bench]"'
 
 
+def _save(plt, fig, path: str, rect=None) -> str:
+    """Lay out (within ``rect``, when given), write and close ``fig``; returns ``path``."""
+    fig.tight_layout(**({"rect": rect} if rect else {}))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _pyplot():
     import matplotlib
 
@@ -54,10 +62,7 @@ def transfer(result: dict, path: str) -> str:
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle(f"Bytes moved between host and accelerator on 'sim' (torch {result.get('torch', '?')})",
                  fontsize=10)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, rect=(0, 0.06, 1, 1))
 
 
 def overhead(result: dict, path: str) -> str:
@@ -81,10 +86,7 @@ def overhead(result: dict, path: str) -> str:
     ax.set_title(f"GPT-2 forward ({result['layers']}x{result['width']}, seq {result['seq']}, "
                  f"{result['ops_per_forward']} ops)", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def flow_vs_reference(result: dict, path: str) -> str:
@@ -110,10 +112,7 @@ def flow_vs_reference(result: dict, path: str) -> str:
     ax.set_ylabel("MiB moved per training step")
     ax.set_title(f"GPT-2 ({result.get('layers', '?')} layers) AdamW step on 'sim'", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def gpu_throughput(result: dict, path: str) -> str:
@@ -140,10 +139,7 @@ def gpu_throughput(result: dict, path: str) -> str:
     fig.suptitle(f"{result['model']}, {parameters_text(result['parameters'])} parameters, on "
                  f"{result.get('gpu', result['device'])}",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 PLOTS = {"transfer": transfer, "overhead": overhead, "flow_vs_reference": flow_vs_reference,

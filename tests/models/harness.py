@@ -280,12 +280,17 @@ def check_save_pretrained(pair: Pair, folder) -> None:
     for name, value in reloaded.state_dict().items():
         assert isinstance(value, TensorRef), f"reloaded {name} is a {type(value).__name__}, not a TensorRef"
     pair.check_peak("from_pretrained")
+    compare_eval_logits(pair, reloaded, "logits of the reloaded model")
+    pair.check_peak("reloaded forward")
+
+
+def compare_eval_logits(pair: Pair, model, what: str) -> None:
+    """``model``'s eval logits on the case's inputs equal the plain model's."""
     managed_inputs, plain_inputs = inputs_pair(pair.case)
-    logits = eval_logits(pair.case, reloaded, managed_inputs)
+    logits = eval_logits(pair.case, model, managed_inputs)
     with torchTensorRef.disabled():
         expected = eval_logits(pair.case, pair.plain, plain_inputs)
-    pair.compare(logits, expected, "logits of the reloaded model")
-    pair.check_peak("reloaded forward")
+    pair.compare(logits, expected, what)
 
 
 def check_state_dict_roundtrip(pair: Pair, folder) -> None:
@@ -306,11 +311,7 @@ def check_state_dict_roundtrip(pair: Pair, folder) -> None:
     fresh.load_state_dict(torch.load(path, weights_only=True))
     reloaded = Pair(pair.case, fresh, pair.plain, pair.budget)
     compare_state(reloaded, "after load_state_dict")
-    managed_inputs, plain_inputs = inputs_pair(pair.case)
-    logits = eval_logits(pair.case, fresh, managed_inputs)
-    with torchTensorRef.disabled():
-        expected_logits = eval_logits(pair.case, pair.plain, plain_inputs)
-    pair.compare(logits, expected_logits, "outputs of the reloaded model")
+    compare_eval_logits(pair, fresh, "outputs of the reloaded model")
     pair.check_peak("state dict round trip")
 
 
@@ -326,9 +327,5 @@ def check_pickled_module_roundtrip(pair: Pair, folder) -> None:
     assert len(list(loaded.parameters())) == len(list(pair.managed.parameters())), "tied parameters came apart"
     reloaded = Pair(pair.case, loaded, pair.plain, pair.budget)
     compare_state(reloaded, "after torch.load")
-    managed_inputs, plain_inputs = inputs_pair(pair.case)
-    logits = eval_logits(pair.case, loaded, managed_inputs)
-    with torchTensorRef.disabled():
-        expected = eval_logits(pair.case, pair.plain, plain_inputs)
-    pair.compare(logits, expected, "outputs of the loaded model")
+    compare_eval_logits(pair, loaded, "outputs of the loaded model")
     pair.check_peak("pickled module round trip")
