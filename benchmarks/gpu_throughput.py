@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -48,6 +49,10 @@ SIZES = {
     "full": dict(model=dict(layers=22, hidden=2048, intermediate=5632, vocab=32000, heads=32, kv_heads=4),
                  dtype="bfloat16", prompt=128, tokens=32, batch=1, seq=256, calls=3, warmup_steps=3, steps=3,
                  bandwidth_bytes=1 << 30),
+    # a quarter of that: every configuration runs in a few minutes on one GPU
+    "small": dict(model=dict(layers=8, hidden=1024, intermediate=2816, vocab=32000, heads=16, kv_heads=4),
+                  dtype="bfloat16", prompt=64, tokens=16, batch=1, seq=128, calls=2, warmup_steps=2, steps=2,
+                  bandwidth_bytes=256 << 20),
     # thin and several layers, so that every op fits in 25% of the weight bytes; float32,
     # because CPUs without native bfloat16 run bfloat16 matmuls tens of times slower
     "tiny": dict(model=dict(layers=6, hidden=32, intermediate=64, vocab=128, heads=4, kv_heads=2),
@@ -306,7 +311,9 @@ def ids_shape(size: dict, workload: str) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help='"cuda", "cuda:N", or "sim" to check the harness')
-    parser.add_argument("--tiny", action="store_true", help="a tiny model: checks the harness in seconds")
+    parser.add_argument("--size", choices=sorted(SIZES), default="full",
+                        help="the model: full (TinyLlama-1.1B's shape), small, or tiny (checks the harness in seconds)")
+    parser.add_argument("--tiny", action="store_true", help="the same as --size tiny")
     parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--json", help="write the results to this file")
@@ -319,7 +326,8 @@ def main(argv=None) -> dict:
         print(message)
         return {**common.metadata(command, args.device), "skipped": message}
 
-    size = SIZES["tiny" if args.tiny else "full"]
+    size_name = "tiny" if args.tiny else args.size
+    size = SIZES[size_name]
     dev = Device(args.device)
     plain = common.llama(positions=max(size["seq"], size["prompt"] + size["tokens"]) + 8,
                          dtype=getattr(torch, size["dtype"]), **size["model"])
@@ -329,12 +337,16 @@ def main(argv=None) -> dict:
            "train": common.plain_inputs(1, vocab, size["batch"], size["seq"])}
     bandwidth = dev.bandwidth(size["bandwidth_bytes"])
     previous = (tm.device, tm.strategy, tm.budget)
-    rows = [run_config(dev, plain, ids, size, "resident", None, wbytes),
-            run_config(dev, plain, ids, size, "accelerate", None, wbytes)]
+    configs = [("resident", None), ("accelerate", None)]
+    configs += [(strategy, fraction) for fraction in args.fractions for strategy in args.strategies]
+    rows = []
     try:
-        for fraction in args.fractions:
-            for strategy in args.strategies:
-                rows.append(run_config(dev, plain, ids, size, strategy, fraction, wbytes))
+        for config, fraction in configs:
+            rows.append(run_config(dev, plain, ids, size, config, fraction, wbytes))
+            # one line per configuration as it ends: a run cut short still says something
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("generate", "train")}
+                             | {w: {k: v for k, v in rows[-1].get(w, {}).items() if k != "tokens"}
+                                for w in ("generate", "train")}, default=str), flush=True)
     finally:
         tm.budget = None
         tm.device, tm.strategy = previous[0], previous[1]
@@ -343,7 +355,7 @@ def main(argv=None) -> dict:
     result = {
         **common.metadata(command, args.device),
         "model": "Llama (random init)", "parameters": sum(p.numel() for p in plain.parameters()),
-        "weight_bytes": wbytes, "sizes": "tiny" if args.tiny else "full", "size": size,
+        "weight_bytes": wbytes, "sizes": size_name, "size": size,
         "bandwidth": bandwidth, "targets": TARGETS, "rows": rows, "checks": checks,
     }
     if not dev.cuda:

@@ -77,13 +77,15 @@ def inputs(size: dict, vocab: int, workload: str) -> torch.Tensor:
 
 
 def plain_run(model: torch.nn.Module, ids: torch.Tensor, workload: str, size: dict):
-    """What plain torch computes: the losses of every step, or the generated tokens."""
-    with torchTensorRef.disabled():
-        model = common.plain_copy(model)
+    """What plain torch computes on "sim" (the kernels the managed runs use): the losses of
+    every step, or the generated tokens."""
+    with torchTensorRef.disabled(device="sim"):
+        model = common.plain_copy(model).to("sim")
+        ids = ids.to("sim")
         if workload == "train":
             step = common.trainer(model, ids)
             return [step() for _ in range(size["steps"])]
-        return common.generate(model.eval(), ids, size["tokens"])
+        return common.generate(model.eval(), ids, size["tokens"]).cpu()
 
 
 def managed_run(plain: torch.nn.Module, ids: torch.Tensor, workload: str, strategy: str,

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import torchTensorRef
 from torchTensorRef import tensorsManager
+
+
+# The device every test starts on. CI has no GPU and uses "sim"; on a GPU machine
+# TORCHTENSORREF_TEST_DEVICE=cuda runs the same suite against the real accelerator.
+TEST_DEVICE = os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim")
 
 
 def pytest_configure(config):
@@ -24,24 +31,27 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def fresh_manager():
-    """Patched torch, ``"sim"`` device, Genoa, no budget, zeroed stats; restored afterwards."""
+    """Patched torch, the test device (``"sim"`` unless set), Genoa, no budget, zeroed stats; restored afterwards."""
     torchTensorRef.patch()
     tm = tensorsManager
     tm.budget = None
-    tm.device = "sim"
+    tm.device = TEST_DEVICE
     tm.strategy = "genoa"
     tm.fault_injector = None
     tm.evict_all()  # blocks an earlier test left resident must not change this one's figures
+    tm.synchronize()  # (and their write-backs still in flight)
     tm.reset_stats()
     yield tm
     tm.fault_injector = None
     tm.budget = None
     tm.strategy = "genoa"
-    tm.device = "sim"
+    tm.device = TEST_DEVICE
     torchTensorRef.patch()
 
 
 @pytest.fixture
 def plain():
-    """Context manager for computing the plain-torch reference inside a test."""
-    return torchTensorRef.disabled
+    """Context manager for computing the plain-torch reference inside a test (on the test device)."""
+    from paired import plain_torch
+
+    return plain_torch

@@ -17,10 +17,27 @@ _FACTORY_RESULT = (
     "(its values match)"
 )
 
-XFAILS = {
+#: engine limits with inputs on two devices
+_TWO_DEVICES = (
+    "a sparse CSR input (a CPU tensor) beside accelerator tensors: the autograd engine's stream "
+    "bookkeeping asserts in backward (opt_ready_stream && opt_parent_stream), on CUDA as on sim"
+)
+
+#: expected failures in the pass-through mode only ("cpu": TensorRefs report the CPU, so
+#: C++ composites reach the CPU kernels with them); on an accelerator the device's own
+#: kernels see them and these match
+PASS_THROUGH_XFAILS = {
     ("tensor_split", ""): _RAW_DATA,
     ("linalg.matrix_rank", ""): _FACTORY_RESULT,
     ("linalg.matrix_rank", "hermitian"): _FACTORY_RESULT,
+}
+
+#: expected failures on an accelerator only (every mode but pass-through)
+ACCELERATOR_XFAILS = {
+    ("sparse.sampled_addmm", ""): _TWO_DEVICES,
+}
+
+XFAILS = {
     ("to_sparse", ""): (
         "only strided tensors are managed: the sparse result is a plain tensor, and so is the "
         "gradient that flows back through it (values match)"

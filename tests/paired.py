@@ -8,6 +8,7 @@ are evicted between ops.
 
 from __future__ import annotations
 
+import contextlib  # noqa: F401
 import itertools
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager
+from torchTensorRef.sim_device import SimTensor
 from torchTensorRef.strategies import NAMES
 
 #: a budget under which any of the tests' models pages its weights
@@ -34,9 +36,26 @@ def paging(request):
         assert tensorsManager.stats()["peak_device_bytes"] <= budget
 
 
+def device_type() -> str:
+    """The device type managed tensors report: ``"sim"``, ``"cuda"``, or ``"cpu"`` (pass-through)."""
+    return tensorsManager._declared.type
+
+
+@contextlib.contextmanager
+def plain_torch():
+    """Plain torch on the managed tensors' device: what a test compares them with.
+
+    On ``"sim"`` that is ``SimTensor``s (plain tensors of the simulated device), on CUDA plain
+    CUDA tensors: PyTorch picks the same kernels for both runs, so results are bit-identical.
+    """
+    device = tensorsManager._declared
+    with torchTensorRef.disabled(device=device if device.type != "cpu" else None):
+        yield
+
+
 def run_both(fn, seed: int = 0):
     """``(plain, managed)``: ``fn()`` run on plain torch, then managed, from the same seed."""
-    with torchTensorRef.disabled():
+    with plain_torch():
         torch.manual_seed(seed)
         plain = fn()
     torch.manual_seed(seed)
@@ -44,13 +63,21 @@ def run_both(fn, seed: int = 0):
     return plain, managed
 
 
+def values(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``t``'s values where its ops compute (a TensorRef's target,
+    a SimTensor's CPU bytes, a plain tensor itself)."""
+    if isinstance(t, TensorRef):
+        return t.target
+    if isinstance(t, SimTensor):
+        return t.data_
+    return t
+
+
 def to_plain(obj):
     """``obj`` with every tensor replaced by a plain, detached copy of its values."""
-    if isinstance(obj, TensorRef):
-        with torchTensorRef.disabled():
-            return obj.target.detach().clone()
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        with torchTensorRef.disabled():
+            return values(obj).detach().clone()
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_plain(o) for o in obj)
     if isinstance(obj, dict):

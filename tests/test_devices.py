@@ -16,7 +16,9 @@ from torchTensorRef.devices import CudaBackend, PassthroughBackend, SimBackend, 
 def test_make_backend(spec, kind):
     backend = make_backend(spec)
     assert type(backend) is kind
-    assert backend.compute == backend.declared == torch.device("cpu")
+    assert backend.compute == torch.device("cpu")  # the simulated device computes with CPU kernels
+    strict = kind is SimBackend and backend.strict
+    assert backend.declared == (torch.device("sim", 0) if strict else torch.device("cpu"))
     assert backend.passthrough is (kind is PassthroughBackend)
 
 
@@ -49,7 +51,7 @@ def test_sim_moves_bytes_and_keeps_values():
     before = tensorsManager.stats()
     x.toGPU()
     assert x.proxyInfo.device == "sim" and x.proxyInfo.on_device
-    assert x.device == torch.device("cpu")  # the declared device: where the ops run
+    assert x.device == tensorsManager._declared  # the declared device, where ops run: sim:0 (strict)
     assert tensorsManager.stats()["device_bytes"] == before["device_bytes"] + x.proxyInfo.nbytes
     tensorsManager.pin(x)  # Genoa would send it back right after the next op
     x.mul_(2)

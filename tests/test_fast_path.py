@@ -130,8 +130,10 @@ def test_callbacks_and_recording_still_see_every_op(fast):
 
 def test_a_block_that_must_be_fetched_takes_the_generic_path(fresh_manager, counted):
     fresh_manager.strategy = "flow"
-    x = torch.ones(4, 4)  # created on the host: the first op must fetch it
+    x = torch.ones(4, 4)  # created on the device (it fits): send it to the host
+    x.toCPU()
     fresh_manager.reset_stats()
+    counted.update(fast=0, generic=0)
     y = x + 1
     assert counted == {"fast": 0, "generic": 1}
     assert fresh_manager.stats()["bytes_to_device"] == x.proxyInfo.nbytes
@@ -139,16 +141,21 @@ def test_a_block_that_must_be_fetched_takes_the_generic_path(fresh_manager, coun
     assert counted == {"fast": 1, "generic": 1}
 
 
-def test_genoa_and_a_flow_budget_need_every_op(fresh_manager):
+def test_genoa_and_a_flow_budget_under_pressure_need_every_op(fresh_manager):
     assert not fresh_manager._fast  # conftest: Genoa on "sim"
     fresh_manager.strategy = "flow"
     assert fresh_manager._fast
-    fresh_manager.budget = "1MiB"  # Flow learns the op sequence to evict and prefetch
-    assert not fresh_manager._fast
+    fresh_manager.budget = 7168  # everything fits so far: nothing to learn yet
+    assert fresh_manager._fast
+    a, b = torch.ones(512), torch.ones(512)  # 2 KiB each
+    c = a + b  # 6 KiB resident
+    d = c + a  # the budget is full: room is made by evicting, so Flow learns from now on
+    assert fresh_manager.under_pressure and not fresh_manager._fast
     fresh_manager.budget = None
     assert fresh_manager._fast
     fresh_manager.fault_injector = lambda op: None
     assert not fresh_manager._fast
+    del c, d
 
 
 def test_flow_keeps_the_budget_after_running_without_one(fresh_manager):

@@ -10,7 +10,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import TensorRef, manage
 
-from paired import assert_identical, paging  # noqa: F401  (paging is a fixture)
+from paired import assert_identical, device_type, paging, plain_torch  # noqa: F401  (paging is a fixture)
 
 
 def plain_model(tied=True):
@@ -43,7 +43,9 @@ def test_manage_module_in_place_keeps_ties_and_matches_plain(paging):
     for p in managed.parameters():
         assert isinstance(p, torch.nn.Parameter) and type(p) is TensorRef
     assert all(type(b) is TensorRef for b in managed.buffers())
-    with torchTensorRef.disabled():
+    with plain_torch():  # on the managed tensors' device: its kernels and optimizer choices
+        plain.to(device_type())
+        assert plain[0].weight is plain[2].weight
         expected = run_training(plain)
     assert_identical(expected, run_training(managed))
     assert managed[0].weight is managed[2].weight

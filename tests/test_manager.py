@@ -113,7 +113,8 @@ def test_strategy_class_instead_of_instance_says_how_to_fix():
 def test_budget_accepts(value, expected):
     tensorsManager.budget = value
     assert tensorsManager.budget == expected
-    assert tensorsManager.stats()["budget"] == expected
+    # the budget in force: no budget means what the device has (on "sim", its capacity)
+    assert tensorsManager.stats()["budget"] == (expected if expected is not None else tensorsManager.sim_capacity)
 
 
 @pytest.mark.parametrize("value", [-1, "-5MiB", "6 gigs", "MiB", "", 1.5, True, [1], "1e9"])
@@ -183,6 +184,7 @@ def test_stats_count_moves_of_one_op():
 def test_reset_stats_zeroes_counters_and_restarts_the_peak_from_now():
     tensorsManager.strategy = _KeepEverything()
     x = torch.rand(1000)
+    x.toCPU()  # so that the op moves bytes
     y = x * 3
     before = tensorsManager.stats()
     assert before["bytes_to_device"] > 0 and before["ops"] > 0
@@ -388,11 +390,13 @@ def test_a_tensor_dying_while_another_thread_holds_the_lock_is_released_later(fr
 
 
 def test_room_is_the_budget_less_the_resident_bytes(fresh_manager):
-    assert fresh_manager.room() is None  # no budget
+    assert fresh_manager.room() == fresh_manager.sim_capacity  # no budget: what the device has
     fresh_manager.strategy = "flow"
     fresh_manager.budget = 10_000
     assert fresh_manager.room() == 10_000
-    x = torch.ones(500)  # 2000 bytes, on the host until used
+    x = torch.ones(500)  # 2000 bytes, made on the device (it fits)
+    assert fresh_manager.room() == 8_000
+    x.toCPU()
     assert fresh_manager.room() == 10_000
     x.toGPU()
     assert fresh_manager.room() == 8_000

@@ -165,8 +165,9 @@ def test_disabled_still_manages_ops_on_existing_refs():
     x = torch.ones(3)
     with torchTensorRef.disabled():
         y = x + 1
+        expected = torch.full((3,), 2.0)
     assert type(y) is TensorRef
-    torch.testing.assert_close(y.target, torch.full((3,), 2.0))
+    torch.testing.assert_close(y.target, expected)
 
 
 def test_disabled_is_per_thread():

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from . import raw  # noqa: F401  (first: keeps the unpatched constructors)
 from .errors import DeviceOutOfMemoryError, OpVetoedError, OutOfBudgetError
 from .host_memory import HostMemoryError
@@ -51,6 +53,16 @@ def configure_from_environment(environ=None) -> None:
         except ValueError as e:
             raise ValueError(f"environment variable {var}: {e}") from e
 
+
+# Note [Registering "sim" early]: autograd sizes its per-device worker queues once, at the
+# first backward of the process, from the devices that exist then. On a machine with no
+# accelerator, a "sim" device registered after a first backward on the CPU would have no
+# queue, and every later backward on it would fail inside the engine. So it is registered
+# here, before user code can run a backward; with CUDA present the queues exist anyway.
+if not torch.cuda.is_available():
+    from . import sim_device
+
+    sim_device.register()
 
 patch()
 configure_from_environment()

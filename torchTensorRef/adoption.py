@@ -13,14 +13,24 @@ from .blocks import Block
 from .tensor_ref import TensorRef, compute_view, make_ref, user_attributes, with_math_bits
 
 
+#: host copies of at least this size are moved into pinned memory when a tensor is adopted
+PIN_AT_ADOPTION_BYTES = 4096
+
+
 class Adoption:
     """The ``TensorsManager`` methods that make TensorRefs over existing bytes."""
 
-    def manage_tensor(self, t: torch.Tensor, requires_grad: Optional[bool] = None):
+    def manage_tensor(self, t: torch.Tensor, requires_grad: Optional[bool] = None, *, host_only: bool = False,
+                      shared: bool = True):
         """A TensorRef over plain tensor ``t``'s bytes (shared, not copied).
 
         A ``Parameter`` stays a ``Parameter``; a TensorRef is returned as is. Tensors on
         another accelerator than the manager's are copied to host memory first.
+
+        Args:
+            host_only: a CPU tensor that stays one (made with ``device="cpu"``).
+            shared: someone else still holds ``t`` (``TensorRef(t)``): its bytes stay where
+                they are (Note [External bytes]). ``False`` for tensors torchTensorRef made.
 
         Raises:
             ValueError: for tensors that cannot be managed (meta, sparse, other subclasses).
@@ -34,19 +44,22 @@ class Adoption:
                 f"only strided tensors with data can be managed (got: layout={t.layout}, device={t.device})"
             )
         rg = t.requires_grad if requires_grad is None else requires_grad
-        ref = self._wrap_plain(t.detach(), rg)
+        ref = self._wrap_plain(t.detach(), rg, host_only, shared)
         if isinstance(t, torch.nn.Parameter):
             ref = torch.nn.Parameter(ref, requires_grad=rg)
         if t.__dict__:
             ref.__dict__.update(t.__dict__)  # attributes users set (transformers marks parameters)
         return ref
 
-    def _wrap_plain(self, t: torch.Tensor, requires_grad: bool) -> TensorRef:
+    def _wrap_plain(self, t: torch.Tensor, requires_grad: bool, host_only: bool = False,
+                    shared: bool = True) -> TensorRef:
         with self._lock:
             self._drain()
+            if self._unresolved:
+                self._resolve_device()
             backend = self._backend
-            on_device = (not backend.passthrough and t.device == backend.compute
-                         and backend.is_device_output(t) and backend.name != "sim")
+            on_device = (not backend.passthrough and not backend.simulated and not host_only
+                         and t.device == backend.compute)
             if not on_device and t.device.type != "cpu":
                 t = t.to("cpu")
             storage = t.untyped_storage()
@@ -55,12 +68,21 @@ class Adoption:
             if block is None:
                 block = self._new_block(storage.nbytes())
                 if on_device:
+                    # Made on the device outside the manager (a GPU tensor given to it): it
+                    # counts from now on, and the budget is restored by evicting others.
                     block.set_dev(storage)
                     self._resident[block.id] = block
                     self._add_device_bytes(block.nbytes)
+                    block.last_use = self._op_count
+                    self._make_room(0, (block.id,), "adopting a device tensor")
                 else:
+                    block.host_only = host_only
+                    self._host_only_blocks += block.host_only
+                    block.host_shared = shared
                     self._set_host_only(block, storage)
                     self._by_host_storage[key] = block
+                    if not shared and not block.host_only and block.nbytes >= PIN_AT_ADOPTION_BYTES:
+                        self._pin_host(block)  # once, now, rather than on the way to the device
                 self._strategy.on_adopt(block)
             # t views the block's storage unless an existing block's current copy is elsewhere
             current = block.dev if block.dev is not None else block.host

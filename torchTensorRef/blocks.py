@@ -9,7 +9,14 @@ write through any view is seen by all of them. A block has up to two copies: ``h
 - ``dev is not None`` means the accelerator copy is valid (an invalid one is dropped);
 - ``host_valid`` says whether the host copy holds the current bytes. An op writes only the
   accelerator copy, so a write clears ``host_valid``: the block is *dirty*;
-- evicting a clean block just drops ``dev``; a dirty one is written back first.
+- evicting a clean block just drops ``dev``; a dirty one is written back first;
+- a copy still in flight (Note [Pending copies] in ``streams.py``) is waited on before its
+  destination is read: ``dev_pending`` by the op that reads ``dev`` (on the GPU),
+  ``host_pending`` by whoever reads ``host`` (in Python, or a re-fetch on the GPU).
+
+A *host-only* block (``host_only``) is a CPU tensor in the manager's books: made with
+``device="cpu"``, by ``.cpu()``, or a CPU result of an accelerator op. It reports ``cpu``,
+is never moved to the accelerator and takes no accelerator memory.
 
 Note [External bytes]: a block is *external* when its host copy is memory that code outside
 torchTensorRef reads and writes directly: a numpy array from ``x.numpy()`` (while the array
@@ -17,7 +24,9 @@ lives) or given to ``torch.from_numpy`` (for good). Such writes are invisible to
 manager, so an external block is
 never kept on the accelerator between ops, whatever pins, prefetches or ``toGPU()`` ask
 (it is written back and dropped after each op, and fetched afresh by the next one), and
-its host copy is never re-homed.
+its host copy is never re-homed. A block made by ``TensorRef(t)`` from a plain tensor
+shares ``t``'s bytes (``host_shared``): its host copy is never re-homed either, and it is
+written back synchronously, since ``t``'s holder may read it at any time.
 
 Strategies never touch these fields: they ask the manager to ``fetch`` or ``evict``.
 """
@@ -37,7 +46,8 @@ class Block:
 
     __slots__ = (
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
-        "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched", "ready", "external",
+        "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched",
+        "dev_pending", "host_pending", "external", "host_only", "host_shared", "exposed",
         "__weakref__",
     )
 
@@ -49,7 +59,7 @@ class Block:
         self.dev: Optional[torch.UntypedStorage] = None
         #: bumped whenever ``dev`` or ``host`` changes, so TensorRefs know a cached view is stale
         self.gen: int = 0
-        #: identity of the accelerator storage, to recognise op outputs that alias it
+        #: identity of the storage ops run on, to recognise op outputs that alias it
         self.dev_key: int = 0
         #: live TensorRefs viewing this block
         self.refs: int = 0
@@ -64,10 +74,18 @@ class Block:
         self.from_op: bool = False
         #: brought in by a prefetch and not used since (for the hit/miss statistics)
         self.prefetched: bool = False
-        #: accelerator event an asynchronous copy into ``dev`` records; ops wait on it
-        self.ready = None
+        #: copy into ``dev`` still running (a prefetch); ops wait on it
+        self.dev_pending = None
+        #: copy into ``host`` still running (a write-back); readers of ``host`` wait on it
+        self.host_pending = None
         #: holders of its host bytes outside the manager (Note [External bytes])
         self.external: int = 0
+        #: a CPU tensor: never moved to the accelerator, reports ``cpu``
+        self.host_only: bool = False
+        #: the host copy is a plain tensor's storage that its holder still uses
+        self.host_shared: bool = False
+        #: its device address was handed out (``data_ptr``): kept resident until room is needed
+        self.exposed: bool = False
 
     @property
     def resident(self) -> bool:
@@ -90,6 +108,6 @@ class Block:
         self.gen += 1
 
     def __repr__(self) -> str:
-        where = "device" if self.dev is not None else "host"
+        where = "host only" if self.host_only else ("device" if self.dev is not None else "host")
         state = " dirty" if self.dirty else ""
         return f"Block(id={self.id}, nbytes={self.nbytes}, on {where}{state}, refs={self.refs})"

@@ -218,11 +218,14 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
 
     # -- plain torch: the reference ------------------------------------------------------
-    with disabled():
-        plain = _build(config).to(compute)
+    # On the managed tensors' device: initialised by the same generator and run by the same
+    # kernels (the CPU's own kernels differ from an accelerator's in the last bits).
+    declared = tensorsManager._declared
+    with disabled(device=declared):
+        plain = _build(config)
         param_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
-        ids = torch.randint(0, size["vocab"], (1, size["prompt"]),
-                            generator=torch.Generator().manual_seed(1)).to(compute)
+        ids = torch.randint(0, size["vocab"], (1, size["prompt"]), device="cpu",
+                            generator=torch.Generator().manual_seed(1)).to(declared)
         try:
             budget = parse_size(args.budget) if args.budget is not None else param_bytes // 2
         except ValueError as e:

@@ -1,76 +1,80 @@
-"""Backends that hide the differences between CUDA, the simulated accelerator and the CPU.
+"""Backends: what differs between CUDA, the simulated accelerator and the CPU pass-through.
 
-A backend knows three things: where ops compute (``compute``), which device a TensorRef
-reports (``declared``, see Note [Declared device]) and how to copy a block's bytes between
-host and accelerator. The strategies and the manager only talk to this small interface, so
-the same code runs on ``"sim"`` in CI and on a GPU.
+A backend says where ops compute (``compute``), which device a TensorRef reports
+(``declared``, see Note [Declared device]), how big the device is, how to allocate on it,
+and which streams (``streams.py``) and pinned host memory (``pinned.py``) its copies use.
+The copy protocol itself (``residency.py``) is the same code for every backend, so what
+runs in CI on ``"sim"`` is what runs on a GPU.
 
 Note [Declared device]: a TensorRef reports the device where its ops will run, not where
 its bytes are now. Composite ops (scaled dot-product attention, autocast) pick kernels by
 the reported device, and those kernels must match where the compute happens.
-``proxyInfo.device`` tells where the bytes are.
+``proxyInfo.device`` tells where the bytes are. A block that lives only in host memory
+(``Block.host_only``: a tensor made with ``device="cpu"``, the result of ``.cpu()``)
+reports ``cpu``.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Optional
 
 import torch
 
-from . import raw
-
-#: most host memory pinned for asynchronous copies (page-locked memory is scarce)
-PINNED_LIMIT_BYTES = 8 * 2**30
+from . import raw, sim_device
+from .pinned import PinnedMemory
+from .sizes import format_size
+from .streams import CudaStreams, SimStreams
 
 ACCEPTED_DEVICES = '"cpu" (pass-through), "sim" (simulated accelerator), "cuda" or "cuda:N"'
+CPU = torch.device("cpu")
+#: capacity of the simulated accelerator unless ``tensorsManager.sim_capacity`` says otherwise
+SIM_CAPACITY_BYTES = 16 * 2**30
 
 
 class Backend:
-    """Copies and memory queries for one kind of accelerator."""
+    """The device-specific half of the copy protocol (``residency.py`` is the other half)."""
 
     name: str = "base"
     #: ops run on host copies and nothing ever moves
     passthrough: bool = False
+    #: allocations are checked against ``capacity()`` here (the simulated device), not by a driver
+    simulated: bool = False
 
     def __init__(self, compute: torch.device, declared: torch.device):
         self.compute = compute
         self.declared = declared
+        self.streams = None
+        self.pinned: Optional[PinnedMemory] = None
 
-    def to_device(self, host: torch.Tensor, asynchronous: bool = False):
-        """A new accelerator copy of the flat uint8 ``host`` buffer, and its ready event.
+    @property
+    def kind(self) -> str:
+        """``"cpu"``, ``"sim"`` or ``"cuda"``: what strategies may specialise on."""
+        return self.name
 
-        With ``asynchronous`` the copy may still be running when this returns; the event
-        (``None`` when the copy is complete) must be waited on before an op reads it.
-        """
-        raise NotImplementedError
+    def capacity(self) -> Optional[int]:
+        """Bytes of the device usable by this process (``None``: unbounded)."""
+        return None
 
-    def wait(self, event) -> None:
-        """Make the compute stream wait for ``event`` (from an asynchronous ``to_device``)."""
+    def in_use_elsewhere(self, managed_bytes: int) -> int:
+        """Device bytes allocated beside the manager's blocks (workspaces, plain tensors)."""
+        return 0
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 buffer of ``nbytes`` on the device (may raise ``torch.OutOfMemoryError``)."""
+        return raw.empty(nbytes, dtype=raw.UINT8, device=self.compute)
 
     def release_cached(self) -> None:
-        """Return cached free accelerator memory to the device (after an out-of-memory)."""
-
-    def pinned_copy(self, host: torch.UntypedStorage) -> Optional[torch.UntypedStorage]:
-        """A page-locked copy of ``host`` for asynchronous prefetches, or ``None``."""
-        return None
-
-    def host_freed(self, host: torch.UntypedStorage) -> None:
-        """A block's host copy was dropped (to account pinned memory)."""
-
-    def to_host(self, dev: torch.Tensor, host: Optional[torch.Tensor]) -> torch.Tensor:
-        """Copy the flat ``dev`` buffer into ``host`` (allocated when ``None``); return it."""
-        raise NotImplementedError
-
-    def new_host(self, nbytes: int) -> torch.Tensor:
-        return raw.empty(nbytes, dtype=raw.UINT8)
-
-    def free_bytes(self) -> Optional[int]:
-        """Free accelerator memory, or ``None`` when unbounded."""
-        return None
+        """Return cached free device memory to the driver (after an out-of-memory)."""
 
     def is_device_output(self, t: torch.Tensor) -> bool:
-        """Whether an op's output ``t`` lives in accelerator memory."""
-        return True
+        """Whether the kernel output ``t`` lives on this device (else: host, or another device)."""
+        return t.device == self.compute
+
+    def capturing(self) -> bool:
+        """Whether a CUDA graph is being captured on the current stream."""
+        return False
 
     def __repr__(self) -> str:
         return self.name
@@ -83,106 +87,85 @@ class PassthroughBackend(Backend):
     passthrough = True
 
     def __init__(self):
-        cpu = torch.device("cpu")
-        super().__init__(cpu, cpu)
+        super().__init__(CPU, CPU)
 
 
 class SimBackend(Backend):
-    """``"sim"``: host memory accounted as a separate accelerator; every move is a real copy."""
+    """``"sim"``: a separate accelerator simulated in host memory (Note [Strict sim]).
+
+    Its blocks' device copies are host buffers, its kernels the CPU's, its copies deferred
+    until waited on (Note [Pending copies]), its pinned memory emulated, and its memory
+    ``capacity`` bytes, past which allocations raise ``torch.OutOfMemoryError``. Where
+    PyTorch cannot register a device (torch < 2.9), TensorRefs report ``cpu`` (``strict``
+    is ``False``) and the rest is unchanged.
+    """
 
     name = "sim"
+    simulated = True
 
-    def __init__(self):
-        cpu = torch.device("cpu")
-        super().__init__(cpu, cpu)
+    def __init__(self, capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None):
+        device = sim_device.register()
+        super().__init__(CPU, device if device is not None else CPU)
+        self.strict = device is not None
+        self._capacity = capacity
+        self.streams = SimStreams()
+        self.pinned = PinnedMemory(emulated=True, limit=pinned_limit)
 
-    def to_device(self, host, asynchronous=False):
-        return host.clone(), None
+    def capacity(self) -> Optional[int]:
+        return self._capacity
 
-    def to_host(self, dev, host):
-        if host is None:
-            return dev.clone()
-        host.copy_(dev)
-        return host
+    def is_device_output(self, t: torch.Tensor) -> bool:
+        # The kernels are the CPU's: which outputs are the device's is decided by the op
+        # (``OpContext.on_host``), not by the tensor.
+        return True
 
 
 class CudaBackend(Backend):
-    """``"cuda"``: a real GPU; host copies live in ordinary host memory."""
+    """``"cuda"`` / ``"cuda:N"``: a real GPU.
+
+    ``"cuda"`` without an index is resolved at first use (``resolve()``), so that a script's
+    ``torch.cuda.set_device(local_rank)``, or torchrun's ``LOCAL_RANK``, is honoured.
+    """
 
     name = "cuda"
 
-    def __init__(self, device: torch.device, pinned_limit: int = None):
-        super().__init__(device, device)
-        self.pinned_limit = PINNED_LIMIT_BYTES if pinned_limit is None else pinned_limit
-        self.pinned_bytes = 0
+    def __init__(self, index: Optional[int], pinned_limit: Optional[int] = None):
+        super().__init__(CPU, CPU)  # placeholders until resolve()
+        self.index = index
+        self.resolved = False
+        self.pinned = PinnedMemory(emulated=False, limit=pinned_limit)
+        if index is not None:
+            self.resolve()
 
-    def to_device(self, host, asynchronous=False):
-        dev = raw.empty(host.numel(), dtype=raw.UINT8, device=self.compute)
-        if not (asynchronous and host.is_pinned()):
-            dev.copy_(host)  # from pageable memory a copy is synchronous anyway
-            return dev, None
-        # Copy on the side stream, after the allocation is visible to it; the memory must
-        # not be reused by the compute stream before the copy ends (record_stream).
-        side = self._side_stream()
-        side.wait_stream(torch.cuda.current_stream(self.compute))
-        with torch.cuda.stream(side):
-            dev.copy_(host, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(side)
-        dev.record_stream(side)
-        return dev, event
+    def resolve(self) -> None:
+        """Fix the device index (``LOCAL_RANK`` if set, else the current device)."""
+        if self.resolved:
+            return
+        index = self.index
+        if index is None:
+            local = os.environ.get("LOCAL_RANK")
+            index = int(local) % torch.cuda.device_count() if local and local.isdigit() else torch.cuda.current_device()
+        self.index = index
+        self.compute = self.declared = torch.device("cuda", index)
+        self.streams = CudaStreams(self.compute)
+        self.resolved = True
 
-    def _side_stream(self):
-        stream = getattr(self, "_stream", None)
-        if stream is None:
-            stream = self._stream = torch.cuda.Stream(self.compute)
-        return stream
+    def capacity(self) -> Optional[int]:
+        # What this process may use: the free memory plus what its allocator holds already.
+        free, _total = torch.cuda.mem_get_info(self.compute)
+        return int(free) + torch.cuda.memory_reserved(self.compute)
 
-    def wait(self, event):
-        torch.cuda.current_stream(self.compute).wait_event(event)
+    def in_use_elsewhere(self, managed_bytes: int) -> int:
+        return max(torch.cuda.memory_allocated(self.compute) - managed_bytes, 0)
 
-    def release_cached(self):
+    def release_cached(self) -> None:
         torch.cuda.empty_cache()
 
-    def pinned_copy(self, host):
-        if host.is_pinned() or self.pinned_bytes + host.nbytes() > self.pinned_limit:
-            return None
-        pinned = self.new_host(host.nbytes())
-        if not pinned.is_pinned():
-            return None
-        pinned.copy_(raw.flat_bytes(host))
-        return pinned.untyped_storage()
-
-    def host_freed(self, host):
-        if host.is_pinned():
-            self.pinned_bytes -= host.nbytes()
-
-    def new_host(self, nbytes):
-        # Pinned host copies let prefetches run asynchronously; bounded (see PINNED_LIMIT_BYTES).
-        if self.pinned_bytes + nbytes <= self.pinned_limit:
-            try:
-                host = raw.empty(nbytes, dtype=raw.UINT8, pin_memory=True)
-                self.pinned_bytes += nbytes
-                return host
-            except RuntimeError:
-                pass  # pinning failed (locked-memory limits): pageable memory still works
-        return raw.empty(nbytes, dtype=raw.UINT8)
-
-    def to_host(self, dev, host):
-        if host is None:
-            host = self.new_host(dev.numel())
-        host.copy_(dev)  # synchronous: the host copy must be complete before it is read
-        return host
-
-    def free_bytes(self):
-        free, _total = torch.cuda.mem_get_info(self.compute)
-        return int(free)
-
-    def is_device_output(self, t):
-        return t.device.type == "cuda"
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
 
-def make_backend(spec) -> Backend:
+def make_backend(spec, sim_capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None) -> Backend:
     """Build the backend for a ``tensorsManager.device`` value.
 
     Raises:
@@ -196,7 +179,11 @@ def make_backend(spec) -> Backend:
     if text == "cpu":
         return PassthroughBackend()
     if text == "sim":
-        return SimBackend()
+        backend = SimBackend(sim_capacity, pinned_limit)
+        if not backend.strict:
+            warnings.warn(f'device "sim" runs in its lenient form: {sim_device.unavailable_reason()}',
+                          stacklevel=3)
+        return backend
     if text == "cuda" or text.startswith("cuda:"):
         try:
             dev = torch.device(text)
@@ -207,11 +194,20 @@ def make_backend(spec) -> Backend:
                 f"device {spec!r} needs CUDA, which is not available here; "
                 f'use "sim" to simulate an accelerator, or "cpu" (accepted: {ACCEPTED_DEVICES})'
             )
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(
                 f"device {spec!r} does not exist: this machine has {torch.cuda.device_count()} "
                 f"CUDA device(s) (accepted: {ACCEPTED_DEVICES})"
             )
-        return CudaBackend(torch.device("cuda", index))
+        return CudaBackend(dev.index, pinned_limit)
     raise ValueError(f"device must be one of {ACCEPTED_DEVICES} (got: {spec!r})")
+
+
+def default_device() -> str:
+    """``"cuda"`` where CUDA is available, else ``"cpu"`` (pass-through)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def describe_capacity(backend: Backend) -> str:
+    cap = backend.capacity()
+    return "unbounded" if cap is None else format_size(cap)

@@ -1,10 +1,13 @@
 """``tensorsManager``: the pager that moves TensorRef blocks between host and accelerator.
 
-It owns the backend (``device``), the paging policy (``strategy``) and the ``budget``,
-tracks every live block and its copies, does every move and keeps the statistics. The
-strategy only decides; the manager guarantees, around every op, that the op's blocks are
-resident when it runs and that resident bytes stay within the budget. All of it runs under
-one re-entrant lock, because autograd runs backward on other threads.
+The manager is a facade over the settings (``device``, ``strategy``, ``budget``,
+``pinned_limit``, ``sim_capacity``), the statistics and the blocks' lifetime. The copy
+protocol and the byte accounting are in ``residency.py``, what happens around one op in
+``op_protocol.py``, adoption of existing tensors in ``adoption.py`` and callbacks in
+``callbacks.py``, each mixed in. The strategy only decides; the manager guarantees, around
+every op, that the op's blocks are resident when it runs and that the device bytes stay
+within the budget. All of it runs under one re-entrant lock, because autograd runs
+backward on other threads.
 """
 
 from __future__ import annotations
@@ -17,34 +20,32 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import raw
 from .adoption import Adoption
 from .blocks import Block
 from .callbacks import Callbacks, OpCallback
-from .devices import Backend, PassthroughBackend, make_backend
+from .devices import Backend, PassthroughBackend, SIM_CAPACITY_BYTES, default_device, make_backend
 from .errors import OutOfBudgetError
 from .host_memory import HostMemoryWatch
 from .op_protocol import OpProtocol
-from .sizes import format_size, parse_size
+from .pinned import default_limit
+from .residency import Residency
+from .sizes import parse_size
 from .strategies import DEFAULT, Strategy, by_name
 from .tensor_ref import TensorRef
 from .trace import Trace
 
-#: accelerator memory left free when ``budget=None`` on CUDA (allocator slack, kernels' workspaces)
+#: device memory left free when ``budget=None`` on CUDA (allocator slack, kernels' workspaces)
 CUDA_RESERVE_BYTES = 512 * 2**20
 
 _STAT_KEYS = (
     "bytes_to_device", "bytes_to_host", "fetches", "writebacks", "evictions",
-    "prefetches", "prefetch_hits", "prefetch_misses",
+    "prefetches", "prefetch_hits", "prefetch_misses", "prefetches_unused", "prefetches_dropped",
+    "host_syncs",
 )
 
 
-class TensorsManager(OpProtocol, Adoption, Callbacks):
+class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
     """The global pager; use the ``torchTensorRef.tensorsManager`` instance.
-
-    Settings, statistics, explicit moves and blocks' lifetime are here; the op protocol
-    (``op_protocol.py``), adoption of existing tensors (``adoption.py``) and callbacks
-    (``callbacks.py``) are mixed in from their own modules.
 
     Example::
 
@@ -60,19 +61,28 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
 
     def __init__(self):
         self._lock = threading.RLock()
+        self._sim_capacity = SIM_CAPACITY_BYTES
+        self._pinned_limit = default_limit()
         self._backend: Backend = PassthroughBackend()
         self._declared = self._backend.declared
-        self._move_plain_to: Optional[torch.device] = None
+        self._unresolved = False  # "cuda" without an index, until the first tensor
+        self._elsewhere = False  # whether the device has allocations beside ours to ask about
         self._strategy: Strategy = by_name(DEFAULT)
         self._strategy.attach(self)
         self._budget: Optional[int] = None
-        self._limit: Optional[int] = None  # the budget in force (CUDA: free memory when None)
+        self._limit: Optional[int] = None  # the budget in force (None: the device's capacity)
         self._blocks: Dict[int, Block] = {}
         self._resident: Dict[int, Block] = {}
         self._by_host_storage: Dict[int, Block] = {}
         self._dead: List[Block] = []
         self._device_bytes = 0
+        self._inflight: list = []  # (Pending, nbytes) of write-backs still running
+        self._inflight_bytes = 0
+        self._elsewhere_bytes = 0  # last reading of Backend.in_use_elsewhere (CUDA)
+        self._room_checks = 0
         self._peak = 0
+        self._overshoot = 0  # most bytes ever in use above the budget (should stay 0)
+        self._pressured = False  # something had to be evicted to make room
         self._op_count = 0  # ops ever run: the index of the next op
         self._ops_at_reset = 0
         self._counters = dict.fromkeys(_STAT_KEYS, 0)
@@ -81,6 +91,8 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
         self._callbacks: List[OpCallback] = []
         self._host_watch = HostMemoryWatch()
         self._external = 0  # live external blocks (Note [External bytes])
+        self._host_only_blocks = 0
+        self._capturing = False  # a CUDA graph capture is under way (ops on TensorRefs refuse it)
         #: whether ops may take the fast path (Note [Fast path] in ops/dispatch.py)
         self._fast = False
         self._refresh_fast()
@@ -90,9 +102,20 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
         self._fast = (not self._callbacks and self._trace is None and self._fault_injector is None
                       and (self._backend.passthrough or not self._strategy.needs_every_op()))
 
+    def _pressure(self) -> None:
+        """Room had to be made by evicting: strategies that learn from every op start now."""
+        if not self._pressured:
+            self._pressured = True
+            self._refresh_fast()
+
     @property
     def fault_injector(self):
-        """Test hook: a callable(op) that may raise ``torch.OutOfMemoryError``, or ``None``."""
+        """Test hook: a callable(fault) called before every op and every device allocation.
+
+        ``fault`` is a :class:`~torchTensorRef.residency.Fault` (``kind`` "op", "fetch",
+        "prefetch", "writeback" or "create"); raising ``torch.OutOfMemoryError`` from it
+        simulates the device running out of memory there. ``None`` to stop.
+        """
         return self._fault_injector
 
     @fault_injector.setter
@@ -105,39 +128,58 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
 
     @property
     def device(self) -> str:
-        """``"cpu"`` (pass-through), ``"sim"``, or ``"cuda:N"``."""
+        """``"cpu"`` (pass-through), ``"sim"``, ``"cuda"`` (until its first tensor) or ``"cuda:N"``."""
         b = self._backend
-        return str(b.compute) if b.name == "cuda" else b.name
+        if b.name == "cuda":
+            return str(b.compute) if b.resolved else "cuda"
+        return b.name
 
     @device.setter
     def device(self, value) -> None:
-        backend = make_backend(value)  # raises ValueError before anything changes
         with self._lock:
+            current = self._backend
+            if isinstance(value, str) and value.strip().lower() == self.device and current.name != "cuda":
+                return  # (no new backend: "sim" would register nothing new, but keep its state)
+            backend = make_backend(value, self._sim_capacity, self._pinned_limit)  # ValueError: nothing changed
             self._drain()
-            old = self._backend
-            if old.name == backend.name and old.compute == backend.compute:
+            if current.name == backend.name and current.compute == backend.compute and (
+                    backend.name != "cuda" or backend.resolved):
                 return
+            self._retire_inflight(wait=True)
             for block in list(self._resident.values()):
                 self._evict(block)
-            if self._blocks and old.declared != backend.declared:
-                warnings.warn(
-                    f"tensorsManager.device changed from {self.device!r} to {value!r} while "
-                    f"{len(self._blocks)} managed storages are alive: existing TensorRefs keep "
-                    f"reporting device {old.declared}; set the device before creating tensors",
-                    stacklevel=2,
-                )
+            self._retire_inflight(wait=True)
+            old_declared = self._declared
             self._backend = backend
+            self._elsewhere = backend.name == "cuda"
+            self._unresolved = backend.name == "cuda" and not backend.resolved
             self._declared = backend.declared
-            self._move_plain_to = backend.compute if backend.name == "cuda" else None
+            live = [b for b in self._blocks.values() if not b.host_only]
+            if live and old_declared != backend.declared and not self._unresolved:
+                warnings.warn(
+                    f"tensorsManager.device changed to {value!r} while {len(live)} managed storages "
+                    f"are alive: existing TensorRefs keep reporting device {old_declared}; set the "
+                    f"device before creating tensors", stacklevel=2)
             for block in self._blocks.values():
-                block.dev_key = block.host._cdata if backend.passthrough and block.host is not None else 0
+                block.dev_key = block.host._cdata if (backend.passthrough or block.host_only) and block.host is not None else 0
+            self._pressured = False
             self._limit = self._compute_limit(self._budget)
             self._strategy.device_changed()
             self._refresh_fast()
 
+    def _resolve_device(self) -> None:
+        """Fix ``"cuda"``'s index at first use (Note [Declared device])."""
+        with self._lock:
+            if self._unresolved:
+                self._backend.resolve()
+                self._declared = self._backend.declared
+                self._unresolved = False
+                self._limit = self._compute_limit(self._budget)
+                self._refresh_fast()
+
     @property
     def strategy(self) -> Strategy:
-        """The paging policy: ``"genoa"`` or a :class:`~torchTensorRef.strategies.Strategy`."""
+        """The paging policy: ``"genoa"``, ``"flow"`` or a :class:`~torchTensorRef.strategies.Strategy`."""
         return self._strategy
 
     @strategy.setter
@@ -160,8 +202,11 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
     def budget(self) -> Optional[int]:
         """Accelerator bytes the manager may use: int, ``"512MiB"``, ``"6GB"``, or ``None``.
 
-        ``None`` means unlimited on ``"sim"`` and, on CUDA, the free memory when it was set
-        minus ``CUDA_RESERVE_BYTES``.
+        ``None`` means what the device has: on ``"sim"`` its ``sim_capacity``; on CUDA the
+        memory this process can use (free memory plus what its allocator holds), less
+        ``CUDA_RESERVE_BYTES``, read again after each out-of-memory recovery. The budget
+        covers every allocation the device sees: the manager's blocks, copies still in
+        flight and, on CUDA, tensors and workspaces allocated beside them.
         """
         return self._budget
 
@@ -178,15 +223,123 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
                 self._budget, self._limit = old
                 raise
             finally:
+                self._pressured = False
                 self._refresh_fast()
 
     def _compute_limit(self, budget: Optional[int]) -> Optional[int]:
-        if budget is not None or self._backend.passthrough:
+        backend = self._backend
+        if backend.passthrough:
             return budget
-        free = self._backend.free_bytes()
-        if free is None:
-            return None
-        return max(free + self._device_bytes - CUDA_RESERVE_BYTES, 0)
+        if budget is not None:
+            return budget
+        if self._unresolved:
+            return None  # known once the device is (at the first tensor)
+        capacity = backend.capacity()
+        if capacity is None or backend.simulated:
+            return capacity
+        return max(capacity - CUDA_RESERVE_BYTES, 0)
+
+    @property
+    def pinned_limit(self) -> int:
+        """Most host bytes kept in pinned memory for asynchronous copies (default: a quarter of RAM)."""
+        pinned = self._backend.pinned
+        return pinned.limit if pinned is not None else self._pinned_limit
+
+    @pinned_limit.setter
+    def pinned_limit(self, value) -> None:
+        nbytes = parse_size(value, "pinned_limit")
+        if nbytes is None:
+            raise ValueError('pinned_limit must be a size such as "8GiB" or an int >= 0 (got: None)')
+        with self._lock:
+            self._pinned_limit = nbytes
+            if self._backend.pinned is not None:
+                self._backend.pinned.limit = nbytes
+
+    @property
+    def sim_capacity(self) -> int:
+        """Memory of the simulated device (``"sim"``), default 16 GiB: past it, allocations fail."""
+        return self._sim_capacity
+
+    @sim_capacity.setter
+    def sim_capacity(self, value) -> None:
+        nbytes = parse_size(value, "sim_capacity")
+        if nbytes is None:
+            raise ValueError('sim_capacity must be a size such as "16GiB" or an int >= 0 (got: None)')
+        with self._lock:
+            if self._backend.simulated and nbytes < self._device_bytes:
+                raise ValueError(f"sim_capacity {nbytes} is below the {self._device_bytes} bytes in use on the device")
+            self._sim_capacity = nbytes
+            if self._backend.simulated:
+                self._backend._capacity = nbytes
+                self._limit = self._compute_limit(self._budget)
+                self._refresh_fast()
+
+    # -- what strategies read ---------------------------------------------------------------
+
+    @property
+    def limit(self) -> Optional[int]:
+        """The budget in force in bytes (the device's capacity when ``budget`` is ``None``)."""
+        return self._limit
+
+    @property
+    def op_index(self) -> int:
+        """Index of the next op."""
+        return self._op_count
+
+    @property
+    def device_kind(self) -> str:
+        """``"cpu"``, ``"sim"`` or ``"cuda"``."""
+        return self._backend.kind
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of resident blocks now."""
+        return self._device_bytes
+
+    def is_accelerator(self, device: torch.device) -> bool:
+        """Whether ``device`` is the manager's accelerator (``"cuda"`` matches ``"cuda:N"``)."""
+        if self._backend.passthrough:
+            return False
+        if self._unresolved:
+            self._resolve_device()
+        declared = self._declared
+        return device.type == declared.type and (device.index is None or device.index == declared.index)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit under the budget without evicting anything."""
+        limit = self._limit
+        return limit is None or (self._device_bytes + self._inflight_bytes + self._elsewhere_bytes + nbytes <= limit)
+
+    def resident_blocks(self):
+        """The blocks with a valid accelerator copy (for strategies)."""
+        return self._resident.values()
+
+    def block(self, block_id: int) -> Optional[Block]:
+        """The live block with this id, or ``None``."""
+        return self._blocks.get(block_id)
+
+    def resident_block(self, block_id: int) -> Optional[Block]:
+        """The resident block with this id, or ``None``."""
+        return self._resident.get(block_id)
+
+    def all_resident(self) -> bool:
+        """Whether every live block that can be resident (not host-only) is."""
+        return len(self._resident) == len(self._blocks) - self._host_only_blocks
+
+    @property
+    def under_pressure(self) -> bool:
+        """Whether room had to be made by evicting since the budget or device was set."""
+        return self._pressured
+
+    def room(self) -> Optional[int]:
+        """Accelerator bytes that still fit under the budget now; ``None`` when unlimited.
+
+        For strategies that bring blocks in ahead of time: ``fetch`` does not check the
+        budget, so a prefetch must fit in ``room()`` (less what the op in flight will add).
+        """
+        with self._lock:
+            limit = self._limit
+            return None if limit is None else max(limit - self._device_bytes - self._inflight_bytes, 0)
 
     # -- statistics and tracing -------------------------------------------------------------
 
@@ -194,15 +347,20 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
         """Counters since the last ``reset_stats()`` and the current state.
 
         Keys: ``bytes_to_device``, ``bytes_to_host``, ``peak_device_bytes``,
-        ``device_bytes``, ``ops``, ``evictions``, ``fetches``, ``writebacks``, ``budget``,
-        ``device``, ``strategy``, ``tensors`` (live TensorRefs), ``tensors_on_device``,
-        ``blocks``, ``blocks_on_device``, ``host_bytes``.
+        ``device_bytes``, ``ops``, ``evictions``, ``fetches``, ``writebacks``,
+        ``prefetches``, ``prefetch_hits``, ``prefetch_misses``, ``prefetches_unused``,
+        ``prefetches_dropped``, ``host_syncs``, ``budget``, ``device``, ``strategy``,
+        ``tensors`` (live TensorRefs), ``tensors_on_device``, ``blocks``,
+        ``blocks_on_device``, ``host_bytes``, ``pinned_bytes``; on CUDA also
+        ``max_memory_allocated`` and ``max_memory_reserved`` (torch.cuda's, since the
+        last ``reset_stats()``).
         """
         with self._lock:
             self._drain()
             out = dict(self._counters)
             out["ops"] = self._op_count - self._ops_at_reset
             out["peak_device_bytes"] = self._peak
+            out["worst_overshoot_bytes"] = self._overshoot
             out["device_bytes"] = self._device_bytes
             out["budget"] = self._limit
             out["device"] = self.device
@@ -212,14 +370,30 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
             out["tensors"] = sum(b.refs for b in self._blocks.values())
             out["tensors_on_device"] = sum(b.refs for b in self._resident.values())
             out["host_bytes"] = sum(b.nbytes for b in self._blocks.values() if b.host is not None)
+            pinned = self._backend.pinned
+            out["pinned_bytes"] = pinned.used if pinned is not None else 0
+            if self._backend.name == "cuda" and self._backend.resolved:
+                out["max_memory_allocated"] = torch.cuda.max_memory_allocated(self._backend.compute)
+                out["max_memory_reserved"] = torch.cuda.max_memory_reserved(self._backend.compute)
             return out
 
     def reset_stats(self) -> None:
-        """Zero the counters; the peak restarts from the bytes resident now."""
+        """Zero the counters; the peak restarts from the bytes in use now."""
         with self._lock:
             self._counters = dict.fromkeys(_STAT_KEYS, 0)
             self._ops_at_reset = self._op_count
-            self._peak = self._device_bytes
+            self._peak = self._device_bytes + self._inflight_bytes
+            self._overshoot = 0
+            if self._backend.name == "cuda" and self._backend.resolved:
+                torch.cuda.reset_peak_memory_stats(self._backend.compute)
+
+    def synchronize(self) -> None:
+        """Wait until every copy in flight has finished (``torch.cuda.synchronize`` for the pager)."""
+        with self._lock:
+            self._retire_inflight(wait=True)
+            for block in self._blocks.values():
+                if block.host_pending is not None:
+                    self._wait_pending_host(block)
 
     @contextlib.contextmanager
     def recording(self):
@@ -237,20 +411,6 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
                 self._trace = previous
                 self._refresh_fast()
 
-    def resident_blocks(self):
-        """The blocks with a valid accelerator copy (for strategies)."""
-        return self._resident.values()
-
-    def room(self) -> Optional[int]:
-        """Accelerator bytes that still fit under the budget now; ``None`` when unlimited.
-
-        For strategies that bring blocks in ahead of time: ``fetch`` does not check the
-        budget, so a prefetch must fit in ``room()`` (less what the op in flight will add).
-        """
-        with self._lock:
-            limit = self._limit
-            return None if limit is None else max(limit - self._device_bytes, 0)
-
     # -- explicit moves -------------------------------------------------------------------
 
     def move_to_device(self, ref: TensorRef) -> None:
@@ -258,22 +418,41 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
         with self._lock:
             self._drain()
             block = ref._tr_block
-            if self._backend.passthrough or block.dev is not None or block.external:
+            if self._backend.passthrough or block.dev is not None or block.external or block.host_only:
                 return  # (an external block stays on the host: Note [External bytes])
             if self._limit is not None and block.nbytes > self._limit:
                 raise OutOfBudgetError("toGPU", block.nbytes, self._limit)
             self._make_room(block.nbytes, (block.id,), "toGPU")
-            self.fetch(block)
+            self.fetch(block, (block.id,))
             block.last_use = self._op_count
+
+    def expose(self, ref: TensorRef) -> torch.Tensor:
+        """``ref``'s device copy for code outside torch's ops (``data_ptr``): brought in,
+        counted as written, and kept resident until room is needed."""
+        with self._lock:
+            view = self.write_view(ref)
+            ref._tr_block.exposed = True
+            return view
+
+    def write_view(self, ref: TensorRef) -> torch.Tensor:
+        """A plain view of ``ref``'s device copy (brought in) that its caller writes: the host
+        copy is stale from now on. For code that writes a TensorRef's bytes without an op."""
+        with self._lock:
+            self.move_to_device(ref)
+            block = ref._tr_block
+            view = ref.target
+            if not block.host_only and block.dev is not None:
+                block.host_valid = False
+            return view
 
     def move_to_host(self, ref: TensorRef) -> None:
         """Write ``ref``'s block back if needed and drop its accelerator copy."""
         with self._lock:
             block = ref._tr_block
-            if block.pins:
-                self.sync_host(block)
-            else:
+            if not block.pins:
                 self.evict(block)
+            self.sync_host(block)
+            self._retire_inflight()  # its write-back ended: its device bytes are free now
 
     @property
     def host_reserve(self) -> int:
@@ -313,104 +492,11 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
                 raise ValueError("unpin of a tensor that is not pinned")
             block.pins -= 1
 
-    # -- block moves (for strategies; the caller holds the lock) ------------------------
-
-    def fetch(self, block: Block, asynchronous: bool = False) -> None:
-        """Give ``block`` a valid accelerator copy (no budget check: see ``_make_room``)."""
-        if block.dev is not None or self._backend.passthrough:
-            return
-        start = time.perf_counter_ns()
-        if asynchronous and block.host_valid and not block.external:
-            pinned = self._backend.pinned_copy(block.host)
-            if pinned is not None:  # re-home the host copy once, so prefetches overlap compute
-                self._by_host_storage.pop(block.host._cdata, None)
-                block.set_host(pinned, True)
-        if self._backend.name == "sim":
-            self._host_watch.reserve_bytes(block.nbytes)  # the simulated device is host memory
-        host = raw.flat_bytes(block.host)
-        try:
-            dev, block.ready = self._backend.to_device(host, asynchronous)
-        except torch.OutOfMemoryError:
-            # The accelerator is fuller than our accounting says (another process): evict
-            # what no op is using right now and try once more.
-            self._evict_all_unpinned(protect=(block.id,))
-            dev, block.ready = self._backend.to_device(host, asynchronous)
-        block.set_dev(dev.untyped_storage())
-        self._resident[block.id] = block
-        self._add_device_bytes(block.nbytes)
-        c = self._counters
-        c["bytes_to_device"] += block.nbytes
-        c["fetches"] += 1
-        if self._trace is not None:
-            self._trace.move("to_device", block.id, block.nbytes, start, time.perf_counter_ns(), self._device_bytes)
-
-    def prefetch(self, block: Block) -> None:
-        """Fetch ``block`` ahead of use (asynchronously where the backend can); no budget check."""
-        if block.dev is not None or self._backend.passthrough or block.external:
-            return
-        self.fetch(block, asynchronous=True)
-        block.prefetched = True
-        self._counters["prefetches"] += 1
-
-    def evict(self, block: Block) -> None:
-        """Drop ``block``'s accelerator copy, writing it back first if it is dirty."""
-        if block.dev is None:
-            return
-        start = time.perf_counter_ns()
-        wrote = self.sync_host(block, record=False)
-        block.set_dev(None)
-        del self._resident[block.id]
-        self._device_bytes -= block.nbytes
-        self._counters["evictions"] += 1
-        if self._trace is not None:
-            self._trace.move("to_host", block.id, block.nbytes if wrote else 0, start,
-                             time.perf_counter_ns(), self._device_bytes)
-
-    _evict = evict
-
-    def sync_host(self, block: Block, record: bool = True) -> bool:
-        """Make the host copy valid (keeping the accelerator copy); return whether it copied."""
-        if block.host_valid or block.dev is None:
-            return False
-        if block.host is None:
-            self._host_watch.reserve_bytes(block.nbytes)
-        start = time.perf_counter_ns()
-        host = self._backend.to_host(raw.flat_bytes(block.dev),
-                                     raw.flat_bytes(block.host) if block.host is not None else None)
-        if block.host is None:
-            block.set_host(host.untyped_storage(), True)
-        else:
-            block.host_valid = True
-        c = self._counters
-        c["bytes_to_host"] += block.nbytes
-        c["writebacks"] += 1
-        if record and self._trace is not None:
-            self._trace.move("to_host", block.id, block.nbytes, start, time.perf_counter_ns(), self._device_bytes)
-        return True
-
-    def _add_device_bytes(self, nbytes: int) -> None:
-        self._device_bytes += nbytes
-        if self._device_bytes > self._peak:
-            self._peak = self._device_bytes
-
-    def _make_room(self, nbytes: int, protect, op_name: str) -> None:
-        """Evict (strategy's choice) until ``nbytes`` more fit in the budget."""
-        limit = self._limit
-        if limit is None:
-            return
-        while self._device_bytes + nbytes > limit:
-            victim = self._strategy.choose_victim(protect)
-            if victim is None:
-                pinned = sum(b.nbytes for b in self._resident.values() if b.pins)
-                raise OutOfBudgetError(
-                    op_name, self._device_bytes + nbytes, limit,
-                    f"{format_size(pinned)} is pinned and the rest is in use by this op",
-                )
-            self.evict(victim)
-
     # -- blocks' lifetime ---------------------------------------------------------------
 
     def _new_block(self, nbytes: int) -> Block:
+        if self._unresolved:
+            self._resolve_device()
         block = Block(nbytes)
         died = self._ref_died
         block.on_ref_dead = lambda _wr, b=block: died(b)
@@ -434,9 +520,19 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
         finally:
             lock.release()
 
+    def _host_written(self, block: Block) -> None:
+        """An op on the host wrote ``block``'s host copy: a device copy is stale now."""
+        if block.dev is not None and not block.host_only:
+            block.host_valid = True
+            block.dev_pending = None
+            block.set_dev(None)
+            del self._resident[block.id]
+            self._device_bytes -= block.nbytes
+
     def _set_host_only(self, block: Block, storage) -> None:
+        """``storage`` is ``block``'s host copy, and the one ops run on if it is host-only (or pass-through)."""
         block.set_host(storage, True)
-        if self._backend.passthrough:
+        if self._backend.passthrough or block.host_only:
             block.dev_key = storage._cdata
 
     def _drain(self) -> None:
@@ -455,6 +551,7 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
                 self._external += 1
             block.external += 1
             self.evict(block)
+            self.sync_host(block)
 
     def unmark_external(self, block: Block) -> None:
         """Undo one ``mark_external`` (counters only: it may run from a weakref callback)."""
@@ -463,6 +560,8 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
             self._external -= 1
 
     def _release(self, block: Block) -> None:
+        if block.host_only:
+            self._host_only_blocks -= 1
         if block.external:
             self._external -= 1  # (a late unmark_external sees the block dead)
         if block.dev is not None:
@@ -471,14 +570,24 @@ class TensorsManager(OpProtocol, Adoption, Callbacks):
             if self._trace is not None:
                 self._trace.resized(time.perf_counter_ns(), self._device_bytes)
         if block.host is not None:
-            self._by_host_storage.pop(block.host._cdata, None)
-            self._backend.host_freed(block.host)
+            self._forget_host(block)
             block.host = None
         if block.dev is not None:
             block.set_dev(None)
+        block.dev_pending = None
         block.alive = False
         block.on_ref_dead = None
         del self._blocks[block.id]
         self._strategy.on_release(block)
 
+
 tensorsManager = TensorsManager()
+
+
+def _initial_device() -> None:
+    """On a machine with CUDA the manager starts on ``"cuda"`` (its index fixed at first use)."""
+    if default_device() == "cuda":
+        tensorsManager.device = "cuda"
+
+
+_initial_device()

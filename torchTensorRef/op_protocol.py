@@ -4,6 +4,11 @@
 evictions and fetches), ``_call`` (the op, with one retry after an out-of-memory error),
 ``_adopt_output`` for each new result and ``_finish`` (callbacks, the strategy's
 ``after_op``, the budget restored, the trace). The caller holds the manager's lock.
+
+An op *on the host* (``OpContext.on_host``: every TensorRef argument is a host-only block,
+or it was asked for a CPU result with ``device="cpu"``) runs on host copies with no move,
+no budget and no strategy, and its results are host-only blocks, as plain torch would make
+CPU tensors.
 """
 
 from __future__ import annotations
@@ -14,44 +19,65 @@ import torch
 
 from .blocks import Block
 from .errors import DeviceOutOfMemoryError, OutOfBudgetError
+from .residency import is_out_of_memory
 from .tensor_ref import TensorRef, make_ref
+
+_CAPTURE_ERROR = (
+    "{op}: CUDA graph capture of ops on TensorRefs is not supported: the manager moves and frees "
+    "their device memory between ops, so a captured graph would replay on addresses that are no "
+    "longer theirs. Capture plain tensors, or use torch.compile without CUDA graphs "
+    '(mode="default" or "max-autotune-no-cudagraphs")')
 
 
 class OpProtocol:
     """The ``TensorsManager`` methods of the op protocol (state lives in the manager)."""
 
     def _prepare(self, ctx) -> None:
+        backend = self._backend
+        if ctx.on_host or backend.passthrough:
+            if self._callbacks:
+                self._run_callbacks("before", ctx)
+            ctx.index = self._op_count
+            self._op_count += 1
+            return
+        if self._capturing or backend.capturing():
+            raise RuntimeError(_CAPTURE_ERROR.format(op=ctx.name))
+        if self._inflight:
+            self._retire_inflight()  # write-backs queued by earlier ops (on "sim": done by now)
         blocks = ctx.blocks
         limit = self._limit
-        if ctx.spec.restrides and self._external and not self._backend.passthrough:
+        if ctx.spec.restrides and self._external:
             self._refuse_growing_external(ctx)
-        if limit is not None and not self._backend.passthrough:
+        if limit is not None:
             # Checked before anything changes: an op that cannot fit is not counted, the
             # strategy never sees it, and nothing is evicted for it.
             need = ctx.output_estimate()
             for b in blocks:
-                need += b.nbytes
+                if not b.host_only:
+                    need += b.nbytes
             if need > limit:
                 raise OutOfBudgetError(ctx.name, need, limit)
         if self._callbacks:
             self._run_callbacks("before", ctx)  # may veto: nothing has changed yet
         ctx.index = self._op_count
         self._op_count += 1
-        if self._backend.passthrough:
-            return
         self._strategy.before_op(ctx)
-        missing = [b for b in blocks if b.dev is None]
-        limit = self._limit
-        if limit is not None:
-            estimate = ctx.output_estimate()
-            room = estimate
+        missing = [b for b in blocks if b.dev is None and not b.host_only]
+        protect = {b.id for b in blocks}
+        try:
+            if self._limit is not None:
+                room = ctx.output_estimate()
+                for b in missing:
+                    room += b.nbytes
+                if room:
+                    self._make_room(room, protect, ctx.name)
             for b in missing:
-                room += b.nbytes
-            if room:
-                self._make_room(room, {b.id for b in blocks}, ctx.name)
+                self.fetch(b, protect)
+        except BaseException:
+            if self._op_count == ctx.index + 1:
+                self._op_count = ctx.index  # the op did not run: it is not counted
+            raise
         c = self._counters
-        for b in missing:
-            self.fetch(b)
         c["prefetch_misses"] += len(missing)
         index = ctx.index
         for b in blocks:
@@ -59,9 +85,9 @@ class OpProtocol:
             if b.prefetched:
                 b.prefetched = False
                 c["prefetch_hits"] += 1
-            if b.ready is not None:
-                self._backend.wait(b.ready)
-                b.ready = None
+            if b.dev_pending is not None:
+                b.dev_pending.wait_compute()
+                b.dev_pending = None
         self._strategy.before_run(ctx)
         if self._trace is not None:
             ctx._start = time.perf_counter_ns()  # type: ignore[attr-defined]
@@ -75,59 +101,72 @@ class OpProtocol:
                 f"shared with memory outside torch (a numpy array, a buffer); resize a copy instead")
 
     def _call(self, ctx, func, args, kwargs):
-        try:
-            if self._fault_injector is not None:
-                self._fault_injector(ctx)
+        if ctx.on_host or self._backend.passthrough:
             return func(*args, **kwargs)
-        except torch.OutOfMemoryError:
-            if self._backend.passthrough:
+        try:
+            self._before_kernel(ctx)
+            return func(*args, **kwargs)
+        except Exception as e:
+            if not is_out_of_memory(e):
                 raise
         return self._recover_from_oom(ctx, func, args, kwargs)
 
-    def _recover_from_oom(self, ctx, func, args, kwargs):
-        # Another process (or the allocator's fragmentation) took memory: evict what this op
-        # does not use and try once more.
-        self._evict_all_unpinned(protect={b.id for b in ctx.blocks})
-        try:
-            if self._fault_injector is not None:
-                self._fault_injector(ctx)
-            return func(*args, **kwargs)
-        except torch.OutOfMemoryError as e:
-            free = self._backend.free_bytes() or 0
-            raise DeviceOutOfMemoryError(ctx.name, sum(b.nbytes for b in ctx.blocks) + ctx.output_estimate(), free) from e
+    def _before_kernel(self, ctx) -> None:
+        """Fault injection, and the simulated device's allocation of the op's results."""
+        if self._fault_injector is not None:
+            self._inject("op", ctx.output_estimate(), ctx)
+        if self._backend.simulated:
+            self._check_capacity(ctx.output_estimate())
 
-    def _evict_all_unpinned(self, protect) -> None:
-        for block in [b for b in self._resident.values() if b.id not in protect and not b.pins]:
-            self.evict(block)
-        self._backend.release_cached()
+    def _recover_from_oom(self, ctx, func, args, kwargs):
+        # Another process, a library's workspace or the allocator's fragmentation took
+        # memory: evict what this op does not use and try once more.
+        self._recover_memory({b.id for b in ctx.blocks})
+        try:
+            self._before_kernel(ctx)
+            return func(*args, **kwargs)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            needed = sum(b.nbytes for b in ctx.blocks if not b.host_only) + ctx.output_estimate()
+            raise DeviceOutOfMemoryError(ctx.name, needed, self._free_estimate()) from e
 
     def _mark_written(self, blocks) -> None:
         if not self._backend.passthrough:
             for b in blocks:
-                b.host_valid = False
+                if not b.host_only:
+                    b.host_valid = False
 
     def _adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
-        block = self._result_block(t, ctx.index)
+        block = self._result_block(t, ctx.index, ctx.on_host)
         if block.dev is not None and self._trace is not None:
             self._trace.resized(time.perf_counter_ns(), self._device_bytes)
         ctx.outputs.append(block)
         return make_ref(block, t, self._declared)
 
-    def _result_block(self, t: torch.Tensor, index: int) -> Block:
+    def _result_block(self, t: torch.Tensor, index: int, on_host: bool = False) -> Block:
         """A new block for the storage of ``t``, the result of op ``index``."""
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         block = self._new_block(nbytes)
         block.from_op = True
-        if self._backend.passthrough or not self._backend.is_device_output(t):
+        backend = self._backend
+        if backend.passthrough:
+            self._set_host_only(block, storage)
+        elif on_host or t.device.type == "cpu" and backend.name == "cuda":
+            block.host_only = True  # a CPU result (Note [Declared device])
+            self._host_only_blocks += 1
             self._set_host_only(block, storage)
         else:
             block.set_dev(storage)
             self._resident[block.id] = block
             # (_add_device_bytes inlined: this runs for every op's result)
             total = self._device_bytes = self._device_bytes + nbytes
-            if total > self._peak:
-                self._peak = total
+            if total + self._inflight_bytes > self._peak:
+                self._peak = total + self._inflight_bytes
+            limit = self._limit
+            if limit is not None and total + self._inflight_bytes - limit > self._overshoot:
+                self._overshoot = total + self._inflight_bytes - limit
             block.last_use = index
         return block
 
@@ -136,7 +175,7 @@ class OpProtocol:
         if block.dev is not None:
             self._add_device_bytes(nbytes - block.nbytes)
             if block.host is not None:  # the host copy has the old size: drop it
-                self._by_host_storage.pop(block.host._cdata, None)
+                self._forget_host(block)
                 block.set_host(None, False)
             if self._trace is not None:
                 self._trace.resized(time.perf_counter_ns(), self._device_bytes)
@@ -145,22 +184,24 @@ class OpProtocol:
     def _finish(self, ctx) -> None:
         if self._callbacks:
             self._run_callbacks("after", ctx)
-        if self._backend.passthrough:
+        if self._backend.passthrough or ctx.on_host:
             return
         self._strategy.after_op(ctx)
         if self._external:
             for b in ctx.blocks:
                 if b.external and b.dev is not None:
                     self.evict(b)  # even if pinned: Note [External bytes]
-        if self._limit is not None and self._device_bytes > self._limit:
+        if self._limit is not None and self._device_bytes + self._inflight_bytes > self._limit:
             self._make_room(0, (), ctx.name)  # the op's results were larger than estimated
         trace = self._trace
         if trace is not None:
             written = {b.id for b in ctx.written}
             index = ctx.index
             for b in ctx.blocks:
-                trace.accesses.append((index, b.id, b.nbytes, b.id in written))
+                if not b.host_only:
+                    trace.accesses.append((index, b.id, b.nbytes, b.id in written))
             for b in ctx.outputs:
-                trace.accesses.append((index, b.id, b.nbytes, True))
-                trace.created.add(b.id)
+                if not b.host_only:
+                    trace.accesses.append((index, b.id, b.nbytes, True))
+                    trace.created.add(b.id)
             trace.op(index, ctx.name, getattr(ctx, "_start", 0), time.perf_counter_ns())

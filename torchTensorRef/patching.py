@@ -37,11 +37,18 @@ SAVE_FUNCTIONS: Tuple[str, ...] = ("save",)
 #: creation functions whose result may share the memory of their input (a numpy array, a
 #: buffer, a DLPack capsule): that memory stays writable from outside (Note [External bytes])
 SHARING_FUNCTIONS = frozenset({"from_numpy", "frombuffer", "as_tensor", "asarray", "from_dlpack"})
+#: functions that hand a tensor to a generator, which takes plain CPU byte tensors only: a
+#: state restored from a checkpoint (``torch.load`` gives TensorRefs) is given as one
+RNG_STATE_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
+    ("torch", "set_rng_state"), ("torch.random", "set_rng_state"),
+    ("torch.cuda", "set_rng_state"), ("torch.cuda", "set_rng_state_all"),
+    ("torch.cuda.random", "set_rng_state"), ("torch.cuda.random", "set_rng_state_all"),
+)
 #: inputs those functions copy or return as they are (tensors are managed on their own)
 _NOT_SHARED = (torch.Tensor, list, tuple, int, float, bool, complex)
 
 _local = threading.local()
-_patched: Dict[str, Tuple[object, object]] = {}  # name -> (original, our wrapper)
+_patched: Dict[Tuple[str, str], Tuple[object, object]] = {}  # (module, name) -> (original, our wrapper)
 _lock = threading.Lock()
 
 
@@ -49,10 +56,11 @@ def _is_disabled() -> bool:
     return getattr(_local, "depth", 0) > 0 or torch.utils.data.get_worker_info() is not None
 
 
-def _adopt(obj, memo=None):
+def _adopt(obj, memo=None, host_only: bool = False):
     """``obj`` with its plain tensors (also inside lists, tuples and dicts) made TensorRefs.
 
-    A tensor found twice gives one TensorRef, twice (``memo``: id -> TensorRef).
+    A tensor found twice gives one TensorRef, twice (``memo``: id -> TensorRef). With
+    ``host_only`` the tensors stay CPU tensors (``device="cpu"`` was asked for).
     """
     if memo is None:
         memo = {}
@@ -67,10 +75,10 @@ def _adopt(obj, memo=None):
 
         if obj.device.type != "cpu" and obj.device != mgr._backend.compute:
             return obj  # explicitly asked for another device than the managed one
-        memo[id(obj)] = ref = mgr.manage_tensor(obj)
+        memo[id(obj)] = ref = mgr.manage_tensor(obj, host_only=host_only and obj.device.type == "cpu", shared=False)
         return ref
     if isinstance(obj, dict):
-        items = [(k, _adopt(v, memo)) for k, v in obj.items()]
+        items = [(k, _adopt(v, memo, host_only)) for k, v in obj.items()]
         try:
             new = type(obj)()
         except TypeError:
@@ -80,9 +88,9 @@ def _adopt(obj, memo=None):
             new._metadata = obj._metadata  # state dicts carry version metadata
         return new
     if isinstance(obj, list) and type(obj) is list:
-        return [_adopt(v, memo) for v in obj]
+        return [_adopt(v, memo, host_only) for v in obj]
     if isinstance(obj, tuple) and type(obj) is tuple:
-        return tuple(_adopt(v, memo) for v in obj)
+        return tuple(_adopt(v, memo, host_only) for v in obj)
     if isinstance(obj, torch.nn.Module):
         from .manage import manage
 
@@ -96,20 +104,41 @@ _PLAIN_CALLERS = frozenset({
     "torch._utils", "torch.serialization", "torch.storage", "torch._tensor",
     "torch._tensor_str", "torch.multiprocessing.reductions", "torch._weights_only_unpickler",
 })
+#: module prefixes of such callers: the above; torch's Python implementations of ops (meta
+#: kernels, decompositions), whose tensors the dispatcher handles; and torch.utils.data,
+#: whose samplers and seeds are CPU tensors drawn from CPU generators (``DataLoader(generator=...)``)
+_PLAIN_PREFIXES = tuple(sorted(_PLAIN_CALLERS)) + (
+    "torch._refs", "torch._prims", "torch._decomp", "torch._meta_registrations", "torch._subclasses",
+    "torch.utils.data",
+)
+
+
+def _plain_call() -> bool:
+    """Whether this creation must stay plain torch: disabled, torch building its own tensors,
+    or a kernel written in Python (a custom op, a decomposition) computing inside a managed
+    op, which holds the manager's lock: its tensors are the op's internals, on plain views."""
+    from .manager import tensorsManager
+
+    return (_is_disabled() or tensorsManager._lock._is_owned()
+            or sys._getframe(2).f_globals.get("__name__", "").startswith(_PLAIN_PREFIXES))
 
 
 def _creation_wrapper(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    if _is_disabled() or sys._getframe(1).f_globals.get("__name__") in _PLAIN_CALLERS:
-        return result
-    return _adopt(result)
+    if _plain_call():
+        device = getattr(_local, "device", None)
+        if device is not None and kwargs.get("device") is None and wrapped in _takes_device():
+            kwargs = dict(kwargs, device=device)  # disabled(device=...)
+        return wrapped(*args, **kwargs)
+    from .creation import create
+
+    return create(wrapped, args, kwargs)
 
 
 def _sharing_wrapper(wrapped, instance, args, kwargs):
+    if _plain_call():
+        return wrapped(*args, **kwargs)
     result = wrapped(*args, **kwargs)
-    if _is_disabled() or sys._getframe(1).f_globals.get("__name__") in _PLAIN_CALLERS:
-        return result
-    ref = _adopt(result)
+    ref = _adopt(result, host_only=_asks_cpu(kwargs))
     source = args[0] if args else next(iter(kwargs.values()), None)
     if isinstance(ref, TensorRef) and not isinstance(source, _NOT_SHARED):
         from .manager import tensorsManager
@@ -118,9 +147,34 @@ def _sharing_wrapper(wrapped, instance, args, kwargs):
     return ref
 
 
+def _takes_device():
+    """The creation functions ``torch.device(...)`` as a context manager would give a device."""
+    from torch.utils._device import _device_constructors
+
+    return _device_constructors()
+
+
+def _asks_cpu(kwargs) -> bool:
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "cpu"
+
+
 def _save_wrapper(wrapped, instance, args, kwargs):
     with saving():
         return wrapped(*args, **kwargs)
+
+
+def _rng_state_wrapper(wrapped, instance, args, kwargs):
+    from .tensor_ref import host_copy
+
+    def plain(value):
+        if isinstance(value, TensorRef):
+            return host_copy(value)
+        if isinstance(value, (list, tuple)):  # set_rng_state_all
+            return type(value)(plain(v) for v in value)
+        return value
+
+    return wrapped(*[plain(a) for a in args], **{k: plain(v) for k, v in kwargs.items()})
 
 
 def _wrapper_for(name: str):
@@ -146,22 +200,40 @@ class _FunctionWrapper(wrapt.FunctionWrapper):
 def patch() -> None:
     """Wrap torch's creation functions so they return TensorRefs (idempotent)."""
     with _lock:
-        for name in CREATION_FUNCTIONS + SAVE_FUNCTIONS:
-            if name in _patched or not hasattr(torch, name):
+        targets = [("torch", name, _wrapper_for(name)) for name in CREATION_FUNCTIONS + SAVE_FUNCTIONS]
+        targets += [(module, name, _rng_state_wrapper) for module, name in RNG_STATE_FUNCTIONS]
+        for module_name, name, how in targets:
+            module = sys.modules.get(module_name)
+            if (module_name, name) in _patched or not hasattr(module, name):
                 continue
-            original = getattr(torch, name)
-            wrapper = _FunctionWrapper(original, _wrapper_for(name))
-            setattr(torch, name, wrapper)
-            _patched[name] = (original, wrapper)
+            original = getattr(module, name)
+            wrapper = _FunctionWrapper(original, how)
+            setattr(module, name, wrapper)
+            _patched[module_name, name] = (original, wrapper)
+        # Optimizers choose their list (``_foreach``) implementation only for exact
+        # ``torch.Tensor``s on an accelerator: TensorRef parameters must get the choice plain
+        # torch makes on that device, or the last bits of every step differ (list ops larger
+        # than the budget run in slices that fit).
+        from torch.optim import optimizer
+
+        foreach_types = optimizer._foreach_supported_types
+        if TensorRef not in foreach_types:
+            foreach_types.append(TensorRef)
 
 
 def unpatch() -> None:
     """Restore torch's functions (idempotent); leaves alone any that others re-patched since."""
     with _lock:
-        for name, (original, wrapper) in list(_patched.items()):
-            if getattr(torch, name, None) is wrapper:
-                setattr(torch, name, original)
-            del _patched[name]
+        for (module_name, name), (original, wrapper) in list(_patched.items()):
+            module = sys.modules[module_name]
+            if getattr(module, name, None) is wrapper:
+                setattr(module, name, original)
+            del _patched[module_name, name]
+        from torch.optim import optimizer
+
+        foreach_types = optimizer._foreach_supported_types
+        if TensorRef in foreach_types:
+            foreach_types.remove(TensorRef)
 
 
 def is_patched() -> bool:
@@ -170,16 +242,34 @@ def is_patched() -> bool:
 
 
 @contextlib.contextmanager
-def disabled():
+def disabled(device=None):
     """Plain torch inside: creation functions return plain tensors (this thread only).
 
     Ops on existing TensorRefs are still managed, and their results are TensorRefs.
+
+    Args:
+        device: where the creation functions that take a ``device`` make their tensors when
+            not told (``torch.zeros``, ``torch.randn``, ``torch.tensor`` ...): plain torch on
+            an accelerator, to compare managed tensors with. Unlike ``torch.device(...)`` as a
+            context manager, this installs no torch function mode, which would change what
+            PyTorch's modules do (the fast paths of attention and transformer layers).
     """
+    from .sim_device import NAME, PlainMode, register
+
+    if device is not None:
+        if isinstance(device, str) and device.split(":")[0] == NAME and register() is None:
+            device = "cpu"  # (no strict "sim" here: its tensors are CPU tensors)
+        device = torch.device(device)
+    previous = getattr(_local, "device", None)
     _local.depth = getattr(_local, "depth", 0) + 1
+    _local.device = device
+    mode = PlainMode() if device is not None and device.type == NAME else contextlib.nullcontext()
     try:
-        yield
+        with mode:  # (plain tensors of the sim device are made in backward too)
+            yield
     finally:
         _local.depth -= 1
+        _local.device = previous
 
 
 __all__ = ["patch", "unpatch", "is_patched", "disabled", "CREATION_FUNCTIONS", "TensorRef"]

@@ -20,10 +20,42 @@ UINT8 = torch.uint8
 
 
 def flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A 1-D uint8 tensor over all of ``storage``'s bytes (no copy)."""
+    """A 1-D uint8 tensor over all of ``storage``'s bytes (no copy).
+
+    Never an inference tensor, even when made under ``torch.inference_mode()``: copies into
+    it (a write-back) may finish outside inference mode.
+    """
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return empty(0, dtype=UINT8, device=storage.device).set_(storage)
     return empty(0, dtype=UINT8, device=storage.device).set_(storage)
 
 
 def typed_view(storage: torch.UntypedStorage, dtype, size, stride, offset) -> torch.Tensor:
     """A plain tensor of ``dtype`` viewing ``storage`` with the given geometry (no copy)."""
     return empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
+def storage_bytes(size, stride, dtype) -> int:
+    """Bytes of the smallest storage a tensor of this geometry needs (from offset 0)."""
+    if any(s == 0 for s in size):
+        return 0
+    extent = 1 + sum((n - 1) * st for n, st in zip(size, stride))
+    return extent * torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+_SET_STORAGE = torch.ops.aten.set_.source_Storage_storage_offset
+_META_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
+
+
+def set_geometry(wrapper: torch.Tensor, like: torch.Tensor) -> None:
+    """Give the wrapper subclass tensor ``wrapper`` the sizes, strides and offset of ``like``.
+
+    A wrapper has no bytes, only metadata: it is set with the meta kernel, which any
+    declared device accepts (the sim device has no kernel of its own for ``set_``).
+    """
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        _SET_STORAGE.redispatch(_META_KEYS, wrapper, torch._C.TensorBase.untyped_storage(wrapper),
+                                like.storage_offset(), like.shape, like.stride())

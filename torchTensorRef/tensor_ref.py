@@ -76,8 +76,16 @@ class TensorRef(torch.Tensor):
 
     @property
     def target(self) -> torch.Tensor:
-        """The plain tensor holding this TensorRef's data right now."""
-        with _manager()._lock:
+        """The plain tensor holding this TensorRef's data right now (copies in flight waited on)."""
+        mgr = _manager()
+        with mgr._lock:
+            block = self._tr_block
+            if block.dev_pending is not None:
+                block.dev_pending.wait_compute()  # a prefetch may still be writing it
+                block.dev_pending = None
+                block.prefetched = False
+            if block.dev is None:
+                mgr.sync_host(block)  # a write-back may still be writing the host copy
             return compute_view(self)
 
     @property
@@ -124,8 +132,18 @@ class TensorRef(torch.Tensor):
         return self._tr_block.host
 
     def data_ptr(self) -> int:
-        storage = self.untyped_storage()
-        return storage.data_ptr() + self.storage_offset() * self.element_size()
+        """Address of the first element where ops read it: device memory for an accelerator
+        tensor, host memory for a CPU one (as for a plain tensor of that device).
+
+        The block is brought in, counted as written (the address may be handed to a kernel
+        that writes it) and kept resident until the manager needs the room; to keep the
+        address longer, ``tensorsManager.pin`` the tensor.
+        """
+        mgr = _manager()
+        if self._tr_block.host_only or mgr._backend.passthrough:
+            storage = self.untyped_storage()
+            return storage.data_ptr() + self.storage_offset() * self.element_size()
+        return mgr.expose(self).data_ptr()
 
     def __repr__(self, *, tensor_contents=None) -> str:
         text = tensor_text(self, tensor_contents)
@@ -253,11 +271,17 @@ def _called_by_torch_save() -> bool:
         return False
 
 
+_CPU = torch.device("cpu")
+
+
 def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_grad=False) -> TensorRef:
-    """Wrap the plain ``view`` (a view of ``block``'s current copy) in a new TensorRef."""
+    """Wrap the plain ``view`` (a view of ``block``'s current copy) in a new TensorRef.
+
+    ``declared``: the device an accelerator TensorRef reports; a host-only block reports ``cpu``.
+    """
     ref = _make_wrapper(
         TensorRef, view.size(), strides=view.stride(), storage_offset=view.storage_offset(),
-        dtype=view.dtype, device=declared, requires_grad=requires_grad,
+        dtype=view.dtype, device=_CPU if block.host_only else declared, requires_grad=requires_grad,
     )
     if view.is_conj():
         torch._C._set_conj(ref, True)  # conj() and neg views are lazy: the bit is the value

@@ -2,15 +2,17 @@
 
 A :class:`Case` says how to build a model and its inputs from the current RNG state and
 how to run it. :func:`build_pair` builds the plain reference inside
-``torchTensorRef.disabled()`` and the managed model from the same seed, under a budget of
+``plain_torch()`` (plain torch on the same device) and the managed model from the same seed,
+under a budget of
 ``BUDGET_FRACTION`` of the model's parameter bytes. The ``check_*`` functions then do what
 the model's user would do to both (train a step, generate, save and reload) and compare
 every result; each asserts that the manager's peak stayed within the budget.
 
-Comparisons are bit-exact by default: the managed model runs the same CPU kernels on the
-same values, with the same strides and in the same order as plain torch, and plain torch is
-deterministic on CPU, so any difference is a bug. A case that cannot be bit-exact says why
-in its ``tolerance``.
+Comparisons are bit-exact by default: the plain model runs on the same device (``"sim"``:
+plain SimTensors; CUDA: plain CUDA tensors), so PyTorch picks the same kernels for both, and
+the managed model runs them on the same values, with the same strides and in the same
+order, so any difference is a bug. A case that cannot be bit-exact says why in its
+``tolerance``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 import torchTensorRef
+from paired import device_type, plain_torch, values
 from torchTensorRef import TensorRef, tensorsManager
 
 #: the budget is this fraction of the model's parameter bytes: weights must be paged
@@ -89,7 +92,8 @@ def compare(managed, plain, what: str, tolerance: Optional[dict] = None) -> None
     """Assert that managed tensor ``managed`` holds plain tensor ``plain``'s values."""
     assert isinstance(managed, TensorRef), f"{what}: managed result is a {type(managed).__name__}, not a TensorRef"
     assert not isinstance(plain, TensorRef), f"{what}: the plain reference is managed"
-    actual = managed.target
+    assert managed.device == plain.device, f"{what}: device {managed.device} != {plain.device}"
+    actual, plain = managed.target, values(plain)
     assert actual.dtype == plain.dtype, f"{what}: dtype {actual.dtype} != {plain.dtype}"
     assert actual.shape == plain.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(plain.shape)}"
     if tolerance is None:
@@ -103,7 +107,7 @@ def compare(managed, plain, what: str, tolerance: Optional[dict] = None) -> None
 def compare_state(pair: Pair, what: str) -> None:
     """Every parameter and buffer (BatchNorm running statistics included)."""
     managed = pair.managed.state_dict(keep_vars=True)
-    with torchTensorRef.disabled():
+    with plain_torch():
         plain = pair.plain.state_dict(keep_vars=True)
     assert list(managed) == list(plain)
     for name, value in managed.items():
@@ -124,7 +128,7 @@ def inputs_pair(case: Case, seed: int = INPUT_SEED) -> Tuple[Inputs, Inputs]:
     """The case's inputs made by patched torch (TensorRefs) and by plain torch, same seed."""
     torch.manual_seed(seed)
     managed = case.inputs()
-    with torchTensorRef.disabled():
+    with plain_torch():
         torch.manual_seed(seed)
         plain = case.inputs()
     for name, value in managed.items():
@@ -138,7 +142,7 @@ def build_pair(case: Case, convert: Callable[[torch.nn.Module], torch.nn.Module]
     ``convert`` is applied to both right after building (``.to(bfloat16)``, enabling
     gradient checkpointing, ...), as the user would.
     """
-    with torchTensorRef.disabled():
+    with plain_torch():
         torch.manual_seed(MODEL_SEED)
         plain = convert(case.build())
     budget = int(BUDGET_FRACTION * param_bytes(plain))
@@ -157,7 +161,7 @@ def _run(pair: Pair, managed_inputs, plain_inputs, autocast):
     torch.manual_seed(FORWARD_SEED)
     with ctx():
         logits_m, loss_m = pair.case.forward(pair.managed, managed_inputs)
-    with torchTensorRef.disabled():
+    with plain_torch():
         torch.manual_seed(FORWARD_SEED)
         with ctx():
             logits_p, loss_p = pair.case.forward(pair.plain, plain_inputs)
@@ -185,7 +189,7 @@ def check_training(
         optimizer: ``params -> torch.optim.Optimizer`` (AdamW by default).
         clip_foreach: if not ``None``, ``clip_grad_norm_(..., foreach=clip_foreach)``
             before the step (its total norm is compared too).
-        scaler: step through a ``torch.amp.GradScaler("cpu")`` (scaled backward, unscale,
+        scaler: step through a ``torch.amp.GradScaler`` of the device (scaled backward, unscale,
             inf check, scale update).
     """
     managed_inputs, plain_inputs = inputs_pair(pair.case)
@@ -195,40 +199,40 @@ def check_training(
     pair.check_peak("forward")
 
     opt_m = optimizer(pair.managed.parameters())
-    scaler_m = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaler else None
-    with torchTensorRef.disabled():
+    scaler_m = torch.amp.GradScaler(device_type(), init_scale=2.0**8) if scaler else None
+    with plain_torch():
         opt_p = optimizer(pair.plain.parameters())
-        scaler_p = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaler else None
+        scaler_p = torch.amp.GradScaler(device_type(), init_scale=2.0**8) if scaler else None
     (scaler_m.scale(loss_m) if scaler else loss_m).backward()
-    with torchTensorRef.disabled():
+    with plain_torch():
         (scaler_p.scale(loss_p) if scaler else loss_p).backward()
     compare_grads(pair)
     pair.check_peak("backward")
 
     if scaler:
         scaler_m.unscale_(opt_m)
-        with torchTensorRef.disabled():
+        with plain_torch():
             scaler_p.unscale_(opt_p)
         compare_grads(pair)
     if clip_foreach is not None:
         norm_m = torch.nn.utils.clip_grad_norm_(pair.managed.parameters(), 0.5, foreach=clip_foreach)
-        with torchTensorRef.disabled():
+        with plain_torch():
             norm_p = torch.nn.utils.clip_grad_norm_(pair.plain.parameters(), 0.5, foreach=clip_foreach)
         pair.compare(norm_m, norm_p, "total gradient norm")
         compare_grads(pair)
     if scaler:
         scaler_m.step(opt_m)
         scaler_m.update()
-        with torchTensorRef.disabled():
+        with plain_torch():
             scaler_p.step(opt_p)
             scaler_p.update()
         assert scaler_m.get_scale() == scaler_p.get_scale()
     else:
         opt_m.step()
-        with torchTensorRef.disabled():
+        with plain_torch():
             opt_p.step()
     opt_m.zero_grad()
-    with torchTensorRef.disabled():
+    with plain_torch():
         opt_p.zero_grad()
     compare_state(pair, f"after a {type(opt_m).__name__} step")
     pair.check_peak("optimizer step")
@@ -249,7 +253,7 @@ def check_generate(pair: Pair, generate: Optional[Callable] = None) -> None:
     pair.managed.eval()
     torch.manual_seed(FORWARD_SEED)
     tokens_m = generate(pair.managed, managed_inputs)
-    with torchTensorRef.disabled():
+    with plain_torch():
         pair.plain.eval()
         torch.manual_seed(FORWARD_SEED)
         tokens_p = generate(pair.plain, plain_inputs)
@@ -268,7 +272,7 @@ def check_save_pretrained(pair: Pair, folder) -> None:
     managed model with the same logits."""
     managed_dir, plain_dir = folder / "managed", folder / "plain"
     pair.managed.save_pretrained(managed_dir)
-    with torchTensorRef.disabled():
+    with plain_torch():
         pair.plain.save_pretrained(plain_dir)
     weights = sorted(p.name for p in plain_dir.glob("*.safetensors"))
     assert weights and weights == sorted(p.name for p in managed_dir.glob("*.safetensors"))
@@ -288,7 +292,7 @@ def compare_eval_logits(pair: Pair, model, what: str) -> None:
     """``model``'s eval logits on the case's inputs equal the plain model's."""
     managed_inputs, plain_inputs = inputs_pair(pair.case)
     logits = eval_logits(pair.case, model, managed_inputs)
-    with torchTensorRef.disabled():
+    with plain_torch():
         expected = eval_logits(pair.case, pair.plain, plain_inputs)
     pair.compare(logits, expected, what)
 
@@ -298,13 +302,13 @@ def check_state_dict_roundtrip(pair: Pair, folder) -> None:
     fresh model: same state, same outputs; the file holds plain tensors."""
     path = folder / "model.pt"
     torch.save(pair.managed.state_dict(), path)
-    with torchTensorRef.disabled():
+    with plain_torch():
         saved = torch.load(path, weights_only=True)
         expected = pair.plain.state_dict()
         assert list(saved) == list(expected)
         for name, value in saved.items():
             assert type(value) is torch.Tensor, f"saved {name} is a {type(value).__name__}"
-            assert torch.equal(value, expected[name]), f"saved {name} differs"
+            assert torch.equal(value, values(expected[name]).cpu()), f"saved {name} differs"
 
     torch.manual_seed(MODEL_SEED + 1)  # other weights, so that loading has to overwrite them
     fresh = pair.case.build()

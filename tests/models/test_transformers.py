@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from . import harness  # noqa: E402
+from paired import device_type  # noqa: E402,I100
 from .harness import Case, hf_forward  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -153,7 +154,7 @@ def test_save_and_from_pretrained(name, strategy, tmp_path):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_autocast_bfloat16(name, strategy):
     pair = harness.build_pair(CASES[name])
-    harness.check_training(pair, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    harness.check_training(pair, autocast=lambda: torch.autocast(device_type(), dtype=torch.bfloat16))
 
 
 def test_bfloat16_weights_by_to(strategy):

@@ -19,10 +19,11 @@ copy to the accelerator) is found before anything changed, and the generic path 
 from __future__ import annotations
 
 import torch
-from torch.utils._mode_utils import no_dispatch
 
+from .. import raw, sim_device
 from ..manager import tensorsManager as _mgr
-from ..tensor_ref import TensorRef, compute_view, make_ref
+from ..sim_device import SimTensor
+from ..tensor_ref import TensorRef, compute_view, host_view, make_ref
 from .registry import OpSpec, specs, spec_of
 
 _SPECS = specs()
@@ -40,12 +41,16 @@ class OpContext:
         blocks: distinct blocks of the TensorRef arguments, in argument order.
         written: the blocks the op writes in place.
         outputs: new blocks the op created (filled in after it runs).
+        on_host: the op runs on host copies and makes host-only results (Note [Declared
+            device] in ``devices.py``).
     """
 
-    __slots__ = ("index", "spec", "blocks", "written", "outputs", "args", "kwargs", "_estimate", "_start")
+    __slots__ = ("index", "spec", "blocks", "written", "outputs", "args", "kwargs", "on_host", "_estimate",
+                 "_start")
 
-    def __init__(self, spec, blocks, written, args, kwargs):
+    def __init__(self, spec, blocks, written, args, kwargs, on_host=False):
         self.index = -1
+        self.on_host = on_host
         self._start = 0  # set by the manager while recording
         self.spec = spec
         self.blocks = blocks
@@ -105,16 +110,69 @@ def _written_blocks(spec: OpSpec, args, kwargs):
     return written
 
 
-def _swap(a, move_plain):
-    """``a`` with TensorRefs replaced by plain views of their current copies."""
+def _swap(a, on_host):
+    """``a`` with TensorRefs replaced by plain views of the copies the op runs on (and the
+    plain tensors of the sim device by their bytes)."""
     if isinstance(a, TensorRef):
-        return compute_view(a)
+        return host_view(a) if on_host else compute_view(a)
     if a.__class__ is list or a.__class__ is tuple:
-        return a.__class__(_swap(e, move_plain) for e in a)
-    if (move_plain is not None and isinstance(a, _Tensor) and a.device != move_plain and a.dim() > 0
-            and a.device.type != "meta"):
-        return a.to(move_plain)  # a plain host tensor joins an accelerator op
+        return a.__class__(_swap(e, on_host) for e in a)
+    if a.__class__ is SimTensor:
+        return a.data_
     return a
+
+
+def _placement(kwargs, blocks, backend) -> bool:
+    """Whether the op runs on the host: it was asked for a CPU result, or has only CPU tensors."""
+    target = kwargs.get("device") if kwargs else None
+    if target is not None:
+        return torch.device(target).type == "cpu"
+    return bool(blocks) and all(b.host_only for b in blocks)
+
+
+def _compute_kwargs(kwargs, backend):
+    """``kwargs`` with the declared device (``sim``) replaced by where the kernels run."""
+    target = kwargs.get("device")
+    if target is not None and torch.device(target).type == backend.declared.type != backend.compute.type:
+        kwargs = dict(kwargs)
+        kwargs["device"] = backend.compute
+    return kwargs
+
+
+#: ops whose accelerator kernels accept CPU tensors of any size among their arguments
+_TAKES_CPU_TENSORS = frozenset({
+    "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "_unsafe_index", "index_put",
+    "index_put_", "_index_put_impl_", "_unsafe_index_put", "_pack_padded_sequence", "set_", "lift_fresh",
+    "lift_fresh_copy",
+})
+
+
+def _check_devices(spec, args, kwargs, declared) -> None:
+    """On the strict ``"sim"``: refuse a CPU TensorRef beside accelerator ones, as CUDA kernels do.
+
+    A 0-dim CPU tensor is a scalar, which accelerator kernels accept (Note [Strict sim] in
+    ``sim_device.py``); so do the copies and indexing ops of ``_TAKES_CPU_TENSORS``. Plain
+    CPU tensors are let through: on the simulated device the results of ops the manager
+    does not page (nested tensors, and what is computed from them) are plain CPU tensors
+    that are the device's on a GPU.
+    """
+    for a in _tensor_args(args, kwargs):
+        if a.__class__ is TensorRef and a._tr_block.host_only and a.dim() > 0:
+            if spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
+                return
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, "
+                f"{declared} and cpu! (when checking the arguments of {spec.name})")
+
+
+def _tensor_args(args, kwargs):
+    for a in list(args) + (list(kwargs.values()) if kwargs else []):
+        if isinstance(a, _Tensor):
+            yield a
+        elif a.__class__ is list or a.__class__ is tuple:
+            for e in a:
+                if isinstance(e, _Tensor):
+                    yield e
 
 
 _NO_KWARGS: dict = {}
@@ -126,13 +184,19 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     if kwargs is None:
         kwargs = _NO_KWARGS
     spec = _SPECS.get(id(func)) or spec_of(func)
-    if spec.handler is not None:
-        return spec.handler(func, args, kwargs, spec)
-    if _mgr._fast and not spec.restrides:  # Note [Fast path]
-        out = run_fast(func, args, kwargs, spec)
-        if out is not _NOT_FAST:
-            return out
-    return run_generic(func, args, kwargs, spec)
+    try:
+        if spec.handler is not None:
+            return spec.handler(func, args, kwargs, spec)
+        if _mgr._fast and not spec.restrides:  # Note [Fast path]
+            out = run_fast(func, args, kwargs, spec)
+            if out is not _NOT_FAST:
+                return out
+        return run_generic(func, args, kwargs, spec)
+    except Exception as e:
+        if getattr(_mgr._backend, "strict", False) and sim_device.in_backward():
+            sim_device.keep_for_backward(e)  # Note [Errors in backward on sim]
+            return sim_device.FAILED
+        raise
 
 
 _NOT_FAST = object()
@@ -142,11 +206,11 @@ class _NotResident(Exception):
     """An argument needs a move: the generic path must run the op."""
 
 
-def _fast_view(a, blocks, live, move):
+def _fast_view(a, blocks, live):
     # ``live``: pass-through, where ops run on the host copy itself
     if isinstance(a, TensorRef):
         b = a._tr_block
-        if (b.dev is None and not live) or b.ready is not None or b.prefetched:
+        if (b.dev is None and not live) or b.dev_pending is not None or b.prefetched:
             raise _NotResident
         blocks.append(b)
         return a._tr_view if a._tr_gen == b.gen else compute_view(a)
@@ -154,10 +218,12 @@ def _fast_view(a, blocks, live, move):
     if cls is list or cls is tuple:
         for e in a:
             if isinstance(e, _Tensor):
-                return cls([_fast_view(e, blocks, live, move) for e in a])
+                return cls([_fast_view(e, blocks, live) for e in a])
         return a  # sizes, dims: nothing to swap
-    if move is not None and isinstance(a, _Tensor):
-        raise _NotResident  # a plain host tensor must be copied to the accelerator first
+    if not live and isinstance(a, _Tensor):
+        raise _NotResident  # a plain tensor: the generic path checks where it may go
+    if not live and a.__class__ is torch.device:
+        raise _NotResident  # a device argument: the generic path says where the result goes
     return a
 
 
@@ -170,24 +236,31 @@ def run_fast(func, args, kwargs, spec: OpSpec):
         if mgr._dead:
             mgr._drain()
         live = mgr._backend.passthrough
-        move = mgr._move_plain_to
         blocks = []
         cargs = []
         try:
             for a in args:  # _fast_view, unrolled for the common argument kinds
                 if isinstance(a, TensorRef):
                     b = a._tr_block
-                    if (b.dev is None and not live) or b.ready is not None or b.prefetched:
+                    if (b.dev is None and not live) or b.dev_pending is not None or b.prefetched:
                         return _NOT_FAST
                     blocks.append(b)
                     cargs.append(a._tr_view if a._tr_gen == b.gen else compute_view(a))
-                elif a.__class__ is list or a.__class__ is tuple or (move is not None and isinstance(a, _Tensor)):
-                    cargs.append(_fast_view(a, blocks, live, move))
+                elif a.__class__ is list or a.__class__ is tuple or (not live and isinstance(a, _Tensor)):
+                    cargs.append(_fast_view(a, blocks, live))
                 else:
                     cargs.append(a)
-            ckwargs = {k: _fast_view(v, blocks, live, move) for k, v in kwargs.items()} if kwargs else kwargs
+            ckwargs = {k: _fast_view(v, blocks, live) for k, v in kwargs.items()} if kwargs else kwargs
         except _NotResident:
             return _NOT_FAST
+        limit = mgr._limit
+        if limit is not None and spec.allocates and not live:
+            # Room for the results without evicting: else the generic path makes it.
+            from .output_size import estimate_output_bytes
+
+            need = estimate_output_bytes(spec, args, kwargs)
+            if need and mgr._device_bytes + mgr._inflight_bytes + mgr._elsewhere_bytes + need > limit:
+                return _NOT_FAST
         index = mgr._op_count
         mgr._op_count = index + 1
         for b in blocks:
@@ -220,6 +293,10 @@ def run_fast(func, args, kwargs, spec: OpSpec):
         for b in blocks:
             if b.dev_key == key:
                 return make_ref(b, out, mgr._declared)  # a view: shares the input's block
+        if not live and out.device != mgr._backend.compute:
+            ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
+            ctx.index = index
+            return _wrap_one(out, ctx, mgr)  # a CPU result on CUDA (or another GPU's)
         return make_ref(mgr._result_block(out, index), out, mgr._declared)
 
 
@@ -234,20 +311,30 @@ def run_generic(func, args, kwargs, spec: OpSpec):
             _collect(kwargs.values(), refs)
         blocks = _blocks_of(refs) if refs else []
         written = _written_blocks(spec, args, kwargs) if spec.write_args else []
-        ctx = OpContext(spec, blocks, written, args, kwargs)
+        backend = mgr._backend
+        on_host = False if backend.passthrough else _placement(kwargs, blocks, backend)
+        ctx = OpContext(spec, blocks, written, args, kwargs, on_host)
+        if getattr(backend, "strict", False) and not on_host:
+            _check_devices(spec, args, kwargs, backend.declared)
         mgr._prepare(ctx)
-        move = mgr._move_plain_to
-        cargs = [_swap(a, move) for a in args]
-        ckwargs = {k: _swap(v, move) for k, v in kwargs.items()} if kwargs else {}
+        if on_host:
+            for b in blocks:
+                mgr.sync_host(b)  # the op reads host copies: they must hold the current bytes
+        cargs = [_swap(a, on_host) for a in args]
+        ckwargs = {k: _swap(v, on_host) for k, v in kwargs.items()} if kwargs else {}
+        if ckwargs and "device" in ckwargs and backend.declared != backend.compute:
+            ckwargs = _compute_kwargs(ckwargs, backend)
         out = mgr._call(ctx, func, cargs, ckwargs)
         if spec.restrides:
             _follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
         elif written:
             _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
         if written:
-            mgr._mark_written(written)
-        if move is not None and spec.write_args:
-            _copy_back_plain(spec, args, kwargs, cargs, ckwargs)
+            if on_host:
+                for b in written:
+                    mgr._host_written(b)
+            else:
+                mgr._mark_written(written)
         result = _wrap_outputs(out, ctx, spec, args, kwargs, mgr)
         mgr._finish(ctx)
         return result
@@ -284,19 +371,8 @@ def _follow_restride(ref, view, ctx, mgr):
     elif storage.nbytes() != ref._tr_block.nbytes:
         mgr._resized(ref._tr_block, storage.nbytes())  # resize_ grew the storage in place
     if ref.shape != view.shape or ref.stride() != view.stride() or ref.storage_offset() != view.storage_offset():
-        with no_dispatch():
-            torch.ops.aten.set_.source_Storage_storage_offset(
-                ref, torch._C.TensorBase.untyped_storage(ref), view.storage_offset(), view.shape, view.stride())
+        raw.set_geometry(ref, view)
     ref._tr_view, ref._tr_gen = view, ref._tr_block.gen
-
-
-def _copy_back_plain(spec, args, kwargs, cargs, ckwargs):
-    # A plain host tensor written by an accelerator op was written on its moved copy.
-    for i, name in spec.write_args:
-        orig, moved = (args[i], cargs[i]) if i < len(args) else (kwargs.get(name), ckwargs.get(name))
-        if isinstance(orig, _Tensor) and not isinstance(orig, TensorRef) and moved is not orig:
-            with torch.no_grad():
-                orig.copy_(moved)
 
 
 def _wrap_outputs(out, ctx, spec, args, kwargs, mgr):
@@ -328,10 +404,21 @@ def _wrap_nested(out, ctx, mgr):
 
 
 def _wrap_one(t, ctx, mgr):
-    if isinstance(t, TensorRef) or t.layout is not _strided or t.is_nested or t.device.type == "meta":
-        return t  # nested tensors have strided layout but no single storage to page
+    if isinstance(t, TensorRef) or t.device.type == "meta":
+        return t
+    if t.layout is not _strided or t.is_nested:
+        # No single storage to page (sparse, nested): a plain tensor of the device, unmanaged.
+        if t.layout is torch.sparse_coo and mgr._backend.declared.type == "sim" and not ctx.on_host:
+            return SimTensor(t)
+        return t
+    compute = mgr._backend.compute
+    if t.device != compute and t.device.type != "cpu":
+        return t  # explicitly sent to another device than the manager's: not managed
     key = t.untyped_storage()._cdata
     for b in ctx.blocks:
         if b.dev_key == key:
             return make_ref(b, t, mgr._declared)  # a view: shares the input's block
+    for b in ctx.outputs:
+        if b.dev_key == key:
+            return make_ref(b, t, mgr._declared)  # shares the storage of another of its results
     return mgr._adopt_output(t, ctx)

@@ -36,5 +36,5 @@ def metadata_only(func, args, kwargs, spec):
     stand_in = raw.empty_strided(source.size(), source.stride(), dtype=source.dtype, device=_META)
     kwargs = dict(kwargs)
     if kwargs.get("device") is None:
-        kwargs["device"] = tensorsManager._backend.compute
+        kwargs["device"] = source.device  # the declared device: a CPU tensor's result stays on the CPU
     return run_generic(func, (stand_in,) + tuple(args[1:]), kwargs, spec)

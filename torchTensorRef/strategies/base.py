@@ -44,6 +44,10 @@ class Strategy:
     """
 
     name = "base"
+    #: whether tensors made by creation functions (``torch.zeros``, ``torch.arange`` ...) are
+    #: made on the device when they fit without evicting anything; random ones always are
+    #: (their numbers must come from the device's generator), and ``on_adopt`` may evict them
+    new_tensors_on_device: bool = True
 
     def __init__(self):
         self.manager = None

@@ -93,22 +93,23 @@ class Flow(Strategy):
 
     def device_changed(self) -> None:
         if self.prefetch_evicts is None:
-            self._evicting_prefetch = self.manager._backend.name == "cuda"
+            self._evicting_prefetch = self.manager.device_kind == "cuda"
 
     # -- learning the sequence -------------------------------------------------------------
 
     def on_adopt(self, block) -> None:
-        n = self.manager._op_count
+        n = self.manager.op_index
         adopted = self._adopted.setdefault(n, [])
         self._birth[block.id] = (n, -len(adopted) - 1)
         adopted.append(block.id)
 
     def needs_every_op(self) -> bool:
-        # without a limit nothing is ever evicted or prefetched: nothing to learn
-        return self.manager is not None and self.manager._limit is not None
+        # Until something had to be evicted everything fits: nothing to learn or prefetch
+        # (and the device's bytes never reach the budget, which the fast path checks).
+        return self.manager is not None and self.manager.limit is not None and self.manager.under_pressure
 
     def before_op(self, op) -> None:
-        if self.manager._limit is None:
+        if self.manager.limit is None:
             return  # nothing is ever evicted or prefetched: nothing to learn
         n = op.index
         self._now = n
@@ -181,9 +182,9 @@ class Flow(Strategy):
                 del self._sig_positions[sig]
             elif cut:
                 del pos[:cut]
-        alive = self.manager._blocks
+        block = self.manager.block
         for bid, lst in list(self._uses.items()):
-            if lst[-1] < keep_from and bid not in alive:
+            if lst[-1] < keep_from and block(bid) is None:
                 del self._uses[bid]
                 self._birth.pop(bid, None)
         self._pruned_at = n
@@ -250,7 +251,7 @@ class Flow(Strategy):
 
     def after_op(self, op) -> None:
         mgr = self.manager
-        if mgr._limit is None:
+        if mgr.limit is None:
             return  # see before_op
         n = op.index
         if op.outputs:
@@ -273,15 +274,15 @@ class Flow(Strategy):
         # memory of tensors that died since the last op is free; on a GPU the copies then
         # overlap this op's compute.
         mgr = self.manager
-        if self.period is not None and self.lookahead and mgr._limit is not None:
-            if len(mgr._resident) == len(mgr._blocks):
+        if self.period is not None and self.lookahead and mgr.limit is not None:
+            if mgr.all_resident():
                 return  # every block is in already: nothing to look for
             self._prefetch(op.index, op.output_estimate())
 
     def _upcoming(self, n: int):
         """(op index, block) pairs the next ``lookahead`` ops will read, by prediction."""
         period = self.period
-        blocks = self.manager._blocks
+        lookup = self.manager.block
         for m in range(n + 1, n + 1 + self.lookahead):
             past = self._op_blocks.get(m - period)
             if past is None:
@@ -294,19 +295,19 @@ class Flow(Strategy):
                     current = self._born_at(birth[0] + period, birth[1])
                     if current is None:
                         continue  # will be created by an op still to come
-                block = blocks.get(current)
+                block = lookup(current)
                 if block is not None:
                     yield m, block
 
     def _prefetch(self, n: int, reserved: int) -> None:
         mgr = self.manager
-        limit = mgr._limit - reserved  # the op's results still need their room
+        limit = mgr.limit - reserved  # the op's results still need their room
         for m, block in self._upcoming(n):
             if block.dev is not None:
                 continue
             # Make room only from clean blocks predicted to be needed after op m: evicting
             # them is free, while a dirty one might still die (be freed) before it is needed.
-            while mgr._device_bytes + block.nbytes > limit:
+            while mgr.in_use() + block.nbytes > limit:
                 if not self._evicting_prefetch:
                     return
                 victim = self._pop_victim((), worse_than=m, clean_only=True)
@@ -320,12 +321,12 @@ class Flow(Strategy):
     def _pop_victim(self, protect, worse_than: Optional[int] = None, clean_only: bool = False):
         heap = self._heap
         stamp = self._stamp
-        resident = self.manager._resident
+        resident = self.manager.resident_block
         skipped = []
         found = None
         while heap:
             neg, s, bid = heap[0]
-            block = resident.get(bid)
+            block = resident(bid)
             if block is None or stamp.get(bid) != s:
                 heapq.heappop(heap)  # stale entry
                 continue

@@ -1,0 +1,81 @@
+"""Kernels the simulated device needs that the CPU lacks: the fused RNN cells.
+
+PyTorch's LSTM and GRU run on a non-CPU device through fused cell ops
+(``_thnn_fused_lstm_cell``, ``_thnn_fused_gru_cell``) that only CUDA implements. The
+simulated device computes with CPU kernels, so these are their CPU kernels, written from
+the cells' equations with the CUDA kernels' conventions (the gate order, and a workspace of
+the activated gates that backward reuses). Registered once, when ``"sim"`` is registered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_library = None
+
+
+def register() -> None:
+    global _library
+    if _library is not None:
+        return
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (CPU kernels of existing ops)
+    for name, fn in (("_thnn_fused_lstm_cell", lstm_cell), ("_thnn_fused_lstm_cell_backward_impl", lstm_cell_backward),
+                     ("_thnn_fused_gru_cell", gru_cell), ("_thnn_fused_gru_cell_backward", gru_cell_backward)):
+        if hasattr(torch.ops.aten, name):
+            lib.impl(name, fn, "CPU")
+    _library = lib
+
+
+def _gates(input_gates, hidden_gates, input_bias, hidden_bias):
+    gates = input_gates + hidden_gates
+    if input_bias is not None:
+        gates = gates + input_bias + hidden_bias
+    return gates
+
+
+def lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    """``(hy, cy, workspace)``; the workspace holds the activated gates i, f, g, o."""
+    i, f, g, o = _gates(input_gates, hidden_gates, input_bias, hidden_bias).chunk(4, 1)
+    i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
+    cy = f * cx + i * g
+    hy = o * cy.tanh()
+    return hy, cy, torch.cat((i, f, g, o), 1)
+
+
+def lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    """``(grad_gates, grad_cx, grad_bias)`` of :func:`lstm_cell`."""
+    i, f, g, o = workspace.chunk(4, 1)
+    tanh_cy = cy.tanh()
+    grad_hy = torch.zeros_like(cy) if grad_hy is None else grad_hy
+    grad_c = grad_hy * o * (1 - tanh_cy * tanh_cy)
+    if grad_cy is not None:
+        grad_c = grad_c + grad_cy
+    grad_gates = torch.cat((grad_c * g * i * (1 - i), grad_c * cx * f * (1 - f), grad_c * i * (1 - g * g),
+                            grad_hy * tanh_cy * o * (1 - o)), 1)
+    grad_bias = grad_gates.sum(0) if has_bias else None
+    return grad_gates, grad_c * f, grad_bias
+
+
+def gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    """``(hy, workspace)``; the workspace holds r, z, n, hx and the hidden part of n's gate."""
+    if input_bias is not None:
+        input_gates, hidden_gates = input_gates + input_bias, hidden_gates + hidden_bias
+    ir, iz, i_n = input_gates.chunk(3, 1)
+    hr, hz, h_n = hidden_gates.chunk(3, 1)
+    r, z = (ir + hr).sigmoid(), (iz + hz).sigmoid()
+    n = (i_n + r * h_n).tanh()
+    hy = n + z * (hx - n)
+    return hy, torch.cat((r, z, n, hx, h_n), 1)
+
+
+def gru_cell_backward(grad_hy, workspace, has_bias):
+    """``(grad_input_gates, grad_hidden_gates, grad_hx, grad_input_bias, grad_hidden_bias)``."""
+    r, z, n, hx, h_n = workspace.chunk(5, 1)
+    grad_n = grad_hy * (1 - z) * (1 - n * n)
+    grad_z = grad_hy * (hx - n) * z * (1 - z)
+    grad_r = grad_n * h_n * r * (1 - r)
+    grad_input = torch.cat((grad_r, grad_z, grad_n), 1)
+    grad_hidden = torch.cat((grad_r, grad_z, grad_n * r), 1)
+    if has_bias:
+        return grad_input, grad_hidden, grad_hy * z, grad_input.sum(0), grad_hidden.sum(0)
+    return grad_input, grad_hidden, grad_hy * z, None, None

@@ -1,0 +1,139 @@
+"""Streams and events: asynchronous copies on CUDA, and their stand-in on ``"sim"``.
+
+Note [Pending copies]: a copy that overlaps compute (a prefetch, a write-back) runs on a
+stream of its own and hands back a :class:`Pending`. Its destination must not be read
+before the pending copy is waited on: ``wait_compute()`` orders the compute stream after it
+(no host wait) and ``wait_host()`` blocks the host until it is done. On CUDA these are
+events. On ``"sim"`` the copy does not happen until it is waited on, and until then its
+destination holds a poison pattern (every byte 0xFF: NaN in every floating-point type), so
+a missing wait shows as wrong values in tests instead of a race that passes by luck.
+
+The device buffer a pending copy reads or writes is kept from reuse until the copy ends
+(``record_stream`` on CUDA; the stand-in holds a reference).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+#: what an unfinished simulated copy leaves in its destination
+POISON = 0xFF
+
+
+class Pending:
+    """A copy in flight (Note [Pending copies])."""
+
+    __slots__ = ()
+
+    def wait_compute(self) -> None:
+        """Make later work on the compute stream wait for the copy (the host does not wait)."""
+        raise NotImplementedError
+
+    def wait_host(self) -> None:
+        """Block the host until the copy is done."""
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        """Whether the copy is known to have finished (asking does not wait)."""
+        raise NotImplementedError
+
+    def retire(self) -> bool:
+        """Whether the copy finished, for accounting; the stand-in finishes it now."""
+        return self.done()
+
+
+class CudaPending(Pending):
+    __slots__ = ("event", "device")
+
+    def __init__(self, event, device: torch.device):
+        self.event, self.device = event, device
+
+    def wait_compute(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
+    def done(self) -> bool:
+        return self.event.query()
+
+
+class SimPending(Pending):
+    """A simulated copy: done when first waited on; its destination is poison until then."""
+
+    __slots__ = ("dst", "src")
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor):
+        self.dst, self.src = dst, src
+
+    def _finish(self) -> None:
+        if self.src is not None:
+            self.dst.copy_(self.src)
+            self.dst = self.src = None
+
+    wait_compute = _finish
+    wait_host = _finish
+
+    def done(self) -> bool:
+        return self.src is None
+
+    def retire(self) -> bool:
+        # By the time memory is needed again, a real copy engine would have finished.
+        self._finish()
+        return True
+
+
+class CudaStreams:
+    """The streams torchTensorRef copies on, on one CUDA device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._side: Optional[torch.cuda.Stream] = None
+        self._copy: Optional[torch.cuda.Stream] = None
+
+    def _stream(self, which: str) -> torch.cuda.Stream:
+        stream = getattr(self, which)
+        if stream is None:
+            stream = torch.cuda.Stream(self.device)
+            setattr(self, which, stream)
+        return stream
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, prefetch: bool) -> Pending:
+        """Copy ``src`` into ``dst`` on a side stream (prefetches in, write-backs out).
+
+        The side stream first waits for the compute stream, so the copy sees every write
+        queued before it; the device buffer is recorded on the side stream, so the
+        allocator does not reuse it before the copy ends.
+        """
+        stream = self._stream("_side" if prefetch else "_copy")
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        for t in (dst, src):
+            if t.is_cuda:
+                t.record_stream(stream)
+        return CudaPending(event, self.device)
+
+    def copy_ordered(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy on the compute stream: later ops on it see the bytes with no wait.
+
+        Asynchronous for the host when the host side is pinned; from or to pageable
+        memory CUDA makes the host wait.
+        """
+        dst.copy_(src, non_blocking=True)
+
+
+class SimStreams:
+    """The stand-in: side-stream copies are deferred until waited on (Note [Pending copies])."""
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, prefetch: bool) -> Pending:
+        dst.fill_(POISON)
+        return SimPending(dst, src)
+
+    def copy_ordered(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # The compute stream runs in order: the next op comes after this copy.
+        dst.copy_(src)
