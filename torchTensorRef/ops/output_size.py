@@ -4,15 +4,17 @@ A strategy must make room for an op's results *before* the op runs, or the budge
 be exceeded while it runs. The size is found by running the op on ``meta`` tensors (no
 data, no computation) and cached by the shapes and dtypes of the arguments, so a training
 loop pays this once per distinct op call. Ops whose result size depends on the data
-(``nonzero``, ``unique``) cannot run on meta: they estimate 0 and the manager makes room
-after the op instead (see ``TensorsManager._finish``). A few CPU ops return a workspace
+(boolean indexing, ``nonzero``, ``unique``, ``masked_select`` ...) cannot run on meta: they
+get room for an upper bound of their results, the size they would have were every mask
+element true and every element distinct (Note [Data-dependent sizes]), and the block made
+for the real, smaller result counts from then on. A few CPU ops return a workspace
 whose size the backend library decides when it runs, and their meta kernels report it
 empty: those are measured once per shapes by running them on zeros in host memory.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Hashable
+from typing import Callable, Dict, Hashable, Optional
 
 import torch
 
@@ -93,6 +95,90 @@ def _growth(spec: OpSpec, args, kwargs, meta_args, meta_kwargs) -> int:
     return grown
 
 
+# Note [Data-dependent sizes]: the bound of each op whose result size depends on its data,
+# from the arguments' shapes alone (reading the data would make the host wait for the
+# device). An op without a meta kernel and without a bound here estimates 0: the manager
+# then makes room after it ran, and the peak may pass the budget by its results
+# (``stats()["worst_overshoot_bytes"]`` records it).
+
+def _itemsize(t: torch.Tensor) -> int:
+    return t.element_size()
+
+
+def _bound_index(args, kwargs) -> int:
+    # A k-dim boolean mask selects at most all of its elements: as k long indices of that
+    # length, which the meta kernel sizes.
+    self, indices = args[0], args[1]
+    long_indices = []
+    for index in indices:
+        if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
+            long_indices += [raw.empty_strided((index.numel(),), (1,), dtype=torch.long, device=_META)] * index.dim()
+        else:
+            long_indices.append(_to_meta(index))
+    out = torch.ops.aten.index.Tensor(_to_meta(self), long_indices)
+    return out.numel() * _itemsize(self)
+
+
+def _bound_masked_select(args, kwargs) -> int:
+    self, mask = args[0], args[1]
+    return torch.broadcast_shapes(self.shape, mask.shape).numel() * _itemsize(self)
+
+
+def _bound_nonzero(args, kwargs) -> int:
+    return args[0].numel() * max(args[0].dim(), 1) * 8
+
+
+def _unique_bound(flags_at: tuple):
+    """The bound of a ``unique`` variant: every element distinct; the inverse indices and
+    the counts (int64) only when asked (``flags_at``: their argument positions)."""
+
+    def bound(args, kwargs) -> int:
+        self = args[0]
+        extra = sum(8 for i in flags_at if (args[i] if i < len(args) else False))
+        return self.numel() * (_itemsize(self) + extra)
+
+    return bound
+
+
+_BOUNDS: Dict[object, Callable] = {}
+
+
+def _register_bounds() -> None:
+    aten = torch.ops.aten
+    pairs = [
+        ("index", ("Tensor",), _bound_index),
+        ("masked_select", ("default",), _bound_masked_select),
+        ("nonzero", ("default",), _bound_nonzero),
+        ("argwhere", ("default",), _bound_nonzero),
+        # (self, sorted, return_inverse[, return_counts]), (self, return_inverse, return_counts, dim) ...
+        ("_unique", ("default",), _unique_bound((2,))),
+        ("_unique2", ("default",), _unique_bound((2, 3))),
+        ("unique_dim", ("default",), _unique_bound((3, 4))),
+        ("unique_consecutive", ("default",), _unique_bound((1, 2))),
+        ("unique_dim_consecutive", ("default",), _unique_bound((2, 3))),
+    ]
+    for name, overloads, bound in pairs:
+        packet = getattr(aten, name, None)
+        for overload in overloads:
+            op = getattr(packet, overload, None) if packet is not None else None
+            if op is not None:
+                _BOUNDS[op] = bound
+
+
+_register_bounds()
+
+
+def _data_dependent_bound(spec: OpSpec, args, kwargs) -> int:
+    """An upper bound of the op's new bytes when the meta kernel cannot size them, else 0."""
+    bound = _BOUNDS.get(spec.func)
+    if bound is None:
+        return 0
+    try:
+        return bound(args, kwargs) or 0
+    except Exception:  # arguments the bound does not understand: the manager catches up after
+        return 0
+
+
 def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
     """Bytes the op adds on the accelerator: the new (non-aliasing) tensors it returns, and
     the growth of the tensors it writes when it may resize them (``resize_``, ``out=``)."""
@@ -119,7 +205,7 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
         if spec.restrides and spec.func not in _PROBED:
             size += _growth(spec, args, kwargs, meta_args, meta_kwargs)
     except Exception:  # no meta kernel, or a data-dependent size
-        size = 0
+        size = _data_dependent_bound(spec, args, kwargs)
     if key is not None:
         if len(_cache) >= _MAX_CACHE:
             _cache.clear()
