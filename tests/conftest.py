@@ -42,11 +42,15 @@ def fresh_manager():
     tm.synchronize()  # (and their write-backs still in flight)
     tm.reset_stats()
     yield tm
+    # The budget is a promise: no test may have gone above it (a test that shows an
+    # overshoot on purpose resets the stats).
+    overshoot = tm.stats()["worst_overshoot_bytes"]
     tm.fault_injector = None
     tm.budget = None
     tm.strategy = "genoa"
     tm.device = TEST_DEVICE
     torchTensorRef.patch()
+    assert overshoot == 0, f"{overshoot} bytes in use above the budget"
 
 
 @pytest.fixture

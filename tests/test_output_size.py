@@ -8,7 +8,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import tensorsManager
-from torchTensorRef.ops.output_size import estimate_output_bytes
+from torchTensorRef.ops.output_size import _size_without_meta, estimate_output_bytes
 from torchTensorRef.ops.registry import spec_of
 from torchTensorRef.strategies import NAMES
 
@@ -86,3 +86,28 @@ def test_an_unbounded_result_past_the_budget_is_recorded():
     assert tm.stats()["worst_overshoot_bytes"] == 0
     tm.budget = None
     assert counts.shape == (2001,) and counts[2000].item() == 1 and counts.sum().item() == 1
+
+
+def test_an_op_with_no_meta_kernel_is_sized_on_host_zeros():
+    # The simulated device's fused GRU cell has a CPU kernel and no meta kernel: its results
+    # (hy and a workspace five times its size) are sized by running it once on zeros.
+    op = aten._thnn_fused_gru_cell.default
+    with torchTensorRef.disabled():
+        gates, hx = torch.randn(3, 15), torch.randn(3, 5)
+        with pytest.raises(Exception):
+            op(*(t.to("meta") for t in (gates, gates, hx)))
+        real = _new_bytes(op(gates, gates, hx))
+    assert estimate_output_bytes(spec_of(op), (gates, gates, hx), {}) == real == 6 * 3 * 5 * 4
+
+
+def test_a_random_op_is_never_run_to_size_it():
+    # Running it would advance the generator: plain torch's next random numbers would differ.
+    op = aten.normal.Tensor_Tensor
+    assert torch.Tag.nondeterministic_seeded in op.tags
+    with torchTensorRef.disabled():
+        mean, std = torch.zeros(4), torch.ones(4)
+        torch.manual_seed(0)
+        assert _size_without_meta(spec_of(op), (mean, std), {}) == 0
+        after_estimate = torch.rand(1)
+        torch.manual_seed(0)
+        assert torch.equal(torch.rand(1), after_estimate)

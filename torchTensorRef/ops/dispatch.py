@@ -142,8 +142,8 @@ def _compute_kwargs(kwargs, backend):
 #: ops whose accelerator kernels accept CPU tensors of any size among their arguments
 _TAKES_CPU_TENSORS = frozenset({
     "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "_unsafe_index", "index_put",
-    "index_put_", "_index_put_impl_", "_unsafe_index_put", "_pack_padded_sequence", "set_", "lift_fresh",
-    "lift_fresh_copy",
+    "index_put_", "_index_put_impl_", "_unsafe_index_put", "_pack_padded_sequence", "_pad_packed_sequence",
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "set_", "lift_fresh", "lift_fresh_copy",
 })
 
 
@@ -384,10 +384,12 @@ def _wrap_outputs(out, ctx, spec, args, kwargs, mgr):
     if isinstance(out, (list, tuple)):
         if spec.return_args and len(spec.return_args) == len(out) and out.__class__ is tuple:
             items = []
-            for o, index in zip(out, spec.return_args):
+            for i, (o, index) in enumerate(zip(out, spec.return_args)):
                 if index is not None:
                     name = spec.func._schema.arguments[index].name
                     items.append(args[index] if index < len(args) else kwargs[name])
+                elif i in spec.host_results:
+                    items.append(o)  # a plain CPU tensor, as CUDA makes it (registry._HOST_RESULTS)
                 else:
                     items.append(_wrap_nested(o, ctx, mgr))
             return tuple(items)

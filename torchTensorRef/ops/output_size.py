@@ -9,7 +9,8 @@ get room for an upper bound of their results, the size they would have were ever
 element true and every element distinct (Note [Data-dependent sizes]), and the block made
 for the real, smaller result counts from then on. A few CPU ops return a workspace
 whose size the backend library decides when it runs, and their meta kernels report it
-empty: those are measured once per shapes by running them on zeros in host memory.
+empty: those are measured once per shapes by running them on zeros in host memory, and
+so are ops with no meta kernel at all.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable, Dict, Hashable, Optional
 import torch
 
 from .. import raw
+from ..sim_device import SimTensor
 from .registry import OpSpec
 
 _cache: Dict[Hashable, int] = {}
@@ -52,7 +54,13 @@ def _to_meta(value):
 _PROBED = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.data_ if t.__class__ is SimTensor else t
+
+
 def _to_host_zeros(value):
+    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+        return _plain(value).detach().clone()  # sparse: the same indices (result sizes follow them)
     if isinstance(value, torch.Tensor):
         return raw.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="cpu").zero_()
     if isinstance(value, (list, tuple)):
@@ -128,6 +136,15 @@ def _bound_nonzero(args, kwargs) -> int:
     return args[0].numel() * max(args[0].dim(), 1) * 8
 
 
+def _bound_ctc_loss(args, kwargs) -> int:
+    # The loss per sequence, and log_alpha of (batch, time, 2 * longest target + 1): the
+    # longest target is at most the targets' width, or all of them when concatenated.
+    log_probs, targets = args[0], args[1]
+    batch = log_probs.size(1) if log_probs.dim() == 3 else 1
+    longest = targets.size(-1) if targets.dim() == 2 else targets.numel()
+    return batch * (log_probs.size(0) * (2 * longest + 1) + 1) * _itemsize(log_probs)
+
+
 def _unique_bound(flags_at: tuple):
     """The bound of a ``unique`` variant: every element distinct; the inverse indices and
     the counts (int64) only when asked (``flags_at``: their argument positions)."""
@@ -141,14 +158,17 @@ def _unique_bound(flags_at: tuple):
 
 
 _BOUNDS: Dict[object, Callable] = {}
+#: ops whose meta kernel runs but cannot know the size (it would read a tensor's values)
+_META_TOO_SMALL = frozenset({torch.ops.aten._ctc_loss.Tensor})
 
 
 def _register_bounds() -> None:
     aten = torch.ops.aten
     pairs = [
-        ("index", ("Tensor",), _bound_index),
-        ("masked_select", ("default",), _bound_masked_select),
-        ("nonzero", ("default",), _bound_nonzero),
+        # (an out= variant's bound is its result's: more than the out tensor grows by)
+        ("index", ("Tensor", "Tensor_out"), _bound_index),
+        ("masked_select", ("default", "out"), _bound_masked_select),
+        ("nonzero", ("default", "out"), _bound_nonzero),
         ("argwhere", ("default",), _bound_nonzero),
         # (self, sorted, return_inverse[, return_counts]), (self, return_inverse, return_counts, dim) ...
         ("_unique", ("default",), _unique_bound((2,))),
@@ -156,6 +176,7 @@ def _register_bounds() -> None:
         ("unique_dim", ("default",), _unique_bound((3, 4))),
         ("unique_consecutive", ("default",), _unique_bound((1, 2))),
         ("unique_dim_consecutive", ("default",), _unique_bound((2, 3))),
+        ("_ctc_loss", ("Tensor",), _bound_ctc_loss),
     ]
     for name, overloads, bound in pairs:
         packet = getattr(aten, name, None)
@@ -168,15 +189,28 @@ def _register_bounds() -> None:
 _register_bounds()
 
 
-def _data_dependent_bound(spec: OpSpec, args, kwargs) -> int:
-    """An upper bound of the op's new bytes when the meta kernel cannot size them, else 0."""
+def _size_without_meta(spec: OpSpec, args, kwargs) -> int:
+    """The op's new bytes when its meta kernel cannot size them.
+
+    A data-dependent op gets its upper bound. An op with no meta kernel (the simulated
+    device's fused RNN cells, custom ops) is run once on host zeros of the same shapes,
+    unless it draws random numbers (that would move the generator's state). Else 0: the
+    manager catches up after the op.
+    """
     bound = _BOUNDS.get(spec.func)
-    if bound is None:
+    if bound is not None:
+        try:
+            return bound(args, kwargs) or 0
+        except Exception:  # arguments the bound does not understand
+            return 0
+    if torch.Tag.nondeterministic_seeded in spec.func.tags or not spec.allocates:  # (out=: sized by meta)
         return 0
     try:
-        return bound(args, kwargs) or 0
-    except Exception:  # arguments the bound does not understand: the manager catches up after
+        out = spec.func(*_to_host_zeros(args), **{k: ("cpu" if k == "device" else _to_host_zeros(v))
+                                                   for k, v in kwargs.items()})
+    except Exception:  # no host kernel either
         return 0
+    return _new_bytes(out, spec)
 
 
 def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
@@ -195,6 +229,8 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
         if hit is not None:
             return hit
     try:
+        if spec.func in _META_TOO_SMALL:
+            raise LookupError(spec.name)  # sized by its bound
         if spec.func in _PROBED:
             out = spec.func(*_to_host_zeros(args), **{k: _to_host_zeros(v) for k, v in kwargs.items()})
         else:
@@ -205,7 +241,7 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
         if spec.restrides and spec.func not in _PROBED:
             size += _growth(spec, args, kwargs, meta_args, meta_kwargs)
     except Exception:  # no meta kernel, or a data-dependent size
-        size = _data_dependent_bound(spec, args, kwargs)
+        size = _size_without_meta(spec, args, kwargs)
     if key is not None:
         if len(_cache) >= _MAX_CACHE:
             _cache.clear()

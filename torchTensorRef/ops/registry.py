@@ -26,11 +26,14 @@ class OpSpec:
         restrides: whether it may change a written argument's geometry or storage
             (``resize_``, ``set_``, ``t_``, ``unsqueeze_``, ``out=`` variants ...).
         one_result: whether it returns one new tensor or view (or one list of them).
+        host_results: positions of the results that accelerator kernels return in host
+            memory (``batch_sizes`` of ``_pack_padded_sequence``): they stay plain CPU
+            tensors, because composite kernels (``lstm`` on packed data) read their bytes.
         handler: special-case handler, or ``None`` for the generic path.
     """
 
     __slots__ = ("func", "name", "write_args", "return_args", "allocates", "restrides", "one_result", "call",
-                 "handler")
+                 "host_results", "handler")
 
     def __init__(self, func):
         self.func = func
@@ -60,11 +63,15 @@ class OpSpec:
         #: whether some result is a new tensor (not a view or an in-place argument)
         self.allocates: bool = any(r.alias_info is None for r in schema.returns)
         #: whether the op may change the shape, strides or storage of an argument it writes
+        # (out= arguments are the keyword-only written ones, whatever their name: ``L``,
+        # ``values``, ``output`` ...)
         self.restrides: bool = bool(self.write_args) and (
-            func.overloadpacket.__name__ in _RESTRIDING or any(n == "out" for _i, n in self.write_args)
+            func.overloadpacket.__name__ in _RESTRIDING
+            or any(schema.arguments[i].kwarg_only for i, _n in self.write_args)
         )
         #: whether it returns a single new tensor or view (not an argument it wrote)
         self.one_result: bool = len(self.return_args) == 1 and self.return_args[0] is None
+        self.host_results: Tuple[int, ...] = _HOST_RESULTS.get(func.overloadpacket.__name__, ())
         self.handler: Optional[Handler] = _HANDLERS.get(func)
 
 
@@ -80,6 +87,12 @@ _UNANNOTATED_WRITES = {
     "native_batch_norm": ("running_mean", "running_var"),
     "cudnn_batch_norm": ("running_mean", "running_var"),
     "miopen_batch_norm": ("running_mean", "running_var"),
+}
+
+#: small results that CUDA kernels make in host memory and other kernels read there
+_HOST_RESULTS = {
+    "_pack_padded_sequence": (1,),  # batch_sizes
+    "_pad_packed_sequence": (1,),  # lengths
 }
 
 _HANDLERS: Dict[object, Handler] = {}
