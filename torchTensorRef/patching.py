@@ -20,6 +20,7 @@ from typing import Dict, Tuple
 import torch
 import wrapt
 
+from . import compiler
 from .tensor_ref import TensorRef, saving
 
 #: torch functions that create tensors without a tensor input
@@ -32,8 +33,10 @@ CREATION_FUNCTIONS: Tuple[str, ...] = (
     "bartlett_window", "blackman_window", "hamming_window", "hann_window", "kaiser_window",
     "load",
 )
-#: torch functions wrapped for another reason than creation
+#: torch functions wrapped for another reason than creation: saving writes TensorRefs as
+#: plain tensors, compiling hides the manager's code from the compiler (Note [torch.compile])
 SAVE_FUNCTIONS: Tuple[str, ...] = ("save",)
+COMPILE_FUNCTIONS: Tuple[str, ...] = ("compile",)
 #: creation functions whose result may share the memory of their input (a numpy array, a
 #: buffer, a DLPack capsule): that memory stays writable from outside (Note [External bytes])
 SHARING_FUNCTIONS = frozenset({"from_numpy", "frombuffer", "as_tensor", "asarray", "from_dlpack"})
@@ -180,6 +183,8 @@ def _rng_state_wrapper(wrapped, instance, args, kwargs):
 def _wrapper_for(name: str):
     if name in SAVE_FUNCTIONS:
         return _save_wrapper
+    if name in COMPILE_FUNCTIONS:
+        return compiler.compile_wrapper
     return _sharing_wrapper if name in SHARING_FUNCTIONS else _creation_wrapper
 
 
@@ -200,7 +205,8 @@ class _FunctionWrapper(wrapt.FunctionWrapper):
 def patch() -> None:
     """Wrap torch's creation functions so they return TensorRefs (idempotent)."""
     with _lock:
-        targets = [("torch", name, _wrapper_for(name)) for name in CREATION_FUNCTIONS + SAVE_FUNCTIONS]
+        names = CREATION_FUNCTIONS + SAVE_FUNCTIONS + COMPILE_FUNCTIONS
+        targets = [("torch", name, _wrapper_for(name)) for name in names]
         targets += [(module, name, _rng_state_wrapper) for module, name in RNG_STATE_FUNCTIONS]
         for module_name, name, how in targets:
             module = sys.modules.get(module_name)
@@ -219,6 +225,7 @@ def patch() -> None:
         foreach_types = optimizer._foreach_supported_types
         if TensorRef not in foreach_types:
             foreach_types.append(TensorRef)
+        compiler.hide_if_loaded()
 
 
 def unpatch() -> None:

@@ -1,0 +1,72 @@
+"""``torch.compile`` with TensorRefs: the manager's own code is hidden from the compiler.
+
+Note [torch.compile]: Dynamo, the tracer of ``torch.compile``, follows every Python frame
+that runs while a compiled function runs, and that includes the manager's: the patched
+creation functions, ``__torch_dispatch__`` and everything under them. Traced, that code
+failed inside the compiler (``InternalTorchDynamoError``). So the first ``torch.compile``
+call (or ``patch()``, if the compiler was loaded before) puts this package on Dynamo's list
+of code it never traces. What it meets then is a TensorRef, a tensor subclass it cannot
+trace: it breaks the graph there and the ops run eagerly, through the manager, with the
+results of plain eager torch. Code that touches no TensorRef still compiles as usual.
+``fullgraph=True`` allows no break, so compiling code that touches TensorRefs with it
+raises Dynamo's ``Unsupported`` error naming the TensorRef method it could not trace.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+_hidden = False
+
+
+def hide_from_compiler() -> None:
+    """Put this package on the compiler's list of code it never traces (once; cheap after)."""
+    global _hidden
+    if _hidden:
+        return
+    from torch._dynamo import trace_rules
+
+    trace_rules.add(__package__)
+    _hidden = True
+    break_graph_at_wrappers()
+
+
+def hide_if_loaded() -> None:
+    """:func:`hide_from_compiler` if the compiler is loaded already (it is slow to load)."""
+    if "torch._dynamo" in sys.modules:
+        hide_from_compiler()
+        break_graph_at_wrappers()
+
+
+def break_graph_at_wrappers() -> None:
+    """Make the compiler run the patched torch functions (``torch.zeros`` ...) eagerly.
+
+    A wrapper looks like the torch function it wraps, so the compiler would put it in its
+    graph as that op: the tensor it makes would be a plain tensor of the device, which the
+    compiled code then returns outside the manager (and ``"sim"`` has no compiled kernels).
+    """
+    import torch._dynamo
+
+    from .patching import _patched
+
+    # (the compiler then warns that it cannot trace them: it is told not to)
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message=r"Dynamo does not know how to trace the builtin `torch\._VariableFunctionsClass\.")
+
+    for _original, wrapper in _patched.values():
+        if id(wrapper) not in _breaks:
+            try:
+                torch._dynamo.disallow_in_graph(wrapper)
+            except RuntimeError:  # a function the compiler never puts in a graph: it runs eagerly
+                pass
+            _breaks.add(id(wrapper))
+
+
+_breaks: set = set()
+
+
+def compile_wrapper(wrapped, instance, args, kwargs):
+    """The patched ``torch.compile``: hide the manager's code, then compile as asked."""
+    hide_from_compiler()
+    return wrapped(*args, **kwargs)
