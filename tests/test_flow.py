@@ -65,6 +65,24 @@ def test_falls_back_to_recency_when_the_sequence_changes(flow):
         assert torch.equal(t.clone().toCPU().target, torch.full((256,), expected[id(t)]))
 
 
+def test_tensors_made_on_the_device_each_step_keep_the_period(flow):
+    # A factory that fits is made on the device and filled by an op (arange's out=, full's
+    # fill_) before the creation function returns: the block is new at each step, and
+    # Flow must see it as born just before that op, or every step breaks the period.
+    a, b, c = (torch.zeros(256) for _ in range(3))
+    tm.budget = 4 * KIB  # the three and two temporaries of 1 KiB do not fit together
+    periods = []
+    tm.add_callback(after=lambda op: periods.append(flow.period))
+    for _ in range(12):
+        for t in (a, b, c):
+            t.add_(torch.arange(256.0, device=t.device) + torch.full((256,), 2.0))
+    assert tm.stats()["evictions"] > 0  # Flow had to choose
+    found = periods.index(next(p for p in periods if p is not None))
+    assert set(periods[found:]) == {periods[-1]}, "the period was lost and found again"
+    for t in (a, b, c):
+        assert torch.equal(t.clone().toCPU().target, 12 * (torch.arange(256.0) + 2))
+
+
 def test_writes_back_only_dirty_blocks(flow):
     x, y = torch.ones(256), torch.ones(256)
     tm.budget = 1 * KIB + 8  # one block plus a scalar result

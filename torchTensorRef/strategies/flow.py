@@ -37,6 +37,12 @@ _UNKNOWN = 1 << 60
 _DEAD = 1 << 62
 
 
+def _span(t: int) -> int:
+    """Ops compared to accept a period of ``t``: a whole period, at most 64, never fewer than
+    16 (a few ops that happen to look alike are not a loop)."""
+    return min(64, max(t, 16))
+
+
 class Flow(Strategy):
     """Budgeted, reuse-aware, prefetching paging policy (the default).
 
@@ -85,6 +91,9 @@ class Flow(Strategy):
         self._counter = 0
         self._now = -1
         self._pruned_at = 0
+        # candidate period -> an op that did not repeat the op one candidate period before:
+        # the candidate cannot be the period while that op is in its window
+        self._mismatch: Dict[int, int] = {}
 
     def attach(self, manager) -> None:
         super().attach(manager)
@@ -98,7 +107,11 @@ class Flow(Strategy):
     # -- learning the sequence -------------------------------------------------------------
 
     def on_adopt(self, block) -> None:
-        n = self.manager.op_index
+        if block.id not in self._birth:  # (else seen at its first op: see before_op)
+            self._born_before(block, self.manager.op_index)
+
+    def _born_before(self, block, n: int) -> None:
+        """Record ``block`` as made by a creation function just before op ``n``."""
         adopted = self._adopted.setdefault(n, [])
         self._birth[block.id] = (n, -len(adopted) - 1)
         adopted.append(block.id)
@@ -119,10 +132,12 @@ class Flow(Strategy):
         self._op_blocks[n] = ids
         sig = (func, tuple(b.id for b in op.blocks if not b.from_op))
         uses = self._uses
-        for i in ids:
-            lst = uses.get(i)
+        for b in op.blocks:
+            lst = uses.get(b.id)
             if lst is None:
-                uses[i] = [n]
+                uses[b.id] = [n]
+                if b.last_use == n and not b.from_op and b.id not in self._birth:
+                    self._born_before(b, n)  # made by the device's empty kernel, for this op to fill
             else:
                 lst.append(n)
         self._track_period(n, sig)
@@ -136,12 +151,21 @@ class Flow(Strategy):
             self.period = None  # the sequence changed: back to recency until it repeats
             self._rebuild_heap()
         if self.period is None:
+            mismatch = self._mismatch
             for q in reversed(positions[-64:]):  # newest first: the shortest period that repeats
                 t = n - q
-                if t >= self.min_period and self._repeats(n, t):
+                if t < self.min_period:
+                    continue
+                k = mismatch.get(t)
+                if k is not None and k > n - _span(t):
+                    continue  # op k did not repeat op k - t, and it is still in t's window
+                k = self._mismatch_in_window(n, t)
+                if k is None:
                     self.period = t
                     self._rebuild_heap()
                     break
+                if k >= 0:
+                    mismatch[t] = k
         positions.append(n)
 
     def _role(self, block_id: int, m: int, period: int):
@@ -161,13 +185,17 @@ class Flow(Strategy):
         role = self._role
         return all(x == y or role(x, n, t) == role(y, m, t) for x, y in zip(a, b))
 
-    def _repeats(self, n: int, t: int, window: int = 64) -> bool:
-        # Compare a whole period, or the window, and never fewer than 16 ops: a few ops that
-        # happen to look alike are not a loop.
-        span = min(window, max(t, 16))
+    def _mismatch_in_window(self, n: int, t: int) -> Optional[int]:
+        """The newest op of the window ending at ``n`` that does not repeat the op ``t``
+        before it; ``None`` if all do (``t`` is a period), -1 if the history is too short."""
+        span = _span(t)
         if (n - t - span + 1) not in self._func:
-            return False  # not enough history yet
-        return all(self._same(n - i, t) for i in range(span))
+            return -1
+        same = self._same
+        for i in range(span):
+            if not same(n - i, t):
+                return n - i
+        return None
 
     def _prune(self, n: int) -> None:
         # Keep much more than a period: a longer loop around this one (each generate() call
@@ -182,6 +210,7 @@ class Flow(Strategy):
                 del self._sig_positions[sig]
             elif cut:
                 del pos[:cut]
+        self._mismatch = {t: k for t, k in self._mismatch.items() if k > n - _span(t)}
         block = self.manager.block
         for bid, lst in list(self._uses.items()):
             if lst[-1] < keep_from and block(bid) is None:
