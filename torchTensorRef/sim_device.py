@@ -108,6 +108,12 @@ def register() -> Optional[torch.device]:
             _register_autocast()
             sim_kernels.register()
             _report_backward_errors()
+        # Optimizers choose their list (``_foreach``) implementation for exact tensors on an
+        # accelerator and for the subclasses listed: plain tensors of "sim" must get CUDA's choice.
+        from torch.optim import optimizer
+
+        if SimTensor not in optimizer._foreach_supported_types:
+            optimizer._foreach_supported_types.append(SimTensor)
         _registered = torch.device(NAME, 0)
         return _registered
 
