@@ -95,3 +95,82 @@ def test_cuda_backend_moves_to_the_gpu():
 def test_cuda_device_index_out_of_range():
     with pytest.raises(ValueError, match="does not exist"):
         tensorsManager.device = f"cuda:{torch.cuda.device_count()}"
+
+
+def test_default_device_is_cuda_where_cuda_is_available(monkeypatch):
+    # Defect: the default was pass-through, so model.cuda() gave TensorRefs reporting cpu.
+    from torchTensorRef.devices import default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_device() == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device() == "cpu"
+
+
+@pytest.mark.parametrize("strategy", ["flow", "genoa"])
+def test_graph_capture_of_tensorref_ops_is_refused_on_every_path(strategy):
+    # Defect: a capture could bake in device addresses the manager frees later. Flow with no
+    # budget takes the fast path, which must refuse too.
+    tensorsManager.strategy = strategy
+    x = torch.ones(4)
+    x.toGPU()
+    before = tensorsManager.op_index
+    tensorsManager._set_capturing(True)
+    try:
+        with pytest.raises(RuntimeError, match="CUDA graph capture of ops on TensorRefs is not supported"):
+            x + 1
+        assert tensorsManager.op_index == before  # refused before anything changed
+    finally:
+        tensorsManager._set_capturing(False)
+    assert (x + 1).tolist() == [2.0] * 4
+
+
+def test_capture_begin_and_end_are_watched():
+    graph_class = torch.cuda.graphs.CUDAGraph
+    for name in ("capture_begin", "capture_end"):
+        assert hasattr(getattr(graph_class, name), "__wrapped__")
+    torchTensorRef.unpatch()
+    assert not hasattr(graph_class.capture_begin, "__wrapped__")
+    torchTensorRef.patch()
+    assert hasattr(graph_class.capture_begin, "__wrapped__")
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_of_tensorref_ops_raises():
+    tensorsManager.device = "cuda"
+    x = torch.ones(4)
+    x.toGPU()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            x + 1
+    assert not tensorsManager._capturing and (x + 1).tolist() == [2.0] * 4
+
+
+@pytest.mark.cuda
+def test_cuda_data_ptr_is_the_device_copy():
+    # Defect: data_ptr() gave a host address for a tensor that says is_cuda.
+    tensorsManager.device = "cuda"
+    x = torch.arange(8.0)
+    address = x.data_ptr()
+    assert x.is_cuda and x.proxyInfo.on_device and address == x._tr_block.dev.data_ptr()
+
+
+@pytest.mark.cuda
+def test_cuda_fp32_attention_training_with_dropout_matches_plain_torch():
+    # Defect: the memory-efficient kernel returns its RNG seed and offset as CPU tensors;
+    # made device blocks, its backward read them as host pointers.
+    tensorsManager.device = "cuda"
+
+    def step():
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", requires_grad=True) for _ in range(3))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
+        out.sum().backward()
+        return out, q.grad, k.grad, v.grad
+
+    with torchTensorRef.disabled():
+        plain = [t.detach().cpu() for t in step()]
+    managed = [t.detach().cpu() for t in step()]
+    for p, m in zip(plain, managed):
+        assert torch.equal(p, m.target if isinstance(m, TensorRef) else m)

@@ -100,7 +100,14 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
     def _refresh_fast(self) -> None:
         """Recompute ``_fast``; every setting it depends on calls this when it changes."""
         self._fast = (not self._callbacks and self._trace is None and self._fault_injector is None
+                      and not self._capturing
                       and (self._backend.passthrough or not self._strategy.needs_every_op()))
+
+    def _set_capturing(self, capturing: bool) -> None:
+        """A CUDA graph capture began or ended (ops on TensorRefs refuse to be captured)."""
+        with self._lock:
+            self._capturing = capturing
+            self._refresh_fast()
 
     def _pressure(self) -> None:
         """Room had to be made by evicting: strategies that learn from every op start now."""

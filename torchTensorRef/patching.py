@@ -47,6 +47,11 @@ RNG_STATE_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
     ("torch.cuda", "set_rng_state"), ("torch.cuda", "set_rng_state_all"),
     ("torch.cuda.random", "set_rng_state"), ("torch.cuda.random", "set_rng_state_all"),
 )
+#: where a CUDA graph capture begins and ends: ops on TensorRefs refuse to be captured, on
+#: the fast path too (``"owner:Class"`` names a class of that module)
+CAPTURE_METHODS: Tuple[Tuple[str, str], ...] = (
+    ("torch.cuda.graphs:CUDAGraph", "capture_begin"), ("torch.cuda.graphs:CUDAGraph", "capture_end"),
+)
 #: inputs those functions copy or return as they are (tensors are managed on their own)
 _NOT_SHARED = (torch.Tensor, list, tuple, int, float, bool, complex)
 
@@ -180,6 +185,31 @@ def _rng_state_wrapper(wrapped, instance, args, kwargs):
     return wrapped(*[plain(a) for a in args], **{k: plain(v) for k, v in kwargs.items()})
 
 
+def _capture_wrapper(wrapped, instance, args, kwargs):
+    from .manager import tensorsManager
+
+    if wrapped.__name__ == "capture_begin":
+        result = wrapped(*args, **kwargs)
+        tensorsManager._set_capturing(True)  # (once the capture really began)
+        return result
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        tensorsManager._set_capturing(False)
+
+
+def _owner(name: str):
+    """The module ``name``, or the class ``"module:Class"``; ``None`` if not loaded."""
+    module_name, _, cls = name.partition(":")
+    module = sys.modules.get(module_name)
+    return getattr(module, cls, None) if cls and module is not None else module
+
+
+def _attribute(owner, name: str):
+    """``owner.name`` as stored: a class gives the function itself, not a bound wrapper."""
+    return vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
+
+
 def _wrapper_for(name: str):
     if name in SAVE_FUNCTIONS:
         return _save_wrapper
@@ -208,11 +238,12 @@ def patch() -> None:
         names = CREATION_FUNCTIONS + SAVE_FUNCTIONS + COMPILE_FUNCTIONS
         targets = [("torch", name, _wrapper_for(name)) for name in names]
         targets += [(module, name, _rng_state_wrapper) for module, name in RNG_STATE_FUNCTIONS]
+        targets += [(owner, name, _capture_wrapper) for owner, name in CAPTURE_METHODS]
         for module_name, name, how in targets:
-            module = sys.modules.get(module_name)
+            module = _owner(module_name)
             if (module_name, name) in _patched or not hasattr(module, name):
                 continue
-            original = getattr(module, name)
+            original = _attribute(module, name)
             wrapper = _FunctionWrapper(original, how)
             setattr(module, name, wrapper)
             _patched[module_name, name] = (original, wrapper)
@@ -232,8 +263,8 @@ def unpatch() -> None:
     """Restore torch's functions (idempotent); leaves alone any that others re-patched since."""
     with _lock:
         for (module_name, name), (original, wrapper) in list(_patched.items()):
-            module = sys.modules[module_name]
-            if getattr(module, name, None) is wrapper:
+            module = _owner(module_name)
+            if _attribute(module, name) is wrapper:
                 setattr(module, name, original)
             del _patched[module_name, name]
         from torch.optim import optimizer
