@@ -209,16 +209,19 @@ def test_rng_state_restored_from_a_checkpoint_draws_the_same_numbers(restore):
 # CPU (capturable=False), and the optimizer chose another implementation than for plain tensors.
 
 
+def _fit(model, optimizer, x, steps):
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+
+
 @pytest.mark.parametrize("foreach", [None, False], ids=["default", "for-loop"])
 def test_adam_steps_stay_on_cpu_and_parameters_match_plain_torch(paging, foreach):
     def train():
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01, foreach=foreach)
-        x = torch.randn(5, 4)
-        for _ in range(3):
-            optimizer.zero_grad()
-            model(x).pow(2).sum().backward()
-            optimizer.step()
+        _fit(model, optimizer, torch.randn(5, 4), 3)
         states = list(optimizer.state.values())
         return ([p.detach() for p in model.parameters()], [s["exp_avg_sq"] for s in states],
                 [(s["step"].device.type, s["step"].item()) for s in states])
@@ -231,11 +234,7 @@ def test_adam_steps_stay_on_cpu_and_parameters_match_plain_torch(paging, foreach
 def _nadam(foreach):
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.NAdam(model.parameters(), lr=0.01, foreach=foreach)
-    x = torch.randn(5, 8)
-    for _ in range(5):
-        optimizer.zero_grad()
-        model(x).pow(2).sum().backward()
-        optimizer.step()
+    _fit(model, optimizer, torch.randn(5, 8), 5)
     return [p.detach() for p in model.parameters()]
 
 
