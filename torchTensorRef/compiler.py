@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 import warnings
 
+import torch
+
 _hidden = False
 
 
@@ -27,7 +29,12 @@ def hide_from_compiler() -> None:
         return
     from torch._dynamo import trace_rules
 
-    trace_rules.add(__package__)
+    add = getattr(trace_rules, "add", None)  # (its name in the torch versions supported)
+    if add is None:
+        warnings.warn(f"torch {torch.__version__}: torchTensorRef cannot hide its code from torch.compile, "
+                      "which may then fail while tracing it; compile code that touches no TensorRef")
+    else:
+        add(__package__)
     _hidden = True
     break_graph_at_wrappers()
 
