@@ -1,5 +1,6 @@
-"""Pinned host memory: within ``pinned_limit``, accounted as PyTorch's pinned allocator
-rounds, and never at the cost of memory the user shares with a TensorRef."""
+"""Pinned host memory: within ``pinned_limit``, counted as PyTorch's pinned allocator rounds,
+given back when blocks let go of it, and never at the cost of memory a user shares with a
+TensorRef."""
 
 from __future__ import annotations
 
@@ -8,71 +9,196 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager as tm
-from torchTensorRef.pinned import rounded
+from torchTensorRef.pinned import PinnedMemory, rounded
+from torchTensorRef.strategies import Flow
+
+KIB = 1024
 
 
 @pytest.fixture
-def restore_limit():
-    limit = tm.pinned_limit
-    yield
-    tm.pinned_limit = limit
-
-
-@pytest.mark.parametrize("value, expected", [("1MiB", 2**20), (4096, 4096), (0, 0)])
-def test_pinned_limit_accepts_sizes(restore_limit, value, expected):
-    tm.pinned_limit = value
-    assert tm.pinned_limit == expected
-
-
-@pytest.mark.parametrize("value", [None, -1, "lots", 1.5])
-def test_pinned_limit_rejects_bad_values_and_keeps_the_old_one(restore_limit, value):
+def limit():
+    """Restore ``pinned_limit`` after the test."""
     before = tm.pinned_limit
-    with pytest.raises(ValueError, match="pinned_limit"):
-        tm.pinned_limit = value
-    assert tm.pinned_limit == before
+    yield
+    tm.pinned_limit = before
 
 
-def _written_back(n):
-    """``n`` tensors of 1000 bytes whose host copies were written back from the device."""
-    sources = [torch.full((250,), float(i)) for i in range(n)]
-    results = [s + 1 for s in sources]  # Genoa writes each back into a new host copy: pinned, if room
+def _pinned() -> int:
+    return tm.stats()["pinned_bytes"]
+
+
+def _is_pinned(ref) -> bool:
+    return tm._backend.pinned.is_pinned(ref._tr_block.host)
+
+
+def _written_back(n, nbytes=1000):
+    """``n`` results whose host copies were made by a write-back (Genoa), waited for."""
+    results = [torch.full((nbytes // 4,), float(i)) + 1 for i in range(n)]
     tm.synchronize()
     return results
 
 
-def test_pinned_bytes_are_counted_rounded_and_given_back(restore_limit):
+# -- the setting -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, expected", [("1MiB", 2**20), ("64 KiB", 64 * KIB), ("2GB", 2 * 10**9),
+                                             (4096, 4096), (0, 0)])
+def test_pinned_limit_accepts_sizes_and_ints(limit, value, expected):
+    tm.pinned_limit = value
+    assert tm.pinned_limit == expected
+
+
+@pytest.mark.parametrize("value", [None, -1, "lots", "12 parsecs", 1.5, True])
+def test_bad_pinned_limit_raises_naming_what_is_accepted_and_changes_nothing(limit, value):
     tm.pinned_limit = "1MiB"
-    start = tm.stats()["pinned_bytes"]
-    tensors = _written_back(4)
-    pinned = tm.stats()["pinned_bytes"] - start
-    assert pinned == 4 * rounded(1000) == 4 * 1024  # the allocator's power-of-two sizes
-    del tensors
+    with pytest.raises(ValueError, match=r"pinned_limit must be .*size") as info:
+        tm.pinned_limit = value
+    assert "int" in str(info.value)
+    assert tm.pinned_limit == 2**20
+
+
+def test_pinned_limit_set_on_another_device_applies_when_sim_is_chosen(limit):
+    tm.device = "cpu"
+    tm.pinned_limit = "3MiB"
+    tm.device = "sim"
+    assert tm.pinned_limit == 3 * 2**20 and tm._backend.pinned.limit == 3 * 2**20
+
+
+# -- accounting ------------------------------------------------------------------------------------------
+
+
+def test_pinned_bytes_are_counted_at_the_allocators_rounded_sizes_and_given_back(limit):
+    tm.pinned_limit = "1MiB"
+    start = _pinned()
+    results = _written_back(4)
+    assert all(_is_pinned(r) for r in results)
+    assert _pinned() - start == 4 * rounded(1000) == 4 * KIB
+    del results[0]  # a block that dies gives its pinned memory back at once
+    assert _pinned() - start == 3 * KIB
+    del results
+    assert _pinned() == start
+
+
+def test_pinned_bytes_never_exceed_the_limit_and_past_it_copies_are_pageable(limit):
+    start = _pinned()
+    tm.pinned_limit = start + 2 * KIB  # room for two of the four host copies
+    peaks = []
+    handle = tm.add_callback(after=lambda op: peaks.append(_pinned()))
+    results = _written_back(4)
+    handle.remove()
+    assert max(peaks + [_pinned()]) <= tm.pinned_limit
+    assert [_is_pinned(r) for r in results] == [True, True, False, False]
+    syncs = tm.stats()["host_syncs"]
+    for r in results:
+        r.mul_(2)  # fetched, written, written back: from pageable memory the host waits
+    assert [r.tolist() for r in results] == [[2.0 * (i + 1)] * 250 for i in range(4)]
+    assert tm.stats()["host_syncs"] > syncs
+    assert _pinned() <= tm.pinned_limit
+    del results
+    assert _pinned() == start
+
+
+def test_the_limit_applies_to_prefetches_too(limit):
+    # Flow pins a host copy before prefetching from it; past the limit it does not prefetch.
+    tm.strategy = Flow(lookahead=2, prefetch_evicts=True)
+    start = _pinned()
+    tm.pinned_limit = start
+    tensors = [torch.full((256,), float(i)) for i in range(4)]
+    tm.budget = 3 * KIB
+
+    def cycle():
+        for _ in range(12):
+            sums = [t.sum() for t in tensors]
+        return [s.item() for s in sums]
+
+    assert cycle() == [256.0 * i for i in range(4)]
+    assert _pinned() == start and tm.stats()["prefetches"] == 0
+    tm.pinned_limit = start + 4 * KIB  # room: the same loop prefetches
+    assert cycle() == [256.0 * i for i in range(4)]
+    assert tm.stats()["prefetches"] > 0 and start < _pinned() <= tm.pinned_limit
+
+
+def test_pinned_memory_refuses_past_its_limit_and_counts_what_it_gives_back():
+    pinned = PinnedMemory(emulated=True, limit=3 * KIB)
+    a = pinned.allocate(1000)
+    b = pinned.allocate(1025)  # rounded to 2 KiB: 3 KiB in all
+    assert a.numel() == 1000 and b.numel() == 1025 and pinned.used == 3 * KIB
+    assert pinned.allocate(1) is None and pinned.used == 3 * KIB
+    assert pinned.is_pinned(a.untyped_storage())
+    pinned.freed(a.untyped_storage())
+    pinned.freed(a.untyped_storage())  # (twice: counted once)
+    assert pinned.used == 2 * KIB and not pinned.is_pinned(a.untyped_storage())
+    assert pinned.allocate(KIB) is not None and pinned.used == 3 * KIB
+
+
+def test_a_resize_that_drops_the_host_copy_gives_its_pinned_memory_back(limit):
+    # Fixed: the dropped host copy stayed counted as pinned.
+    tm.pinned_limit = "1MiB"
+    start = _pinned()
+    x = torch.zeros(2048)  # 8 KiB: its host copy is pinned when it is made
+    assert _is_pinned(x) and _pinned() - start == 8 * KIB
+    x.resize_(3000)  # grown on the device: the 8 KiB host copy is out of date
     tm.synchronize()
-    assert tm.stats()["pinned_bytes"] == start
+    assert _pinned() - start == rounded(12000) == 16 * KIB  # the new host copy only
+    assert x.shape == (3000,) and x[:2048].tolist() == [0.0] * 2048
+    del x
+    assert _pinned() == start
 
 
-def test_past_the_limit_copies_are_pageable_and_values_intact(restore_limit):
-    tm.pinned_limit = 2 * 1024  # room for two of the four host copies
-    start_syncs = tm.stats()["host_syncs"]
-    tensors = _written_back(4)
-    assert tm.stats()["pinned_bytes"] <= 2 * 1024
-    for i, t in enumerate(tensors):
-        t.mul_(2)  # fetched back: from pageable memory the host waits
-        assert t.tolist() == [2.0 * (i + 1)] * 250
-    assert tm.stats()["host_syncs"] > start_syncs
-
-
-def test_a_tensorref_keeps_sharing_the_users_memory_while_paged(restore_limit):
-    # Defect: re-homing host copies into pinned memory broke the sharing TensorRef(t)
-    # promises. 8 KiB: a host copy this large is otherwise pinned when adopted.
+def test_a_resize_of_a_tensor_only_on_the_device_pins_its_host_copy_once(limit):
+    tm.strategy = "flow"
     tm.pinned_limit = "1MiB"
+    start = _pinned()
+    x = torch.zeros(2048) + 1  # only on the device: no host copy yet
+    x.resize_(4096)
+    x.toCPU()
+    assert _pinned() - start == 16 * KIB
+    del x
+    assert _pinned() == start
+
+
+# -- memory shared with the user -------------------------------------------------------------------------
+
+
+def _user_tensor(n=2048):
+    # 8 KiB: a host copy this large is pinned when torchTensorRef makes the tensor itself
     with torchTensorRef.disabled():
-        plain = torch.zeros(2048)
-    start = tm.stats()["pinned_bytes"]
-    ref = TensorRef(plain)
-    ref.add_(1)  # paged in, written, written back
-    tm.synchronize()
-    assert tm.stats()["pinned_bytes"] == start  # the user's memory stayed where it is
+        return torch.zeros(n)
+
+
+@pytest.mark.parametrize("how", ["TensorRef", "manage", "manage_tensor"])
+def test_a_tensorref_over_a_users_tensor_shares_its_memory_both_ways(limit, how):
+    # Fixed: re-homing host copies into pinned memory broke the sharing TensorRef(t) promises.
+    tm.pinned_limit = "1MiB"
+    plain = _user_tensor()
+    start = _pinned()
+    ref = {"TensorRef": TensorRef, "manage": torchTensorRef.manage, "manage_tensor": tm.manage_tensor}[how](plain)
+    ref.add_(1)  # Genoa: brought in, written, written back (at once: the user may read it)
+    assert _pinned() == start  # the user's memory stayed where it is
+    assert ref._tr_block.host.data_ptr() == plain.untyped_storage().data_ptr()
     assert plain.tolist() == [1.0] * 2048  # the user's tensor sees the write
     plain.fill_(5.0)
     assert ref.tolist() == [5.0] * 2048  # and the TensorRef sees the user's
+    assert (ref * 2).tolist() == [10.0] * 2048
+
+
+def test_a_users_tensor_keeps_its_memory_while_flow_pins_and_prefetches_others(limit):
+    tm.pinned_limit = "1MiB"
+    tm.strategy = Flow(lookahead=2, prefetch_evicts=True)
+    plains = [_user_tensor() for _ in range(3)]
+    refs = [TensorRef(p) for p in plains]
+    others = [torch.full((2048,), float(i)) for i in range(3)]
+    tm.budget = 3 * 8 * KIB
+    for _ in range(8):
+        for t in refs + others:
+            t.sum()
+    assert tm.stats()["prefetches"] > 0 and all(_is_pinned(o) for o in others)  # the others were
+    for r in refs:
+        r.add_(1)
+    tm.evict_all()
+    tm.synchronize()
+    for r, p in zip(refs, plains):
+        assert r._tr_block.host.data_ptr() == p.untyped_storage().data_ptr() and not _is_pinned(r)
+        assert p.tolist() == [1.0] * 2048
+    plains[0].fill_(7.0)
+    assert refs[0].sum().item() == 7.0 * 2048

@@ -254,9 +254,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
 
     @pinned_limit.setter
     def pinned_limit(self, value) -> None:
-        nbytes = parse_size(value, "pinned_limit")
-        if nbytes is None:
-            raise ValueError('pinned_limit must be a size such as "8GiB" or an int >= 0 (got: None)')
+        nbytes = parse_size(value, "pinned_limit", none=False)
         with self._lock:
             self._pinned_limit = nbytes
             if self._backend.pinned is not None:
@@ -269,9 +267,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
 
     @sim_capacity.setter
     def sim_capacity(self, value) -> None:
-        nbytes = parse_size(value, "sim_capacity")
-        if nbytes is None:
-            raise ValueError('sim_capacity must be a size such as "16GiB" or an int >= 0 (got: None)')
+        nbytes = parse_size(value, "sim_capacity", none=False)
         with self._lock:
             if self._backend.simulated and nbytes < self._device_bytes:
                 raise ValueError(f"sim_capacity {nbytes} is below the {self._device_bytes} bytes in use on the device")
@@ -469,9 +465,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
 
     @host_reserve.setter
     def host_reserve(self, value) -> None:
-        nbytes = parse_size(value, "host_reserve")
-        if nbytes is None:
-            raise ValueError('host_reserve must be a size such as "1GiB" or an int >= 0 (got: None)')
+        nbytes = parse_size(value, "host_reserve", none=False)
         self._host_watch.reserve = nbytes
 
     def evict_all(self) -> None:

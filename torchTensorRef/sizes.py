@@ -12,22 +12,26 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-ACCEPTED = 'an int number of bytes >= 0, a size string such as "512MiB", "6GB" or "1.5GiB", or None'
+SIZES = 'an int number of bytes >= 0 or a size string such as "512MiB", "6GB" or "1.5GiB"'
+ACCEPTED = SIZES.replace(" or a", ", a") + ", or None"
 
 
-def parse_size(value: Union[int, str, None], what: str = "budget") -> Optional[int]:
-    """Return ``value`` as a number of bytes (``None`` stays ``None``).
+def parse_size(value: Union[int, str, None], what: str = "budget", none: bool = True) -> Optional[int]:
+    """Return ``value`` as a number of bytes (``None`` stays ``None`` where ``none`` allows it).
 
     Raises:
         ValueError: naming what is accepted, for negative or unparsable values.
     """
+    accepted = ACCEPTED if none else SIZES
     if value is None:
-        return None
+        if none:
+            return None
+        raise ValueError(f"{what} must be {accepted} (got: None)")
     if isinstance(value, bool):
-        raise ValueError(f"{what} must be {ACCEPTED} (got: {value!r})")
+        raise ValueError(f"{what} must be {accepted} (got: {value!r})")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"{what} must be {ACCEPTED} (got: {value!r}, which is negative)")
+            raise ValueError(f"{what} must be {accepted} (got: {value!r}, which is negative)")
         return value
     if isinstance(value, float) and value.is_integer() and value >= 0:
         return int(value)
@@ -35,7 +39,7 @@ def parse_size(value: Union[int, str, None], what: str = "budget") -> Optional[i
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ValueError(f"{what} must be {ACCEPTED} (got: {value!r})")
+    raise ValueError(f"{what} must be {accepted} (got: {value!r})")
 
 
 def format_size(nbytes: Optional[int]) -> str:

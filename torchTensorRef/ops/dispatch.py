@@ -22,6 +22,7 @@ import torch
 
 from .. import raw, sim_device
 from ..manager import tensorsManager as _mgr
+from ..residency import is_out_of_memory
 from ..sim_device import SimTensor
 from ..tensor_ref import TensorRef, compute_view, host_view, make_ref
 from .registry import OpSpec, specs, spec_of
@@ -259,8 +260,12 @@ def run_fast(func, args, kwargs, spec: OpSpec):
             from .output_size import estimate_output_bytes
 
             need = estimate_output_bytes(spec, args, kwargs)
-            if need and mgr._device_bytes + mgr._inflight_bytes + mgr._elsewhere_bytes + need > limit:
-                return _NOT_FAST
+            if need:
+                used = mgr._device_bytes + mgr._inflight_bytes
+                if used + mgr._elsewhere_bytes + need > limit:
+                    return _NOT_FAST
+                if mgr._backend.simulated and used + need > mgr._backend.capacity():
+                    return _NOT_FAST  # the simulated device would run out: the generic path recovers
         index = mgr._op_count
         mgr._op_count = index + 1
         for b in blocks:
@@ -277,8 +282,8 @@ def run_fast(func, args, kwargs, spec: OpSpec):
             return _wrap_outputs(out, ctx, spec, args, kwargs, mgr)
         try:
             out = spec.call(*cargs, **ckwargs)
-        except torch.OutOfMemoryError:
-            if live:
+        except Exception as e:  # (cuBLAS and cuDNN report a failed allocation as a RuntimeError)
+            if live or not is_out_of_memory(e):
                 raise
             ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
             ctx.index = index

@@ -1,0 +1,238 @@
+"""Asynchronous copies: the simulated streams poison a copy's destination until it is waited
+on, and every reader of a block's bytes waits for the copy that writes them, counting a
+host wait only where the host really waited."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import raw, tensorsManager as tm
+from torchTensorRef.streams import POISON, SimStreams
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim") != "sim",
+    reason='the simulated streams of "sim" (their copies run only when waited on)',
+)
+
+
+def _plain(*values, dtype=torch.float32):
+    with torchTensorRef.disabled():
+        return torch.tensor(values, dtype=dtype)
+
+
+def _bytes(t):
+    """A flat byte view of ``t``'s storage: what the copy protocol hands the streams."""
+    return raw.flat_bytes(t.untyped_storage())
+
+
+def _syncs() -> int:
+    return tm.stats()["host_syncs"]
+
+
+def _host_values(ref) -> list:
+    """What the block's host copy holds right now, read without waiting for anything."""
+    block = ref._tr_block
+    return raw.typed_view(block.host, ref.dtype, ref.shape, ref.stride(), ref.storage_offset()).tolist()
+
+
+def _device_values(ref) -> list:
+    """What the block's device copy holds right now, read without waiting for anything."""
+    block = ref._tr_block
+    return raw.typed_view(block.dev, ref.dtype, ref.shape, ref.stride(), ref.storage_offset()).tolist()
+
+
+def _is_poison(values) -> bool:
+    return all(math.isnan(v) for v in values)
+
+
+# -- SimStreams ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "write-back"])
+def test_an_asynchronous_copy_leaves_poison_in_its_destination_until_waited_on(prefetch):
+    src, dst = _plain(1.0, 2.0, 3.0), _plain(0.0, 0.0, 0.0)
+    pending = SimStreams().copy_async(_bytes(dst), _bytes(src), prefetch=prefetch)
+    assert not pending.done()
+    assert _bytes(dst).tolist() == [POISON] * 12
+    assert _is_poison(dst.tolist())  # every byte 0xFF: NaN in a floating-point type
+    pending.wait_compute()
+    assert pending.done() and dst.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_poison_in_an_integer_destination_is_all_ones():
+    src, dst = _plain(5, 6, dtype=torch.int32), _plain(0, 0, dtype=torch.int32)
+    pending = SimStreams().copy_async(_bytes(dst), _bytes(src), prefetch=True)
+    assert dst.tolist() == [-1, -1]
+    pending.wait_host()
+    assert dst.tolist() == [5, 6]
+
+
+@pytest.mark.parametrize("finish", ["wait_compute", "wait_host", "retire"])
+def test_every_way_of_finishing_a_simulated_copy_completes_it_once(finish):
+    src, dst = _plain(1.0, 2.0), _plain(0.0, 0.0)
+    pending = SimStreams().copy_async(_bytes(dst), _bytes(src), prefetch=False)
+    result = getattr(pending, finish)()
+    assert dst.tolist() == [1.0, 2.0] and pending.done()
+    if finish == "retire":
+        assert result is True  # by the time memory is needed a copy engine has finished
+    src.fill_(9.0)
+    pending.wait_host()  # a finished copy is not run again
+    assert dst.tolist() == [1.0, 2.0] and pending.retire()
+
+
+def test_an_ordered_copy_is_visible_at_once():
+    src, dst = _plain(1.0, 2.0), _plain(0.0, 0.0)
+    assert SimStreams().copy_ordered(dst, src) is None
+    assert dst.tolist() == [1.0, 2.0]
+
+
+# -- prefetches -------------------------------------------------------------------------------------
+
+
+def _prefetched(value=5.0, n=256):
+    x = torch.full((n,), value)
+    x.toCPU()
+    assert tm.prefetch(x._tr_block)
+    assert x._tr_block.dev_pending is not None
+    return x
+
+
+def test_target_of_a_tensor_being_prefetched_waits_for_the_copy():
+    x = _prefetched()
+    assert _is_poison(_device_values(x))  # the copy has not run yet
+    start = _syncs()
+    assert x.target.tolist() == [5.0] * 256
+    assert x._tr_block.dev_pending is None and x.proxyInfo.on_device
+    assert _syncs() == start  # ordered on the device: the host did not wait
+
+
+def test_an_op_on_a_tensor_being_prefetched_waits_for_the_copy():
+    tm.strategy = "flow"
+    x = _prefetched()
+    tm.reset_stats()
+    y = x * 2
+    stats = tm.stats()
+    assert (stats["prefetch_hits"], stats["fetches"], stats["host_syncs"]) == (1, 0, 0)
+    assert y.tolist() == [10.0] * 256
+
+
+def test_a_prefetch_evicted_before_it_was_waited_on_leaves_the_host_copy_valid():
+    x = _prefetched()
+    tm.evict(x._tr_block)
+    assert x._tr_block.dev_pending is None and not x.proxyInfo.on_device
+    assert x.tolist() == [5.0] * 256 and (x + 1).tolist() == [6.0] * 256
+
+
+# -- write-backs ------------------------------------------------------------------------------------
+
+
+def _written_back(value=2.0, n=256):
+    """A result Genoa has just sent back: its write-back to pinned memory still runs."""
+    y = torch.full((n,), value - 1) + 1
+    block = y._tr_block
+    assert block.dev is None and block.host_pending is not None and not block.host_pending.done()
+    assert _is_poison(_host_values(y))
+    return y
+
+
+def _save_and_load(t):
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    buffer.seek(0)
+    with torchTensorRef.disabled():
+        return torch.load(buffer, weights_only=True)
+
+
+READERS = {
+    "tolist": lambda t: t.tolist(),
+    "numpy": lambda t: t.numpy().tolist(),
+    "torch.save": lambda t: _save_and_load(t).tolist(),
+    "target": lambda t: t.target.tolist(),
+    "repr": lambda t: eval(repr(t).split("device=")[0].replace("tensor(", "").rstrip(", \n")),
+    "item": lambda t: [t[i].item() for i in range(t.numel())],
+}
+
+
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+def test_reading_a_result_whose_write_back_is_in_flight_gives_its_values(read):
+    y = _written_back(2.0, n=8)
+    assert read(y) == [2.0] * 8
+
+
+@pytest.mark.parametrize("read", ["tolist", "numpy", "torch.save", "target"])
+def test_the_host_waits_once_for_a_write_back_it_reads(read):
+    y = _written_back()
+    start = _syncs()
+    assert READERS[read](y) == [2.0] * 256
+    assert _syncs() == start + 1  # it waited for the copy
+    assert y._tr_block.host_pending is None
+    assert READERS[read](y) == [2.0] * 256
+    assert _syncs() == start + 1  # and not again
+
+
+def test_a_write_back_finished_before_it_is_read_costs_no_host_wait():
+    y = _written_back()
+    torch.ones(4) + 1  # the next op retires finished copies (a copy engine would be done by now)
+    start = _syncs()
+    assert y.tolist() == [2.0] * 256
+    assert _syncs() == start
+
+
+def test_a_fetch_of_a_block_being_written_back_waits_on_the_device_not_the_host():
+    y = _written_back()
+    tm.strategy = "flow"
+    start = _syncs()
+    y.toGPU()  # the fetch is ordered after the write-back that fills its source
+    assert y.target.tolist() == [2.0] * 256
+    assert _syncs() == start
+
+
+def test_a_prefetch_of_a_block_being_written_back_copies_the_written_bytes():
+    y = _written_back()
+    assert tm.prefetch(y._tr_block)
+    assert y.target.tolist() == [2.0] * 256
+    assert (y * 1).tolist() == [2.0] * 256
+
+
+def test_reading_a_dirty_resident_tensor_writes_it_back_and_keeps_it_resident():
+    tm.strategy = "flow"
+    y = torch.full((256,), 1.0) + 1  # only on the device
+    assert y.proxyInfo.dirty
+    start = _syncs()
+    assert y.tolist() == [2.0] * 256
+    assert _syncs() == start + 1
+    assert y.proxyInfo.on_device and not y.proxyInfo.dirty
+    assert y.tolist() == [2.0] * 256 and _syncs() == start + 1
+
+
+def test_write_backs_in_flight_count_against_the_budget_until_they_end():
+    resident = tm.device_bytes
+    y = _written_back()
+    assert tm.device_bytes == resident  # the block is on the host ...
+    assert tm.in_use() == resident + y.proxyInfo.nbytes  # ... but its device copy is still being read
+    assert tm.room() == tm.limit - resident - y.proxyInfo.nbytes
+    tm.synchronize()
+    assert tm.in_use() == resident
+
+
+def test_synchronize_completes_every_write_back_in_flight():
+    tm.strategy = "flow"
+    results = [torch.full((256,), float(i)) * 2 for i in range(4)]  # only on the device
+    tm.evict_all()  # four write-backs in flight, and no op since to retire them
+    assert all(_is_poison(_host_values(r)) for r in results)
+    start = _syncs()
+    tm.synchronize()
+    assert _syncs() == start + len(results)  # it waited for each copy
+    for i, r in enumerate(results):
+        assert r._tr_block.host_pending is None and r._tr_block.host_valid
+        assert _host_values(r) == [2.0 * i] * 256
+    assert tm.in_use() == tm.device_bytes
+    tm.synchronize()
+    assert [r.tolist() for r in results] == [[2.0 * i] * 256 for i in range(4)]
+    assert _syncs() == start + len(results)  # nothing was left to wait for
