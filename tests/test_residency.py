@@ -137,13 +137,19 @@ def test_an_out_of_memory_in_a_fetch_under_genoa_runs_the_op_on_device_copies(in
     assert out.tolist() == [6.0] * 256
 
 
-def test_a_fetch_that_fails_twice_raises_and_leaves_the_op_uncounted(injector):
-    # Fixed: the op stayed counted though it never ran.
+def _one_input_away():
+    """Under Flow: ``a`` on the device, ``b`` to fetch, and ``kept``, a result on the device."""
     tm.strategy = "flow"
     a, b = torch.full((256,), 2.0), torch.full((256,), 3.0)
     kept = a + 1
     a.toGPU()
     b.toCPU()
+    return a, b, kept
+
+
+def test_a_fetch_that_fails_twice_raises_and_leaves_the_op_uncounted(injector):
+    # Fixed: the op stayed counted though it never ran.
+    a, b, kept = _one_input_away()
     before, ops = tm.op_index, tm.stats()["ops"]
     injector("fetch", times=2)
     with pytest.raises(DeviceOutOfMemoryError) as info:
@@ -191,11 +197,7 @@ def test_a_fetch_that_fails_twice_inside_a_paged_loop_leaves_it_able_to_go_on(in
 
 
 def test_an_error_that_is_not_out_of_memory_in_a_fetch_is_raised_unchanged(injector):
-    tm.strategy = "flow"
-    a, b = torch.full((256,), 2.0), torch.full((256,), 3.0)
-    kept = a + 1
-    a.toGPU()
-    b.toCPU()
+    a, b, kept = _one_input_away()
     before = tm.op_index
     fail = injector("fetch", lambda: ValueError("injected: not a memory error"))
     with pytest.raises(ValueError, match="not a memory error"):
@@ -285,13 +287,19 @@ def test_an_out_of_memory_in_a_prefetch_drops_it_and_keeps_the_ops_inputs(inject
 # -- prefetch accounting ------------------------------------------------------------------------------
 
 
-def test_a_prefetch_evicted_unused_counts_as_one_miss_not_also_a_hit():
-    # Fixed: the demand fetch that followed counted as both a hit and a miss.
+def _prefetched_ones():
+    """A tensor of ones prefetched under Flow, from zeroed stats."""
     tm.strategy = Flow(lookahead=0)
     a = torch.ones(256)
     a.toCPU()
     tm.reset_stats()
     assert tm.prefetch(a._tr_block)
+    return a
+
+
+def test_a_prefetch_evicted_unused_counts_as_one_miss_not_also_a_hit():
+    # Fixed: the demand fetch that followed counted as both a hit and a miss.
+    a = _prefetched_ones()
     tm.evict(a._tr_block)  # never used
     a.add_(1)
     stats = tm.stats()
@@ -301,11 +309,7 @@ def test_a_prefetch_evicted_unused_counts_as_one_miss_not_also_a_hit():
 
 
 def test_a_prefetch_used_counts_as_one_hit_and_no_miss():
-    tm.strategy = Flow(lookahead=0)
-    a = torch.ones(256)
-    a.toCPU()
-    tm.reset_stats()
-    assert tm.prefetch(a._tr_block)
+    a = _prefetched_ones()
     a.add_(1)
     a.add_(1)  # (a second use is no second hit)
     stats = tm.stats()
