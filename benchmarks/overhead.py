@@ -98,7 +98,8 @@ def small_op_us(device: str, calls: int = 20000, budget=None) -> dict:
     """Median µs of one 64x64 add: plain, the minimal wrapper and TensorRefs on ``device``.
 
     The three alternate call by call, so that the machine's drift hits them alike. With a
-    ``budget`` (one that holds everything) Flow watches every op: the generic path.
+    ``budget`` that holds everything Flow stays on the fast path: it watches every op (the
+    generic path) only once it has had to evict.
     """
     tm.device = device
     tm.budget = budget
@@ -126,16 +127,16 @@ def small_op_us(device: str, calls: int = 20000, budget=None) -> dict:
             "own_us": managed_us - minimal_us}
 
 
-def interleaved(plain, fn, label: str, repeats: int, times: dict, ratios: dict) -> None:
-    """Time ``plain`` and ``fn`` in turn ``repeats`` times (thread CPU time); add the times
-    to ``times["plain"]`` and ``times[label]`` and the per-pair ratios to ``ratios[label]``."""
+def interleaved(plain, fn, label: str, repeats: int, times: dict, ratios: dict, clock=time.thread_time) -> None:
+    """Time ``plain`` and ``fn`` in turn ``repeats`` times (``clock``: thread CPU time); add the
+    times to ``times["plain"]`` and ``times[label]`` and the per-pair ratios to ``ratios[label]``."""
     times[label], ratios[label] = [], []
     for _ in range(repeats):
         pair = {}
         for name, f in (("plain", plain), (label, fn)):
-            start = time.thread_time()
+            start = clock()
             f()
-            pair[name] = time.thread_time() - start
+            pair[name] = clock() - start
             times[name].append(pair[name])
         ratios[label].append(pair[label] / pair["plain"])
 

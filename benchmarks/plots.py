@@ -142,8 +142,49 @@ def gpu_throughput(result: dict, path: str) -> str:
     return _save(plt, fig, path)
 
 
+def small_ops(result: dict, path: str) -> str:
+    """Time relative to plain torch per row, one panel per work; the minimal subclass (floor) marked."""
+    plt = _pyplot()
+    works = result["works"]
+    fig, axes = plt.subplots(1, len(works), figsize=(4.6 * len(works), 3.9), squeeze=False)
+    top = max([r["ratio"] for w in works for r in w["rows"] if r["fits"]] + [1.1])
+    for ax, work in zip(axes.flat, works):
+        rows = work["rows"]
+        ys = range(len(rows))
+        for y, r in zip(ys, rows):
+            if not r["fits"]:
+                ax.text(1, y, " does not fit", va="center", fontsize=7, color="gray")
+                continue
+            floor = r["device"] is None and r["row"] != "plain"
+            color = (COLORS["reference"] if floor else COLORS["resident"] if r["device"] is None
+                     else COLORS.get(r["strategy"]) if r["budget_fraction"] is not None else COLORS["accelerate"])
+            ax.barh(y, r["ratio"], color=color, hatch="//" if floor else None, edgecolor="white")
+            ax.text(r["ratio"], y, f" {r['ratio']:.2f}", va="center", fontsize=7)
+            if floor:  # the least any Python tensor subclass costs on this work
+                ax.axvline(r["ratio"], color=COLORS["reference"], linestyle=":", linewidth=1)
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels([r["row"] for r in rows], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlim(0.8, top * 1.6)
+        ax.set_xlabel("median time / plain torch (log)", fontsize=8)
+        ax.set_title(f"{work['work']} ({work['rows'][0]['ops']} ops/run plain)", fontsize=9)
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import ScalarFormatter
+
+    for ax in axes.flat:
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+    legend = [Patch(color=COLORS["resident"], label="plain"),
+              Patch(facecolor=COLORS["reference"], hatch="//", edgecolor="white", label="minimal subclass (floor)"),
+              Patch(color=COLORS["accelerate"], label="no budget"), Patch(color=COLORS["flow"], label="Flow"),
+              Patch(color=COLORS["genoa"], label="Genoa")]
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
+    fig.suptitle(f"Small ops, 1 thread: {result['size']} models, torch {result.get('torch', '?')}", fontsize=10)
+    return _save(plt, fig, path, rect=(0, 0.06, 1, 1))
+
+
 PLOTS = {"transfer": transfer, "overhead": overhead, "flow_vs_reference": flow_vs_reference,
-         "gpu_throughput": gpu_throughput}
+         "gpu_throughput": gpu_throughput, "small_ops": small_ops}
 
 
 def plot(name: str, result: dict, folder: str) -> str:

@@ -2,11 +2,11 @@
 
     python benchmarks/run_all.py [--quick] [--only NAME ...] [--out docs/benchmarks] [--note TEXT]
 
-Runs ``overhead``, ``flow_vs_reference`` and ``transfer``, and ``gpu_throughput`` when a
-CUDA GPU is present (without one it is skipped and an earlier GPU result is left as it
-is). Each result is written to ``<out>/<name>.json`` with the device, torch version, date
-and the exact command, and plotted to ``<out>/<name>.png``; the headline plot (bytes moved:
-strategies against the offline reference and accelerate) is copied to ``assets/``.
+Runs ``overhead``, ``small_ops``, ``flow_vs_reference`` and ``transfer``, and
+``gpu_throughput`` when a CUDA GPU is present (without one it is skipped and an earlier GPU
+result is left as it is). Each result is written to ``<out>/<name>.json`` with the device,
+torch version, date and the exact command, and plotted to ``<out>/<name>.png``; the headline
+plot (bytes moved: strategies against the offline reference and accelerate) is copied to ``assets/``.
 ``--quick`` runs tiny sizes: it checks the harness in a few minutes, and its figures mean little.
 """
 
@@ -26,13 +26,14 @@ import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
-BENCHMARKS = ("overhead", "flow_vs_reference", "transfer", "gpu_throughput")
+BENCHMARKS = ("overhead", "small_ops", "flow_vs_reference", "transfer", "gpu_throughput")
 #: each benchmark's arguments: full sizes, and --quick
 ARGS = {
-    "full": {"overhead": [], "flow_vs_reference": ["--fractions", "0.5", "0.25"], "transfer": [],
+    "full": {"overhead": [], "small_ops": [], "flow_vs_reference": ["--fractions", "0.5", "0.25"], "transfer": [],
              "gpu_throughput": []},
     "quick": {"overhead": ["--layers", "2", "--width", "128", "--seq", "32", "--vocab", "512", "--repeats", "3",
                            "--small-op-calls", "500"],
+              "small_ops": ["--size", "tiny"],
               "flow_vs_reference": ["--layers", "2", "--steps", "2", "--fractions", "0.5"],
               "transfer": ["--quick"], "gpu_throughput": ["--tiny"]},
 }
@@ -46,7 +47,7 @@ def run_one(name: str, extra, args, command: str) -> dict:
     """Run benchmark ``name``; returns its result wrapped with metadata (or why it was skipped)."""
     argv = list(ARGS["quick" if args.quick else "full"][name]) + list(extra)
     device = "sim"
-    if name == "overhead":
+    if name in ("overhead", "small_ops"):
         device = "cpu (pass-through) and sim"
     if name == "gpu_throughput":
         if not torch.cuda.is_available():

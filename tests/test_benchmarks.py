@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common, gpu_throughput, overhead, plots, run_all, transfer  # noqa: E402
+from benchmarks import common, gpu_throughput, overhead, plots, run_all, small_ops, transfer  # noqa: E402
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -155,6 +155,87 @@ def test_overhead_harness_runs_and_outputs_match(tmp_path):
         assert saved[key], key
     assert saved["command"].startswith("python benchmarks/overhead.py --layers 1")
     assert saved["result"]["ratio_sim"] == result["ratio_sim"]
+
+
+@pytest.fixture(scope="module")
+def small_ops_result(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small_ops")
+    png = folder / "small_ops.png" if _has_matplotlib() else None
+    argv = ["--size", "tiny", "--json", str(folder / "small_ops.json")] + (["--plot", str(png)] if png else [])
+    return small_ops.main(argv), folder / "small_ops.json", png
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_small_ops_every_row_timed_and_equal_to_plain(small_ops_result):
+    result, path, _png = small_ops_result
+    with open(path) as f:
+        saved = json.load(f)
+    for key in METADATA:
+        assert saved[key], key
+    assert saved["command"].startswith("python benchmarks/small_ops.py --size tiny")
+    assert saved["result"]["outputs_equal"] is True
+    works = saved["result"]["works"]
+    assert [w["work"] for w in works] == ["llama decode", "gpt2 decode", "llama train"]
+    for work in works:
+        assert [r["row"] for r in work["rows"]] == [label for label, *_ in small_ops.ROWS]
+        for r in work["rows"]:
+            assert r["fits"], (work["work"], r)  # tiny models: even 25% holds the largest op
+            assert 0 < r["fastest_ms"] <= r["median_ms"], r
+            assert r["ratio"] > 0 and r["ratio_of_fastest"] > 0
+            assert r["ops"] > 10 and r["outputs_equal"], r
+
+
+def test_small_ops_budgets_and_bytes(small_ops_result):
+    for work in small_ops_result[0]["works"]:
+        rows = {r["row"]: r for r in work["rows"]}
+        base = work["budget_base_bytes"]
+        if work["kind"] == "train":  # weights, grads, AdamW state and activations
+            assert base == rows["sim, no budget"]["peak_device_bytes"] > 4 * work["param_bytes"]
+        else:
+            assert base == work["param_bytes"]
+        assert rows["pass-through"]["bytes_moved"] == 0
+        assert rows["sim, Flow, 2x (fits)"]["budget"] == 2 * base
+        for r in work["rows"]:
+            if r["budget"] is not None:
+                assert r["peak_device_bytes"] <= r["budget"], r
+        for fraction in ("50%", "25%"):
+            flow, genoa = rows[f"sim, Flow, {fraction}"], rows[f"sim, Genoa, {fraction}"]
+            assert flow["budget"] == genoa["budget"] < base
+            # Genoa sends every result back after its op; Flow keeps what fits
+            assert 0 < flow["bytes_moved"] <= genoa["bytes_moved"], (work["work"], flow, genoa)
+
+
+def test_small_ops_plot(small_ops_result):
+    png = small_ops_result[2]
+    if png is None:
+        pytest.skip("needs matplotlib")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_small_ops_budget_too_small_does_not_fit(monkeypatch, capsys):
+    monkeypatch.setattr(small_ops, "ROWS", small_ops.ROWS[:1] + (("sim, Flow, 0.1%", "sim", "flow", 0.001),))
+    result = small_ops.main(["--size", "tiny", "--work", "decode"])
+    for work in result["works"]:
+        row = work["rows"][1]
+        assert not row["fits"] and "budget" in row["error"].lower(), row
+    assert "does not fit" in capsys.readouterr().out
+
+
+def test_small_ops_mismatch_exits_non_zero(monkeypatch, capsys):
+    monkeypatch.setattr(small_ops, "ROWS", small_ops.ROWS[:2])
+    monkeypatch.setattr(small_ops, "outputs_equal", lambda outs, expected: False)
+    with pytest.raises(SystemExit) as exit_:
+        small_ops.main(["--size", "tiny", "--work", "train"])
+    assert exit_.value.code == 1
+    assert "DIFFER FROM PLAIN" in capsys.readouterr().out
 
 
 def test_minimal_wrapper_computes_as_plain_torch():

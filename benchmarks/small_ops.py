@@ -1,0 +1,325 @@
+"""Where the proxy's per-op cost shows: batch-1 decoding and small training steps.
+
+Large matrix products hide the time a Python tensor subclass adds to each op; small models
+at batch 1 do not. Three works, on one thread:
+
+- ``decode``: greedy ``generate()`` (``do_sample=False``, the default dynamic cache) of a
+  random-weight Llama and GPT-2 built from ``transformers`` configs, 8-token prompt, 24
+  new tokens, batch 1;
+- ``train``: an AdamW step (forward, backward, step) of a 4-layer Llama, batch 4 x 32.
+
+Rows: plain torch; the floor of any Python subclass (``overhead.MinimalWrapper`` around the
+parameters, buffers and inputs: it unwraps, calls and rewraps); pass-through
+(``device="cpu"``); ``"sim"`` with no budget; ``"sim"`` under Flow with a budget that fits
+everything (twice the base: nothing is evicted); and ``"sim"`` at 50% and 25% of the base
+under Flow and under Genoa. The base is the weights for decoding, and for training the peak
+of the no-budget run (weights, grads, AdamW state and activations). A budget that cannot
+hold one op is reported as "does not fit".
+
+Every row does the same work. ``"sim"`` is an accelerator to torch, so there attention runs
+as its math decomposition and AdamW uses its list (``_foreach``) kernels; the other rows are
+made to do the same (``SDPBackend.MATH``, ``foreach=True``).
+
+Each row is a fresh copy of the model: two warm-up runs (Flow learns its period), then
+``--repeats`` runs interleaved with plain ones (``overhead.interleaved``). The clock is the
+CPU time of the process: with one thread, time the machine gives to other processes does not
+count, and on ``"sim"`` autograd runs backward on its own device thread, which the CPU time
+of the calling thread would miss. The ratio to plain is the median of the per-pair ratios;
+the ratio of the fastest runs is reported beside it (noise only ever adds time). Ops per run
+are the aten ops the row dispatches (counted with a ``TorchDispatchMode`` for plain and the
+floor, by the manager for the others); µs per op is the time added over plain (this row's
+phase) divided by them. Every output (tokens, losses) is compared with plain torch on the
+same device; a mismatch is printed and the run exits non-zero.
+
+    python benchmarks/small_ops.py [--work all] [--size small] [--repeats 9] [--json out.json] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import torchTensorRef  # noqa: E402
+from benchmarks import common, overhead  # noqa: E402
+from benchmarks.common import tm  # noqa: E402
+
+#: model and work sizes; ``tiny`` checks the harness in seconds
+SIZES = {
+    "small": dict(llama=dict(layers=4, hidden=256, intermediate=512, vocab=1000, heads=4, kv_heads=4),
+                  gpt2=dict(layers=4, embd=256, vocab=1000), prompt=8, tokens=24, batch=4, seq=32, repeats=9),
+    "tiny": dict(llama=dict(layers=2, hidden=64, intermediate=128, vocab=128, heads=4, kv_heads=4),
+                 gpt2=dict(layers=2, embd=64, vocab=128), prompt=8, tokens=4, batch=2, seq=16, repeats=2),
+}
+#: the models each work runs
+WORKS = {"decode": ("llama", "gpt2"), "train": ("llama",)}
+WARMUP = 2
+#: CPU time of the process, not of the thread: on "sim" (an accelerator to torch) autograd runs
+#: backward on its own device thread while this one waits
+CLOCK = time.process_time
+PLAIN, FLOOR = "plain", "minimal subclass (floor)"
+#: (label, device, strategy, budget as a fraction of the base); plain and the floor run unmanaged
+ROWS = (
+    (PLAIN, None, None, None),
+    (FLOOR, None, None, None),
+    ("pass-through", "cpu", "flow", None),
+    ("sim, no budget", "sim", "flow", None),
+    ("sim, Flow, 2x (fits)", "sim", "flow", 2.0),
+    ("sim, Flow, 50%", "sim", "flow", 0.5),
+    ("sim, Genoa, 50%", "sim", "genoa", 0.5),
+    ("sim, Flow, 25%", "sim", "flow", 0.25),
+    ("sim, Genoa, 25%", "sim", "genoa", 0.25),
+)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that reach Python dispatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Work:
+    """One model and work: builds plain models, runners and the plain reference outputs."""
+
+    def __init__(self, model: str, kind: str, size: dict, repeats: int):
+        self.name, self.kind, self.size = f"{model} {kind}", kind, size
+        positions = max(size["seq"], size["prompt"] + size["tokens"]) + 8
+        if model == "gpt2":
+            self.model = common.gpt2(positions=positions, **size["gpt2"])
+        else:
+            self.model = common.llama(positions=positions, **size["llama"])
+        vocab = self.model.config.vocab_size
+        self.ids = (common.plain_inputs(1, vocab, size["batch"], size["seq"]) if kind == "train"
+                    else common.plain_inputs(2, vocab, 1, size["prompt"]))
+        self.runs = WARMUP + repeats  # outputs each managed row produces
+        self._expected = {}
+
+    def runner(self, model: torch.nn.Module, ids: torch.Tensor):
+        """One run per call: ``generate()`` returning the tokens, or a training step returning the loss."""
+        if self.kind == "train":
+            step = common.trainer(model, ids)
+            # torch picks AdamW's list (_foreach) kernels on an accelerator, "sim" included, and
+            # a loop over the parameters on the CPU: every row uses the list kernels
+            for group in step.optimizer.param_groups:
+                group["foreach"] = True
+            return step
+        model.eval()
+        return lambda: common.generate(model, ids, self.size["tokens"])
+
+    def plain_runner(self, wrap: bool = False):
+        """A run of a plain copy (parameters, buffers and inputs in ``MinimalWrapper`` with ``wrap``)."""
+        with torchTensorRef.disabled():
+            if wrap:
+                model = overhead.minimal_copy(self.model)
+                for p in model.parameters():
+                    p.requires_grad_(self.kind == "train")
+                ids = overhead.MinimalWrapper.wrap(self.ids)
+            else:
+                model, ids = common.plain_copy(self.model), self.ids
+            run = self.runner(model, ids)
+
+        def plain_run():
+            # disabled(): the masks and positions the model creates per call stay plain too
+            with torchTensorRef.disabled():
+                return run()
+        return plain_run
+
+    def expected(self, device: str) -> list:
+        """Plain torch's outputs of ``self.runs`` runs on ``device`` (its kernels: "sim" differs in the last bits)."""
+        if device not in self._expected:
+            with torchTensorRef.disabled(device=device):
+                model, ids = common.plain_copy(self.model).to(device), self.ids.to(device)
+                run = self.runner(model, ids)
+                outs = [run() for _ in range(self.runs if self.kind == "train" else 1)]
+            self._expected[device] = [plain_value(o) for o in outs] * (1 if self.kind == "train" else self.runs)
+        return self._expected[device]
+
+
+def plain_value(out):
+    """A run's output as a plain host tensor (tokens) or a float (loss)."""
+    if isinstance(out, overhead.MinimalWrapper):
+        out = out.elem
+    return common.as_plain(out) if isinstance(out, torch.Tensor) else out
+
+
+def outputs_equal(outs: list, expected: list) -> bool:
+    outs = [plain_value(o) for o in outs]
+    return len(outs) == len(expected) and all(
+        torch.equal(o, e) if isinstance(e, torch.Tensor) else o == e for o, e in zip(outs, expected))
+
+
+def timed(plain, fn, label: str, repeats: int, outs: list) -> dict:
+    """``repeats`` runs of ``fn`` interleaved with ``plain``; ``fn``'s outputs go to ``outs``."""
+    times, ratios = {"plain": []}, {}
+    overhead.interleaved(plain, lambda: outs.append(fn()), label, repeats, times, ratios, clock=CLOCK)
+    return {"times": times[label], "plain_times": times["plain"], "ratio": statistics.median(ratios[label]),
+            "ratio_of_fastest": min(times[label]) / min(times["plain"])}
+
+
+def floor_row(work: Work, plain, repeats: int) -> dict:
+    run = work.plain_runner(wrap=True)
+    outs = [run()]
+    counter = OpCounter()
+    with counter:
+        outs.append(run())
+    out = timed(plain, run, FLOOR, repeats, outs)
+    return {**out, "ops": counter.ops, "equal": outputs_equal(outs, work.expected("cpu"))}
+
+
+def managed_row(work: Work, plain, repeats: int, device: str, strategy: str, budget) -> dict:
+    """A fresh managed copy on ``device`` under ``strategy`` and ``budget``: warm up, time, check."""
+    try:
+        row = _managed_phase(work, plain, repeats, device, strategy, budget)
+    except torchTensorRef.OutOfBudgetError as e:
+        row = {"fits": False, "error": str(e)}
+    tm.budget = None
+    gc.collect()  # the next row's copy must not share the device with this one's blocks
+    return row
+
+
+def _managed_phase(work: Work, plain, repeats: int, device: str, strategy: str, budget) -> dict:
+    run = work.runner(common.managed_copy(work.model, device, strategy), torchTensorRef.manage(work.ids.clone()))
+    tm.budget = budget
+    tm.reset_stats()
+    outs = [run() for _ in range(WARMUP)]
+    peak = tm.stats()["peak_device_bytes"]
+    tm.reset_stats()
+    out = timed(plain, run, device, repeats, outs)
+    stats = tm.stats()
+    return {**out, "ops": stats["ops"] // repeats, "equal": outputs_equal(outs, work.expected(device)),
+            "peak_device_bytes": max(peak, stats["peak_device_bytes"]),
+            "bytes_moved": (stats["bytes_to_device"] + stats["bytes_to_host"]) // repeats,
+            "evictions": stats["evictions"] // repeats}
+
+
+def _seconds(fn) -> float:
+    start = CLOCK()
+    fn()
+    return CLOCK() - start
+
+
+def run_work(work: Work, repeats: int) -> dict:
+    """Every row of ``ROWS`` for ``work``, one phase per row, each interleaved with plain torch."""
+    plain = work.plain_runner()
+    plain()
+    counter = OpCounter()
+    with counter:
+        plain()
+    plain_ops = counter.ops
+    work.expected("cpu")
+    base_name, base = "weights", common.param_bytes(work.model)
+    measured, plain_times = {}, []
+    for label, device, strategy, fraction in ROWS[1:]:
+        if fraction is not None and work.kind == "train" and base_name == "weights":
+            # training's base: the peak of the no-budget run (weights, grads, AdamW state, activations)
+            base_name, base = "peak of the no-budget run", measured["sim, no budget"]["peak_device_bytes"]
+        budget = None if fraction is None else int(fraction * base)
+        print(f"  {work.name}: {label}", flush=True)
+        if device is None:
+            row = floor_row(work, plain, repeats)
+        else:
+            row = managed_row(work, plain, repeats, device, strategy, budget)
+        row.update(device=device, strategy=strategy, budget_fraction=fraction, budget=budget)
+        plain_times += row.get("plain_times", [])
+        measured[label] = row
+    if not plain_times:  # no row ran (none fits): time plain alone
+        plain_times = [_seconds(plain) for _ in range(repeats)]
+    plain_med = statistics.median(plain_times)
+    rows = [{"row": PLAIN, "device": None, "strategy": None, "budget_fraction": None, "budget": None,
+             "fits": True, "median_ms": plain_med * 1e3, "fastest_ms": min(plain_times) * 1e3, "ratio": 1.0,
+             "ratio_of_fastest": 1.0, "ops": plain_ops, "us_added_per_op": 0.0, "outputs_equal": True}]
+    for label, row in measured.items():
+        out = {"row": label, **{k: row[k] for k in ("device", "strategy", "budget_fraction", "budget")}}
+        if row.get("fits") is False:
+            rows.append({**out, "fits": False, "error": row["error"]})
+            continue
+        med = statistics.median(row["times"])
+        # against this phase's own plain runs: the machine's speed drifts between phases
+        added = (med - statistics.median(row["plain_times"])) / row["ops"] * 1e6
+        out.update(fits=True, median_ms=med * 1e3, fastest_ms=min(row["times"]) * 1e3, ratio=row["ratio"],
+                   ratio_of_fastest=row["ratio_of_fastest"], ops=row["ops"], us_added_per_op=added,
+                   outputs_equal=row["equal"])
+        for key in ("bytes_moved", "peak_device_bytes", "evictions"):
+            if key in row:
+                out[key] = row[key]
+        rows.append(out)
+    return {"work": work.name, "kind": work.kind, "param_bytes": common.param_bytes(work.model),
+            "budget_base": base_name, "budget_base_bytes": base, "rows": rows}
+
+
+def table(work: dict) -> str:
+    lines = [f"{work['work']}: budgets are fractions of the {work['budget_base']} "
+             f"({work['budget_base_bytes'] / common.MIB:.2f} MiB)",
+             f"  {'row':<26} {'ms/run':>8} {'ratio':>7} {'fastest':>7} {'ops/run':>8} {'us/op':>6} "
+             f"{'MiB moved':>9}  equal"]
+    for r in work["rows"]:
+        if not r["fits"]:
+            lines.append(f"  {r['row']:<26} does not fit ({r['budget']} bytes)")
+            continue
+        moved = f"{r['bytes_moved'] / common.MIB:9.2f}" if "bytes_moved" in r else f"{'-':>9}"
+        lines.append(f"  {r['row']:<26} {r['median_ms']:8.2f} {r['ratio']:7.3f} {r['ratio_of_fastest']:7.3f} "
+                     f"{r['ops']:8d} {r['us_added_per_op']:6.1f} {moved}  {r['outputs_equal']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", choices=("decode", "train", "all"), default="all")
+    parser.add_argument("--size", choices=tuple(SIZES), default="small",
+                        help="tiny: hidden 64, 2 layers, 4 new tokens (checks the harness in seconds)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per row (default: the size's)")
+    parser.add_argument("--json", help="write the results (with device, torch, date, command) to this file")
+    parser.add_argument("--plot", help="write the plot (PNG) to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    size = SIZES[args.size]
+    repeats = args.repeats or size["repeats"]
+    kinds = ("decode", "train") if args.work == "all" else (args.work,)
+    works = []
+    # "sim" reports its own device, for which torch's attention is its math decomposition: the
+    # CPU rows use it too
+    with sdpa_kernel(SDPBackend.MATH):
+        for kind in kinds:
+            for model in WORKS[kind]:
+                works.append(run_work(Work(model, kind, size, repeats), repeats))
+    result = {"torch": torch.__version__, "threads": 1, "size": args.size, "repeats": repeats, "warmup": WARMUP,
+              "clock": "process CPU time", "tokens": size["tokens"], "prompt": size["prompt"],
+              "train_batch": [size["batch"], size["seq"]], "llama": size["llama"], "gpt2": size["gpt2"],
+              "works": works}
+    print(f"1 thread, torch {torch.__version__}, {repeats} repeats per row (process CPU time); ratio: median of "
+          f"per-pair ratios to plain; fastest: ratio of the fastest runs; us/op: time added per op over plain")
+    for work in works:
+        print(table(work))
+    mismatches = [(w["work"], r["row"]) for w in works for r in w["rows"] if r["fits"] and not r["outputs_equal"]]
+    result["outputs_equal"] = not mismatches
+    if args.json:
+        common.write_json(args.json, {**common.metadata(common.command_line("benchmarks/small_ops.py", argv),
+                                                        "cpu (pass-through) and sim"), "result": result})
+    if args.plot:
+        from benchmarks import plots
+
+        plots.small_ops(result, args.plot)
+    if mismatches:
+        print(f"!!! OUTPUTS DIFFER FROM PLAIN TORCH: {mismatches}", flush=True)
+        raise SystemExit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
