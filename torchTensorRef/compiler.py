@@ -23,19 +23,22 @@ _hidden = False
 
 
 def hide_from_compiler() -> None:
-    """Put this package on the compiler's list of code it never traces (once; cheap after)."""
+    """Put this package on the compiler's list of code it never traces, and make it run the
+    patched torch functions eagerly (cheap after the first call)."""
     global _hidden
-    if _hidden:
-        return
-    from torch._dynamo import trace_rules
+    if not _hidden:
+        from torch._dynamo import trace_rules
 
-    add = getattr(trace_rules, "add", None)  # (its name in the torch versions supported)
-    if add is None:
-        warnings.warn(f"torch {torch.__version__}: torchTensorRef cannot hide its code from torch.compile, "
-                      "which may then fail while tracing it; compile code that touches no TensorRef")
-    else:
-        add(__package__)
-    _hidden = True
+        add = getattr(trace_rules, "add", None)  # (its name in the torch versions supported)
+        if add is None:
+            warnings.warn(f"torch {torch.__version__}: torchTensorRef cannot hide its code from torch.compile, "
+                          "which may then fail while tracing it; compile code that touches no TensorRef")
+        else:
+            add(__package__)
+        # (the compiler warns that it cannot trace the patched functions: it is told not to)
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message=r"Dynamo does not know how to trace the builtin `torch\._VariableFunctionsClass\.")
+        _hidden = True
     break_graph_at_wrappers()
 
 
@@ -43,7 +46,6 @@ def hide_if_loaded() -> None:
     """:func:`hide_from_compiler` if the compiler is loaded already (it is slow to load)."""
     if "torch._dynamo" in sys.modules:
         hide_from_compiler()
-        break_graph_at_wrappers()
 
 
 def break_graph_at_wrappers() -> None:
@@ -56,10 +58,6 @@ def break_graph_at_wrappers() -> None:
     import torch._dynamo
 
     from .patching import _patched
-
-    # (the compiler then warns that it cannot trace them: it is told not to)
-    warnings.filterwarnings("ignore", category=UserWarning,
-                            message=r"Dynamo does not know how to trace the builtin `torch\._VariableFunctionsClass\.")
 
     for _original, wrapper in _patched.values():
         if id(wrapper) not in _breaks:

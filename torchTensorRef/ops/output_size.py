@@ -105,8 +105,9 @@ def _growth(spec: OpSpec, args, kwargs, meta_args, meta_kwargs) -> int:
 
 # Note [Data-dependent sizes]: the bound of each op whose result size depends on its data,
 # from the arguments' shapes alone (reading the data would make the host wait for the
-# device). An op without a meta kernel and without a bound here estimates 0: the manager
-# then makes room after it ran, and the peak may pass the budget by its results
+# device). A data-dependent op without a bound here (``bincount``, ``repeat_interleave``
+# with tensor repeats) is sized on host zeros, which can fall short: the manager then makes
+# room after it ran, and the peak may pass the budget by the difference
 # (``stats()["worst_overshoot_bytes"]`` records it).
 
 def _itemsize(t: torch.Tensor) -> int:
