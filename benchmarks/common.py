@@ -104,7 +104,9 @@ def generate(model: torch.nn.Module, ids: torch.Tensor, tokens: int) -> torch.Te
 def trainer(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
     """One AdamW training step of ``model`` on ``ids`` (labels = ids) per call; returns the loss."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # The list (foreach) kernels everywhere: torch picks them for accelerator tensors ("sim"
+    # included) and a per-parameter loop on the CPU, whose results differ in the last bits.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)

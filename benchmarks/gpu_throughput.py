@@ -194,13 +194,16 @@ def _run_workload(dev: Device, plain, ids, size, config, budget, workload):
                 counter.reset()
             return counter.bytes
 
-        with torchTensorRef.disabled(), counter.counting():
+        # Resident: plain tensors of the device itself ("sim" picks other CPU kernels than the
+        # CPU does, attention among them); accelerate's hooks move to the compute device.
+        where = dev.name if config == "resident" else dev.compute
+        with torchTensorRef.disabled(device=None if dev.cuda else dev.name), counter.counting():
             if config == "resident":
-                model = common.plain_copy(plain).to(dev.compute)
+                model = common.plain_copy(plain).to(where)
             else:
-                model = common.offloaded_copy(plain, dev.compute)
+                model = common.offloaded_copy(plain, where)
             model.train(workload == "train")
-            result = measure(dev, model, ids.to(dev.compute), size, moved, managed=False)
+            result = measure(dev, model, ids.to(where), size, moved, managed=False)
         del model
         return result
 

@@ -113,12 +113,7 @@ class Work:
     def runner(self, model: torch.nn.Module, ids: torch.Tensor):
         """One run per call: ``generate()`` returning the tokens, or a training step returning the loss."""
         if self.kind == "train":
-            step = common.trainer(model, ids)
-            # torch picks AdamW's list (_foreach) kernels on an accelerator, "sim" included, and
-            # a loop over the parameters on the CPU: every row uses the list kernels
-            for group in step.optimizer.param_groups:
-                group["foreach"] = True
-            return step
+            return common.trainer(model, ids)  # (AdamW's list kernels in every row)
         model.eval()
         return lambda: common.generate(model, ids, self.size["tokens"])
 
