@@ -95,13 +95,23 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
         self._capturing = False  # a CUDA graph capture is under way (ops on TensorRefs refuse it)
         #: whether ops may take the fast path (Note [Fast path] in ops/dispatch.py)
         self._fast = False
+        self._fast_watch = None  # the strategy, when it sees fast ops through its fast_op hooks
         self._refresh_fast()
 
     def _refresh_fast(self) -> None:
         """Recompute ``_fast``; every setting it depends on calls this when it changes."""
+        strategy = self._strategy
+        watching = not self._backend.passthrough and strategy.needs_every_op()
+        # A strategy that sees every op may still let the ops that move nothing skip the
+        # generic path, telling it of them through its fast_op hooks.
+        self._fast_watch = strategy if watching and strategy.follows_fast_ops() else None
         self._fast = (not self._callbacks and self._trace is None and self._fault_injector is None
-                      and not self._capturing
-                      and (self._backend.passthrough or not self._strategy.needs_every_op()))
+                      and not self._capturing and (not watching or self._fast_watch is not None))
+
+    def hooks_changed(self) -> None:
+        """The strategy's ``needs_every_op()`` or ``follows_fast_ops()`` changed its answer."""
+        with self._lock:
+            self._refresh_fast()
 
     def _set_capturing(self, capturing: bool) -> None:
         """A CUDA graph capture began or ended (ops on TensorRefs refuse to be captured)."""

@@ -25,6 +25,7 @@ from ..manager import tensorsManager as _mgr
 from ..residency import is_out_of_memory
 from ..sim_device import SimTensor
 from ..tensor_ref import TensorRef, compute_view, host_view, make_ref
+from .output_size import estimate_output_bytes
 from .registry import OpSpec, specs, spec_of
 
 _SPECS = specs()
@@ -255,10 +256,9 @@ def run_fast(func, args, kwargs, spec: OpSpec):
         except _NotResident:
             return _NOT_FAST
         limit = mgr._limit
+        need = 0
         if limit is not None and spec.allocates and not live:
             # Room for the results without evicting: else the generic path makes it.
-            from .output_size import estimate_output_bytes
-
             need = estimate_output_bytes(spec, args, kwargs)
             if need:
                 used = mgr._device_bytes + mgr._inflight_bytes
@@ -266,43 +266,61 @@ def run_fast(func, args, kwargs, spec: OpSpec):
                     return _NOT_FAST
                 if mgr._backend.simulated and used + need > mgr._backend.capacity():
                     return _NOT_FAST  # the simulated device would run out: the generic path recovers
-        index = mgr._op_count
-        mgr._op_count = index + 1
-        for b in blocks:
-            b.last_use = index
-        if spec.write_args or not spec.one_result:
-            # in-place ops and several results: the generic bookkeeping, without the moves
-            written = _written_blocks(spec, args, kwargs) if spec.write_args else []
-            ctx = OpContext(spec, _blocks_of_list(blocks), written, args, kwargs)
-            ctx.index = index
-            out = mgr._call(ctx, func, cargs, ckwargs)
-            if written:
-                _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
-                mgr._mark_written(written)
-            return _wrap_outputs(out, ctx, spec, args, kwargs, mgr)
-        try:
-            out = spec.call(*cargs, **ckwargs)
-        except Exception as e:  # (cuBLAS and cuDNN report a failed allocation as a RuntimeError)
-            if live or not is_out_of_memory(e):
-                raise
-            ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
-            ctx.index = index
-            out = mgr._recover_from_oom(ctx, func, cargs, ckwargs)
-        if out.__class__ is not _Tensor:  # a list of tensors, a number
-            ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
-            ctx.index = index
-            return _wrap_nested(out, ctx, mgr)
-        if out.layout is not _strided or out.is_nested or out.is_meta:
-            return out  # no single strided storage to page: as _wrap_one
-        key = out.untyped_storage()._cdata
-        for b in blocks:
-            if b.dev_key == key:
-                return make_ref(b, out, mgr._declared)  # a view: shares the input's block
-        if not live and out.device != mgr._backend.compute:
-            ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
-            ctx.index = index
-            return _wrap_one(out, ctx, mgr)  # a CPU result on CUDA (or another GPU's)
-        return make_ref(mgr._result_block(out, index), out, mgr._declared)
+        watch = mgr._fast_watch
+        if watch is not None:
+            blocks = _blocks_of_list(blocks)
+            index = mgr._op_count
+            if not watch.fast_op(index, spec, blocks, need):
+                return _NOT_FAST
+            out, outputs = _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)
+            watch.after_fast_op(index, outputs)
+            return out
+        return _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)[0]
+
+
+_NO_OUTPUTS = ()
+
+
+def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
+    """The fast path's op, counted: (its result, the blocks it created)."""
+    index = mgr._op_count
+    mgr._op_count = index + 1
+    for b in blocks:
+        b.last_use = index
+    if spec.write_args or not spec.one_result:
+        # in-place ops and several results: the generic bookkeeping, without the moves
+        written = _written_blocks(spec, args, kwargs) if spec.write_args else []
+        ctx = OpContext(spec, _blocks_of_list(blocks), written, args, kwargs)
+        ctx.index = index
+        out = mgr._call(ctx, func, cargs, ckwargs)
+        if written:
+            _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
+            mgr._mark_written(written)
+        return _wrap_outputs(out, ctx, spec, args, kwargs, mgr), ctx.outputs
+    try:
+        out = spec.call(*cargs, **ckwargs)
+    except Exception as e:  # (cuBLAS and cuDNN report a failed allocation as a RuntimeError)
+        if live or not is_out_of_memory(e):
+            raise
+        ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
+        ctx.index = index
+        out = mgr._recover_from_oom(ctx, func, cargs, ckwargs)
+    if out.__class__ is not _Tensor:  # a list of tensors, a number
+        ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
+        ctx.index = index
+        return _wrap_nested(out, ctx, mgr), ctx.outputs
+    if out.layout is not _strided or out.is_nested or out.is_meta:
+        return out, _NO_OUTPUTS  # no single strided storage to page: as _wrap_one
+    key = out.untyped_storage()._cdata
+    for b in blocks:
+        if b.dev_key == key:
+            return make_ref(b, out, mgr._declared), _NO_OUTPUTS  # a view: shares the input's block
+    if not live and out.device != mgr._backend.compute:
+        ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
+        ctx.index = index
+        return _wrap_one(out, ctx, mgr), ctx.outputs  # a CPU result on CUDA (or another GPU's)
+    block = mgr._result_block(out, index)
+    return make_ref(block, out, mgr._declared), (block,)
 
 
 def run_generic(func, args, kwargs, spec: OpSpec):

@@ -39,6 +39,8 @@ class Strategy:
     - ``on_release(block)``: a block died (no TensorRef views it any more).
     - ``on_adopt(block)``: a creation function made a new block (not an op).
     - ``attach(manager)`` / ``detach()``: the strategy was installed / replaced.
+    - ``follows_fast_ops()``, ``fast_op(...)``, ``after_fast_op(...)``: a cheaper way to see
+      the ops that move nothing, for a strategy that knows what to expect (Flow's plan).
 
     The default victim is the least recently used unpinned resident block.
     """
@@ -67,6 +69,24 @@ class Strategy:
         changes; ``choose_victim``, ``on_release`` and ``on_adopt`` are always called.
         """
         return True
+
+    def follows_fast_ops(self) -> bool:
+        """Whether, while ``needs_every_op()`` is ``True``, ops whose blocks are all resident
+        and whose results fit may still take the fast path, reporting to ``fast_op`` and
+        ``after_fast_op`` instead of the three per-op hooks. Ask the manager to call this
+        again with ``manager.hooks_changed()`` when the answer changes.
+        """
+        return False
+
+    def fast_op(self, index: int, func, blocks, reserved: int) -> bool:
+        """Op ``index`` (its ``OpSpec`` ``func``, distinct ``blocks``, all resident) is about to
+        take the fast path with ``reserved`` bytes of room kept for its results: ``False``
+        sends it down the generic path instead, where every hook sees it (nothing changed yet).
+        """
+        return False
+
+    def after_fast_op(self, index: int, outputs) -> None:
+        """Op ``index`` took the fast path and created the blocks ``outputs`` (resident)."""
 
     def before_op(self, op) -> None:
         pass

@@ -17,6 +17,11 @@ which is always correct, only slower.
 After each op Flow looks a few ops ahead and prefetches their blocks into free memory, so
 copies overlap compute on a GPU.
 
+Once the sequence has repeated for a whole period, Flow compiles that period into a plan
+(``flow_plan.py``) and follows it: each op is only checked against the plan, and blocks are
+ranked when room has to be made, not after every op. Decisions stay the same; the per-op
+cost of learning is gone until the program stops following the plan.
+
 Two ops one period apart match when they are the same aten op on blocks with the same
 *roles*: the same long-lived block, or blocks created the same number of ops earlier by
 the same output slot. Shapes are left out so that ``generate()``, whose activations grow
@@ -31,10 +36,15 @@ from bisect import bisect_right
 from typing import Dict, List, Optional, Tuple
 
 from .base import Strategy
+from .flow_plan import Plan
 
 #: priority of blocks with no prediction: evicted after the predicted-dead, LRU among them
 _UNKNOWN = 1 << 60
 _DEAD = 1 << 62
+
+
+def _first(entry) -> int:
+    return entry[0]
 
 
 def _span(t: int) -> int:
@@ -56,12 +66,14 @@ class Flow(Strategy):
             keeping, so few prefetches happen; evicting for a prefetch can force out a block
             that would have stayed had we waited, which costs bytes (the measure on
             ``"sim"``) but on a GPU overlaps compute where a demand fetch would stall it.
+        plan: compile the period into a plan once it repeated whole, and follow it (the same
+            decisions at a fraction of the per-op cost); ``False`` keeps learning every op.
     """
 
     name = "flow"
 
     def __init__(self, lookahead: int = 6, min_period: int = 1, max_history: int = 50_000,
-                 prefetch_evicts: Optional[bool] = None):
+                 prefetch_evicts: Optional[bool] = None, plan: bool = True):
         super().__init__()
         if lookahead < 0 or min_period < 1 or max_history < 2 * min_period:
             raise ValueError(
@@ -73,6 +85,7 @@ class Flow(Strategy):
         self._evicting_prefetch = bool(prefetch_evicts)
         self.min_period = min_period
         self.max_history = max_history
+        self.compiles_plan = plan
         self._reset()
 
     def _reset(self) -> None:
@@ -94,6 +107,10 @@ class Flow(Strategy):
         # candidate period -> an op that did not repeat the op one candidate period before:
         # the candidate cannot be the period while that op is in its window
         self._mismatch: Dict[int, int] = {}
+        self._period_since = 0  # op at which the current period was found
+        self.plan: Optional[Plan] = None  # the period compiled, once it repeated whole
+        self._plan_from = 0  # first op followed by the plan (not recorded as uses)
+        self._ranking: Tuple[int, list] = (-1, [])  # (op, victims best first) while following the plan
 
     def attach(self, manager) -> None:
         super().attach(manager)
@@ -130,6 +147,10 @@ class Flow(Strategy):
         self._func[n] = func
         ids = tuple(b.id for b in op.blocks)
         self._op_blocks[n] = ids
+        if self.plan is not None:
+            if self._follows(n, func, op.blocks):
+                return
+            self._leave_plan(n)
         sig = (func, tuple(b.id for b in op.blocks if not b.from_op))
         uses = self._uses
         for b in op.blocks:
@@ -162,6 +183,7 @@ class Flow(Strategy):
                 k = self._mismatch_in_window(n, t)
                 if k is None:
                     self.period = t
+                    self._period_since = n
                     self._rebuild_heap()
                     break
                 if k >= 0:
@@ -216,6 +238,10 @@ class Flow(Strategy):
             if lst[-1] < keep_from and block(bid) is None:
                 del self._uses[bid]
                 self._birth.pop(bid, None)
+        if self.plan is not None:  # blocks made while following the plan have no use list
+            for bid, (born, _slot) in list(self._birth.items()):
+                if born < keep_from and block(bid) is None:
+                    del self._birth[bid]
         self._pruned_at = n
 
     # -- predicting ----------------------------------------------------------------------
@@ -283,6 +309,9 @@ class Flow(Strategy):
         if mgr.limit is None:
             return  # see before_op
         n = op.index
+        if self.plan is not None:
+            self.after_fast_op(n, op.outputs)
+            return
         if op.outputs:
             ids = tuple(b.id for b in op.outputs)
             self._created[n] = ids
@@ -291,6 +320,12 @@ class Flow(Strategy):
             for j, i in enumerate(ids):
                 birth[i] = (n, j)
                 uses.setdefault(i, []).append(n)
+        period = self.period
+        if (period is not None and n - self._period_since >= period and 2 * period <= self.max_history
+                and self.compiles_plan):
+            self._compile(n)
+            if self.plan is not None:
+                return
         for b in op.blocks:
             if b.dev is not None:
                 self._push(b, n)
@@ -306,7 +341,132 @@ class Flow(Strategy):
         if self.period is not None and self.lookahead and mgr.limit is not None:
             if mgr.all_resident():
                 return  # every block is in already: nothing to look for
-            self._prefetch(op.index, op.output_estimate())
+            if self.plan is not None:
+                self._plan_prefetch(op.index, op.blocks, op.output_estimate())
+            else:
+                self._prefetch(op.index, op.output_estimate())
+
+    # -- following the plan --------------------------------------------------------------
+
+    def _compile(self, n: int) -> None:
+        """The last ``period`` ops all repeated the period before them: compile them."""
+        self.plan = Plan.compile(self.period, n, self._func, self._op_blocks, self._role, self.lookahead)
+        self._plan_from = n + 1
+        self._ranking = (-1, [])
+        self.manager.hooks_changed()  # ops that move nothing may take the fast path again
+
+    def follows_fast_ops(self) -> bool:
+        return self.plan is not None
+
+    def fast_op(self, n: int, func, blocks, reserved: int) -> bool:
+        self._now = n
+        self._func[n] = func
+        self._op_blocks[n] = tuple(b.id for b in blocks)
+        if self.plan is None or not self._follows(n, func, blocks):
+            return False  # the generic path runs it: before_op finds the divergence
+        if self.lookahead and not self.manager.all_resident():
+            self._plan_prefetch(n, blocks, reserved)
+        return True
+
+    def after_fast_op(self, n: int, outputs) -> None:
+        if outputs:
+            ids = tuple(b.id for b in outputs)
+            self._created[n] = ids
+            birth = self._birth
+            for j, i in enumerate(ids):
+                birth[i] = (n, j)
+
+    def _follows(self, n: int, func, blocks) -> bool:
+        """Whether op ``n`` follows the plan (its record is kept either way)."""
+        for b in blocks:
+            if b.last_use == n and not b.from_op and b.id not in self._birth:
+                self._born_before(b, n)  # (as in before_op)
+        if not self.plan.follows(func, blocks, n, self._birth):
+            return False
+        if n - self._pruned_at >= max(self.period, self.max_history // 4):
+            self._prune(n)
+        return True
+
+    def _leave_plan(self, n: int) -> None:
+        """Op ``n`` does not follow the plan: record the followed ops as learning would have."""
+        # Note [Leaving the plan]: while following, Flow kept each op's blocks and results
+        # (the record the period is checked against) but not the per-block use lists, the
+        # candidate periods or the ranking. They are rebuilt from that record here, once, so
+        # learning goes on as if it had never stopped.
+        self.plan = None
+        self.manager.hooks_changed()
+        uses, sigs, birth = self._uses, self._sig_positions, self._birth
+        kept = n - max(self.max_history, 2 * self.period + self.lookahead + 8)  # (as _prune)
+        for m in range(max(self._plan_from, kept), n):
+            ids = self._op_blocks.get(m)
+            if ids is None:
+                continue
+            for i in ids:
+                uses.setdefault(i, []).append(m)
+            for i in self._created.get(m, ()):
+                uses.setdefault(i, []).append(m)
+            # (a block made by an op has a birth slot >= 0: ``from_op`` for blocks now dead)
+            long_lived = tuple(i for i in ids if (birth.get(i) or (0, -1))[1] < 0)
+            sigs.setdefault((self._func[m], long_lived), []).append(m)
+        self._period_since = n  # (checked at this op like any other)
+        self._rebuild_heap()
+
+    def _plan_rank(self, n: int) -> list:
+        """Resident blocks, best victim last, ranked by the plan at op ``n`` (once per op)."""
+        if self._ranking[0] == n:
+            return self._ranking[1]
+        plan, birth = self.plan, self._birth
+        ranked = []
+        for block in self.manager.resident_blocks():
+            nxt = plan.next_use(block.id, n, birth, _DEAD)
+            if nxt is None:
+                priority = _UNKNOWN - block.last_use
+            elif nxt == _DEAD and block.host_valid:
+                priority = _DEAD + 1
+            else:
+                priority = nxt
+            ranked.append((priority, block.id, block))
+        ranked.sort(key=_first)
+        self._ranking = (n, ranked)
+        return ranked
+
+    def _plan_victim(self, protect, worse_than: Optional[int] = None, clean_only: bool = False):
+        ranked = self._plan_rank(self._now)
+        resident = self.manager.resident_block
+        for i in range(len(ranked) - 1, -1, -1):
+            priority, bid, block = ranked[i]
+            if worse_than is not None and priority <= worse_than:
+                return None  # everything left is needed sooner
+            if resident(bid) is not block:
+                del ranked[i]  # evicted or freed since the ranking
+                continue
+            if block.pins or bid in protect or (clean_only and not block.host_valid):
+                continue
+            del ranked[i]
+            return block
+        return None
+
+    def _plan_prefetch(self, n: int, blocks, reserved: int) -> None:
+        mgr = self.manager
+        protect = None
+        limit = mgr.limit - reserved  # the op's results still need their room
+        lookup, born_at = mgr.block, self._born_at
+        for j, role in self.plan.ahead[self.plan.offset(n)]:
+            bid = role if role.__class__ is int else born_at(n + j - role[0], role[1])
+            block = lookup(bid) if bid is not None else None
+            if block is None or block.dev is not None:
+                continue
+            while mgr.in_use() + block.nbytes > limit:  # (as _prefetch)
+                if not self._evicting_prefetch:
+                    return
+                if protect is None:  # (the ranking may predate this op's fetches)
+                    protect = {b.id for b in blocks}
+                victim = self._plan_victim(protect, worse_than=n + j, clean_only=True)
+                if victim is None:
+                    return
+                mgr.evict(victim)
+            mgr.prefetch(block)
+            block.last_use = n
 
     def _upcoming(self, n: int):
         """(op index, block) pairs the next ``lookahead`` ops will read, by prediction."""
@@ -373,7 +533,7 @@ class Flow(Strategy):
         return found
 
     def choose_victim(self, protect):
-        victim = self._pop_victim(protect)
+        victim = self._plan_victim(protect) if self.plan is not None else self._pop_victim(protect)
         if victim is None:
             return super().choose_victim(protect)  # blocks Flow never ranked (toGPU, pins)
         return victim

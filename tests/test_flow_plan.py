@@ -1,0 +1,134 @@
+"""Flow's plan: once the period repeated whole, Flow follows a compiled plan with the same
+decisions as learning, and drops it as soon as the program does something else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import tensorsManager as tm
+from torchTensorRef.strategies import Flow
+
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4)])
+
+
+def _train(model, steps, x, after_step=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step(i)
+    return losses
+
+
+def _run(strategy, fraction, steps=8):
+    """Steps of an MLP under ``strategy``: losses, parameters, bytes moved per step, plan per step."""
+    tm.strategy = strategy
+    model = _mlp()
+    x = torch.rand(8, 64, generator=torch.Generator().manual_seed(1))
+    tm.budget = int(sum(p.numel() * 4 for p in model.parameters()) * fraction)
+    per_step, plans = [], []
+
+    def after_step(_i):
+        stats = tm.stats()
+        per_step.append(stats["bytes_to_device"] + stats["bytes_to_host"])
+        plans.append(strategy.plan is not None)
+        tm.reset_stats()
+
+    tm.reset_stats()
+    losses = _train(model, steps, x, after_step)
+    tm.budget = None
+    params = [p.detach().clone().toCPU().target for p in model.parameters()]
+    return losses, params, per_step, plans
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.7])
+def test_following_the_plan_moves_the_bytes_learning_moves_and_matches_plain_torch(fresh_manager, fraction):
+    with torchTensorRef.disabled():
+        model = _mlp()
+        x = torch.rand(8, 64, generator=torch.Generator().manual_seed(1))
+        plain_losses = _train(model, 8, x)
+        plain_params = [p.detach().clone() for p in model.parameters()]
+    learning = _run(Flow(plan=False), fraction)
+    following = _run(Flow(), fraction)
+    assert not any(learning[3])
+    assert following[3][-3:] == [True] * 3  # compiled once the step repeated whole
+    for losses, params, _bytes, _plans in (learning, following):
+        assert losses == plain_losses
+        assert all(torch.equal(p, q) for p, q in zip(params, plain_params))
+    # The plan's decisions are learning's: the same traffic in the steps it was followed.
+    followed = [i for i, on in enumerate(following[3]) if on and i > 0 and following[3][i - 1]]
+    assert followed
+    for i in followed:
+        assert following[2][i] == pytest.approx(learning[2][i], rel=0.02)
+    assert min(following[2][i] for i in followed) > 0  # the budget binds: there is paging to plan
+
+
+def test_a_program_that_stops_following_the_plan_drops_it_and_learns_again(fresh_manager):
+    flow = Flow()
+    tm.strategy = flow
+    a, b, c = (torch.zeros(256) for _ in range(3))  # 1 KiB each
+    tm.budget = 2 * 1024 + 512  # two of the three fit
+    for _ in range(12):
+        a.add_(1), b.add_(1), c.add_(1)
+    assert flow.plan is not None and flow.period == 3
+    c.mul_(2)  # not the op the plan has here
+    assert flow.plan is None and flow.period is None
+    for _ in range(12):
+        a.sub_(1), c.sub_(1)  # a new loop, period 2
+    assert flow.period == 2 and flow.plan is not None and flow.plan.period == 2
+    assert torch.equal(a.toCPU().target, torch.zeros(256))
+    assert torch.equal(b.toCPU().target, torch.full((256,), 12.0))
+    assert torch.equal(c.toCPU().target, torch.full((256,), 12.0))
+
+
+def test_the_plan_predicts_the_block_used_farthest_in_the_future(fresh_manager):
+    # Three blocks cycled with room for two: Belady misses every other access, recency all.
+    flow = Flow(lookahead=0)
+    tm.strategy = flow
+    a, b, c = (torch.zeros(256) for _ in range(3))
+    tm.budget = 2 * 1024
+    for _ in range(8):
+        a.add_(1), b.add_(1), c.add_(1)
+    assert flow.plan is not None
+    tm.reset_stats()
+    for _ in range(2):
+        a.add_(1), b.add_(1), c.add_(1)
+    assert tm.stats()["fetches"] == 3
+    assert flow.plan is not None  # followed throughout
+    assert torch.equal(b.toCPU().target, torch.full((256,), 10.0))
+
+
+def test_decoding_under_the_plan_gives_plain_torchs_tokens(fresh_manager):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with torchTensorRef.disabled():
+        torch.manual_seed(0)
+        plain = transformers.LlamaForCausalLM(config).eval()
+        ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(2))
+        expected = plain.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        state = {k: v.clone() for k, v in plain.state_dict().items()}
+    flow = Flow()
+    tm.strategy = flow
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(state)
+    tm.budget = sum(p.numel() * 4 for p in model.parameters()) // 2
+    managed_ids = torch.tensor(ids.tolist())
+    followed = []
+    for _ in range(4):
+        out = model.generate(managed_ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        followed.append(flow.plan is not None)
+        assert out.toCPU().target.tolist() == expected.tolist()
+    assert followed[-1] and tm.stats()["evictions"] > 0
