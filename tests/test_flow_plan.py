@@ -132,3 +132,73 @@ def test_decoding_under_the_plan_gives_plain_torchs_tokens(fresh_manager):
         followed.append(flow.plan is not None)
         assert out.toCPU().target.tolist() == expected.tolist()
     assert followed[-1] and tm.stats()["evictions"] > 0
+
+
+class _Counting(Flow):
+    """Flow, counting which hooks saw each op."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.generic, self.fast = 0, 0
+
+    def before_op(self, op):
+        self.generic += 1
+        super().before_op(op)
+
+    def fast_op(self, index, func, blocks, reserved):
+        taken = super().fast_op(index, func, blocks, reserved)
+        self.fast += taken
+        return taken
+
+
+def test_ops_that_move_nothing_take_the_fast_path_while_the_plan_is_followed(fresh_manager):
+    flow = _Counting()
+    tm.strategy = flow
+    model = _mlp()
+    x = torch.rand(8, 64, generator=torch.Generator().manual_seed(1))
+    tm.budget = sum(p.numel() * 4 for p in model.parameters()) // 2
+    seen = []
+
+    def after_step(i):
+        if i == 4:  # steady state: count the last three steps
+            assert flow.plan is not None
+            flow.generic = flow.fast = 0
+            tm.reset_stats()
+        seen.append(flow.plan is not None)
+
+    losses = _train(model, 8, x, after_step)
+    stats = tm.stats()
+    assert all(seen[4:]) and stats["evictions"] > 0
+    assert flow.fast + flow.generic == stats["ops"]  # every op was seen, by one hook or the other
+    assert flow.fast > stats["ops"] // 2  # most move nothing
+    tm.budget = None
+    with torchTensorRef.disabled():
+        plain_losses = _train(_mlp(), 8, torch.rand(8, 64, generator=torch.Generator().manual_seed(1)))
+    assert losses == plain_losses
+
+
+def test_a_strategy_refusing_fast_ops_sees_every_op_in_its_hooks(fresh_manager):
+    class Refuses(_Counting):
+        def follows_fast_ops(self):
+            return True  # offered the fast path, but refuses each op
+
+        def fast_op(self, index, func, blocks, reserved):
+            self.fast += 1
+            return False
+
+    flow = Refuses()
+    tm.strategy = flow
+    tensors = [torch.zeros(256) for _ in range(3)]  # 1 KiB each, room for two
+    tm.budget = 2 * 1024
+    for _ in range(4):
+        for t in tensors:
+            t.add_(1)
+    assert tm.under_pressure
+    flow.generic = flow.fast = 0
+    tm.reset_stats()
+    for _ in range(4):
+        for t in tensors:
+            t.add_(1)
+    assert flow.generic == tm.stats()["ops"] == 12
+    assert flow.fast > 0  # resident ones were offered, and refused
+    assert all(torch.equal(t.toCPU().target, torch.full((256,), 8.0)) for t in tensors)
