@@ -144,13 +144,12 @@ class Flow(Strategy):
         n = op.index
         self._now = n
         func = op.spec  # one per aten op; hashing it is cheaper than the op's own __hash__
-        self._func[n] = func
-        ids = tuple(b.id for b in op.blocks)
-        self._op_blocks[n] = ids
         if self.plan is not None:
             if self._follows(n, func, op.blocks):
                 return
             self._leave_plan(n)
+        self._func[n] = func
+        self._op_blocks[n] = tuple(b.id for b in op.blocks)
         sig = (func, tuple(b.id for b in op.blocks if not b.from_op))
         uses = self._uses
         for b in op.blocks:
@@ -360,8 +359,6 @@ class Flow(Strategy):
 
     def fast_op(self, n: int, func, blocks, reserved: int) -> bool:
         self._now = n
-        self._func[n] = func
-        self._op_blocks[n] = tuple(b.id for b in blocks)
         if self.plan is None or not self._follows(n, func, blocks):
             return False  # the generic path runs it: before_op finds the divergence
         if self.lookahead and not self.manager.all_resident():
@@ -377,11 +374,8 @@ class Flow(Strategy):
                 birth[i] = (n, j)
 
     def _follows(self, n: int, func, blocks) -> bool:
-        """Whether op ``n`` follows the plan (its record is kept either way)."""
-        for b in blocks:
-            if b.last_use == n and not b.from_op and b.id not in self._birth:
-                self._born_before(b, n)  # (as in before_op)
-        if not self.plan.follows(func, blocks, n, self._birth):
+        """Whether op ``n`` follows the plan."""
+        if not self.plan.follows(func, blocks, n, self._birth, self._born_before):
             return False
         if n - self._pruned_at >= max(self.period, self.max_history // 4):
             self._prune(n)
@@ -389,18 +383,21 @@ class Flow(Strategy):
 
     def _leave_plan(self, n: int) -> None:
         """Op ``n`` does not follow the plan: record the followed ops as learning would have."""
-        # Note [Leaving the plan]: while following, Flow kept each op's blocks and results
-        # (the record the period is checked against) but not the per-block use lists, the
-        # candidate periods or the ranking. They are rebuilt from that record here, once, so
+        # Note [Leaving the plan]: while following, Flow kept only the blocks each op created
+        # (what a role resolves to), not each op's record, the per-block use lists, the
+        # candidate periods or the ranking: every op followed the plan, so the plan and the
+        # created blocks say what each op was. The rest is rebuilt from them here, once, so
         # learning goes on as if it had never stopped.
-        self.plan = None
+        plan, self.plan = self.plan, None
         self.manager.hooks_changed()
         uses, sigs, birth = self._uses, self._sig_positions, self._birth
         kept = n - max(self.max_history, 2 * self.period + self.lookahead + 8)  # (as _prune)
         for m in range(max(self._plan_from, kept), n):
-            ids = self._op_blocks.get(m)
-            if ids is None:
+            op = plan.op_at(m, self._born_at)
+            if op is None:
                 continue
+            self._func[m], ids = op
+            self._op_blocks[m] = ids
             for i in ids:
                 uses.setdefault(i, []).append(m)
             for i in self._created.get(m, ()):

@@ -94,8 +94,12 @@ class Plan:
     def offset(self, n: int) -> int:
         return (n - self.base) % self.period
 
-    def follows(self, func, blocks, n: int, birth: dict) -> bool:
-        """Whether op ``n`` (aten op ``func`` on ``blocks``) is the plan's op at its offset."""
+    def follows(self, func, blocks, n: int, birth: dict, born_before: Callable) -> bool:
+        """Whether op ``n`` (aten op ``func`` on ``blocks``) is the plan's op at its offset.
+
+        A block made by the device's empty kernel for this op to fill is first seen here:
+        ``born_before(block, n)`` records its birth, as learning does.
+        """
         k = (n - self.base) % self.period
         if self.funcs[k] is not func:
             return False
@@ -106,9 +110,23 @@ class Plan:
             if r.__class__ is int:
                 if b.id != r:
                     return False
-            elif birth.get(b.id) != (n - r[0], r[1]):
+                continue
+            born = birth.get(b.id)
+            if born is None and b.last_use == n and not b.from_op:
+                born_before(b, n)
+                born = birth[b.id]
+            if born != (n - r[0], r[1]):
                 return False
         return True
+
+    def op_at(self, m: int, born_at: Callable) -> Optional[Tuple[object, tuple]]:
+        """(aten op, block ids) of op ``m``, which followed the plan; ``None`` for a hole."""
+        k = (m - self.base) % self.period
+        func = self.funcs[k]
+        if func is None:
+            return None
+        ids = tuple(r if r.__class__ is int else born_at(m - r[0], r[1]) for r in self.roles[k])
+        return None if None in ids else (func, ids)
 
     def next_use(self, block_id: int, n: int, birth: dict, dead: int) -> Optional[int]:
         """Predicted op index of ``block_id``'s next use after op ``n``: ``dead`` if the plan
