@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common, gpu_throughput, overhead, plots, run_all, small_ops, transfer  # noqa: E402
+from benchmarks import common, gpu_throughput, op_cost, overhead, plots, run_all, small_ops, transfer  # noqa: E402
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -274,3 +274,19 @@ def test_run_all_copies_headline_plots_to_assets(tmp_path, monkeypatch):
     monkeypatch.setattr(run_all, "HEADLINES", {"flow_vs_reference": "headline.png"})
     run_all.main(["--quick", "--only", "flow_vs_reference", "--out", str(out), "--assets", str(assets)])
     assert (assets / "headline.png").read_bytes() == (out / "flow_vs_reference.png").read_bytes()
+
+
+def test_op_cost_times_every_path_and_the_plan_row_follows_its_plan(fresh_manager, tmp_path):
+    path = tmp_path / "op_cost.json"
+    result = op_cost.main(["--calls", "50", "--profile", "--json", str(path)])
+    rows = result["rows"]
+    assert list(rows) == [label for label, _setup in op_cost.ROWS]
+    for label, r in rows.items():
+        assert r["plain_us"] > 0 and r["floor_us"] > 0 and r["managed_us"] > 0, label
+    assert rows["sim, Flow following its plan"]["plan"] and rows["sim, Flow following its plan"]["under_pressure"]
+    assert not rows["sim, Flow learning"]["plan"] and rows["sim, Flow learning"]["under_pressure"]
+    assert not rows["sim, a budget that fits"]["under_pressure"]
+    assert any("run_fast" in name for name, _us in result["profile_plan_row"])
+    with open(path) as f:
+        saved = json.load(f)
+    assert saved["command"].startswith("python benchmarks/op_cost.py --calls 50")
