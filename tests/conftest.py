@@ -45,12 +45,16 @@ def fresh_manager():
     # The budget is a promise: no test may have gone above it (a test that shows an
     # overshoot on purpose resets the stats).
     overshoot = tm.stats()["worst_overshoot_bytes"]
+    leaked = list(tm._callbacks)
+    for handle in leaked:
+        handle.remove()  # (a callback left behind would turn the fast path off for later tests)
     tm.fault_injector = None
     tm.budget = None
     tm.strategy = "genoa"
     tm.device = TEST_DEVICE
     torchTensorRef.patch()
     assert overshoot == 0, f"{overshoot} bytes in use above the budget"
+    assert not leaked, f"the test left {len(leaked)} callback(s) added: remove them with handle.remove()"
 
 
 @pytest.fixture

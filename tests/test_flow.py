@@ -72,10 +72,11 @@ def test_tensors_made_on_the_device_each_step_keep_the_period(flow):
     a, b, c = (torch.zeros(256) for _ in range(3))
     tm.budget = 4 * KIB  # the three and two temporaries of 1 KiB do not fit together
     periods = []
-    tm.add_callback(after=lambda op: periods.append(flow.period))
+    handle = tm.add_callback(after=lambda op: periods.append(flow.period))
     for _ in range(12):
         for t in (a, b, c):
             t.add_(torch.arange(256.0, device=t.device) + torch.full((256,), 2.0))
+    handle.remove()
     assert tm.stats()["evictions"] > 0  # Flow had to choose
     found = periods.index(next(p for p in periods if p is not None))
     assert set(periods[found:]) == {periods[-1]}, "the period was lost and found again"

@@ -70,22 +70,65 @@ def test_data_dependent_results_stay_within_the_budget(strategy, select):
         assert torch.equal(got.target.cpu(), want)
 
 
-def test_an_unbounded_result_past_the_budget_is_recorded():
-    # bincount's length is the largest value plus one: only the data says, so the manager
-    # makes room after it ran, and stats() must show by how much it went over.
+@pytest.mark.parametrize("strategy", NAMES)
+@pytest.mark.parametrize("select", [lambda a, i: torch.bincount(i * 40), lambda a, i: torch.bincount(i * 40, a[:64]),
+                                    lambda a, i: torch.repeat_interleave(i),
+                                    lambda a, i: torch.repeat_interleave(a[:64].clone(), i)],
+                         ids=["bincount", "bincount weights", "repeat_interleave", "repeat_interleave self"])
+def test_results_sized_by_their_values_get_room_before_they_run(strategy, select):
+    # bincount's length is the largest value plus one, repeat_interleave's the repeats' sum:
+    # the bound reads them (as the kernels do) instead of making room after the op.
     tm = tensorsManager
-    tm.strategy = "genoa"
+    tm.strategy = strategy
+    tm.budget = 96 * 1024
+    a, b = torch.randn(8192), torch.randn(8192)  # 32 KiB each
+    counts = torch.randint(100, 120, (64,), generator=torch.Generator().manual_seed(0))
+    for _ in range(10):
+        (a * b).sum()
+    a.toGPU(), b.toGPU(), counts.toGPU()  # 64.5 KiB resident: less than the result's room is left
+    tm.reset_stats()
+    got = select(a, counts)  # over 6,400 int64 (50 KiB) or 4,000 of them (31 KiB)
+    stats = tm.stats()
+    assert stats["peak_device_bytes"] <= tm.budget and stats["worst_overshoot_bytes"] == 0
+    with torchTensorRef.disabled():
+        want = select(a.target.cpu(), counts.target.cpu())
+        assert torch.equal(got.target.cpu(), want)
+
+
+def test_a_result_sized_by_its_values_past_the_budget_is_refused_before_it_runs():
+    tm = tensorsManager
+    tm.strategy = "flow"
     tm.budget = 4096
     x = torch.tensor([2000])
     tm.reset_stats()
-    counts = torch.bincount(x)  # 2001 int64: 16008 bytes
+    with pytest.raises(torchTensorRef.OutOfBudgetError, match="aten.bincount"):
+        torch.bincount(x)  # 2001 int64: 16008 bytes
+    assert tm.stats()["worst_overshoot_bytes"] == 0 and tm.stats()["ops"] == 0
+    tm.budget = None
+    counts = torch.bincount(x)
+    assert counts.shape == (2001,) and counts[2000].item() == 1 and counts.sum().item() == 1
+
+
+def test_a_result_larger_than_its_meta_kernel_said_is_recorded_as_an_overshoot():
+    # The safety net: a custom op whose meta kernel understates its result. The manager
+    # makes room after it ran, and stats() says by how much the budget was passed.
+    lib = torch.library.Library("torchTensorRef_test_sizes", "DEF")
+    lib.define("grow(Tensor x, int n) -> Tensor")
+    lib.impl("grow", lambda x, n: x.new_zeros(n), "CPU")
+    lib.impl("grow", lambda x, n: x.new_empty(1), "Meta")
+    tm = tensorsManager
+    tm.strategy = "genoa"
+    tm.budget = 4096
+    x = torch.zeros(4)
+    tm.reset_stats()
+    grown = torch.ops.torchTensorRef_test_sizes.grow(x, 2000)  # 8000 bytes
     stats = tm.stats()
     assert stats["worst_overshoot_bytes"] > 0
     assert stats["worst_overshoot_bytes"] == stats["peak_device_bytes"] - 4096
     tm.reset_stats()
     assert tm.stats()["worst_overshoot_bytes"] == 0
     tm.budget = None
-    assert counts.shape == (2001,) and counts[2000].item() == 1 and counts.sum().item() == 1
+    assert grown.shape == (2000,) and grown.sum().item() == 0
 
 
 def test_an_op_with_no_meta_kernel_is_sized_on_host_zeros():

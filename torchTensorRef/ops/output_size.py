@@ -104,11 +104,14 @@ def _growth(spec: OpSpec, args, kwargs, meta_args, meta_kwargs) -> int:
 
 
 # Note [Data-dependent sizes]: the bound of each op whose result size depends on its data,
-# from the arguments' shapes alone (reading the data would make the host wait for the
-# device). A data-dependent op without a bound here (``bincount``, ``repeat_interleave``
-# with tensor repeats) is sized on host zeros, which can fall short: the manager then makes
-# room after it ran, and the peak may pass the budget by the difference
-# (``stats()["worst_overshoot_bytes"]`` records it).
+# from the arguments' shapes alone where one exists (reading the data would make the host
+# wait for the device). Two ops have no such bound: ``bincount`` (the largest value plus
+# one) and ``repeat_interleave`` with tensor repeats (their sum). Their kernels read those
+# values themselves before allocating (CUDA's too, unless ``output_size`` is given), so the
+# bound reads them first: the same wait, one op earlier. Those bounds depend on values, so
+# they are never cached. An op that still outgrows its estimate (a custom op whose meta
+# kernel is wrong) makes the manager make room after it ran, and the peak may pass the
+# budget by the difference (``stats()["worst_overshoot_bytes"]`` records it).
 
 def _itemsize(t: torch.Tensor) -> int:
     return t.element_size()
@@ -146,6 +149,32 @@ def _bound_ctc_loss(args, kwargs) -> int:
     return batch * (log_probs.size(0) * (2 * longest + 1) + 1) * _itemsize(log_probs)
 
 
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """The current values of ``t`` as a plain tensor (waiting for copies in flight)."""
+    from ..tensor_ref import TensorRef
+
+    if isinstance(t, TensorRef):
+        return t.target
+    return _plain(t)
+
+
+def _bound_repeat_interleave(args, kwargs) -> int:
+    # repeat_interleave(repeats, *, output_size=None): sum(repeats) int64 indices.
+    size = kwargs.get("output_size")
+    if size is None:
+        size = int(_values(args[0]).sum()) if args[0].numel() else 0
+    return size * 8
+
+
+def _bound_bincount(args, kwargs) -> int:
+    # bincount(self, weights=None, minlength=0): max(self) + 1 counts, int64 or the weights'
+    # floating type (at most 8 bytes each).
+    self = args[0]
+    minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+    length = int(_values(self).max()) + 1 if self.numel() else 0
+    return max(length, minlength) * 8
+
+
 def _unique_bound(flags_at: tuple):
     """The bound of a ``unique`` variant: every element distinct; the inverse indices and
     the counts (int64) only when asked (``flags_at``: their argument positions)."""
@@ -159,6 +188,8 @@ def _unique_bound(flags_at: tuple):
 
 
 _BOUNDS: Dict[object, Callable] = {}
+#: ops whose bound reads values (Note [Data-dependent sizes]): never cached by shapes
+_READS_VALUES = set()
 #: ops whose meta kernel runs but cannot know the size (it would read a tensor's values)
 _META_TOO_SMALL = frozenset({torch.ops.aten._ctc_loss.Tensor})
 
@@ -178,6 +209,8 @@ def _register_bounds() -> None:
         ("unique_consecutive", ("default",), _unique_bound((1, 2))),
         ("unique_dim_consecutive", ("default",), _unique_bound((2, 3))),
         ("_ctc_loss", ("Tensor",), _bound_ctc_loss),
+        ("repeat_interleave", ("Tensor",), _bound_repeat_interleave),
+        ("bincount", ("default",), _bound_bincount),
     ]
     for name, overloads, bound in pairs:
         packet = getattr(aten, name, None)
@@ -185,6 +218,8 @@ def _register_bounds() -> None:
             op = getattr(packet, overload, None) if packet is not None else None
             if op is not None:
                 _BOUNDS[op] = bound
+                if bound in (_bound_repeat_interleave, _bound_bincount):
+                    _READS_VALUES.add(op)
 
 
 _register_bounds()
@@ -221,7 +256,8 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
         return 0  # views and in-place results allocate nothing
     try:
         # Growth depends on the written tensors' blocks, not only on shapes: not cached.
-        key = None if spec.restrides else (spec, _key(args), _key(kwargs.items()) if kwargs else ())
+        key = None if spec.restrides or spec.func in _READS_VALUES else (
+            spec, _key(args), _key(kwargs.items()) if kwargs else ())
         hash(key)
     except (TypeError, RuntimeError):  # unhashable arguments; nested tensors have no sizes
         key = None
