@@ -411,6 +411,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
             yield trace
         finally:
             with self._lock:
+                trace.stop()
                 self._trace = previous
                 self._refresh_fast()
 
