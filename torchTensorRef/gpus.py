@@ -78,7 +78,8 @@ def resolve(gpu: Union[str, GPU, dict]) -> GPU:
     rows = table()
     if isinstance(gpu, str):
         if gpu not in rows:
-            raise ValueError(f"unknown GPU {gpu!r}: accepted are {', '.join(rows)}, or a dict of numbers")
+            raise ValueError(f"unknown GPU {gpu!r}: accepted are {', '.join(rows)}, or a dict of numbers "
+                             f"(on the command line: a .json file of them)")
         return rows[gpu]
     if isinstance(gpu, dict):
         fields = dict(gpu)

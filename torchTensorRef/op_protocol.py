@@ -33,8 +33,6 @@ class OpProtocol:
     """The ``TensorsManager`` methods of the op protocol (state lives in the manager)."""
 
     def _prepare(self, ctx) -> None:
-        if self._trace is not None:
-            self._trace.entered = time.perf_counter_ns()  # the op's host time starts here
         backend = self._backend
         if ctx.on_host or backend.passthrough:
             if self._callbacks:

@@ -18,6 +18,8 @@ copy to the accelerator) is found before anything changed, and the generic path 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .. import raw, sim_device
@@ -308,6 +310,8 @@ def run_fast(func, args, kwargs, spec: OpSpec):
 def run_generic(func, args, kwargs, spec: OpSpec):
     mgr = _mgr
     with mgr._lock:
+        if mgr._trace is not None:
+            mgr._trace.entered = time.perf_counter_ns()  # our host time for this op starts here
         if mgr._dead:
             mgr._drain()
         refs = []
