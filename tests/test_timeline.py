@@ -215,3 +215,16 @@ def test_bad_arguments():
         timeline.predict(trace, steps=0)
     with pytest.raises(TypeError, match="gpu must be a name, a GPU or a dict"):
         timeline.predict(trace, 3)
+
+
+def test_all_resident_leaves_out_the_proxy_entry_cost():
+    trace = _train(steps=1)
+    assert timeline.predict(trace, scenario="resident").host_program_seconds == pytest.approx(
+        timeline.predict(trace).host_program_seconds)
+    entry = timeline.proxy_entry_ns()
+    assert entry > 0  # a Python tensor subclass costs host time per op
+    trace.entry_ns = entry
+    recorded = timeline.predict(trace)
+    resident = timeline.predict(trace, scenario="resident")
+    assert recorded.host_program_seconds > resident.host_program_seconds
+    assert resident.host_program_seconds >= recorded.host_program_seconds - len(trace.ops) * entry / 1e9 - 1e-12

@@ -59,6 +59,9 @@ class Trace:
         self.entered = 0
         #: op_index -> time the op entered the manager
         self.entries: Dict[int, int] = {}
+        #: host ns per op that entering a TensorRef costs before the manager sees the op
+        #: (``timeline.proxy_entry_ns``; 0 until someone measures it)
+        self.entry_ns = 0.0
         self.t0 = time.perf_counter_ns()
         self.t_end: Optional[int] = None
 
