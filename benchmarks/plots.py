@@ -219,3 +219,6 @@ def predicted(result: dict, path: str) -> str:
                      f"predicted as {work['predicted_dtype']}, not measured", fontsize=9)
         ax.legend(fontsize=7)
     return _save(plt, fig, path)
+
+
+PLOTS["predicted"] = predicted

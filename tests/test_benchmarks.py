@@ -274,3 +274,35 @@ def test_run_all_copies_headline_plots_to_assets(tmp_path, monkeypatch):
     monkeypatch.setattr(run_all, "HEADLINES", {"flow_vs_reference": "headline.png"})
     run_all.main(["--quick", "--only", "flow_vs_reference", "--out", str(out), "--assets", str(assets)])
     assert (assets / "headline.png").read_bytes() == (out / "flow_vs_reference.png").read_bytes()
+
+
+def test_predicted_harness_at_a_tiny_size(tmp_path):
+    from benchmarks import predicted
+
+    png = tmp_path / "predicted.png" if _has_matplotlib() else None
+    argv = ["--tiny", "--layers", "1", "--train-layers", "1", "--json", str(tmp_path / "predicted.json")]
+    result = predicted.main(argv + (["--plot", str(png)] if png else []))
+    saved = json.load(open(tmp_path / "predicted.json"))
+    for key in METADATA:
+        assert saved[key], key
+    assert saved["predicted"] is True and "not measured" in saved["note"]
+    decode, train = saved["works"]
+    assert {r["row"] for r in decode["rows"]} >= {"all-resident", "accelerate cpu_offload", "Flow, 50%", "Genoa, 100%"}
+    assert "accelerate cpu_offload" not in {r["row"] for r in train["rows"]}
+    for work in (decode, train):
+        assert {r["gpu"] for r in work["rows"]} == {"h100-pcie", "rtx-4090"}
+        for r in work["rows"]:
+            if not r["fits"]:
+                assert "budget" in r["error"]
+                continue
+            assert r["step_seconds"] >= r["bound_seconds"] > 0
+            if r["row"] == "all-resident":
+                assert r["bytes_to_device"] == 0
+            elif r["budget_fraction"] is not None and r["budget_fraction"] < 1:
+                assert r["bytes_to_device"] > 0
+        offload = [r for r in work["rows"] if r["row"] == "accelerate cpu_offload"]
+        for r in offload:  # every weight, in before each forward
+            assert r["bytes_to_device"] == work["param_bytes"] // (1 if saved["bf16_recorded"] else 2)
+    assert result["works"][0]["rows"] == saved["works"][0]["rows"]
+    if png:
+        assert png.stat().st_size > 0
