@@ -135,8 +135,12 @@ def _fetches(pinned_limit):
 
 
 def test_pinned_copies_are_faster_than_pageable():
-    pinned = _fetches("1GiB")
-    pageable = _fetches(0)
+    before = tensorsManager.pinned_limit
+    try:
+        pinned = _fetches("1GiB")
+        pageable = _fetches(0)
+    finally:
+        tensorsManager.pinned_limit = before
     assert "blocking" not in pinned.move_modes and "ordered" in pinned.move_modes
     assert "blocking" in pageable.move_modes
     assert pinned.bytes_moved() == pageable.bytes_moved()
@@ -228,3 +232,14 @@ def test_all_resident_leaves_out_the_proxy_entry_cost():
     resident = timeline.predict(trace, scenario="resident")
     assert recorded.host_program_seconds > resident.host_program_seconds
     assert resident.host_program_seconds >= recorded.host_program_seconds - len(trace.ops) * entry / 1e9 - 1e-12
+
+
+def test_deferred_simulated_copies_are_not_host_time():
+    trace = _train(steps=3, budget="96KiB", strategy="flow")
+    assert "async" in trace.move_modes  # Flow prefetched
+    assert trace.hidden_copies  # ... and "sim" ran those copies when they were waited on
+    for start, end in trace.hidden_copies:
+        assert trace.t0 <= start <= end <= trace.t_end
+    with_copies = timeline.predict(trace)
+    trace.hidden_copies = []
+    assert timeline.predict(trace).host_ours_seconds > with_copies.host_ours_seconds

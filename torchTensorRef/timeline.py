@@ -201,6 +201,8 @@ class _Replay:
             if k is not None:
                 out.append((k.start, 2, "kernel", (index, name, k)))
             out.append((end, 4, "exit", index))
+        for start, end in t.hidden_copies:
+            out.append((start, 1, "hidden", end))
         if self.scenario == "recorded":
             for i, move in enumerate(t.moves):
                 mode = t.move_modes[i] if i < len(t.move_modes) else "ordered"
@@ -242,7 +244,10 @@ class _Replay:
             elif kind == "move":
                 move, mode = payload
                 self._move(move, mode)
-                when = max(when, move[4])
+                if mode != "drop":  # (dropping a clean copy is bookkeeping: host time)
+                    when = max(when, move[4])
+            elif kind == "hidden":
+                when = max(when, payload)  # a deferred simulated copy: a copy engine's time
             elif kind == "sync":
                 self._wait_host(self.written.get(payload, 0.0))
             elif kind == "hook":

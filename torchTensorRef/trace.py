@@ -7,7 +7,8 @@ writes a Chrome trace (open it in Perfetto or chrome://tracing).
 What a timeline needs besides (``timeline.py`` replays it on a modelled GPU) is kept in
 side tables keyed like the contract's: ``kernels`` (each op's own kernel time, FLOPs and
 bytes), ``move_modes`` (how each move copied), ``syncs`` (where the host waited for the
-device outside an op) and ``marks`` (step boundaries).
+device outside an op), ``hidden_copies`` (copies ``"sim"`` deferred and ran later on the
+host) and ``marks`` (step boundaries).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Trace:
         self.move_modes: List[str] = []
         #: (time_ns, block_id) where the host waited for the device outside an op
         self.syncs: List[tuple] = []
+        #: (start_ns, end_ns) of copies the simulated device deferred and the host ran later
+        #: (on a GPU a copy engine runs them: not host time)
+        self.hidden_copies: List[tuple] = []
         #: step boundaries (time_ns) set by whoever drives the recording (the ``predict`` runner)
         self.marks: List[int] = []
         #: (time_ns, nbytes, tensors) per module call: the weights an offloading hook would copy
@@ -91,6 +95,9 @@ class Trace:
     def sync(self, when: int, block_id: int) -> None:
         """The host waited for the device to read ``block_id``'s bytes (outside an op)."""
         self.syncs.append((when, block_id))
+
+    def hidden(self, start: int, end: int) -> None:
+        self.hidden_copies.append((start, end))
 
     def mark(self) -> None:
         """A step ends now (``timeline.predict`` divides by the number of steps)."""
