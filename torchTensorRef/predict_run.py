@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import time
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
@@ -199,9 +199,10 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     results = predictions(trace, gpu, recorded, args.half)
     budget = tensorsManager.budget
     sys.stdout.flush()
-    print(f"\npredicted on {gpu.name} ({gpu.link or 'link as given'}), {'training' if is_training(trace) else 'inference'}, "
-          f"{recorded} step(s) recorded on sim, strategy {tensorsManager.strategy.name}, budget "
-          f"{format_size(budget) if budget is not None else 'none'}{', as 16-bit' if args.half else ''}:")
+    work = "training" if is_training(trace) else "inference"
+    print(f"\npredicted on {gpu.name} ({gpu.link or 'link as given'}), {work}, {recorded} step(s) recorded on sim, "
+          f"strategy {tensorsManager.strategy.name}, budget {format_size(budget) if budget is not None else 'none'}"
+          f"{', as 16-bit' if args.half else ''}:")
     print(table(results))
     print("(predicted by a model of the run, not measured: see docs/timeline.md)")
     if args.json:
