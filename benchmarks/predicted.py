@@ -5,7 +5,10 @@ vocabulary 32000) with random weights. Two works:
 
 - ``decode``: batch-1 greedy ``generate()``, an 8-token prompt; the steps recorded are
   single-token decode steps (the prefill and the first decode step are warm-up);
-- ``train``: an AdamW step (forward, backward, step), batch 1 x ``--seq`` tokens.
+- ``train``: an AdamW step (forward, backward, step), batch 1 x ``--seq`` tokens, on
+  ``--train-layers`` layers and a ``--train-vocab`` vocabulary: AdamW's update of a
+  32000 x 2048 embedding in fp32 needs 750 MiB resident at once, more than 25% or 50% of
+  the weights of a few layers.
 
 Rows: the run under Flow and Genoa at 25%, 50% and 100% of the weights' bytes, and from
 the no-budget run the same steps predicted all-resident (no moves, none of our host time)
@@ -18,7 +21,8 @@ without fast bf16 records in fp32 and the prediction halves every byte and uses 
 peak (``predict(as_half=True)``), as a bf16 run would; ``--layers`` below 22 keeps the
 shapes of each layer and has fewer of them (the result says how many).
 
-    python benchmarks/predicted.py [--layers 22] [--train-layers 4] [--seq 32] [--json out.json] [--plot out.png]
+    python benchmarks/predicted.py [--layers 22] [--train-layers 4] [--train-vocab 8000] [--seq 32]
+                                   [--json out.json] [--plot out.png]
 """
 
 from __future__ import annotations
@@ -95,8 +99,10 @@ def rows_of(work: str, trace, label: str, strategy, fraction, budget, gpu_names,
     return out
 
 
-def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: dict) -> dict:
+def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: dict, vocab=None) -> dict:
     dtype = torch.bfloat16 if half else torch.float32
+    if vocab is not None:
+        shapes = dict(shapes, vocab=vocab)
     model = common.llama(layers=layers, positions=max(seq, 64) + 8, dtype=dtype, **shapes)
     weights = common.param_bytes(model)
     vocab = model.config.vocab_size
@@ -122,7 +128,7 @@ def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: di
                 continue
             rows += rows_of(work, trace, label, strategy, fraction, budget, gpu_names, as_half)
             del trace
-    return {"work": work, "layers": layers, "param_bytes": weights,
+    return {"work": work, "layers": layers, "vocab": shapes["vocab"], "param_bytes": weights,
             "parameters": common.parameters_text(sum(p.numel() for p in model.parameters())),
             "recorded_dtype": str(dtype).replace("torch.", ""), "predicted_dtype": "bfloat16", "rows": rows}
 
@@ -130,8 +136,9 @@ def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: di
 def table(result: dict) -> str:
     lines = []
     for work in result["works"]:
-        lines.append(f"{work['work']}: {work['layers']} layers, {work['parameters']} parameters "
-                     f"(recorded in {work['recorded_dtype']}, predicted as {work['predicted_dtype']}), ms per step:")
+        lines.append(f"{work['work']}: {work['layers']} layers, vocabulary {work['vocab']}, "
+                     f"{work['parameters']} parameters (recorded in {work['recorded_dtype']}, "
+                     f"predicted as {work['predicted_dtype']}), ms per step:")
         gpu_names = list(dict.fromkeys(r["gpu"] for r in work["rows"]))
         lines.append(f"  {'':24s}" + "".join(f"{g:>14s}" for g in gpu_names))
         for label in dict.fromkeys(r["row"] for r in work["rows"]):
@@ -148,6 +155,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--layers", type=int, default=22, help="decoder layers for decoding (default: 22, the 1.1B)")
     parser.add_argument("--train-layers", type=int, default=4,
                         help="decoder layers for the training step (default: 4: fp32 AdamW of 22 needs ~18 GB)")
+    parser.add_argument("--train-vocab", type=int, default=8000,
+                        help="vocabulary for the training step (default: 8000, see above)")
     parser.add_argument("--seq", type=int, default=32, help="training tokens per step (batch 1)")
     parser.add_argument("--gpus", nargs="+", default=["h100-pcie", "rtx-4090"])
     parser.add_argument("--works", nargs="+", default=["decode", "train"], choices=("decode", "train"))
@@ -164,7 +173,8 @@ def main(argv=None) -> dict:
     for work in args.works:
         layers = args.layers if work == "decode" else args.train_layers
         print(f"== {work}, {layers} layers", flush=True)
-        result["works"].append(run_work(work, layers, args.seq, args.gpus, half, shapes))
+        vocab = args.train_vocab if work == "train" and not args.tiny else None
+        result["works"].append(run_work(work, layers, args.seq, args.gpus, half, shapes, vocab))
     print(table(result))
     if args.json:
         common.write_json(args.json, result)

@@ -218,6 +218,8 @@ def test_bad_arguments():
         timeline.predict(trace, scenario="offload")
     with pytest.raises(ValueError, match=r"steps must be a positive int \(got: 0\)"):
         timeline.predict(trace, steps=0)
+    with pytest.raises(ValueError, match=r"host_scale must be a positive number \(got: -1\)"):
+        timeline.predict(trace, host_scale=-1)
     with pytest.raises(TypeError, match="gpu must be a name, a GPU or a dict"):
         timeline.predict(trace, 3)
 
@@ -244,3 +246,13 @@ def test_deferred_simulated_copies_are_not_host_time():
     with_copies = timeline.predict(trace)
     trace.hidden_copies = []
     assert timeline.predict(trace).host_ours_seconds > with_copies.host_ours_seconds
+
+
+def test_host_scale_scales_the_measured_host_time():
+    trace = _train()
+    p = timeline.predict(trace, "h100-pcie")
+    q = timeline.predict(trace, "h100-pcie", host_scale=0.5)
+    assert q.host_ours_seconds == pytest.approx(p.host_ours_seconds / 2)
+    assert q.host_program_seconds == pytest.approx(p.host_program_seconds / 2)
+    assert q.compute_seconds == pytest.approx(p.compute_seconds)
+    assert q.step_seconds < p.step_seconds

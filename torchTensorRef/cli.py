@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         "predict", help="predict a script's step time on a GPU from a run on sim",
         description=predict_run.__doc__.splitlines()[0],
         usage="python -m torchTensorRef predict [--gpu NAME] [--strategy S] [--budget B] [--steps A:B] "
-              "[--step-on {forward,optimizer}] [--half] [--json PATH] [--chrome PATH] script.py [args ...]",
+              "[--step-on {forward,optimizer}] [--half] [--host-scale X] [--json PATH] [--chrome PATH] "
+              "script.py [args ...]",
     )
     predict_run.add_arguments(predict)
     predict.set_defaults(handler=predict_run.main, parser=predict)

@@ -123,6 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a step ends when the model's forward returns (default), or after optimizer.step()")
     parser.add_argument("--half", action="store_true",
                         help="the script runs in fp32 for a bf16/fp16 program: predict with 16-bit bytes and peak")
+    parser.add_argument("--host-scale", metavar="X", type=float, default=1.0,
+                        help="multiply the measured host time by X (0.5: a host twice as fast as this one)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the predictions as JSON")
     parser.add_argument("--chrome", metavar="PATH", default=None, help="write the predicted timeline as a Chrome trace")
     parser.add_argument("script", help="the Python script to run")
@@ -141,14 +143,14 @@ def is_training(trace) -> bool:
     return any("backward" in name for _i, name, _s, _e in trace.ops)
 
 
-def predictions(trace, gpu, steps: int, as_half: bool = False) -> dict:
+def predictions(trace, gpu, steps: int, as_half: bool = False, host_scale: float = 1.0) -> dict:
     """The recorded run, all-resident and (inference) accelerate's cpu_offload, by label."""
-    out = {"torchTensorRef": timeline.predict(trace, gpu, steps=steps, as_half=as_half),
-           "all-resident": timeline.predict(trace, gpu, scenario="resident", steps=steps, as_half=as_half)}
+    scenarios = {"torchTensorRef": "recorded", "all-resident": "resident"}
     if not is_training(trace):
-        out["accelerate cpu_offload"] = timeline.predict(trace, gpu, scenario="cpu_offload", steps=steps,
-                                                         as_half=as_half)
-    return out
+        scenarios["accelerate cpu_offload"] = "cpu_offload"
+    return {label: timeline.predict(trace, gpu, scenario=scenario, steps=steps, as_half=as_half,
+                                    host_scale=host_scale)
+            for label, scenario in scenarios.items()}
 
 
 def table(results: dict) -> str:
@@ -175,6 +177,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         gpu = load_gpu(args.gpu)
     except (ValueError, TypeError) as e:
         parser.error(f"--gpu: {e}")
+    if not args.host_scale > 0:
+        parser.error(f"--host-scale must be a positive number (got: {args.host_scale})")
     tensorsManager.device = "sim"
     for name in ("strategy", "budget"):
         value = getattr(args, name)
@@ -196,13 +200,14 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"predict: the script ran {recorder.done} step(s) (--step-on {args.step_on}); --steps "
               f"{args.steps} needs at least {first + 1}", file=sys.stderr)
         return 1
-    results = predictions(trace, gpu, recorded, args.half)
+    results = predictions(trace, gpu, recorded, args.half, args.host_scale)
     budget = tensorsManager.budget
     sys.stdout.flush()
     work = "training" if is_training(trace) else "inference"
     print(f"\npredicted on {gpu.name} ({gpu.link or 'link as given'}), {work}, {recorded} step(s) recorded on sim, "
           f"strategy {tensorsManager.strategy.name}, budget {format_size(budget) if budget is not None else 'none'}"
-          f"{', as 16-bit' if args.half else ''}:")
+          f"{', as 16-bit' if args.half else ''}"
+          f"{f', host time x {args.host_scale:g}' if args.host_scale != 1 else ''}:")
     print(table(results))
     print("(predicted by a model of the run, not measured: see docs/timeline.md)")
     if args.json:

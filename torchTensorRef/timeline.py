@@ -145,7 +145,8 @@ def proxy_entry_ns(trials: int = 300) -> float:
 
 
 def predict(trace: Trace, gpu: Union[str, GPU, dict] = "h100-pcie", *, scenario: str = "recorded",
-            steps: Optional[int] = None, as_half: bool = False, pinned: bool = False) -> Prediction:
+            steps: Optional[int] = None, as_half: bool = False, pinned: bool = False,
+            host_scale: float = 1.0) -> Prediction:
     """Replay ``trace`` on ``gpu``.
 
     Args:
@@ -159,6 +160,8 @@ def predict(trace: Trace, gpu: Union[str, GPU, dict] = "h100-pcie", *, scenario:
         as_half: the trace was recorded in fp32 for a bf16 program (a CPU without fast
             bf16): halve every byte count and use the 16-bit peak.
         pinned: for ``"cpu_offload"``, whether the weights are in pinned memory.
+        host_scale: the measured host time is multiplied by this: 0.5 for a host twice as
+            fast as the recording machine's (the modelled launch costs are not scaled).
     """
     spec = gpus.resolve(gpu)
     if scenario not in SCENARIOS:
@@ -167,7 +170,10 @@ def predict(trace: Trace, gpu: Union[str, GPU, dict] = "h100-pcie", *, scenario:
         steps = max(len(trace.marks), 1)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be a positive int (got: {steps!r})")
+    if isinstance(host_scale, bool) or not isinstance(host_scale, (int, float)) or not host_scale > 0:
+        raise ValueError(f"host_scale must be a positive number (got: {host_scale!r})")
     replay = _Replay(trace, spec, scenario, 0.5 if as_half else 1.0, as_half, pinned)
+    replay.host_scale = host_scale
     replay.run()
     return replay.prediction(steps)
 
@@ -186,6 +192,7 @@ class _Replay:
         self.host_wait = self.ours = self.program = self.flops = 0.0
         self.bytes = {"to_device": 0.0, "to_host": 0.0}
         self.kernels = 0
+        self.host_scale = 1.0
         self.entry = getattr(trace, "entry_ns", 0.0) / 1e9
 
     # -- the walk ---------------------------------------------------------------------------
@@ -222,15 +229,16 @@ class _Replay:
             blocks[index].add(block)
         last = t.t0
         inside = False
+        unit = self.host_scale / 1e9
         for when, _order, kind, payload in self.points():
-            gap = max(when - last, 0) / 1e9
+            gap = max(when - last, 0) * unit
             if inside:
                 self.ours += gap
                 if self.scenario == "recorded":
                     self._host(gap, "torchTensorRef")
             else:
                 if kind == "enter" and self.scenario != "recorded":
-                    gap = max(gap - self.entry, 0.0)  # a plain program does not enter a TensorRef
+                    gap = max(gap - self.entry * self.host_scale, 0.0)  # a plain program does not enter a TensorRef
                 self.program += gap
                 self._host(gap, "program")
             if kind == "enter":
@@ -256,7 +264,7 @@ class _Replay:
                     self._copy_in(None, nbytes * self.scale / count, "blocking", self.pinned)
             last = max(last, when)
         end = t.t_end if t.t_end is not None else last
-        tail = max(end - last, 0) / 1e9
+        tail = max(end - last, 0) * unit
         self.program += tail
         self._host(tail, "program")
 
