@@ -191,3 +191,34 @@ def plot(name: str, result: dict, folder: str) -> str:
     """Write ``<folder>/<name>.png`` from a benchmark's result; returns its path."""
     os.makedirs(folder, exist_ok=True)
     return PLOTS[name](result, os.path.join(folder, f"{name}.png"))
+
+
+def predicted(result: dict, path: str) -> str:
+    """Predicted ms per step of each row on each GPU, one panel per work (log scale)."""
+    plt = _pyplot()
+    works = result["works"]
+    fig, axes = plt.subplots(1, len(works), figsize=(5.6 * len(works), 3.8), squeeze=False)
+    for ax, work in zip(axes.flat, works):
+        rows = work["rows"]
+        labels = list(dict.fromkeys(r["row"] for r in rows))
+        gpu_names = list(dict.fromkeys(r["gpu"] for r in rows))
+        width = 0.8 / max(len(gpu_names), 1)
+        for i, gpu in enumerate(gpu_names):
+            values = []
+            for label in labels:
+                r = next(r for r in rows if r["row"] == label and r["gpu"] == gpu)
+                values.append(r["step_seconds"] * 1e3 if r["fits"] else 0)
+            ax.bar([x + (i - (len(gpu_names) - 1) / 2) * width for x in range(len(labels))], values, width,
+                   label=gpu)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel("predicted ms per step", fontsize=8)
+        kind = "batch-1 decode (per token)" if work["work"] == "decode" else "AdamW training step"
+        ax.set_title(f"{kind}: {work['layers']} layers, {work['parameters']} params\n"
+                     f"predicted as {work['predicted_dtype']}, not measured", fontsize=9)
+        ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+PLOTS["predicted"] = predicted

@@ -2,7 +2,7 @@
 
     python benchmarks/run_all.py [--quick] [--only NAME ...] [--out docs/benchmarks] [--note TEXT]
 
-Runs ``overhead``, ``small_ops``, ``flow_vs_reference`` and ``transfer``, and
+Runs ``overhead``, ``small_ops``, ``flow_vs_reference``, ``transfer`` and ``predicted``, and
 ``gpu_throughput`` when a CUDA GPU is present (without one it is skipped and an earlier GPU
 result is left as it is). Each result is written to ``<out>/<name>.json`` with the device,
 torch version, date and the exact command, and plotted to ``<out>/<name>.png``; the headline
@@ -26,16 +26,17 @@ import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
-BENCHMARKS = ("overhead", "small_ops", "flow_vs_reference", "transfer", "gpu_throughput")
+BENCHMARKS = ("overhead", "small_ops", "flow_vs_reference", "transfer", "predicted", "gpu_throughput")
 #: each benchmark's arguments: full sizes, and --quick
 ARGS = {
     "full": {"overhead": [], "small_ops": [], "flow_vs_reference": ["--fractions", "0.5", "0.25"], "transfer": [],
-             "gpu_throughput": []},
+             "predicted": [], "gpu_throughput": []},
     "quick": {"overhead": ["--layers", "2", "--width", "128", "--seq", "32", "--vocab", "512", "--repeats", "3",
                            "--small-op-calls", "500"],
               "small_ops": ["--size", "tiny"],
               "flow_vs_reference": ["--layers", "2", "--steps", "2", "--fractions", "0.5"],
-              "transfer": ["--quick"], "gpu_throughput": ["--tiny"]},
+              "transfer": ["--quick"], "predicted": ["--tiny", "--layers", "2", "--train-layers", "2"],
+              "gpu_throughput": ["--tiny"]},
 }
 #: plots copied to the assets folder, for the README
 HEADLINES = {"transfer": "benchmark-transfer.png", "gpu_throughput": "benchmark-gpu.png"}
@@ -49,6 +50,8 @@ def run_one(name: str, extra, args, command: str) -> dict:
     device = "sim"
     if name in ("overhead", "small_ops"):
         device = "cpu (pass-through) and sim"
+    if name == "predicted":
+        device = "sim (predicted for GPUs)"
     if name == "gpu_throughput":
         if not torch.cuda.is_available():
             message = f"gpu_throughput skipped: no CUDA GPU (torch {torch.__version__}); nothing written"

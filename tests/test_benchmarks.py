@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common, gpu_throughput, op_cost, overhead, plots, run_all, small_ops, transfer  # noqa: E402
+from benchmarks import common, gpu_throughput, op_paths, overhead, plots, run_all, small_ops, transfer  # noqa: E402
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -276,11 +276,11 @@ def test_run_all_copies_headline_plots_to_assets(tmp_path, monkeypatch):
     assert (assets / "headline.png").read_bytes() == (out / "flow_vs_reference.png").read_bytes()
 
 
-def test_op_cost_times_every_path_and_the_plan_row_follows_its_plan(fresh_manager, tmp_path):
-    path = tmp_path / "op_cost.json"
-    result = op_cost.main(["--calls", "50", "--profile", "--json", str(path)])
+def test_op_paths_times_every_path_and_the_plan_row_follows_its_plan(fresh_manager, tmp_path):
+    path = tmp_path / "op_paths.json"
+    result = op_paths.main(["--calls", "50", "--profile", "--json", str(path)])
     rows = result["rows"]
-    assert list(rows) == [label for label, _setup in op_cost.ROWS]
+    assert list(rows) == [label for label, _setup in op_paths.ROWS]
     for label, r in rows.items():
         assert r["plain_us"] > 0 and r["floor_us"] > 0 and r["managed_us"] > 0, label
     assert rows["sim, Flow following its plan"]["plan"] and rows["sim, Flow following its plan"]["under_pressure"]
@@ -289,4 +289,36 @@ def test_op_cost_times_every_path_and_the_plan_row_follows_its_plan(fresh_manage
     assert any("run_fast" in name for name, _us in result["profile_plan_row"])
     with open(path) as f:
         saved = json.load(f)
-    assert saved["command"].startswith("python benchmarks/op_cost.py --calls 50")
+    assert saved["command"].startswith("python benchmarks/op_paths.py --calls 50")
+
+
+def test_predicted_harness_at_a_tiny_size(tmp_path):
+    from benchmarks import predicted
+
+    png = tmp_path / "predicted.png" if _has_matplotlib() else None
+    argv = ["--tiny", "--layers", "1", "--train-layers", "1", "--json", str(tmp_path / "predicted.json")]
+    result = predicted.main(argv + (["--plot", str(png)] if png else []))
+    saved = json.load(open(tmp_path / "predicted.json"))
+    for key in METADATA:
+        assert saved[key], key
+    assert saved["predicted"] is True and "not measured" in saved["note"]
+    decode, train = saved["works"]
+    assert {r["row"] for r in decode["rows"]} >= {"all-resident", "accelerate cpu_offload", "Flow, 50%", "Genoa, 100%"}
+    assert "accelerate cpu_offload" not in {r["row"] for r in train["rows"]}
+    for work in (decode, train):
+        assert {r["gpu"] for r in work["rows"]} == {"h100-pcie", "rtx-4090"}
+        for r in work["rows"]:
+            if not r["fits"]:
+                assert "budget" in r["error"]
+                continue
+            assert r["step_seconds"] >= r["bound_seconds"] > 0
+            if r["row"] == "all-resident":
+                assert r["bytes_to_device"] == 0
+            elif r["budget_fraction"] is not None and r["budget_fraction"] < 1:
+                assert r["bytes_to_device"] > 0
+        offload = [r for r in work["rows"] if r["row"] == "accelerate cpu_offload"]
+        for r in offload:  # every weight, in before each forward
+            assert r["bytes_to_device"] == work["param_bytes"] // (1 if saved["bf16_recorded"] else 2)
+    assert result["works"][0]["rows"] == saved["works"][0]["rows"]
+    if png:
+        assert png.stat().st_size > 0

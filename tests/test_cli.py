@@ -158,4 +158,4 @@ def test_no_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main([])
     assert info.value.code == 2
-    assert "{run,demo}" in capsys.readouterr().err
+    assert "{run,demo,predict}" in capsys.readouterr().err

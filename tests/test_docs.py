@@ -14,9 +14,10 @@ from torchTensorRef import strategies
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: pages whose ```python blocks form one runnable program each
-RUNNABLE = ["README.md", "docs/concepts.md", "docs/custom-strategy.md", "docs/trace.md", "docs/api.md"]
+RUNNABLE = ["README.md", "docs/concepts.md", "docs/custom-strategy.md", "docs/trace.md", "docs/api.md",
+            "docs/timeline.md"]
 PAGES = ["README.md", "docs/concepts.md", "docs/custom-strategy.md", "docs/trace.md", "docs/api.md",
-         "docs/runner.md"]
+         "docs/runner.md", "docs/timeline.md"]
 
 
 def _read(page):
@@ -35,6 +36,8 @@ def test_code_blocks_run(page, tmp_path):
     script = tmp_path / "page.py"
     script.write_text("\n\n".join(blocks))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHTENSORREF_")}
+    # the package of this checkout, whichever copy is installed
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600, env=env)
     assert done.returncode == 0, f"{page}:\n{done.stdout}\n{done.stderr}"

@@ -1,4 +1,4 @@
-"""The command line: ``python -m torchTensorRef run script.py`` and ``python -m torchTensorRef demo``.
+"""The command line: ``python -m torchTensorRef run script.py``, ``demo`` and ``predict`` (``predict_run.py``).
 
 ``run`` executes an unmodified script the way ``python -m cProfile`` does: the script sees
 the ``sys.argv``, ``sys.path[0]`` and ``__name__`` it would see under plain ``python``, its
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m torchTensorRef",
         description="Run PyTorch code with every tensor paged between host and accelerator memory.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="{run,demo}", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="{run,demo,predict}", required=True)
 
     run = commands.add_parser(
         "run", help="run an unmodified script under torchTensorRef",
@@ -169,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(handler=_demo, parser=demo_parser)
+
+    from . import predict_run
+
+    predict = commands.add_parser(
+        "predict", help="predict a script's step time on a GPU from a run on sim",
+        description=predict_run.__doc__.splitlines()[0],
+        usage="python -m torchTensorRef predict [--gpu NAME] [--strategy S] [--budget B] [--steps A:B] "
+              "[--step-on {forward,optimizer}] [--half] [--host-scale X] [--json PATH] [--chrome PATH] "
+              "script.py [args ...]",
+    )
+    predict_run.add_arguments(predict)
+    predict.set_defaults(handler=predict_run.main, parser=predict)
     return parser
 
 

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from . import streams
 from .adoption import Adoption
 from .blocks import Block
 from .callbacks import Callbacks, OpCallback
@@ -416,12 +417,15 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
             self._drain()
             trace.initial = {b.id: (b.nbytes, b.dirty) for b in self._resident.values()}
             previous, self._trace = self._trace, trace
+            observer, streams.copy_observer = streams.copy_observer, trace.hidden
             self._refresh_fast()
         try:
             yield trace
         finally:
             with self._lock:
+                trace.stop()
                 self._trace = previous
+                streams.copy_observer = observer
                 self._refresh_fast()
 
     # -- explicit moves -------------------------------------------------------------------

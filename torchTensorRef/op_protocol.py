@@ -105,11 +105,20 @@ class OpProtocol:
             return func(*args, **kwargs)
         try:
             self._before_kernel(ctx)
+            if self._trace is not None:
+                return self._timed_call(ctx, func, args, kwargs)
             return func(*args, **kwargs)
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
         return self._recover_from_oom(ctx, func, args, kwargs)
+
+    def _timed_call(self, ctx, func, args, kwargs):
+        # The kernel apart from the bookkeeping: on a GPU it runs on the device, not the host.
+        start = time.perf_counter_ns()
+        out = func(*args, **kwargs)
+        self._trace.kernel(ctx.index, func, args, kwargs, out, start, time.perf_counter_ns())
+        return out
 
     def _before_kernel(self, ctx) -> None:
         """Fault injection, and the simulated device's allocation of the op's results."""

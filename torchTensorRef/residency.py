@@ -180,9 +180,11 @@ class Residency:
         if block.host_pending is not None:
             block.host_pending.wait_compute()  # a write-back of these bytes is still running
         self._backend.streams.copy_ordered(dev, raw.flat_bytes(block.host))
+        mode = "ordered"
         if not self._backend.pinned.is_pinned(block.host):
             self._counters["host_syncs"] += 1  # from pageable memory the host waits
-        self._now_resident(block, dev, "to_device", start)
+            mode = "blocking"
+        self._now_resident(block, dev, "to_device", start, mode)
         self._counters["fetches"] += 1
 
     def prefetch(self, block: Block) -> bool:
@@ -209,18 +211,18 @@ class Residency:
         if block.host_pending is not None:
             block.host_pending.wait_compute()
         block.dev_pending = self._backend.streams.copy_async(dev, raw.flat_bytes(block.host), prefetch=True)
-        self._now_resident(block, dev, "to_device", start)
+        self._now_resident(block, dev, "to_device", start, "async")
         block.prefetched = True
         self._counters["prefetches"] += 1
         return True
 
-    def _now_resident(self, block: Block, dev: torch.Tensor, move: str, start: int) -> None:
+    def _now_resident(self, block: Block, dev: torch.Tensor, move: str, start: int, mode: str) -> None:
         block.set_dev(dev.untyped_storage())
         self._resident[block.id] = block
         self._add_device_bytes(block.nbytes)
         self._counters["bytes_to_device"] += block.nbytes
         if self._trace is not None:
-            self._trace.move(move, block.id, block.nbytes, start, time.perf_counter_ns(), self._device_bytes)
+            self._trace.move(move, block.id, block.nbytes, start, time.perf_counter_ns(), self._device_bytes, mode)
 
     def evict(self, block: Block) -> None:
         """Drop ``block``'s device copy, writing it back first if it is dirty."""
@@ -241,7 +243,7 @@ class Residency:
         self._counters["evictions"] += 1
         if self._trace is not None:
             self._trace.move("to_host", block.id, block.nbytes if wrote else 0, start,
-                             time.perf_counter_ns(), self._device_bytes)
+                             time.perf_counter_ns(), self._device_bytes, _write_mode(block, wrote))
 
     _evict = evict
 
@@ -290,7 +292,10 @@ class Residency:
             self._write_back(block)
             wrote = True
             if record and self._trace is not None:
-                self._trace.move("to_host", block.id, block.nbytes, start, time.perf_counter_ns(), self._device_bytes)
+                self._trace.move("to_host", block.id, block.nbytes, start, time.perf_counter_ns(), self._device_bytes,
+                                 _write_mode(block, wrote))
+        if self._trace is not None and (wrote or block.host_pending is not None):
+            self._trace.sync(time.perf_counter_ns(), block.id)  # the host reads these bytes now
         self._wait_pending_host(block)
         return wrote
 
@@ -346,6 +351,13 @@ class Residency:
             block.last_use = self._op_count
             view = raw.typed_view(block.dev, dtype, size, tuple(stride), 0)
             return make_ref(block, view, self._declared)
+
+
+def _write_mode(block: Block, wrote: bool) -> str:
+    """How a write-back just started copies, for the trace: only one into pinned memory is in flight."""
+    if not wrote:
+        return "drop"
+    return "async" if block.host_pending is not None else "blocking"
 
 
 class Fault:

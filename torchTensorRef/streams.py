@@ -14,12 +14,17 @@ The device buffer a pending copy reads or writes is kept from reuse until the co
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
 
 #: what an unfinished simulated copy leaves in its destination
 POISON = 0xFF
+
+#: called with (start_ns, end_ns) of each deferred simulated copy while a trace is recorded:
+#: the host ran it, but on a GPU a copy engine would (``Trace.hidden``)
+copy_observer = None
 
 
 class Pending:
@@ -70,8 +75,12 @@ class SimPending(Pending):
 
     def _finish(self) -> None:
         if self.src is not None:
+            observer = copy_observer
+            start = time.perf_counter_ns() if observer is not None else 0
             self.dst.copy_(self.src)
             self.dst = self.src = None
+            if observer is not None:
+                observer(start, time.perf_counter_ns())
 
     wait_compute = _finish
     wait_host = _finish

@@ -3,6 +3,12 @@
 ``trace.accesses`` is the contract: ``(op_index, block_id, nbytes, write)`` for every
 storage block an op touches on the accelerator, in execution order. ``trace.save(path)``
 writes a Chrome trace (open it in Perfetto or chrome://tracing).
+
+What a timeline needs besides (``timeline.py`` replays it on a modelled GPU) is kept in
+side tables keyed like the contract's: ``kernels`` (each op's own kernel time, FLOPs and
+bytes), ``move_modes`` (how each move copied), ``syncs`` (where the host waited for the
+device outside an op), ``hidden_copies`` (copies ``"sim"`` deferred and ran later on the
+host) and ``marks`` (step boundaries).
 """
 
 from __future__ import annotations
@@ -10,9 +16,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
+
+from . import op_cost
 
 Access = Tuple[int, int, int, bool]
+
+#: how a move copied (``Trace.move_modes``): "async" on a side stream the host does not
+#: wait for (prefetches, write-backs to pinned memory); "ordered" on the compute stream,
+#: from pinned memory (the host does not wait, the ops after it do); "blocking" from or to
+#: pageable memory (the host waits until the bytes arrived); "drop" a clean eviction.
+MOVE_MODES = ("async", "ordered", "blocking", "drop")
 
 
 class Trace:
@@ -32,16 +46,65 @@ class Trace:
         self.initial: dict = {}
         #: blocks created by ops while recording (they need no copy in)
         self.created: set = set()
+        #: op_index -> Kernel: the op's own kernel call, timed apart from the bookkeeping
+        self.kernels: Dict[int, op_cost.Kernel] = {}
+        #: one per entry of ``moves``: a :data:`MOVE_MODES` value
+        self.move_modes: List[str] = []
+        #: (time_ns, block_id) where the host waited for the device outside an op
+        self.syncs: List[tuple] = []
+        #: (start_ns, end_ns) of copies the simulated device deferred and the host ran later
+        #: (on a GPU a copy engine runs them: not host time)
+        self.hidden_copies: List[tuple] = []
+        #: step boundaries (time_ns) set by whoever drives the recording (the ``predict`` runner)
+        self.marks: List[int] = []
+        #: (time_ns, nbytes, tensors) per module call: the weights an offloading hook would copy
+        self.module_calls: List[tuple] = []
+        #: when the op in flight entered the manager (its start in ``ops`` is after its fetches)
+        self.entered = 0
+        #: op_index -> time the op entered the manager
+        self.entries: Dict[int, int] = {}
+        #: host ns per op that entering a TensorRef costs before the manager sees the op
+        #: (``timeline.proxy_entry_ns``; 0 until someone measures it)
+        self.entry_ns = 0.0
         self.t0 = time.perf_counter_ns()
+        self.t_end: Optional[int] = None
 
     # -- recording (called by the manager, holding its lock) -----------------------------
 
     def op(self, index: int, name: str, start: int, end: int) -> None:
         self.ops.append((index, name, start, end))
+        if self.entered:
+            self.entries[index] = self.entered
+            self.entered = 0
 
-    def move(self, kind: str, block_id: int, nbytes: int, start: int, end: int, device_bytes: int) -> None:
+    def kernel(self, index: int, func, args, kwargs, out, start: int, end: int) -> None:
+        """The op's kernel ran from ``start`` to ``end``: keep that and what it costs a GPU."""
+        kernel = op_cost.measure(func, args, kwargs, out, start, end)
+        # Measuring is the recording's cost, not the op's: it counts as kernel time, which
+        # the timeline leaves out of the host's.
+        self.kernels[index] = kernel._replace(end=time.perf_counter_ns())
+
+    def move(self, kind: str, block_id: int, nbytes: int, start: int, end: int, device_bytes: int,
+             mode: Optional[str] = None) -> None:
         self.moves.append((kind, block_id, nbytes, start, end))
         self.resident.append((end, device_bytes))
+        if mode is None:
+            mode = "drop" if nbytes == 0 else "ordered"
+        self.move_modes.append(mode)
+
+    def sync(self, when: int, block_id: int) -> None:
+        """The host waited for the device to read ``block_id``'s bytes (outside an op)."""
+        self.syncs.append((when, block_id))
+
+    def hidden(self, start: int, end: int) -> None:
+        self.hidden_copies.append((start, end))
+
+    def mark(self) -> None:
+        """A step ends now (``timeline.predict`` divides by the number of steps)."""
+        self.marks.append(time.perf_counter_ns())
+
+    def stop(self) -> None:
+        self.t_end = time.perf_counter_ns()
 
     def resized(self, when: int, device_bytes: int) -> None:
         """Resident bytes changed without a move: an op's result was made or freed on the accelerator."""

@@ -18,6 +18,8 @@ copy to the accelerator) is found before anything changed, and the generic path 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .. import raw, sim_device
@@ -326,6 +328,8 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
 def run_generic(func, args, kwargs, spec: OpSpec):
     mgr = _mgr
     with mgr._lock:
+        if mgr._trace is not None:
+            mgr._trace.entered = time.perf_counter_ns()  # our host time for this op starts here
         if mgr._dead:
             mgr._drain()
         refs = []

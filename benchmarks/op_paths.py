@@ -14,7 +14,7 @@ subclass (the floor of any ``__torch_dispatch__`` wrapper), under each of the ma
 The differences between rows are what each layer costs. ``--profile`` adds a cProfile of the
 plan row: the package's functions by their own time.
 
-    python benchmarks/op_cost.py [--calls N] [--profile] [--json PATH]
+    python benchmarks/op_paths.py [--calls N] [--profile] [--json PATH]
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def main(argv=None) -> dict:
         for name, us in result["profile_plan_row"]:
             print(f"    {us:6.2f} us  {name}")
     if args.json:
-        common.write_json(args.json, {**common.metadata(common.command_line("benchmarks/op_cost.py", argv),
+        common.write_json(args.json, {**common.metadata(common.command_line("benchmarks/op_paths.py", argv),
                                                         "cpu (pass-through) and sim"), "result": result})
     return result
 

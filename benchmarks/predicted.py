@@ -1,0 +1,189 @@
+"""Predicted step times on GPUs of a 1.1B Llama-style model, from runs on "sim".
+
+The model has TinyLlama-1.1B's shapes (hidden 2048, MLP 5632, 32 heads, 4 KV heads,
+vocabulary 32000) with random weights. Two works:
+
+- ``decode``: batch-1 greedy ``generate()``, an 8-token prompt; the steps recorded are
+  single-token decode steps (the prefill and the first decode step are warm-up);
+- ``train``: an AdamW step (forward, backward, step), batch 1 x ``--seq`` tokens, on
+  ``--train-layers`` layers and a ``--train-vocab`` vocabulary: AdamW's update of a
+  32000 x 2048 embedding in fp32 needs 750 MiB resident at once, more than 25% or 50% of
+  the weights of a few layers.
+
+Rows: the run under Flow and Genoa at 25%, 50% and 100% of the weights' bytes, and from
+the no-budget run the same steps predicted all-resident (no moves, none of our host time)
+and, for decoding, with accelerate's ``cpu_offload`` hooks (every module's weights copied
+from pageable memory before its forward). Each row is predicted on the H100 PCIe and
+RTX 4090 rows of ``torchTensorRef/data/gpus.json`` (``--gpus``).
+
+These are predictions of a model (``docs/timeline.md``), never measurements. A CPU
+without fast bf16 records in fp32 and the prediction halves every byte and uses the 16-bit
+peak (``predict(as_half=True)``), as a bf16 run would; ``--layers`` below 22 keeps the
+shapes of each layer and has fewer of them (the result says how many).
+
+    python benchmarks/predicted.py [--layers 22] [--train-layers 4] [--train-vocab 8000] [--seq 32]
+                                   [--json out.json] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import torchTensorRef  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import tm  # noqa: E402
+from torchTensorRef import predict_run, timeline  # noqa: E402
+
+#: TinyLlama-1.1B's shapes; ``layers`` is set per work
+SHAPES = dict(hidden=2048, intermediate=5632, vocab=32000, heads=32, kv_heads=4)
+TINY = dict(hidden=64, intermediate=160, vocab=256, heads=4, kv_heads=2)
+FRACTIONS = (0.25, 0.5, 1.0)
+STRATEGIES = ("flow", "genoa")
+#: steps: warm-up steps, then recorded steps (decode: the prefill is step 0)
+WARMUP, RECORDED = 2, 2
+
+
+def bf16_is_fast() -> bool:
+    """Whether this CPU multiplies bf16 matrices about as fast as fp32 (else: record in fp32)."""
+    import time
+
+    with torchTensorRef.disabled():
+        a32, b32 = torch.rand(64, 1024), torch.rand(1024, 1024)
+        times = []
+        for a, b in ((a32, b32), (a32.bfloat16(), b32.bfloat16())):
+            a @ b
+            start = time.perf_counter()
+            for _ in range(5):
+                a @ b
+            times.append(time.perf_counter() - start)
+    return times[1] < 2 * times[0]
+
+
+def record(model, kind: str, ids, strategy: str, budget):
+    """Run ``kind`` on a managed copy of ``model`` and record steps WARMUP..WARMUP+RECORDED-1."""
+    managed = common.managed_copy(model, "sim", strategy)
+    entry = timeline.proxy_entry_ns()
+    inputs = torchTensorRef.manage(ids.clone())
+    tm.budget = budget
+    recorder = predict_run.StepRecorder(WARMUP, WARMUP + RECORDED, progress=open(os.devnull, "w"))
+    try:
+        with recorder:
+            if kind == "decode":
+                common.generate(managed, inputs, WARMUP + RECORDED + 1)
+            else:
+                step = common.trainer(managed, inputs)
+                for _ in range(WARMUP + RECORDED):
+                    step()
+    finally:
+        tm.budget = None
+        del managed, inputs
+        gc.collect()
+    recorder.trace.entry_ns = entry
+    return recorder.trace, tm.stats()["peak_device_bytes"]
+
+
+def rows_of(work: str, trace, label: str, strategy, fraction, budget, gpu_names, as_half, scenario="recorded"):
+    out = []
+    for gpu in gpu_names:
+        p = timeline.predict(trace, gpu, scenario=scenario, as_half=as_half, steps=RECORDED)
+        out.append({"work": work, "row": label, "strategy": strategy, "budget_fraction": fraction, "budget": budget,
+                    "fits": True, **p.summary()})
+    return out
+
+
+def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: dict, vocab=None) -> dict:
+    dtype = torch.bfloat16 if half else torch.float32
+    if vocab is not None:
+        shapes = dict(shapes, vocab=vocab)
+    model = common.llama(layers=layers, positions=max(seq, 64) + 8, dtype=dtype, **shapes)
+    weights = common.param_bytes(model)
+    vocab = model.config.vocab_size
+    ids = common.plain_inputs(1, vocab, 1, seq) if work == "train" else common.plain_inputs(2, vocab, 1, 8)
+    as_half = not half
+    rows = []
+    print(f"  {work}: no budget", flush=True)
+    trace, _peak = record(model, work, ids, "flow", None)
+    rows += rows_of(work, trace, "all-resident", None, None, None, gpu_names, as_half, "resident")
+    if work == "decode":
+        rows += rows_of(work, trace, "accelerate cpu_offload", None, None, None, gpu_names, as_half, "cpu_offload")
+    del trace
+    for strategy in STRATEGIES:
+        for fraction in FRACTIONS:
+            budget = int(fraction * weights)
+            label = f"{strategy.capitalize()}, {fraction:.0%}"
+            print(f"  {work}: {label}", flush=True)
+            try:
+                trace, peak = record(model, work, ids, strategy, budget)
+            except torchTensorRef.OutOfBudgetError as e:
+                rows += [{"work": work, "row": label, "strategy": strategy, "budget_fraction": fraction,
+                          "budget": budget, "fits": False, "error": str(e), "gpu": g} for g in gpu_names]
+                continue
+            rows += rows_of(work, trace, label, strategy, fraction, budget, gpu_names, as_half)
+            del trace
+    return {"work": work, "layers": layers, "vocab": shapes["vocab"], "param_bytes": weights,
+            "parameters": common.parameters_text(sum(p.numel() for p in model.parameters())),
+            "recorded_dtype": str(dtype).replace("torch.", ""), "predicted_dtype": "bfloat16", "rows": rows}
+
+
+def table(result: dict) -> str:
+    lines = []
+    for work in result["works"]:
+        lines.append(f"{work['work']}: {work['layers']} layers, vocabulary {work['vocab']}, "
+                     f"{work['parameters']} parameters (recorded in {work['recorded_dtype']}, "
+                     f"predicted as {work['predicted_dtype']}), ms per step:")
+        gpu_names = list(dict.fromkeys(r["gpu"] for r in work["rows"]))
+        lines.append(f"  {'':24s}" + "".join(f"{g:>14s}" for g in gpu_names))
+        for label in dict.fromkeys(r["row"] for r in work["rows"]):
+            cells = []
+            for g in gpu_names:
+                r = next(r for r in work["rows"] if r["row"] == label and r["gpu"] == g)
+                cells.append(f"{r['step_seconds'] * 1e3:14.2f}" if r["fits"] else f"{'does not fit':>14s}")
+            lines.append(f"  {label:24s}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=22, help="decoder layers for decoding (default: 22, the 1.1B)")
+    parser.add_argument("--train-layers", type=int, default=4,
+                        help="decoder layers for the training step (default: 4: fp32 AdamW of 22 needs ~18 GB)")
+    parser.add_argument("--train-vocab", type=int, default=8000,
+                        help="vocabulary for the training step (default: 8000, see above)")
+    parser.add_argument("--seq", type=int, default=32, help="training tokens per step (batch 1)")
+    parser.add_argument("--gpus", nargs="+", default=["h100-pcie", "rtx-4090"])
+    parser.add_argument("--works", nargs="+", default=["decode", "train"], choices=("decode", "train"))
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks the harness in seconds")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args(argv)
+    half = bf16_is_fast()
+    shapes = TINY if args.tiny else SHAPES
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    result = common.metadata(common.command_line("benchmarks/predicted.py", argv), "sim (predicted for GPUs)")
+    result.update(predicted=True, bf16_recorded=half, shapes=shapes, warmup_steps=WARMUP, recorded_steps=RECORDED,
+                  note="predicted by torchTensorRef.timeline from runs on sim; not measured on a GPU", works=[])
+    for work in args.works:
+        layers = args.layers if work == "decode" else args.train_layers
+        print(f"== {work}, {layers} layers", flush=True)
+        vocab = args.train_vocab if work == "train" and not args.tiny else None
+        result["works"].append(run_work(work, layers, args.seq, args.gpus, half, shapes, vocab))
+    print(table(result))
+    if args.json:
+        common.write_json(args.json, result)
+    if args.plot:
+        from benchmarks import plots
+
+        plots.predicted(result, args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Tests of ``timeline.predict``: a recorded trace replayed on a modelled GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torchTensorRef import gpus, tensorsManager, timeline
+
+
+def _train(steps=2, budget="96KiB", strategy="flow"):
+    tensorsManager.strategy = strategy
+    tensorsManager.budget = budget
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    x = torch.rand(16, 64)
+    model(x).square().mean().backward()  # warm-up: the first step pins and allocates
+    with tensorsManager.recording() as trace:
+        for _ in range(steps):
+            model(x).square().mean().backward()
+            trace.mark()
+    return trace
+
+
+def _fast(**fields):
+    """A GPU with the H100 PCIe's numbers but ``fields``."""
+    return gpus.resolve({"base": "h100-pcie", "name": "test", **fields})
+
+
+def test_lanes_add_up():
+    trace = _train()
+    p = timeline.predict(trace, "rtx-4090")
+    assert p.steps == 2
+    lanes = p.lanes
+    assert lanes["compute"] == pytest.approx(p.compute_seconds)
+    assert lanes["host"] == pytest.approx(p.host_seconds)
+    assert lanes["host-to-device"] + lanes["device-to-host"] == pytest.approx(p.transfer_seconds)
+    # Each instant some lane is busy, and no lane is busy longer than the step.
+    assert max(lanes.values()) <= p.step_seconds * (1 + 1e-9)
+    assert p.step_seconds <= sum(lanes.values()) * (1 + 1e-9)
+    assert p.host_seconds >= p.host_ours_seconds + p.host_program_seconds
+    assert p.host_ours_seconds > 0 and p.host_program_seconds > 0
+    # The compute lane is idle for the stalls at most.
+    assert p.stalls["copy"] + p.stalls["host"] <= p.step_seconds - p.compute_seconds + 1e-12
+
+
+def test_moves_cost_transfer_time_that_all_resident_does_not():
+    trace = _train()
+    recorded = timeline.predict(trace, "h100-pcie")
+    resident = timeline.predict(trace, "h100-pcie", scenario="resident")
+    assert recorded.bytes_to_device > 0 and recorded.transfer_seconds > 0
+    assert resident.transfer_seconds == 0 and resident.bytes_to_device == 0
+    assert resident.host_ours_seconds == 0
+    assert recorded.step_seconds > resident.step_seconds
+    assert recorded.compute_seconds == pytest.approx(resident.compute_seconds)
+    moved = trace.bytes_moved()
+    assert recorded.bytes_to_device * recorded.steps == moved["to_device"]
+
+
+def test_bound_is_compute_or_bytes_over_the_link():
+    trace = _train()
+    for gpu in ("h100-pcie", "t4", _fast(h2d_pinned_gb_s=0.001)):
+        p = timeline.predict(trace, gpu)
+        spec = gpus.resolve(gpu)
+        expected = max(p.compute_seconds, p.bytes_to_device / (spec.h2d_pinned_gb_s * 1e9),
+                       p.bytes_to_host / (spec.d2h_pinned_gb_s * 1e9))
+        assert p.bound_seconds == pytest.approx(expected)
+        assert p.step_seconds >= p.bound_seconds
+    slow_link = timeline.predict(trace, _fast(h2d_pinned_gb_s=0.001))
+    assert slow_link.bound_seconds > slow_link.compute_seconds
+
+
+def test_flops_of_a_recorded_mm():
+    m, k, n = 48, 40, 24
+    a, b = torch.rand(m, k), torch.rand(k, n)
+    with tensorsManager.recording() as trace:
+        torch.mm(a, b)
+    (index,) = [i for i, name, _s, _e in trace.ops if name == "aten.mm.default"]
+    kernel = trace.kernels[index]
+    assert kernel.flops == 2 * m * n * k
+    assert kernel.nbytes == 4 * (m * k + k * n + m * n)
+    assert kernel.launches and not kernel.half and not kernel.sync
+    # A GPU with a slow fp32 rate and fast memory: the mm is compute-bound.
+    gpu = _fast(tflops_32=1e-6, memory_gb_s=1e6)
+    p = timeline.predict(trace, gpu)
+    assert p.flops == 2 * m * n * k
+    assert p.compute_seconds == pytest.approx(2 * m * n * k / 1e6)
+
+
+def test_views_launch_nothing():
+    a = torch.rand(8, 8)
+    with tensorsManager.recording() as trace:
+        a.t()
+    (kernel,) = trace.kernels.values()
+    assert not kernel.launches and kernel.nbytes == 0
+    assert timeline.predict(trace, "l4").compute_seconds == 0
+
+
+def test_memory_bound_op_uses_the_bandwidth():
+    a = torch.rand(1000)
+    with tensorsManager.recording() as trace:
+        a + 1
+    gpu = _fast(memory_gb_s=1e-3)  # 1 MB/s
+    p = timeline.predict(trace, gpu)
+    assert p.compute_seconds == pytest.approx(8000 / 1e6)
+
+
+def test_half_precision_uses_the_tensor_core_peak():
+    a, b = torch.rand(32, 32, dtype=torch.bfloat16), torch.rand(32, 32, dtype=torch.bfloat16)
+    with tensorsManager.recording() as trace:
+        torch.mm(a, b)
+    gpu = _fast(tflops_16=1e-6, tflops_32=1e-9, memory_gb_s=1e6)
+    assert timeline.predict(trace, gpu).compute_seconds == pytest.approx(2 * 32 ** 3 / 1e6)
+
+
+def test_as_half_halves_the_bytes_and_uses_the_16_bit_peak():
+    trace = _train()
+    full = timeline.predict(trace, "h100-pcie")
+    half = timeline.predict(trace, "h100-pcie", as_half=True)
+    assert half.bytes_to_device == pytest.approx(full.bytes_to_device / 2)
+    slow32 = _fast(tflops_32=1e-9, memory_gb_s=1e6)
+    half_compute = timeline.predict(trace, slow32, as_half=True).compute_seconds
+    assert half_compute < timeline.predict(trace, slow32).compute_seconds
+
+
+def _fetches(pinned_limit):
+    tensorsManager.strategy = "genoa"  # every op fetches its inputs: ordered copies
+    tensorsManager.pinned_limit = pinned_limit
+    a = torch.rand(256, 256)
+    b = torch.rand(256, 256)
+    (a + b).sum()
+    with tensorsManager.recording() as trace:
+        (a + b).sum()
+    return trace
+
+
+def test_pinned_copies_are_faster_than_pageable():
+    before = tensorsManager.pinned_limit
+    try:
+        pinned = _fetches("1GiB")
+        pageable = _fetches(0)
+    finally:
+        tensorsManager.pinned_limit = before
+    assert "blocking" not in pinned.move_modes and "ordered" in pinned.move_modes
+    assert "blocking" in pageable.move_modes
+    assert pinned.bytes_moved() == pageable.bytes_moved()
+    p, q = timeline.predict(pinned, "rtx-3090"), timeline.predict(pageable, "rtx-3090")
+    assert p.transfer_seconds < q.transfer_seconds
+    assert p.host_wait_seconds < q.host_wait_seconds  # the host waits for a pageable copy
+
+
+def test_item_makes_the_host_wait():
+    tensorsManager.strategy = "flow"  # no budget: nothing moves, only .item() syncs
+    a = torch.rand(64, 64)
+    slow = _fast(tflops_32=1e-3, memory_gb_s=1e-3)  # every kernel takes long
+    with tensorsManager.recording() as trace:
+        s = torch.mm(a, a).sum()
+    assert timeline.predict(trace, slow).host_wait_seconds == 0
+    with tensorsManager.recording() as trace:
+        torch.mm(a, a).sum().item()
+    (sync,) = [k for k in trace.kernels.values() if k.sync]
+    p = timeline.predict(trace, slow)
+    assert p.host_wait_seconds > 0
+    assert p.step_seconds == pytest.approx(p.lanes["host"] + p.host_wait_seconds, rel=1e-6)
+    del s
+
+
+def test_chrome_trace_has_the_four_lanes(tmp_path):
+    trace = _train(budget="96KiB", strategy="genoa")
+    p = timeline.predict(trace, "a100-sxm")
+    path = p.save(tmp_path / "predicted.json")
+    events = json.load(open(path))["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert sorted(names.values()) == sorted(timeline.LANES)
+    used = {names[e["tid"]] for e in events if e["ph"] == "X"}
+    assert used == set(timeline.LANES)
+    compute = sum(e["dur"] for e in events if e["ph"] == "X" and names[e["tid"]] == "compute")
+    assert compute / 1e6 / p.steps == pytest.approx(p.compute_seconds, rel=1e-6)
+
+
+def test_the_table_has_the_gpus_with_their_sources():
+    table = gpus.table()
+    for name in ("h100-sxm", "h100-pcie", "a100-sxm", "l4", "rtx-4090", "rtx-3090", "rtx-3060-12gb", "t4"):
+        row = table[name]
+        assert row.source and row.link.startswith("PCIe")
+        assert row.h2d_pageable_gb_s < row.h2d_pinned_gb_s
+    assert table["h100-sxm"].tflops_16 > table["h100-pcie"].tflops_16 > table["t4"].tflops_16
+
+
+def test_user_supplied_numbers():
+    trace = _train()
+    mine = {"name": "mine", "memory_gib": 16, "tflops_16": 100, "tflops_32": 10, "memory_gb_s": 500,
+            "h2d_pinned_gb_s": 10, "d2h_pinned_gb_s": 10, "h2d_pageable_gb_s": 5, "d2h_pageable_gb_s": 5}
+    p = timeline.predict(trace, mine)
+    assert p.gpu.name == "mine" and p.gpu.source == "user-supplied"
+    q = timeline.predict(trace, dict(mine, h2d_pinned_gb_s=1, d2h_pinned_gb_s=1, h2d_pageable_gb_s=0.5,
+                                      d2h_pageable_gb_s=0.5))
+    assert q.transfer_seconds > p.transfer_seconds
+
+
+@pytest.mark.parametrize("gpu, message", [
+    ("h200-nvl", "unknown GPU 'h200-nvl': accepted are h100-sxm, h100-pcie"),
+    ({"base": "t4", "tflops": 3}, "unknown GPU field(s) tflops: accepted are base, name"),
+    ({"name": "x", "tflops_16": 3}, "GPU 'x' needs memory_gib, tflops_32"),
+    ({"base": "t4", "memory_gb_s": -1}, "memory_gb_s must be a positive number (got: -1)"),
+    ({"base": "nope"}, "unknown GPU 'nope'"),
+])
+def test_bad_gpus_say_what_is_accepted(gpu, message):
+    with pytest.raises(ValueError) as e:
+        gpus.resolve(gpu)
+    assert message in str(e.value)
+
+
+def test_bad_arguments():
+    trace = _train(steps=1)
+    with pytest.raises(ValueError, match="unknown scenario 'offload': accepted are recorded, resident, cpu_offload"):
+        timeline.predict(trace, scenario="offload")
+    with pytest.raises(ValueError, match=r"steps must be a positive int \(got: 0\)"):
+        timeline.predict(trace, steps=0)
+    with pytest.raises(ValueError, match=r"host_scale must be a positive number \(got: -1\)"):
+        timeline.predict(trace, host_scale=-1)
+    with pytest.raises(TypeError, match="gpu must be a name, a GPU or a dict"):
+        timeline.predict(trace, 3)
+
+
+def test_all_resident_leaves_out_the_proxy_entry_cost():
+    trace = _train(steps=1)
+    assert timeline.predict(trace, scenario="resident").host_program_seconds == pytest.approx(
+        timeline.predict(trace).host_program_seconds)
+    entry = timeline.proxy_entry_ns()
+    assert entry > 0  # a Python tensor subclass costs host time per op
+    trace.entry_ns = entry
+    recorded = timeline.predict(trace)
+    resident = timeline.predict(trace, scenario="resident")
+    assert recorded.host_program_seconds > resident.host_program_seconds
+    assert resident.host_program_seconds >= recorded.host_program_seconds - len(trace.ops) * entry / 1e9 - 1e-12
+
+
+def test_deferred_simulated_copies_are_not_host_time():
+    trace = _train(steps=3, budget="96KiB", strategy="flow")
+    assert "async" in trace.move_modes  # Flow prefetched
+    assert trace.hidden_copies  # ... and "sim" ran those copies when they were waited on
+    for start, end in trace.hidden_copies:
+        assert trace.t0 <= start <= end <= trace.t_end
+    with_copies = timeline.predict(trace)
+    trace.hidden_copies = []
+    assert timeline.predict(trace).host_ours_seconds > with_copies.host_ours_seconds
+
+
+def test_host_scale_scales_the_measured_host_time():
+    trace = _train()
+    p = timeline.predict(trace, "h100-pcie")
+    q = timeline.predict(trace, "h100-pcie", host_scale=0.5)
+    assert q.host_ours_seconds == pytest.approx(p.host_ours_seconds / 2)
+    assert q.host_program_seconds == pytest.approx(p.host_program_seconds / 2)
+    assert q.compute_seconds == pytest.approx(p.compute_seconds)
+    assert q.step_seconds < p.step_seconds

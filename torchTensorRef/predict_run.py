@@ -1,0 +1,218 @@
+"""``python -m torchTensorRef predict``: run a script on ``"sim"``, record its steady state, predict it on a GPU.
+
+A step ends when the first module the script calls (its model) returns from a forward
+(``--step-on forward``: one step per generated token, or per training iteration), or
+after each ``optimizer.step()`` (``--step-on optimizer``). ``--steps A:B`` records steps A
+to B-1 (the first is warm-up: allocations, pinning). The prediction is printed beside
+the same steps predicted all-resident and, for inference, with accelerate's
+``cpu_offload`` hooks (see ``docs/timeline.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from typing import Tuple
+
+import torch
+
+from . import gpus, strategies, timeline
+from .manager import tensorsManager
+from .sizes import format_size
+
+
+def parse_steps(text: str) -> Tuple[int, int]:
+    """``"A:B"`` (steps A to B-1) or ``"N"`` (steps 1 to N: the first one is warm-up)."""
+    try:
+        if ":" in text:
+            a, b = text.split(":")
+            first, end = int(a), int(b)
+        else:
+            first, end = 1, 1 + int(text)
+    except ValueError:
+        first = end = -1
+    if first < 0 or end <= first:
+        raise ValueError(f'--steps must be "A:B" with 0 <= A < B, or a number of steps N >= 1 (got: {text!r})')
+    return first, end
+
+
+class StepRecorder:
+    """Counts the script's steps and records the ones asked for, from torch's global hooks."""
+
+    def __init__(self, first: int, end: int, step_on: str = "forward", progress=None):
+        self.first, self.end, self.step_on = first, end, step_on
+        self.progress = progress
+        self.done = 0
+        self.trace = None
+        self._stack = contextlib.ExitStack()
+        self._top = None
+        self._depth = 0
+        self._handles = []
+        self._started = time.perf_counter()
+
+    def __enter__(self):
+        nn = torch.nn.modules.module
+        self._handles = [nn.register_module_forward_pre_hook(self._pre), nn.register_module_forward_hook(self._post)]
+        if self.step_on == "optimizer":
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._handles.append(register_optimizer_step_post_hook(self._optimizer_step))
+        if self.first == 0:
+            self._start()
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._stack.close()
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _pre(self, module, _args):
+        if self._depth == 0 and self._top is None:
+            self._top = module
+        self._depth += 1
+        trace = tensorsManager._trace
+        if trace is not None and trace is self.trace:
+            params = list(module.parameters(recurse=False))
+            if params:  # what an offloading hook copies in before this forward
+                trace.module_calls.append((time.perf_counter_ns(), sum(p.numel() * p.element_size() for p in params),
+                                           len(params)))
+
+    def _post(self, module, _args, _out):
+        self._depth = max(self._depth - 1, 0)
+        if self.step_on == "forward" and self._depth == 0 and module is self._top:
+            self._step()
+
+    def _optimizer_step(self, _optimizer, _args, _kwargs):
+        self._step()
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        self.done += 1
+        if self.trace is not None and self.first < self.done <= self.end:
+            self.trace.mark()
+        if self.done == self.first:
+            self._start()
+        elif self.done == self.end:
+            self._stack.close()
+        recorded = max(min(self.done, self.end) - self.first, 0)
+        print(f"predict: step {self.done} done, {recorded}/{self.end - self.first} recorded "
+              f"({time.perf_counter() - self._started:.1f} s)", file=self.progress or sys.stderr, flush=True)
+
+    def _start(self) -> None:
+        self.trace = self._stack.enter_context(tensorsManager.recording())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    names = ", ".join(gpus.names())
+    parser.add_argument("--gpu", metavar="NAME", default="h100-pcie",
+                        help=f"one of: {names}; or a JSON file of numbers (see docs/timeline.md); "
+                             f"default: h100-pcie")
+    parser.add_argument("--strategy", metavar="S", default=None, help=f"one of: {', '.join(strategies.NAMES)}")
+    parser.add_argument("--budget", metavar="B", default=None,
+                        help='accelerator bytes: an int or a size such as "512MiB"; default: no budget')
+    parser.add_argument("--steps", metavar="A:B", default="1:3",
+                        help="steps to record: A to B-1, or N for steps 1 to N (default: 1:3)")
+    parser.add_argument("--step-on", choices=("forward", "optimizer"), default="forward",
+                        help="a step ends when the model's forward returns (default), or after optimizer.step()")
+    parser.add_argument("--half", action="store_true",
+                        help="the script runs in fp32 for a bf16/fp16 program: predict with 16-bit bytes and peak")
+    parser.add_argument("--host-scale", metavar="X", type=float, default=1.0,
+                        help="multiply the measured host time by X (0.5: a host twice as fast as this one)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the predictions as JSON")
+    parser.add_argument("--chrome", metavar="PATH", default=None, help="write the predicted timeline as a Chrome trace")
+    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def load_gpu(text: str):
+    """A name of the table, or the path of a JSON file holding a dict of numbers."""
+    if text.endswith(".json") and os.path.isfile(text):
+        with open(text) as f:
+            return gpus.resolve(json.load(f))
+    return gpus.resolve(text)
+
+
+def is_training(trace) -> bool:
+    return any("backward" in name for _i, name, _s, _e in trace.ops)
+
+
+def predictions(trace, gpu, steps: int, as_half: bool = False, host_scale: float = 1.0) -> dict:
+    """The recorded run, all-resident and (inference) accelerate's cpu_offload, by label."""
+    scenarios = {"torchTensorRef": "recorded", "all-resident": "resident"}
+    if not is_training(trace):
+        scenarios["accelerate cpu_offload"] = "cpu_offload"
+    return {label: timeline.predict(trace, gpu, scenario=scenario, steps=steps, as_half=as_half,
+                                    host_scale=host_scale)
+            for label, scenario in scenarios.items()}
+
+
+def table(results: dict) -> str:
+    ms = 1e3
+    lines = [f"{'':24s}{'step ms':>10s}{'compute':>10s}{'transfer':>10s}{'host':>10s}{'bound':>10s}"
+             f"{'stall copy':>12s}{'stall host':>12s}"]
+    for label, p in results.items():
+        lines.append(f"{label:24s}{p.step_seconds * ms:10.3f}{p.compute_seconds * ms:10.3f}"
+                     f"{p.transfer_seconds * ms:10.3f}{p.host_seconds * ms:10.3f}{p.bound_seconds * ms:10.3f}"
+                     f"{p.stalls['copy'] * ms:12.3f}{p.stalls['host'] * ms:12.3f}")
+    return "\n".join(lines)
+
+
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .cli import run_script
+
+    if not os.path.isfile(args.script):
+        parser.error(f"script {args.script!r} is not a file")
+    try:
+        first, end = parse_steps(args.steps)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        gpu = load_gpu(args.gpu)
+    except (ValueError, TypeError) as e:
+        parser.error(f"--gpu: {e}")
+    if not args.host_scale > 0:
+        parser.error(f"--host-scale must be a positive number (got: {args.host_scale})")
+    tensorsManager.device = "sim"
+    for name in ("strategy", "budget"):
+        value = getattr(args, name)
+        if value is not None:
+            try:
+                setattr(tensorsManager, name, value)
+            except ValueError as e:
+                parser.error(f"--{name}: {e}")
+    entry = timeline.proxy_entry_ns()  # what a plain program would not pay per op
+    with StepRecorder(first, end, args.step_on) as recorder:
+        code = run_script(args.script, args.args)
+    trace = recorder.trace
+    if trace is not None:
+        trace.entry_ns = entry
+    recorded = len(trace.marks) if trace is not None else 0
+    if code != 0:
+        return code
+    if recorded == 0:
+        print(f"predict: the script ran {recorder.done} step(s) (--step-on {args.step_on}); --steps "
+              f"{args.steps} needs at least {first + 1}", file=sys.stderr)
+        return 1
+    results = predictions(trace, gpu, recorded, args.half, args.host_scale)
+    budget = tensorsManager.budget
+    sys.stdout.flush()
+    work = "training" if is_training(trace) else "inference"
+    print(f"\npredicted on {gpu.name} ({gpu.link or 'link as given'}), {work}, {recorded} step(s) recorded on sim, "
+          f"strategy {tensorsManager.strategy.name}, budget {format_size(budget) if budget is not None else 'none'}"
+          f"{', as 16-bit' if args.half else ''}"
+          f"{f', host time x {args.host_scale:g}' if args.host_scale != 1 else ''}:")
+    print(table(results))
+    print("(predicted by a model of the run, not measured: see docs/timeline.md)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({label: p.summary() for label, p in results.items()}, f, indent=1)
+    if args.chrome:
+        results["torchTensorRef"].save(args.chrome)
+    return 0
