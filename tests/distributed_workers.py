@@ -1,0 +1,142 @@
+"""What each rank of the tests in ``test_distributed.py`` runs, in its own process.
+
+Every worker builds the same model twice from the same per-rank seed, once plain (on the
+CPU, inside ``torchTensorRef.disabled()``) and once managed, wraps each in its own engine
+over one ``gloo`` process group, trains both the same way and asserts that losses,
+gradients, parameters and buffers are bit-identical, and that the rank's manager stayed
+within its budget.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchTensorRef
+from torchTensorRef import TensorRef, tensorsManager
+
+
+class Net(nn.Module):
+    """Linear layers, a batch norm (buffers, an int64 among them) and an unused layer."""
+
+    def __init__(self, width: int = 24, unused: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.hidden = nn.ModuleList(nn.Linear(width, width) for _ in range(6))
+        self.out = nn.Linear(width, 8)
+        if unused:
+            self.unused = nn.Linear(8, 8)  # no gradient ever: find_unused_parameters must cope
+
+    def forward(self, x):
+        x = self.norm(self.inp(x)).relu()
+        for layer in self.hidden:
+            x = layer(x).relu()
+        return self.out(x)
+
+
+def values(t: torch.Tensor) -> torch.Tensor:
+    """A plain CPU copy of ``t``'s values."""
+    with torchTensorRef.disabled():
+        t = t.detach()
+        if isinstance(t, TensorRef):
+            t = t.target
+        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+
+
+def check_same(plain, managed, where: str) -> None:
+    a, b = values(plain), values(managed)
+    assert (a.dtype, a.shape) == (b.dtype, b.shape), where
+    assert torch.equal(a, b), f"rank {dist.get_rank()}: {where} differs"
+
+
+def check_modules(plain: nn.Module, managed: nn.Module, where: str, grads: bool) -> None:
+    for (name, p), (_n, m) in zip(plain.named_parameters(), managed.named_parameters()):
+        assert isinstance(m, TensorRef), f"{name} is not managed"
+        check_same(p, m, f"{where}: {name}")
+        if grads:
+            assert (p.grad is None) == (m.grad is None), f"{where}: {name}.grad presence"
+            if p.grad is not None:
+                check_same(p.grad, m.grad, f"{where}: {name}.grad")
+    for (name, p), (_n, m) in zip(plain.named_buffers(), managed.named_buffers()):
+        check_same(p, m, f"{where}: buffer {name}")
+
+
+def setup(rank: int, world: int, init_file: str, device: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    tensorsManager.device = device
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def ddp_worker(rank: int, world: int, init_file: str, device: str, runs: list) -> None:
+    """For each ``(strategy, budget_fraction, options)`` of ``runs``: plain DDP beside managed DDP."""
+    setup(rank, world, init_file, device)
+    for strategy, budget_fraction, options in runs:
+        ddp_run(rank, world, strategy, budget_fraction, dict(options))
+    dist.destroy_process_group()
+
+
+def ddp_run(rank: int, world: int, strategy: str, budget_fraction, options: dict) -> None:
+    """Three SGD steps (the first under ``no_sync`` if asked) of plain DDP and managed DDP."""
+    where = f"{strategy}, budget {budget_fraction}, {options}"
+    no_sync = options.pop("no_sync", False)
+    with torchTensorRef.disabled():
+        torch.manual_seed(rank)  # ranks start apart: DDP must broadcast rank 0's state
+        plain = Net(unused=options.get("find_unused_parameters", False))
+        managed = copy.deepcopy(plain)
+    torchTensorRef.manage(managed)
+    budget = None if budget_fraction is None else int(budget_fraction * param_bytes(plain))
+    tensorsManager.budget = None
+    tensorsManager.strategy = strategy
+    tensorsManager.budget = budget
+    tensorsManager.reset_stats()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    engines = [DDP(plain, **options), DDP(managed, **options)]
+    check_modules(plain, managed, f"{where}: after the initial broadcast", grads=False)
+    for name, p in plain.named_parameters():
+        gathered = [torch.empty_like(p) for _ in range(world)]
+        with torchTensorRef.disabled():
+            dist.all_gather(gathered, p.detach())
+        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{where}: {name} differs across ranks"
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (plain, managed)]
+    for step in range(3):
+        with torchTensorRef.disabled():
+            torch.manual_seed(100 * step + rank)
+            x = torch.randn(6, 16)
+        losses = []
+        sync = not (no_sync and step == 0)
+        for engine, opt, plain_run in zip(engines, optimizers, (True, False)):
+            batch = x if plain_run else torchTensorRef.manage(x.clone())
+            with (engine.no_sync() if not sync else _nothing()):
+                loss = engine(batch).square().mean()
+                loss.backward()
+            losses.append(loss)
+            if sync:
+                opt.step()
+                opt.zero_grad(set_to_none=not options.get("gradient_as_bucket_view", False))
+        check_same(losses[0], losses[1], f"{where}: loss of step {step}")
+        check_modules(plain, managed, f"{where}: step {step}", grads=True)
+    stats = tensorsManager.stats()
+    assert stats["worst_overshoot_bytes"] == 0, (where, stats)
+    if budget is not None:
+        assert stats["peak_device_bytes"] <= budget, (where, stats["peak_device_bytes"], budget)
+        assert stats["evictions"] > 0, f"{where}: the budget did not make the manager page"
+    del engines, optimizers, managed
+    tensorsManager.budget = None
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
