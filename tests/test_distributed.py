@@ -7,6 +7,8 @@ with a deadline so that a hang fails the test instead of blocking the suite.
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
 import time
 
@@ -72,3 +74,59 @@ def test_ddp_on_sim_is_plain_ddp():
 def test_ddp_pages_each_rank_at_half_the_parameters(strategy):
     runs = [(strategy, 0.5, dict(SMALL_BUCKETS)), (strategy, 0.5, dict(SMALL_BUCKETS, gradient_as_bucket_view=True))]
     spawn(workers.ddp_worker, "sim", runs)
+
+
+def _torchrun(*args, out, port):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", str(port), *args, out]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_runs_the_runner_on_every_rank(tmp_path):
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_train.py")
+    plain, managed = tmp_path / "plain", tmp_path / "managed"
+    plain.mkdir()
+    managed.mkdir()
+    _torchrun(script, out=str(plain), port=_free_port())
+    done = _torchrun("-m", "torchTensorRef", "run", "--device", "sim", "--strategy", "flow", "--budget", "5KiB",
+                     script, out=str(managed), port=_free_port())
+    assert done.stderr.count("torchTensorRef: device sim, strategy flow, budget 5.0 KiB") == 2
+    for rank in (0, 1):
+        expected = (plain / f"rank{rank}.txt").read_text().splitlines()
+        got = (managed / f"rank{rank}.txt").read_text().splitlines()
+        assert got[:-1] == expected[:-1], f"rank {rank}: losses differ"
+        assert (expected[-1], got[-1]) == ("device cpu", "device sim:0")
+    for line in done.stderr.splitlines():
+        if "resident of" in line:  # the summary's peak is within the 5 KiB budget
+            peak = line.split("peak ")[1].split(" resident")[0]
+            assert peak.endswith("KiB") and float(peak.split()[0]) <= 5.0 or peak.endswith(" B"), line
+
+
+def test_data_parallel_over_several_gpus_is_refused(monkeypatch):
+    import torchTensorRef
+
+    model = torch.nn.Linear(4, 4)
+    assert isinstance(model.weight, torchTensorRef.TensorRef)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match=r"DataParallel over 2 GPUs .*Use DistributedDataParallel"):
+        torch.nn.DataParallel(model)
+    with pytest.raises(RuntimeError, match=r"DataParallel over 2 GPUs"):
+        torch.nn.DataParallel(model, device_ids=[0, 1])
+
+
+def test_data_parallel_without_gpus_runs_the_module():
+    # Without CUDA, DataParallel calls the module itself: nothing to refuse.
+    model = torch.nn.Linear(4, 4)
+    x = torch.rand(3, 4)
+    assert torch.equal(torch.nn.DataParallel(model)(x).cpu(), model(x).cpu())
