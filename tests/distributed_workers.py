@@ -140,3 +140,59 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def fsdp_worker(rank: int, world: int, init_file: str, device: str) -> None:
+    """Three steps of FSDP2 (``fully_shard`` per layer and at the root), plain beside managed.
+
+    On ``"cpu"`` both run on a CPU mesh and must agree bit for bit; on ``"sim"`` the first
+    forward must refuse with the error that names FSDP2.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    backend = "cpu:gloo,sim:gloo" if device == "sim" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    tensorsManager.device = device
+    with torchTensorRef.disabled():
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 8))
+        managed = copy.deepcopy(plain)
+    torchTensorRef.manage(managed)
+    meshes = (init_device_mesh("cpu", (world,)), init_device_mesh(device, (world,)))
+    for model, mesh in zip((plain, managed), meshes):
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    for p in managed.parameters():
+        assert isinstance(p, DTensor) and isinstance(p.to_local(), TensorRef), type(p)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (plain, managed)]
+    for step in range(3):
+        with torchTensorRef.disabled():
+            torch.manual_seed(10 * step + rank)
+            x = torch.randn(6, 16)
+        if device == "sim":
+            try:
+                managed(torchTensorRef.manage(x.clone()))
+            except AttributeError as e:
+                assert "FSDP2 (fully_shard) cannot run" in str(e), e
+                break
+            raise AssertionError("FSDP2 ran on sim")
+        losses = []
+        for model, batch in ((plain, x), (managed, torchTensorRef.manage(x.clone()))):
+            loss = model(batch).square().mean()
+            loss.backward()
+            losses.append(loss)
+        for (name, p), m in zip(plain.named_parameters(), managed.parameters()):
+            check_same(p.grad.to_local(), m.grad.to_local(), f"step {step}: {name}.grad shard")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        check_same(losses[0], losses[1], f"FSDP2 loss of step {step}")
+        for (name, p), m in zip(plain.named_parameters(), managed.parameters()):
+            check_same(p.to_local(), m.to_local(), f"step {step}: {name} shard")
+            check_same(p.full_tensor(), m.full_tensor(), f"step {step}: {name} gathered")
+    dist.destroy_process_group()

@@ -130,3 +130,11 @@ def test_data_parallel_without_gpus_runs_the_module():
     model = torch.nn.Linear(4, 4)
     x = torch.rand(3, 4)
     assert torch.equal(torch.nn.DataParallel(model)(x).cpu(), model(x).cpu())
+
+
+def test_fsdp2_pass_through_is_plain_fsdp2():
+    spawn(workers.fsdp_worker, "cpu")
+
+
+def test_fsdp2_on_sim_is_refused_clearly():
+    spawn(workers.fsdp_worker, "sim")
