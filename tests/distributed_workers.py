@@ -66,8 +66,10 @@ def check_modules(plain: nn.Module, managed: nn.Module, where: str, grads: bool)
         check_same(p, m, f"{where}: buffer {name}")
 
 
-def setup(rank: int, world: int, init_file: str, device: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def setup(rank: int, world: int, init_file: str, device: str, backend: str = "gloo") -> None:
+    if device == "cuda":
+        torch.cuda.set_device(rank)  # before the first tensor: "cuda" is this rank's GPU
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     tensorsManager.device = device
 
@@ -76,9 +78,14 @@ def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def ddp_worker(rank: int, world: int, init_file: str, device: str, runs: list) -> None:
-    """For each ``(strategy, budget_fraction, options)`` of ``runs``: plain DDP beside managed DDP."""
-    setup(rank, world, init_file, device)
+def ddp_worker(rank: int, world: int, init_file: str, device: str, runs: list, backend: str = "gloo") -> None:
+    """For each ``(strategy, budget_fraction, options)`` of ``runs``: plain DDP beside managed DDP.
+
+    The plain run is on the CPU, or on this rank's GPU when ``device`` is ``"cuda"``.
+    """
+    setup(rank, world, init_file, device, backend)
+    if device == "cuda":
+        assert tensorsManager._declared == torch.device("cuda", rank), tensorsManager._declared
     for strategy, budget_fraction, options in runs:
         ddp_run(rank, world, strategy, budget_fraction, dict(options))
     dist.destroy_process_group()
@@ -92,6 +99,8 @@ def ddp_run(rank: int, world: int, strategy: str, budget_fraction, options: dict
         torch.manual_seed(rank)  # ranks start apart: DDP must broadcast rank 0's state
         plain = Net(unused=options.get("find_unused_parameters", False))
         managed = copy.deepcopy(plain)
+        if tensorsManager.device_kind == "cuda":
+            plain.cuda()
     torchTensorRef.manage(managed)
     budget = None if budget_fraction is None else int(budget_fraction * param_bytes(plain))
     tensorsManager.budget = None
@@ -112,10 +121,11 @@ def ddp_run(rank: int, world: int, strategy: str, budget_fraction, options: dict
         with torchTensorRef.disabled():
             torch.manual_seed(100 * step + rank)
             x = torch.randn(6, 16)
+        plain_x = x.cuda() if tensorsManager.device_kind == "cuda" else x
         losses = []
         sync = not (no_sync and step == 0)
         for engine, opt, plain_run in zip(engines, optimizers, (True, False)):
-            batch = x if plain_run else torchTensorRef.manage(x.clone())
+            batch = plain_x if plain_run else torchTensorRef.manage(x.clone())
             with (engine.no_sync() if not sync else _nothing()):
                 loss = engine(batch).square().mean()
                 loss.backward()

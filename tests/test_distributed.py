@@ -76,6 +76,13 @@ def test_ddp_pages_each_rank_at_half_the_parameters(strategy):
     spawn(workers.ddp_worker, "sim", runs)
 
 
+@pytest.mark.cuda
+def test_ddp_on_gpus_with_nccl_is_plain_ddp():
+    world = min(torch.cuda.device_count(), 2)
+    runs = [("flow", None, o) for o in DDP_OPTIONS + [{"find_unused_parameters": True}]]
+    spawn(workers.ddp_worker, "cuda", runs, "nccl", world=world)
+
+
 def _torchrun(*args, out, port):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
