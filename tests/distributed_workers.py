@@ -206,3 +206,43 @@ def fsdp_worker(rank: int, world: int, init_file: str, device: str) -> None:
             check_same(p.to_local(), m.to_local(), f"step {step}: {name} shard")
             check_same(p.full_tensor(), m.full_tensor(), f"step {step}: {name} gathered")
     dist.destroy_process_group()
+
+
+def collectives_worker(rank: int, world: int, init_file: str, device: str) -> None:
+    """torch.distributed's collectives on TensorRefs under Genoa and a small budget, against plain."""
+    setup(rank, world, init_file, device)
+    tensorsManager.strategy = "genoa"
+    tensorsManager.budget = 4096  # Genoa sends every tensor back after each op: all are paged
+
+    def both(fn):
+        with torchTensorRef.disabled():
+            torch.manual_seed(rank)
+            plain = fn()
+        torch.manual_seed(rank)
+        managed = fn()
+        return plain, managed
+
+    def run(name, make, collective):
+        plain, managed = both(make)
+        with torchTensorRef.disabled():
+            collective(plain)
+        work = collective(managed)
+        if work is not None:
+            work.wait()
+        for i, (p, m) in enumerate(zip(plain, managed)):
+            assert isinstance(m, TensorRef), f"{name}: {type(m)}"
+            check_same(p, m, f"{name}[{i}]")
+
+    run("all_reduce", lambda: [torch.rand(64)], lambda t: dist.all_reduce(t[0]))
+    run("all_reduce async", lambda: [torch.rand(64)], lambda t: dist.all_reduce(t[0], async_op=True))
+    run("broadcast", lambda: [torch.rand(8, 8)], lambda t: dist.broadcast(t[0], src=1))
+    run("all_gather", lambda: [torch.rand(16)] + [torch.zeros(16) for _ in range(world)],
+        lambda t: dist.all_gather(t[1:], t[0]))
+    run("all_gather_into_tensor", lambda: [torch.rand(16), torch.zeros(16 * world)],
+        lambda t: dist.all_gather_into_tensor(t[1], t[0]))
+    run("a view", lambda: [torch.rand(8, 8)], lambda t: dist.all_reduce(t[0][2]))
+    stats = tensorsManager.stats()
+    assert stats["peak_device_bytes"] <= 4096 and stats["worst_overshoot_bytes"] == 0, stats
+    if device != "cpu":  # (pass-through never moves anything)
+        assert stats["evictions"] > 0, stats
+    dist.destroy_process_group()

@@ -47,6 +47,11 @@ def _workers_import_this_tree(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
 
 
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_collectives_on_tensor_refs_are_plain_collectives(device):
+    spawn(workers.collectives_worker, device)
+
+
 #: DDP's options, each run plain and managed in the same processes
 DDP_OPTIONS = [
     {},
