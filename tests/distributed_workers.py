@@ -10,7 +10,6 @@ within its budget.
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 import torch.distributed as dist

@@ -108,7 +108,7 @@ def collective(func, args, kwargs, spec):
         plain_to_ref = {}
         cargs = [_swap(a, plain_to_ref) for a in args]
         ckwargs = {k: _swap(v, plain_to_ref) for k, v in (kwargs or {}).items()}
-        views = [(v, r) for v, r in ((compute_view(r), r) for r in refs)]
+        views = [(compute_view(r), r) for r in refs]
         out = mgr._call(ctx, func, cargs, ckwargs)
         _wait(out)
         mgr._mark_written(written)
