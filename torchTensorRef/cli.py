@@ -67,8 +67,11 @@ def configure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
 def summary(elapsed: float) -> str:
     """A few lines on what the manager did: bytes moved, peak vs budget, evictions, time."""
     s = tensorsManager.stats()
+    # Under torchrun every rank prints one: say whose it is.
+    rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else None
+    who = f" (rank {rank})" if rank else ""
     return (
-        f"torchTensorRef: device {s['device']}, strategy {s['strategy']}, "
+        f"torchTensorRef{who}: device {s['device']}, strategy {s['strategy']}, "
         f"budget {format_size(s['budget'])}\n"
         f"  moved {format_size(s['bytes_to_device'])} to the accelerator and "
         f"{format_size(s['bytes_to_host'])} back; peak {format_size(s['peak_device_bytes'])} "

@@ -20,7 +20,7 @@ from typing import Dict, Tuple
 import torch
 import wrapt
 
-from . import compiler
+from . import compiler, distributed
 from .tensor_ref import TensorRef, saving
 
 #: torch functions that create tensors without a tensor input
@@ -239,6 +239,7 @@ def patch() -> None:
         targets = [("torch", name, _wrapper_for(name)) for name in names]
         targets += [(module, name, _rng_state_wrapper) for module, name in RNG_STATE_FUNCTIONS]
         targets += [(owner, name, _capture_wrapper) for owner, name in CAPTURE_METHODS]
+        targets += [(owner, name, distributed.wrapper_for(owner, name)) for owner, name in distributed.FUNCTIONS]
         for module_name, name, how in targets:
             module = _owner(module_name)
             if (module_name, name) in _patched or not hasattr(module, name):

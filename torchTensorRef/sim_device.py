@@ -341,6 +341,20 @@ class _SimModule:
 
         return tensorsManager.stats()["device_bytes"]
 
+    def __getattr__(self, name: str):
+        if name in _STREAM_API:
+            raise AttributeError(STREAMS_ERROR.format(name=name))
+        raise AttributeError(f"module 'torch.{NAME}' has no attribute {name!r}")
+
+
+#: what PyTorch code asks of a device's streams (FSDP2 does, around every all-gather)
+_STREAM_API = frozenset({"Stream", "Event", "stream", "current_stream", "default_stream", "set_stream"})
+STREAMS_ERROR = (
+    'torch.sim.{name}: the simulated device "sim" has no streams for PyTorch code, so FSDP2 '
+    '(fully_shard) cannot run on it; check FSDP2 with TensorRefs on device "cpu" (pass-through), '
+    'or use DistributedDataParallel on "sim" (docs/distributed.md)'
+)
+
 
 def _register_factories() -> None:
     # The device's allocations: a new resident block of the manager, within its budget; where

@@ -1,0 +1,247 @@
+"""What each rank of the tests in ``test_distributed.py`` runs, in its own process.
+
+Every worker builds the same model twice from the same per-rank seed, once plain (on the
+CPU, inside ``torchTensorRef.disabled()``) and once managed, wraps each in its own engine
+over one ``gloo`` process group, trains both the same way and asserts that losses,
+gradients, parameters and buffers are bit-identical, and that the rank's manager stayed
+within its budget.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchTensorRef
+from torchTensorRef import TensorRef, tensorsManager
+
+
+class Net(nn.Module):
+    """Linear layers, a batch norm (buffers, an int64 among them) and an unused layer."""
+
+    def __init__(self, width: int = 24, unused: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.hidden = nn.ModuleList(nn.Linear(width, width) for _ in range(6))
+        self.out = nn.Linear(width, 8)
+        if unused:
+            self.unused = nn.Linear(8, 8)  # no gradient ever: find_unused_parameters must cope
+
+    def forward(self, x):
+        x = self.norm(self.inp(x)).relu()
+        for layer in self.hidden:
+            x = layer(x).relu()
+        return self.out(x)
+
+
+def values(t: torch.Tensor) -> torch.Tensor:
+    """A plain CPU copy of ``t``'s values."""
+    with torchTensorRef.disabled():
+        t = t.detach()
+        if isinstance(t, TensorRef):
+            t = t.target
+        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+
+
+def check_same(plain, managed, where: str) -> None:
+    a, b = values(plain), values(managed)
+    assert (a.dtype, a.shape) == (b.dtype, b.shape), where
+    assert torch.equal(a, b), f"rank {dist.get_rank()}: {where} differs"
+
+
+def check_modules(plain: nn.Module, managed: nn.Module, where: str, grads: bool) -> None:
+    for (name, p), (_n, m) in zip(plain.named_parameters(), managed.named_parameters()):
+        assert isinstance(m, TensorRef), f"{name} is not managed"
+        check_same(p, m, f"{where}: {name}")
+        if grads:
+            assert (p.grad is None) == (m.grad is None), f"{where}: {name}.grad presence"
+            if p.grad is not None:
+                check_same(p.grad, m.grad, f"{where}: {name}.grad")
+    for (name, p), (_n, m) in zip(plain.named_buffers(), managed.named_buffers()):
+        check_same(p, m, f"{where}: buffer {name}")
+
+
+def setup(rank: int, world: int, init_file: str, device: str, backend: str = "gloo") -> None:
+    if device == "cuda":
+        torch.cuda.set_device(rank)  # before the first tensor: "cuda" is this rank's GPU
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    tensorsManager.device = device
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def ddp_worker(rank: int, world: int, init_file: str, device: str, runs: list, backend: str = "gloo") -> None:
+    """For each ``(strategy, budget_fraction, options)`` of ``runs``: plain DDP beside managed DDP.
+
+    The plain run is on the CPU, or on this rank's GPU when ``device`` is ``"cuda"``.
+    """
+    setup(rank, world, init_file, device, backend)
+    if device == "cuda":
+        assert tensorsManager._declared == torch.device("cuda", rank), tensorsManager._declared
+    for strategy, budget_fraction, options in runs:
+        ddp_run(rank, world, strategy, budget_fraction, dict(options))
+    dist.destroy_process_group()
+
+
+def ddp_run(rank: int, world: int, strategy: str, budget_fraction, options: dict) -> None:
+    """Three SGD steps (the first under ``no_sync`` if asked) of plain DDP and managed DDP."""
+    where = f"{strategy}, budget {budget_fraction}, {options}"
+    no_sync = options.pop("no_sync", False)
+    with torchTensorRef.disabled():
+        torch.manual_seed(rank)  # ranks start apart: DDP must broadcast rank 0's state
+        plain = Net(unused=options.get("find_unused_parameters", False))
+        managed = copy.deepcopy(plain)
+        if tensorsManager.device_kind == "cuda":
+            plain.cuda()
+    torchTensorRef.manage(managed)
+    budget = None if budget_fraction is None else int(budget_fraction * param_bytes(plain))
+    tensorsManager.budget = None
+    tensorsManager.strategy = strategy
+    tensorsManager.budget = budget
+    tensorsManager.reset_stats()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    engines = [DDP(plain, **options), DDP(managed, **options)]
+    check_modules(plain, managed, f"{where}: after the initial broadcast", grads=False)
+    for name, p in plain.named_parameters():
+        gathered = [torch.empty_like(p) for _ in range(world)]
+        with torchTensorRef.disabled():
+            dist.all_gather(gathered, p.detach())
+        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{where}: {name} differs across ranks"
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (plain, managed)]
+    for step in range(3):
+        with torchTensorRef.disabled():
+            torch.manual_seed(100 * step + rank)
+            x = torch.randn(6, 16)
+        plain_x = x.cuda() if tensorsManager.device_kind == "cuda" else x
+        losses = []
+        sync = not (no_sync and step == 0)
+        for engine, opt, plain_run in zip(engines, optimizers, (True, False)):
+            batch = plain_x if plain_run else torchTensorRef.manage(x.clone())
+            with (engine.no_sync() if not sync else _nothing()):
+                loss = engine(batch).square().mean()
+                loss.backward()
+            losses.append(loss)
+            if sync:
+                opt.step()
+                opt.zero_grad(set_to_none=not options.get("gradient_as_bucket_view", False))
+        check_same(losses[0], losses[1], f"{where}: loss of step {step}")
+        check_modules(plain, managed, f"{where}: step {step}", grads=True)
+    stats = tensorsManager.stats()
+    assert stats["worst_overshoot_bytes"] == 0, (where, stats)
+    if budget is not None:
+        assert stats["peak_device_bytes"] <= budget, (where, stats["peak_device_bytes"], budget)
+        assert stats["evictions"] > 0, f"{where}: the budget did not make the manager page"
+    del engines, optimizers, managed
+    tensorsManager.budget = None
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def fsdp_worker(rank: int, world: int, init_file: str, device: str) -> None:
+    """Three steps of FSDP2 (``fully_shard`` per layer and at the root), plain beside managed.
+
+    On ``"cpu"`` both run on a CPU mesh and must agree bit for bit; on ``"sim"`` the first
+    forward must refuse with the error that names FSDP2.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    backend = "cpu:gloo,sim:gloo" if device == "sim" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    tensorsManager.device = device
+    with torchTensorRef.disabled():
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 8))
+        managed = copy.deepcopy(plain)
+    torchTensorRef.manage(managed)
+    meshes = (init_device_mesh("cpu", (world,)), init_device_mesh(device, (world,)))
+    for model, mesh in zip((plain, managed), meshes):
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    for p in managed.parameters():
+        assert isinstance(p, DTensor) and isinstance(p.to_local(), TensorRef), type(p)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (plain, managed)]
+    for step in range(3):
+        with torchTensorRef.disabled():
+            torch.manual_seed(10 * step + rank)
+            x = torch.randn(6, 16)
+        if device == "sim":
+            try:
+                managed(torchTensorRef.manage(x.clone()))
+            except AttributeError as e:
+                assert "FSDP2 (fully_shard) cannot run" in str(e), e
+                break
+            raise AssertionError("FSDP2 ran on sim")
+        losses = []
+        for model, batch in ((plain, x), (managed, torchTensorRef.manage(x.clone()))):
+            loss = model(batch).square().mean()
+            loss.backward()
+            losses.append(loss)
+        for (name, p), m in zip(plain.named_parameters(), managed.parameters()):
+            check_same(p.grad.to_local(), m.grad.to_local(), f"step {step}: {name}.grad shard")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        check_same(losses[0], losses[1], f"FSDP2 loss of step {step}")
+        for (name, p), m in zip(plain.named_parameters(), managed.parameters()):
+            check_same(p.to_local(), m.to_local(), f"step {step}: {name} shard")
+            check_same(p.full_tensor(), m.full_tensor(), f"step {step}: {name} gathered")
+    dist.destroy_process_group()
+
+
+def collectives_worker(rank: int, world: int, init_file: str, device: str) -> None:
+    """torch.distributed's collectives on TensorRefs under Genoa and a small budget, against plain."""
+    setup(rank, world, init_file, device)
+    tensorsManager.strategy = "genoa"
+    tensorsManager.budget = 4096  # Genoa sends every tensor back after each op: all are paged
+
+    def both(fn):
+        with torchTensorRef.disabled():
+            torch.manual_seed(rank)
+            plain = fn()
+        torch.manual_seed(rank)
+        managed = fn()
+        return plain, managed
+
+    def run(name, make, collective):
+        plain, managed = both(make)
+        with torchTensorRef.disabled():
+            collective(plain)
+        work = collective(managed)
+        if work is not None:
+            work.wait()
+        for i, (p, m) in enumerate(zip(plain, managed)):
+            assert isinstance(m, TensorRef), f"{name}: {type(m)}"
+            check_same(p, m, f"{name}[{i}]")
+
+    run("all_reduce", lambda: [torch.rand(64)], lambda t: dist.all_reduce(t[0]))
+    run("all_reduce async", lambda: [torch.rand(64)], lambda t: dist.all_reduce(t[0], async_op=True))
+    run("broadcast", lambda: [torch.rand(8, 8)], lambda t: dist.broadcast(t[0], src=1))
+    run("all_gather", lambda: [torch.rand(16)] + [torch.zeros(16) for _ in range(world)],
+        lambda t: dist.all_gather(t[1:], t[0]))
+    run("all_gather_into_tensor", lambda: [torch.rand(16), torch.zeros(16 * world)],
+        lambda t: dist.all_gather_into_tensor(t[1], t[0]))
+    run("a view", lambda: [torch.rand(8, 8)], lambda t: dist.all_reduce(t[0][2]))
+    stats = tensorsManager.stats()
+    assert stats["peak_device_bytes"] <= 4096 and stats["worst_overshoot_bytes"] == 0, stats
+    if device != "cpu":  # (pass-through never moves anything)
+        assert stats["evictions"] > 0, stats
+    dist.destroy_process_group()

@@ -1,0 +1,152 @@
+"""torch.distributed with TensorRefs: each rank a process with its own manager and budget.
+
+The ranks run in spawned processes (``distributed_workers.py``) over ``gloo`` on the CPU,
+with a deadline so that a hang fails the test instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import distributed_workers as workers
+
+DEADLINE_S = 120
+
+
+def spawn(fn, *args, world: int = 2):
+    """Run ``fn(rank, world, init_file, *args)`` in ``world`` processes; fail on error or hang."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="ttr-dist-")
+    init_file = os.path.join(folder, "init")
+    context = mp.spawn(fn, args=(world, init_file, *args), nprocs=world, join=False)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {world} ranks did not finish in {DEADLINE_S} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.fixture(autouse=True)
+def _workers_import_this_tree(monkeypatch):
+    # Spawned ranks import the package found first on their path: the one under test.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_collectives_on_tensor_refs_are_plain_collectives(device):
+    spawn(workers.collectives_worker, device)
+
+
+#: DDP's options, each run plain and managed in the same processes
+DDP_OPTIONS = [
+    {},
+    {"gradient_as_bucket_view": True},
+    {"no_sync": True},
+    {"bucket_cap_mb": 4096 / 2**20, "gradient_as_bucket_view": True},
+    {"broadcast_buffers": False},
+]
+#: small buckets, so that each bucket (one block) fits half the parameter bytes
+SMALL_BUCKETS = {"bucket_cap_mb_list": [1024 / 2**20]}
+
+
+def test_ddp_pass_through_is_plain_ddp():
+    runs = [("flow", None, o) for o in DDP_OPTIONS + [{"find_unused_parameters": True}]]
+    spawn(workers.ddp_worker, "cpu", runs)
+
+
+def test_ddp_on_sim_is_plain_ddp():
+    # (find_unused_parameters needs pinned memory of the device, which a Python-registered
+    # device cannot provide: docs/distributed.md)
+    spawn(workers.ddp_worker, "sim", [("flow", None, o) for o in DDP_OPTIONS])
+
+
+@pytest.mark.parametrize("strategy", ["flow", "genoa"])
+def test_ddp_pages_each_rank_at_half_the_parameters(strategy):
+    runs = [(strategy, 0.5, dict(SMALL_BUCKETS)), (strategy, 0.5, dict(SMALL_BUCKETS, gradient_as_bucket_view=True))]
+    spawn(workers.ddp_worker, "sim", runs)
+
+
+@pytest.mark.cuda
+def test_ddp_on_gpus_with_nccl_is_plain_ddp():
+    world = min(torch.cuda.device_count(), 2)
+    runs = [("flow", None, o) for o in DDP_OPTIONS + [{"find_unused_parameters": True}]]
+    spawn(workers.ddp_worker, "cuda", runs, "nccl", world=world)
+
+
+def _torchrun(*args, out, port):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", str(port), *args, out]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_runs_the_runner_on_every_rank(tmp_path):
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_train.py")
+    plain, managed = tmp_path / "plain", tmp_path / "managed"
+    plain.mkdir()
+    managed.mkdir()
+    _torchrun(script, out=str(plain), port=_free_port())
+    done = _torchrun("-m", "torchTensorRef", "run", "--device", "sim", "--strategy", "flow", "--budget", "5KiB",
+                     script, out=str(managed), port=_free_port())
+    for rank in (0, 1):  # each rank's own summary
+        assert done.stderr.count(f"torchTensorRef (rank {rank}): device sim, strategy flow, budget 5.0 KiB") == 1
+    for rank in (0, 1):
+        expected = (plain / f"rank{rank}.txt").read_text().splitlines()
+        got = (managed / f"rank{rank}.txt").read_text().splitlines()
+        assert got[:-1] == expected[:-1], f"rank {rank}: losses differ"
+        assert (expected[-1], got[-1]) == ("device cpu", "device sim:0")
+    peaks = [line.split("peak ")[1].split(" resident")[0] for line in done.stderr.splitlines() if "resident of" in line]
+    assert len(peaks) == 2 and all(p.endswith(" B") or (p.endswith(" KiB") and float(p.split()[0]) <= 5.0)
+                                   for p in peaks), peaks
+
+
+def test_data_parallel_over_several_gpus_is_refused(monkeypatch):
+    import torchTensorRef
+
+    model = torch.nn.Linear(4, 4)
+    assert isinstance(model.weight, torchTensorRef.TensorRef)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match=r"DataParallel over 2 GPUs .*Use DistributedDataParallel"):
+        torch.nn.DataParallel(model)
+    with pytest.raises(RuntimeError, match=r"DataParallel over 2 GPUs"):
+        torch.nn.DataParallel(model, device_ids=[0, 1])
+
+
+def test_data_parallel_without_gpus_runs_the_module():
+    # Without CUDA, DataParallel calls the module itself: nothing to refuse.
+    model = torch.nn.Linear(4, 4)
+    x = torch.rand(3, 4)
+    assert torch.equal(torch.nn.DataParallel(model)(x).cpu(), model(x).cpu())
+
+
+def test_fsdp2_pass_through_is_plain_fsdp2():
+    spawn(workers.fsdp_worker, "cpu")
+
+
+def test_fsdp2_on_sim_is_refused_clearly():
+    spawn(workers.fsdp_worker, "sim")

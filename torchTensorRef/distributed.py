@@ -1,0 +1,71 @@
+"""torch.distributed with TensorRefs: what needs adjusting beyond the collectives themselves.
+
+Each process has its own ``tensorsManager``, on its own device (``"cuda"`` resolves to the
+process's ``LOCAL_RANK`` or current device; ``"sim"`` is a simulated device per process)
+and under its own budget. The collectives run through the manager (Note [Collectives] in
+``ops/collectives.py``). Two of torch's functions are wrapped here (the wrappers are
+installed and removed with the rest by ``patch()`` / ``unpatch()``):
+
+- ``torch.distributed._broadcast_coalesced``, which DDP uses to copy rank 0's parameters
+  and buffers to the other ranks, flattens them into buckets of 250 MiB: one op on such a
+  bucket would have to fit the budget. Under a budget the buckets are made small enough.
+- ``nn.DataParallel``, which copies a module onto several GPUs of one process: the manager
+  pages one device, so that is refused with what to use instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: ``(owner, name)`` of the functions wrapped here, for ``patching.patch()``
+FUNCTIONS = (
+    ("torch.distributed", "_broadcast_coalesced"),
+    ("torch.nn.parallel.data_parallel:DataParallel", "__init__"),
+)
+
+DATA_PARALLEL_ERROR = (
+    "nn.DataParallel over {n} GPUs cannot run on TensorRefs: the manager of a process pages "
+    "one device ({device}), and DataParallel copies the module onto every GPU of the process. "
+    "Use DistributedDataParallel with one process per GPU (torchrun --nproc-per-node {n} "
+    "-m torchTensorRef run train.py), or DataParallel(module, device_ids=[{index}])"
+)
+
+
+def _has_refs(values) -> bool:
+    from .tensor_ref import TensorRef
+
+    return any(isinstance(v, TensorRef) for v in values)
+
+
+def broadcast_coalesced_wrapper(wrapped, instance, args, kwargs):
+    """Broadcast TensorRefs in buckets that fit the budget (flatten and copy back need ~2x)."""
+    from .manager import tensorsManager
+
+    limit = tensorsManager.limit
+    names = ("process_group", "tensors", "buffer_size", "src")
+    bound = dict(zip(names, args), **kwargs)
+    if limit is not None and "buffer_size" in bound and _has_refs(bound.get("tensors", ())):
+        bound["buffer_size"] = max(min(int(bound["buffer_size"]), limit // 4), 1)
+        args = tuple(bound.pop(n) for n in names[:len(args)])
+        kwargs = bound
+    return wrapped(*args, **kwargs)
+
+
+def data_parallel_wrapper(wrapped, instance, args, kwargs):
+    """``DataParallel.__init__``: refuse to replicate a managed module onto several GPUs."""
+    from .manager import tensorsManager
+
+    module = args[0] if args else kwargs.get("module")
+    device_ids = args[1] if len(args) > 1 else kwargs.get("device_ids")
+    if isinstance(module, torch.nn.Module) and torch.cuda.is_available():
+        count = len(device_ids) if device_ids is not None else torch.cuda.device_count()
+        managed = _has_refs(module.parameters()) or _has_refs(module.buffers())
+        if managed and count > 1:
+            device = tensorsManager._declared
+            raise RuntimeError(DATA_PARALLEL_ERROR.format(n=count, device=device, index=device.index or 0))
+    return wrapped(*args, **kwargs)
+
+
+def wrapper_for(owner: str, name: str):
+    """The wrapt wrapper function of an entry of ``FUNCTIONS``."""
+    return broadcast_coalesced_wrapper if name == "_broadcast_coalesced" else data_parallel_wrapper

@@ -1,0 +1,117 @@
+"""torch.distributed's collectives (``c10d`` ops) on TensorRefs.
+
+Note [Collectives]: ``dist.all_reduce``, DDP's bucket all-reduce and FSDP2's all-gather
+reach the dispatcher as ``c10d`` ops whose tensors come in lists, or lists of lists, that
+the generic path does not look into. This handler makes every block of those tensors
+resident, runs the op on plain views of the accelerator copies (on ``"sim"`` these are CPU
+tensors, so the ``gloo`` backend takes them; on CUDA they are CUDA tensors for ``nccl``),
+marks the tensors the op writes (its first argument) as written, and gives back the
+TensorRefs the caller passed. The op is waited for before the handler returns: an
+asynchronous collective still writing into a block the strategy evicts next would lose
+its result. The ``Work`` returned is therefore already complete, and waiting on it again
+costs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed  # noqa: F401  (registers the c10d ops)
+
+from ..manager import tensorsManager as _mgr
+from ..tensor_ref import TensorRef, compute_view
+from .registry import implements
+
+_Tensor = torch.Tensor
+
+#: c10d ops that write none of their tensors
+_READ_ONLY = ("send", "barrier", "monitored_barrier_", "check_for_nan")
+
+
+def _c10d_ops():
+    ops = []
+    packets = getattr(torch.ops, "c10d", None)
+    if packets is None:
+        return ops
+    for name in ("allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_", "allgather_",
+                 "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
+                 "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
+                 "alltoall_", "alltoall_base_", "gather_", "scatter_", "send", "recv_",
+                 "recv_any_source_", "barrier", "monitored_barrier_"):
+        packet = getattr(packets, name, None)
+        if packet is not None:
+            ops.extend(getattr(packet, o) for o in packet.overloads())
+    return ops
+
+
+def _refs(value, out):
+    if isinstance(value, TensorRef):
+        out.append(value)
+    elif value.__class__ is list or value.__class__ is tuple:
+        for e in value:
+            _refs(e, out)
+
+
+def _swap(value, plain_to_ref):
+    if isinstance(value, TensorRef):
+        view = compute_view(value)
+        plain_to_ref[id(view)] = value
+        return view
+    if value.__class__ is list or value.__class__ is tuple:
+        return value.__class__(_swap(e, plain_to_ref) for e in value)
+    return value
+
+
+def _unswap(value, plain_to_ref, views):
+    if isinstance(value, _Tensor):
+        ref = plain_to_ref.get(id(value))
+        if ref is not None:
+            return ref
+        for view, ref in views:  # a new Python object for the same tensor
+            if (value.data_ptr() == view.data_ptr() and value.shape == view.shape
+                    and value.stride() == view.stride() and value.dtype == view.dtype):
+                return ref
+        return value
+    if value.__class__ is list or value.__class__ is tuple:
+        return value.__class__(_unswap(e, plain_to_ref, views) for e in value)
+    return value
+
+
+def _wait(out):
+    if isinstance(out, tuple):
+        for o in out:
+            _wait(o)
+    elif hasattr(out, "wait") and not isinstance(out, _Tensor):
+        out.wait()
+
+
+@implements(_c10d_ops())
+def collective(func, args, kwargs, spec):
+    """Run a c10d op on the accelerator copies of its TensorRefs (Note [Collectives])."""
+    from .dispatch import OpContext, _blocks_of_list
+
+    mgr = _mgr
+    with mgr._lock:
+        if mgr._dead:
+            mgr._drain()
+        refs = []
+        for a in list(args) + list((kwargs or {}).values()):
+            _refs(a, refs)
+        blocks = _blocks_of_list([r._tr_block for r in refs])
+        written = []
+        if args and func.overloadpacket.__name__ not in _READ_ONLY:
+            first = []
+            _refs(args[0], first)
+            written = _blocks_of_list([r._tr_block for r in first])
+        ctx = OpContext(spec, blocks, written, args, kwargs or {})
+        ctx._estimate = 0  # collectives write into tensors their caller allocated
+        mgr._prepare(ctx)
+        plain_to_ref = {}
+        cargs = [_swap(a, plain_to_ref) for a in args]
+        ckwargs = {k: _swap(v, plain_to_ref) for k, v in (kwargs or {}).items()}
+        views = [(compute_view(r), r) for r in refs]
+        out = mgr._call(ctx, func, cargs, ckwargs)
+        _wait(out)
+        mgr._mark_written(written)
+        result = _unswap(out, plain_to_ref, views)
+        mgr._finish(ctx)
+        return result
