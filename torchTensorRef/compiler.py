@@ -65,10 +65,12 @@ def break_graph_at_wrappers() -> None:
                 torch._dynamo.disallow_in_graph(wrapper)
             except RuntimeError:  # a function the compiler never puts in a graph: it runs eagerly
                 pass
-            _breaks.add(id(wrapper))
+            _breaks[id(wrapper)] = wrapper
 
 
-_breaks: set = set()
+#: the wrappers already made to break the graph, by id; held, so that an id is never reused
+#: by a new wrapper after ``unpatch()`` (which would then be skipped)
+_breaks: dict = {}
 
 
 def compile_wrapper(wrapped, instance, args, kwargs):
