@@ -25,7 +25,6 @@ import os
 import pstats
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,7 +32,7 @@ import torch  # noqa: E402
 
 import torchTensorRef  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks.overhead import MinimalWrapper  # noqa: E402
+from benchmarks.overhead import MinimalWrapper, alternating_add_us  # noqa: E402
 from torchTensorRef import tensorsManager as tm  # noqa: E402
 from torchTensorRef.strategies import Flow, Strategy  # noqa: E402
 
@@ -81,20 +80,7 @@ def row_us(setup, calls: int) -> dict:
     for _ in range(200):  # warm-up: Flow finds the period and compiles its plan here
         x + x
     strategy = tm.strategy
-    clock = time.perf_counter_ns
-    plain, minimal, managed = [], [], []
-    for _ in range(calls):
-        start = clock()
-        y + y
-        mid = clock()
-        w + w
-        end = clock()
-        x + x
-        managed.append(clock() - end)
-        plain.append(mid - start)
-        minimal.append(end - mid)
-    out = {name: statistics.median(v) / 1e3 for name, v in
-           (("plain_us", plain), ("floor_us", minimal), ("managed_us", managed))}
+    out = dict(zip(("plain_us", "floor_us", "managed_us"), alternating_add_us(y, w, x, calls)))
     out["plan"] = getattr(strategy, "plan", None) is not None
     out["under_pressure"] = tm.under_pressure
     del keep
