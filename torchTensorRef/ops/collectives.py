@@ -87,7 +87,7 @@ def _wait(out):
 @implements(_c10d_ops())
 def collective(func, args, kwargs, spec):
     """Run a c10d op on the accelerator copies of its TensorRefs (Note [Collectives])."""
-    from .dispatch import OpContext, _blocks_of_list
+    from .dispatch import OpContext, _blocks_of
 
     mgr = _mgr
     with mgr._lock:
@@ -96,12 +96,12 @@ def collective(func, args, kwargs, spec):
         refs = []
         for a in list(args) + list((kwargs or {}).values()):
             _refs(a, refs)
-        blocks = _blocks_of_list([r._tr_block for r in refs])
+        blocks = _blocks_of(refs) if refs else []
         written = []
         if args and func.overloadpacket.__name__ not in _READ_ONLY:
             first = []
             _refs(args[0], first)
-            written = _blocks_of_list([r._tr_block for r in first])
+            written = _blocks_of(first) if first else []
         ctx = OpContext(spec, blocks, written, args, kwargs or {})
         ctx._estimate = 0  # collectives write into tensors their caller allocated
         mgr._prepare(ctx)

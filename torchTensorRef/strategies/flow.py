@@ -218,10 +218,14 @@ class Flow(Strategy):
                 return n - i
         return None
 
-    def _prune(self, n: int) -> None:
+    def _keep_from(self, n: int) -> int:
+        """The first op whose record is kept at op ``n``."""
         # Keep much more than a period: a longer loop around this one (each generate() call
         # around its tokens) is only found again if its previous round is still on record.
-        keep_from = n - max(self.max_history, 2 * (self.period or 0) + self.lookahead + 8)
+        return n - max(self.max_history, 2 * (self.period or 0) + self.lookahead + 8)
+
+    def _prune(self, n: int) -> None:
+        keep_from = self._keep_from(n)
         for table in (self._func, self._op_blocks, self._created, self._adopted):
             for k in [k for k in table if k < keep_from]:
                 del table[k]
@@ -281,7 +285,8 @@ class Flow(Strategy):
         return _DEAD
 
     def _priority(self, block, n: int) -> int:
-        nxt = self.next_use(block.id, n)
+        plan = self.plan
+        nxt = plan.next_use(block.id, n, self._birth, _DEAD) if plan is not None else self.next_use(block.id, n)
         if nxt is None:
             return _UNKNOWN - block.last_use  # recency: least recently used first
         if nxt == _DEAD and block.host_valid:
@@ -391,8 +396,7 @@ class Flow(Strategy):
         plan, self.plan = self.plan, None
         self.manager.hooks_changed()
         uses, sigs, birth = self._uses, self._sig_positions, self._birth
-        kept = n - max(self.max_history, 2 * self.period + self.lookahead + 8)  # (as _prune)
-        for m in range(max(self._plan_from, kept), n):
+        for m in range(max(self._plan_from, self._keep_from(n)), n):
             op = plan.op_at(m, self._born_at)
             if op is None:
                 continue
@@ -412,17 +416,8 @@ class Flow(Strategy):
         """Resident blocks, best victim last, ranked by the plan at op ``n`` (once per op)."""
         if self._ranking[0] == n:
             return self._ranking[1]
-        plan, birth = self.plan, self._birth
-        ranked = []
-        for block in self.manager.resident_blocks():
-            nxt = plan.next_use(block.id, n, birth, _DEAD)
-            if nxt is None:
-                priority = _UNKNOWN - block.last_use
-            elif nxt == _DEAD and block.host_valid:
-                priority = _DEAD + 1
-            else:
-                priority = nxt
-            ranked.append((priority, block.id, block))
+        priority = self._priority
+        ranked = [(priority(block, n), block.id, block) for block in self.manager.resident_blocks()]
         ranked.sort(key=_first)
         self._ranking = (n, ranked)
         return ranked
@@ -444,26 +439,16 @@ class Flow(Strategy):
         return None
 
     def _plan_prefetch(self, n: int, blocks, reserved: int) -> None:
-        mgr = self.manager
-        protect = None
-        limit = mgr.limit - reserved  # the op's results still need their room
-        lookup, born_at = mgr.block, self._born_at
+        limit = self.manager.limit - reserved  # the op's results still need their room
+        lookup, born_at = self.manager.block, self._born_at
         for j, role in self.plan.ahead[self.plan.offset(n)]:
             bid = role if role.__class__ is int else born_at(n + j - role[0], role[1])
             block = lookup(bid) if bid is not None else None
             if block is None or block.dev is not None:
                 continue
-            while mgr.in_use() + block.nbytes > limit:  # (as _prefetch)
-                if not self._evicting_prefetch:
-                    return
-                if protect is None:  # (the ranking may predate this op's fetches)
-                    protect = {b.id for b in blocks}
-                victim = self._plan_victim(protect, worse_than=n + j, clean_only=True)
-                if victim is None:
-                    return
-                mgr.evict(victim)
-            mgr.prefetch(block)
-            block.last_use = n
+            # (the plan's ranking may predate this op's fetches: its blocks are protected)
+            if not self._prefetch_one(block, n, n + j, limit, blocks):
+                return
 
     def _upcoming(self, n: int):
         """(op index, block) pairs the next ``lookahead`` ops will read, by prediction."""
@@ -491,18 +476,28 @@ class Flow(Strategy):
         for m, block in self._upcoming(n):
             if block.dev is not None:
                 continue
-            # Make room only from clean blocks predicted to be needed after op m: evicting
-            # them is free, while a dirty one might still die (be freed) before it is needed.
-            while mgr.in_use() + block.nbytes > limit:
-                if not self._evicting_prefetch:
-                    return
-                victim = self._pop_victim((), worse_than=m, clean_only=True)
-                if victim is None:
-                    return
-                mgr.evict(victim)
-            mgr.prefetch(block)
-            block.last_use = n
+            if not self._prefetch_one(block, n, m, limit, ()):
+                return
             self._push(block, n)
+
+    def _prefetch_one(self, block, n: int, m: int, limit: int, protect_blocks) -> bool:
+        """Prefetch ``block``, needed at op ``m``, at op ``n`` within ``limit``; ``False`` if it
+        does not fit (nothing further is tried then)."""
+        mgr = self.manager
+        # Make room only from clean blocks predicted to be needed after op m: evicting them
+        # is free, while a dirty one might still die (be freed) before it is needed.
+        while mgr.in_use() + block.nbytes > limit:
+            if not self._evicting_prefetch:
+                return False
+            protect = {b.id for b in protect_blocks}
+            victim = (self._plan_victim(protect, worse_than=m, clean_only=True) if self.plan is not None
+                      else self._pop_victim(protect, worse_than=m, clean_only=True))
+            if victim is None:
+                return False
+            mgr.evict(victim)
+        mgr.prefetch(block)
+        block.last_use = n
+        return True
 
     def _pop_victim(self, protect, worse_than: Optional[int] = None, clean_only: bool = False):
         heap = self._heap
