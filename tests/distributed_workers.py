@@ -9,6 +9,7 @@ within its budget.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -223,11 +224,11 @@ def collectives_worker(rank: int, world: int, init_file: str, device: str) -> No
 
     def run(name, make, collective):
         plain, managed = both(make)
-        with torchTensorRef.disabled():
-            collective(plain)
-        work = collective(managed)
-        if work is not None:
-            work.wait()
+        for tensors in (plain, managed):
+            with torchTensorRef.disabled() if tensors is plain else contextlib.nullcontext():
+                work = collective(tensors)
+            if work is not None:
+                work.wait()  # (the plain one too: an asynchronous reduction still running differs)
         for i, (p, m) in enumerate(zip(plain, managed)):
             assert isinstance(m, TensorRef), f"{name}: {type(m)}"
             check_same(p, m, f"{name}[{i}]")
