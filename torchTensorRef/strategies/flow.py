@@ -289,7 +289,7 @@ class Flow(Strategy):
         nxt = plan.next_use(block.id, n, self._birth, _DEAD) if plan is not None else self.next_use(block.id, n)
         if nxt is None:
             return _UNKNOWN - block.last_use  # recency: least recently used first
-        if nxt == _DEAD and block.host_valid:
+        if nxt == _DEAD and block.clean:
             return _DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
         return nxt
 
@@ -432,7 +432,7 @@ class Flow(Strategy):
             if resident(bid) is not block:
                 del ranked[i]  # evicted or freed since the ranking
                 continue
-            if block.pins or bid in protect or (clean_only and not block.host_valid):
+            if block.pins or bid in protect or (clean_only and not block.clean):
                 continue
             del ranked[i]
             return block
@@ -514,7 +514,7 @@ class Flow(Strategy):
             if worse_than is not None and -neg <= worse_than:
                 break  # everything left is needed sooner
             heapq.heappop(heap)
-            if block.pins or bid in protect or (clean_only and not block.host_valid):
+            if block.pins or bid in protect or (clean_only and not block.clean):
                 skipped.append((neg, s, bid))
                 continue
             found = block
@@ -523,6 +523,16 @@ class Flow(Strategy):
         for entry in skipped:
             heapq.heappush(heap, entry)
         return found
+
+    def choose_host_victim(self, candidates, index: int):
+        """The host copy needed furthest ahead (a free drop first among equals)."""
+        best = None
+        best_key = None
+        for block in candidates:
+            key = (self._priority(block, index), block.disk is not None or not block.host_valid)
+            if best is None or key > best_key:
+                best, best_key = block, key
+        return best
 
     def choose_victim(self, protect):
         victim = self._plan_victim(protect) if self.plan is not None else self._pop_victim(protect)
