@@ -83,6 +83,7 @@ class Adoption:
                     self._by_host_storage[key] = block
                     if not shared and not block.host_only and block.nbytes >= PIN_AT_ADOPTION_BYTES:
                         self._pin_host(block)  # once, now, rather than on the way to the device
+                    self._make_host_room(0, (block.id,), "a new tensor")  # (its bytes exist: others leave)
                 self._strategy.on_adopt(block)
             # t views the block's storage unless an existing block's current copy is elsewhere
             current = block.dev if block.dev is not None else block.host
@@ -101,6 +102,7 @@ class Adoption:
                 storage = raw.flat_bytes(block.host).clone().untyped_storage()
                 new_block = self._new_block(block.nbytes)
                 self._set_host_only(new_block, storage)
+                self._make_host_room(0, (new_block.id,), "a copy of a tensor")
                 memo[key] = new_block
             view = with_math_bits(raw.typed_view(new_block.host, ref.dtype, ref.size(), ref.stride(),
                                                  ref.storage_offset()), ref)

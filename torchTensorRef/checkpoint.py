@@ -207,3 +207,65 @@ def _slots(model: torch.nn.Module) -> Dict[tuple, List[str]]:
         if name not in names:
             names.append(name)
     return slots
+
+
+# -- safetensors.safe_open, as transformers' from_pretrained uses it --------------------------
+
+class LazyFile:
+    """A ``safe_open`` handle whose whole-tensor reads (``get_tensor(k)``, ``get_slice(k)[...]``)
+    give file-backed TensorRefs; anything else (partial slices, metadata) is the real handle's."""
+
+    def __init__(self, handle, path):
+        self._handle = handle
+        self._header = read_header(path)
+
+    def get_tensor(self, name):
+        return file_backed(self._header, name)
+
+    def get_slice(self, name):
+        return LazySlice(self, name)
+
+    def __enter__(self):
+        self._handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._handle.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+class LazySlice:
+    """``get_slice(name)``: ``[...]`` or ``[:]`` gives the whole tensor, file-backed."""
+
+    def __init__(self, file: LazyFile, name: str):
+        self._file, self._name = file, name
+
+    def __getitem__(self, index):
+        if index is Ellipsis or index == slice(None):
+            return file_backed(self._file._header, self._name)
+        from .patching import _adopt
+
+        return _adopt(self._file._handle.get_slice(self._name)[index])
+
+    def get_shape(self):
+        return list(self._file._header.entries[self._name].shape)
+
+    def __getattr__(self, name):
+        return getattr(self._file._handle.get_slice(self._name), name)
+
+
+def safe_open_wrapper(wrapped, instance, args, kwargs):
+    """The patched ``safe_open``: lazy for PyTorch tensors of a managed accelerator's host."""
+    from .manager import tensorsManager as mgr
+    from .patching import _is_disabled
+
+    handle = wrapped(*args, **kwargs)
+    framework = kwargs.get("framework", args[1] if len(args) > 1 else None)
+    device = kwargs.get("device", args[2] if len(args) > 2 else "cpu")
+    path = kwargs.get("filename", args[0] if args else None)
+    if (framework not in ("pt", "torch") or str(device) != "cpu" or path is None or _is_disabled()
+            or mgr._backend.passthrough):
+        return handle
+    return LazyFile(handle, path)

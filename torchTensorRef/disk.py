@@ -135,6 +135,7 @@ class SpillFile:
         self._free: Dict[int, List[int]] = {}
         self._lock = threading.Lock()  # slots are taken on the manager's thread, freed from it too
         self.used = 0
+        self._retired = False
 
     def allocate(self, nbytes: int) -> int:
         """The offset of a free slot of ``nbytes``."""
@@ -151,6 +152,15 @@ class SpillFile:
         with self._lock:
             self._free.setdefault(nbytes, []).append(offset)
             self.used -= nbytes
+            last = self._retired and not self.used
+        if last:
+            self.close()
+
+    def retire(self) -> None:
+        """No new slots: the file goes when its last slot is freed (now, if none is used)."""
+        self._retired = True
+        if not self.used:
+            self.close()
 
     def _file(self) -> int:
         if self._fd is None:

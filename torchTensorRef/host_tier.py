@@ -222,13 +222,6 @@ class HostTier:
             if block.host is not None:
                 self._drop_host(block)
 
-    # -- settings ------------------------------------------------------------------------------
-
-    def _close_spill_file(self) -> None:
-        self._retire_spills(wait=True)
-        if self._spill_file is not None:
-            self._spill_file.close()
-            self._spill_file = None
 
 
 class _ReadPending(DiskPending):

@@ -519,20 +519,21 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
     @property
     def offload_dir(self) -> Optional[str]:
         """Folder of the spill file for host copies past ``host_budget`` (``None``: a temporary
-        folder removed at exit). Checkpoint files are read where they are, never written."""
+        folder removed at exit). Checkpoint files are read where they are, never written.
+        After a change, new spills go to the new folder; the old file is removed once the
+        tensors spilled there are read back, written or freed."""
         return self._offload_dir
 
     @offload_dir.setter
     def offload_dir(self, value) -> None:
         path = None if value is None else check_offload_dir(value)  # ValueError: nothing changed
         with self._lock:
+            if path == self._offload_dir:
+                return
             self._retire_spills(wait=True)
-            spill = self._spill_file
-            if spill is not None and spill.used:
-                raise ValueError(
-                    f"offload_dir cannot change while {spill.used} bytes of tensors are spilled to "
-                    f"{spill.path}: set it before the host budget is reached")
-            self._close_spill_file()
+            if self._spill_file is not None:
+                self._spill_file.retire()  # (read from until its last slot is freed, then removed)
+                self._spill_file = None
             self._offload_dir = path
 
     def evict_all(self) -> None:
