@@ -83,12 +83,13 @@ class Adoption:
                     self._by_host_storage[key] = block
                     if not shared and not block.host_only and block.nbytes >= PIN_AT_ADOPTION_BYTES:
                         self._pin_host(block)  # once, now, rather than on the way to the device
-                    self._make_host_room(0, (block.id,), "a new tensor")  # (its bytes exist: others leave)
                 self._strategy.on_adopt(block)
             # t views the block's storage unless an existing block's current copy is elsewhere
             current = block.dev if block.dev is not None else block.host
             view = t if current is storage else compute_view_of(block, t)
-            return make_ref(block, view, self._declared, requires_grad=requires_grad)
+            ref = make_ref(block, view, self._declared, requires_grad=requires_grad)
+            self._make_host_room(0, (), "a new tensor")  # (its bytes exist: it may leave too)
+            return ref
 
     def clone_ref(self, ref: TensorRef, memo: dict):
         """A deep copy of leaf ``ref`` with its own block (``copy.deepcopy``)."""
@@ -102,11 +103,13 @@ class Adoption:
                 storage = raw.flat_bytes(block.host).clone().untyped_storage()
                 new_block = self._new_block(block.nbytes)
                 self._set_host_only(new_block, storage)
-                self._make_host_room(0, (new_block.id,), "a copy of a tensor")
                 memo[key] = new_block
+            else:
+                self.sync_host(new_block)  # (it may have left host memory since)
             view = with_math_bits(raw.typed_view(new_block.host, ref.dtype, ref.size(), ref.stride(),
                                                  ref.storage_offset()), ref)
             new = make_ref(new_block, view, self._declared, requires_grad=ref.requires_grad)
+            self._make_host_room(0, (), "a copy of a tensor")
         if getattr(ref, "_is_param", False):
             new = torch.nn.Parameter(new, requires_grad=ref.requires_grad)
         if ref.grad is not None:
