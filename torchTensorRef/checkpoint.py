@@ -100,7 +100,7 @@ def file_backed(header: Header, name: str, parameter: bool = False, requires_gra
     with mgr._lock:
         mgr._drain()
         block = mgr._new_block(entry.nbytes)
-        block.disk = FileRange(header.path, entry.offset, entry.nbytes, identity=header.identity)
+        mgr._set_disk(block, FileRange(header.path, entry.offset, entry.nbytes, identity=header.identity))
         # (a geometry without bytes: the block has no copy in memory yet)
         like = raw.empty(entry.shape, dtype=entry.dtype, device="meta")
         ref = make_ref(block, like, mgr._declared, requires_grad=requires_grad)

@@ -63,6 +63,7 @@ class HostTier:
         self._spill_file: Optional[SpillFile] = None
         self._spilling: List[_Spill] = []
         self._disk_io = DiskIO()
+        self._disk_blocks = 0  # live blocks with a disk copy (strategies read ahead while any)
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -78,13 +79,20 @@ class HostTier:
         if self._hosted.pop(block.id, None) is not None:
             self._host_bytes -= block.nbytes
 
-    # -- writes make the disk copy stale -----------------------------------------------------
+    # -- disk copies ---------------------------------------------------------------------------
+
+    def _set_disk(self, block: Block, range_: FileRange) -> None:
+        """``range_`` holds ``block``'s current bytes."""
+        block.disk = range_
+        self._disk_blocks += 1
+
 
     def _disk_stale(self, block: Block) -> None:
         """``block`` was written: its disk copy (and one being written) no longer holds its bytes."""
         if block.disk is not None:
             block.disk.release()
             block.disk = None
+            self._disk_blocks -= 1
         if block.spilling is not None:
             block.spilling.stale = True
 
@@ -107,6 +115,30 @@ class HostTier:
                 self._retire_spills(wait=True)
                 continue
             raise HostBudgetError(nbytes, self._host_bytes, limit, what)
+
+    # -- what strategies use ----------------------------------------------------------------
+
+    def host_room(self) -> Optional[int]:
+        """Host bytes that still fit under the host budget now; ``None`` when unlimited."""
+        limit = self._host_limit
+        return None if limit is None else max(limit - self._host_bytes, 0)
+
+    def host_copies(self):
+        """The blocks whose host copy may leave host memory now (for strategies)."""
+        return self._host_candidates(())
+
+    def drop_host_copy(self, block: Block) -> bool:
+        """Drop ``block``'s host copy if that is free (a stale copy, or one a disk copy holds);
+        whether it did. For strategies that make room for a read-ahead."""
+        with self._lock:
+            if block.host is None or block.spilling is not None or (block.host_valid and block.disk is None):
+                return False
+            if block.host_pending is not None:
+                if not block.host_pending.done():
+                    return False
+                self._wait_pending_host(block)
+            self._drop_host(block)
+            return True
 
     def _host_candidates(self, protect: Collection[int]):
         for block in self._hosted.values():
@@ -156,7 +188,7 @@ class HostTier:
             if entry.stale or not block.alive:
                 entry.range.release()  # written meanwhile, or freed: the slot holds nothing of use
                 continue
-            block.disk = entry.range
+            self._set_disk(block, entry.range)
             if block.host is not None:
                 self._drop_host(block)
         self._spilling = kept
