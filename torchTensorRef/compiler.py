@@ -14,6 +14,7 @@ raises Dynamo's ``Unsupported`` error naming the TensorRef method it could not t
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 
@@ -73,7 +74,42 @@ def break_graph_at_wrappers() -> None:
 _breaks: dict = {}
 
 
+class FullGraphError(RuntimeError):
+    """``torch.compile(..., fullgraph=True)`` met a TensorRef, which it cannot put in a graph."""
+
+
+_FULLGRAPH = (
+    "torch.compile(fullgraph=True) cannot compile code that touches TensorRefs: every op on a "
+    "TensorRef runs through the manager (it makes the op's blocks resident within the budget), "
+    "which cannot run inside a compiled graph, so the compiler must break its graph there and "
+    "fullgraph=True allows no break. Compile with torchTensorRef.compile_region(fn_or_module, "
+    "fullgraph=True) instead: the manager makes the region's TensorRefs resident together and "
+    "the whole region runs compiled on them (inference only)")
+
+
+def _explained(fn):
+    """``fn`` (compiled with ``fullgraph=True``), raising :class:`FullGraphError` rather than
+    the compiler's error when it fails on a TensorRef."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            if "TensorRef" not in str(e):
+                raise
+            raise FullGraphError(_FULLGRAPH) from e
+
+    return call
+
+
 def compile_wrapper(wrapped, instance, args, kwargs):
     """The patched ``torch.compile``: hide the manager's code, then compile as asked."""
     hide_from_compiler()
-    return wrapped(*args, **kwargs)
+    compiled = wrapped(*args, **kwargs)
+    if not kwargs.get("fullgraph") or not callable(compiled):
+        return compiled  # (fullgraph is keyword-only; without a model, a decorator is returned)
+    if isinstance(compiled, torch.nn.Module):
+        compiled.forward = _explained(compiled.forward)  # (an OptimizedModule's own attribute)
+        return compiled
+    return _explained(compiled)
