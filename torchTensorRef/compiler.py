@@ -8,8 +8,26 @@ call (or ``patch()``, if the compiler was loaded before) puts this package on Dy
 of code it never traces. What it meets then is a TensorRef, a tensor subclass it cannot
 trace: it breaks the graph there and the ops run eagerly, through the manager, with the
 results of plain eager torch. Code that touches no TensorRef still compiles as usual.
-``fullgraph=True`` allows no break, so compiling code that touches TensorRefs with it
-raises Dynamo's ``Unsupported`` error naming the TensorRef method it could not trace.
+``fullgraph=True`` allows no break: the compiled function then raises
+:class:`FullGraphError`, which says why and points to ``compile_region``.
+
+For compiled speed on managed tensors, ``compile_region`` (Note [Compiled regions] in
+``compiled_region.py``) compiles a function or module for plain tensors and lets the
+manager run each call as one op, at the region's boundary.
+
+Why TensorRef is not a traceable subclass (``__tensor_flatten__``, as DTensor's): tracing
+such a subclass builds fake TensorRefs from fake inner tensors (``__tensor_unflatten__``)
+and runs ``__torch_dispatch__`` on them once, at trace time, to learn which aten ops to
+put in the graph on the inner tensors. Everything else ``__torch_dispatch__`` does (blocks,
+fetches and evictions within the budget, the strategy, the counters) would run on fake
+tensors then, and nothing of it is in the graph that runs: the budget would hold for a
+trace, not for the calls. At run time the subclass's inputs are unwrapped one by one
+(``__tensor_flatten__``), with no point where all of a graph's inputs are made resident
+together and kept so while it runs (bringing in one could evict another), and an evicted
+TensorRef has no device tensor to hand out. What remains possible is residency at the
+graph's boundary for all its inputs at once, which is what a compiled region does without
+the subclass protocol. (Tried: with a ``__tensor_flatten__`` returning the target,
+``__tensor_unflatten__`` is called with ``FakeTensor``s, which the manager cannot adopt.)
 """
 
 from __future__ import annotations
