@@ -150,7 +150,7 @@ def test_a_compiled_region_function_matches_plain_compiled_torch(device):
         x, w = torch.randn(8, 16), torch.randn(16, 16)
         plain = torch.compile(f)(x, w)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-    region = compile_region(f, backend=counter)
+    region = compile_region(f, backend=counter, fullgraph=True)
     mx, mw = TensorRef(x.clone()), TensorRef(w.clone())
     with torch.no_grad():
         managed = region(mx, mw)
@@ -169,7 +169,7 @@ def test_compiled_region_layers_keep_the_budget_and_match_plain_compiled_torch(s
             plain = [plain_model(x) for _ in range(3)]
     model = mlp()
     for layer in model:
-        assert compile_region(layer) is layer
+        assert compile_region(layer, fullgraph=True) is layer  # a region is one graph
     tensorsManager.strategy = strategy
     tensorsManager.budget = weight_bytes(model) // 2  # the layers page, one region at a time
     tensorsManager.reset_stats()

@@ -158,9 +158,11 @@ class CompiledRegion:
                 mgr._mark_written(ctx.written)
         # Room for the new outputs before they join the books (inputs are pinned).
         inputs = {b.dev_key for b in ctx.blocks}
+        compute = mgr._backend.compute
         fresh = {}
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, TensorRef) and t.layout is torch.strided:
+            if (isinstance(t, torch.Tensor) and not isinstance(t, TensorRef) and t.layout is torch.strided
+                    and t.device == compute):
                 s = t.untyped_storage()
                 if s._cdata not in inputs:
                     fresh[s._cdata] = s.nbytes()
