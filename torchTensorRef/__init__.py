@@ -22,13 +22,14 @@ from .manager import TensorsManager, tensorsManager
 from .patching import disabled, is_patched, patch, unpatch
 from .proxy_info import ProxyInfo
 from .tensor_ref import TensorRef
+from .compiled_region import compile_region
 from . import strategies
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TensorRef", "ProxyInfo", "TensorsManager", "tensorsManager", "manage",
-    "patch", "unpatch", "is_patched", "disabled", "strategies",
+    "patch", "unpatch", "is_patched", "disabled", "strategies", "compile_region",
     "OutOfBudgetError", "DeviceOutOfMemoryError", "OpVetoedError", "HostMemoryError",
     "HostBudgetError", "DiskError", "CheckpointChangedError", "load_checkpoint",
     "configure_from_environment",
