@@ -66,6 +66,9 @@ class FileRange:
             return
         with _open_checked(self.path, self._identity) as fd:
             _read_exactly(fd, self.offset, buffer, self.path)
+            # The bytes are a host copy now, within the host budget: the page cache would only
+            # hold a second copy of them outside it.
+            os.posix_fadvise(fd, self.offset, self.nbytes, os.POSIX_FADV_DONTNEED)
 
     def release(self) -> None:
         """The block no longer needs these bytes (a spill slot is freed; a checkpoint is left alone)."""

@@ -425,6 +425,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         with self._lock:
             self._drain()
             trace.initial = {b.id: (b.nbytes, b.dirty) for b in self._resident.values()}
+            trace.initial_host = {b.id: (b.nbytes, False) for b in self._hosted.values() if b.host_valid}
             previous, self._trace = self._trace, trace
             observer, streams.copy_observer = streams.copy_observer, trace.hidden
             self._refresh_fast()

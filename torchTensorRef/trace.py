@@ -44,6 +44,8 @@ class Trace:
         self.resident: List[tuple] = []
         #: blocks resident when recording started: {block_id: (nbytes, dirty)}
         self.initial: dict = {}
+        #: blocks with a valid host copy when recording started: {block_id: (nbytes, False)}
+        self.initial_host: dict = {}
         #: blocks created by ops while recording (they need no copy in)
         self.created: set = set()
         #: op_index -> Kernel: the op's own kernel call, timed apart from the bookkeeping
