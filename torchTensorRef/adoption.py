@@ -133,7 +133,8 @@ class Adoption:
             ref._tr_block = block
             ref._tr_view = compute_view(new)
             ref._tr_gen = block.gen
-            ref._tr_wr = weakref.ref(ref, block.on_ref_dead)
+            ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
+            block.views.append(wr)
 
 
 def compute_view_of(block: Block, t: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ class Block:
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
         "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched",
         "dev_pending", "host_pending", "external", "host_only", "host_shared", "exposed",
-        "disk", "spilling", "__weakref__",
+        "disk", "spilling", "views", "__weakref__",
     )
 
     def __init__(self, nbytes: int, on_ref_dead=None):
@@ -93,6 +93,8 @@ class Block:
         self.disk = None
         #: the write of its host copy to the spill file, while it runs
         self.spilling = None
+        #: weakrefs of the TensorRefs viewing it, whose cached views are dropped with a copy
+        self.views: list = []
 
     @property
     def resident(self) -> bool:
@@ -110,14 +112,30 @@ class Block:
         return self.dev is not None and not self.host_valid and self.disk is None
 
     def set_dev(self, storage: Optional[torch.UntypedStorage]) -> None:
+        if self.dev is not None:
+            self._drop_views()
         self.dev = storage
         self.gen += 1
         self.dev_key = storage._cdata if storage is not None else 0
 
     def set_host(self, storage: Optional[torch.UntypedStorage], valid: bool) -> None:
+        if self.host is not None and storage is not self.host:
+            self._drop_views()
         self.host = storage
         self.host_valid = valid
         self.gen += 1
+
+    def _drop_views(self) -> None:
+        """A copy goes: the views TensorRefs cached of it go too, or they would keep its
+        memory allocated (device memory past the budget, host memory past the host budget)."""
+        live = []
+        for wr in self.views:
+            ref = wr()
+            if ref is not None:
+                ref._tr_view = None
+                ref._tr_gen = -1  # (never a generation: the next use makes a view afresh)
+                live.append(wr)
+        self.views = live
 
     def __repr__(self) -> str:
         where = "host only" if self.host_only else ("device" if self.dev is not None else "host")

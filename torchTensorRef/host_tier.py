@@ -18,6 +18,8 @@ the disk thread early (Flow does, from its predictions: Note [Three levels] in `
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from typing import Collection, Dict, List, Optional
 
@@ -27,6 +29,30 @@ from . import raw
 from .blocks import Block
 from .disk import DiskError, DiskIO, DiskPending, FileRange, SpillFile, default_offload_dir
 from .sizes import format_size
+
+
+#: host allocations at least this large are mapped apart (glibc), once a host budget is set
+MMAP_THRESHOLD = 1 << 20
+_mmap_threshold_set = False
+
+
+def return_freed_host_memory() -> None:
+    """Make the C allocator give freed host copies back to the system (glibc; once).
+
+    glibc serves allocations below a threshold that grows with use (up to 32 MiB) from its
+    heap, and keeps what is freed there: host copies dropped under a host budget would stay
+    in the process. Allocations of ``MMAP_THRESHOLD`` bytes or more are mapped apart
+    instead, and unmapped when freed.
+    """
+    global _mmap_threshold_set
+    if _mmap_threshold_set or not sys.platform.startswith("linux"):
+        return
+    _mmap_threshold_set = True
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (also stops its growth)
+    except (OSError, AttributeError):
+        pass  # (another C library: nothing to set)
 
 
 class HostBudgetError(MemoryError):

@@ -28,7 +28,7 @@ from .devices import Backend, PassthroughBackend, SIM_CAPACITY_BYTES, default_de
 from .errors import OutOfBudgetError
 from .disk import check_offload_dir
 from .host_memory import HostMemoryWatch
-from .host_tier import HostTier
+from .host_tier import HostTier, return_freed_host_memory
 from .op_protocol import OpProtocol
 from .pinned import default_limit
 from .residency import Residency
@@ -508,6 +508,8 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
     @host_budget.setter
     def host_budget(self, value) -> None:
         nbytes = parse_size(value, "host_budget")
+        if nbytes is not None:
+            return_freed_host_memory()
         with self._lock:
             old = (self._host_budget, self._host_limit)
             self._host_budget = self._host_limit = nbytes
