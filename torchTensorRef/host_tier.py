@@ -142,6 +142,14 @@ class HostTier:
                 continue
             raise HostBudgetError(nbytes, self._host_bytes, limit, what)
 
+    def _keep_on_host(self, block: Block) -> bool:
+        """Whether ``block``, leaving the device with its bytes only on disk, should be copied
+        to host memory rather than read from disk again (the strategy says, by making room)."""
+        room = self.host_room()
+        if room is None or room >= block.nbytes:
+            return room is not None  # (no host budget: blocks are never only on disk)
+        return self._strategy.host_room_for(block, self._op_count)
+
     # -- what strategies use ----------------------------------------------------------------
 
     def host_room(self) -> Optional[int]:

@@ -58,6 +58,9 @@ CAPTURE_METHODS: Tuple[Tuple[str, str], ...] = (
 LAZY_LOAD_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
     ("safetensors", "safe_open"), ("transformers.modeling_utils", "safe_open"),
 )
+#: functions that only warm an allocator up, by allocating as much as the model at once:
+#: pointless under the manager, which allocates within its budgets (and they would break them)
+WARMUP_FUNCTIONS: Tuple[Tuple[str, str], ...] = (("transformers.modeling_utils", "caching_allocator_warmup"),)
 #: inputs those functions copy or return as they are (tensors are managed on their own)
 _NOT_SHARED = (torch.Tensor, list, tuple, int, float, bool, complex)
 
@@ -204,6 +207,15 @@ def _capture_wrapper(wrapped, instance, args, kwargs):
         tensorsManager._set_capturing(False)
 
 
+def _warmup_wrapper(wrapped, instance, args, kwargs):
+    """Skipped under an accelerator manager (``WARMUP_FUNCTIONS``)."""
+    from .manager import tensorsManager
+
+    if _is_disabled() or tensorsManager._backend.passthrough:
+        return wrapped(*args, **kwargs)
+    return None
+
+
 def _owner(name: str):
     """The module ``name``, or the class ``"module:Class"``; ``None`` if not loaded."""
     module_name, _, cls = name.partition(":")
@@ -247,6 +259,7 @@ def patch() -> None:
         targets += [(owner, name, _capture_wrapper) for owner, name in CAPTURE_METHODS]
         targets += [(owner, name, distributed.wrapper_for(owner, name)) for owner, name in distributed.FUNCTIONS]
         targets += [(owner, name, checkpoint.safe_open_wrapper) for owner, name in LAZY_LOAD_FUNCTIONS]
+        targets += [(owner, name, _warmup_wrapper) for owner, name in WARMUP_FUNCTIONS]
         if "safetensors" not in sys.modules and importlib.util.find_spec("safetensors") is not None:
             import safetensors  # noqa: F401  (before transformers takes its own reference)
         for module_name, name, how in targets:

@@ -237,7 +237,7 @@ class Residency:
         if block.prefetched:  # brought in and never used
             block.prefetched = False
             self._counters["prefetches_unused"] += 1
-        wrote = not block.clean
+        wrote = not block.clean or (block.host is None and self._keep_on_host(block))
         if wrote:
             self._write_back(block)
         block.dev_pending = None  # (a prefetch never waited on: its copy may still run, into memory we drop)

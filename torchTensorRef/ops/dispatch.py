@@ -225,9 +225,23 @@ def view_on_disk(func, args, kwargs):
     out = func(meta, *args[1:], **kwargs)
     if out.__class__ is not _Tensor or out.untyped_storage()._cdata != meta.untyped_storage()._cdata:
         return run_generic(func, args, kwargs, _SPECS.get(id(func)) or spec_of(func))  # not one view
-    with _mgr._lock:
-        view = make_ref(ref._tr_block, out, _mgr._declared)
+    mgr = _mgr
+    with mgr._lock:
+        block = ref._tr_block
+        strategy = mgr._strategy
+        ctx = None
+        if not mgr._backend.passthrough and strategy.needs_every_op():
+            # A strategy that learns the op sequence sees it as any op, wherever the block is
+            # (else the sequence would change with where its blocks are, and no period repeat).
+            ctx = OpContext(_SPECS.get(id(func)) or spec_of(func), [block], [], args, kwargs)
+            ctx.index = mgr._op_count
+            mgr._op_count += 1
+            block.last_use = ctx.index
+            strategy.before_op(ctx)
+        view = make_ref(block, out, mgr._declared)
         view._tr_gen = -1  # (the meta view is never a copy to run on)
+        if ctx is not None:
+            strategy.after_op(ctx)
         return view
 
 

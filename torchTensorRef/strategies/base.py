@@ -131,5 +131,11 @@ class Strategy:
                 best, best_key = block, key
         return best
 
+    def host_room_for(self, block, index: int) -> bool:
+        """Make host room for ``block``, leaving the device with its only other copy on disk,
+        by dropping host copies that are free to drop; whether it did. The default does not:
+        the block is read from disk when next needed."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

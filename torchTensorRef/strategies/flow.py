@@ -398,6 +398,18 @@ class Flow(Strategy):
                 room = mgr.host_room()
             mgr.read_ahead(block)
 
+    def host_room_for(self, block, index: int) -> bool:
+        """Room, from free host copies needed after ``block``, to keep ``block`` in host memory."""
+        mgr = self.manager
+        needed = self._priority(block, index)
+        if needed >= _UNKNOWN:
+            return False  # not known to be needed again: the disk holds it
+        while mgr.host_room() < block.nbytes:
+            victim = self._free_host_victim(index, needed)
+            if victim is None or not mgr.drop_host_copy(victim):
+                return False
+        return True
+
     def _free_host_victim(self, n: int, m: int):
         """The host copy, free to drop, needed furthest ahead and after op ``m``; or ``None``."""
         best, best_priority = None, m
@@ -564,11 +576,13 @@ class Flow(Strategy):
         return found
 
     def choose_host_victim(self, candidates, index: int):
-        """The host copy needed furthest ahead (a free drop first among equals)."""
+        """The host copy needed furthest ahead; first one that is free to drop and whose
+        block is on the device (its host copy is a second one)."""
         best = None
         best_key = None
         for block in candidates:
-            key = (self._priority(block, index), block.disk is not None or not block.host_valid)
+            free = block.disk is not None or not block.host_valid
+            key = (free and block.dev is not None, self._priority(block, index), free)
             if best is None or key > best_key:
                 best, best_key = block, key
         return best
