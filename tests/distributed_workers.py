@@ -155,15 +155,13 @@ class _nothing:
 def fsdp_worker(rank: int, world: int, init_file: str, device: str) -> None:
     """Three steps of FSDP2 (``fully_shard`` per layer and at the root), plain beside managed.
 
-    On ``"cpu"`` both run on a CPU mesh and must agree bit for bit; on ``"sim"`` the first
-    forward must refuse with the error that names FSDP2.
+    Both run on a CPU mesh and must agree bit for bit.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    backend = "cpu:gloo,sim:gloo" if device == "sim" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     tensorsManager.device = device
     with torchTensorRef.disabled():
@@ -184,13 +182,6 @@ def fsdp_worker(rank: int, world: int, init_file: str, device: str) -> None:
         with torchTensorRef.disabled():
             torch.manual_seed(10 * step + rank)
             x = torch.randn(6, 16)
-        if device == "sim":
-            try:
-                managed(torchTensorRef.manage(x.clone()))
-            except AttributeError as e:
-                assert "FSDP2 (fully_shard) cannot run" in str(e), e
-                break
-            raise AssertionError("FSDP2 ran on sim")
         losses = []
         for model, batch in ((plain, x), (managed, torchTensorRef.manage(x.clone()))):
             loss = model(batch).square().mean()
@@ -205,6 +196,43 @@ def fsdp_worker(rank: int, world: int, init_file: str, device: str) -> None:
         for (name, p), m in zip(plain.named_parameters(), managed.parameters()):
             check_same(p.to_local(), m.to_local(), f"step {step}: {name} shard")
             check_same(p.full_tensor(), m.full_tensor(), f"step {step}: {name} gathered")
+    dist.destroy_process_group()
+
+
+def fsdp_refused_worker(rank: int, world: int, init_file: str, device: str) -> None:
+    """``fully_shard`` of a managed module on ``device`` is refused and leaves the module as it was."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("cpu:gloo,sim:gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    tensorsManager.device = device
+    with torchTensorRef.disabled():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+    torchTensorRef.manage(model)
+    before = dict(model.named_parameters())
+    saved = {name: values(p) for name, p in before.items()}
+    state = {id(m): dict(vars(m)) for m in model.modules()}
+    mesh = init_device_mesh(device, (world,))
+    for target in (model[0], model, [model[0], model[2]]):
+        try:
+            fully_shard(target, mesh=mesh)
+        except RuntimeError as e:
+            assert "FSDP2 (fully_shard) cannot run on TensorRefs on device 'sim'" in str(e), e
+            assert "Use DistributedDataParallel" in str(e), e
+        else:
+            raise AssertionError("fully_shard ran on sim")
+    after = dict(model.named_parameters())
+    assert list(after) == list(before)
+    for name, p in after.items():
+        assert p is before[name], f"{name} was replaced"
+        assert isinstance(p, TensorRef) and not isinstance(p, DTensor), type(p)
+        check_same(saved[name], p, f"{name} after the refused fully_shard")
+    for m in model.modules():
+        assert not isinstance(m, FSDPModule), type(m)
+        assert vars(m) == state[id(m)], f"{type(m).__name__}'s attributes changed"
     dist.destroy_process_group()
 
 

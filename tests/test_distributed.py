@@ -148,5 +148,5 @@ def test_fsdp2_pass_through_is_plain_fsdp2():
     spawn(workers.fsdp_worker, "cpu")
 
 
-def test_fsdp2_on_sim_is_refused_clearly():
-    spawn(workers.fsdp_worker, "sim")
+def test_fsdp2_on_sim_is_refused_before_it_shards():
+    spawn(workers.fsdp_refused_worker, "sim")

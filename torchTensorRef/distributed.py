@@ -21,6 +21,17 @@ import torch
 FUNCTIONS = (
     ("torch.distributed", "_broadcast_coalesced"),
     ("torch.nn.parallel.data_parallel:DataParallel", "__init__"),
+    ("torch.distributed.fsdp", "fully_shard"),
+    ("torch.distributed.fsdp._fully_shard", "fully_shard"),
+)
+#: modules torch imports on demand: ``FUNCTIONS`` of theirs are wrapped when they are imported
+LATE_MODULES = ("torch.distributed.fsdp",)
+
+FSDP_ERROR = (
+    "FSDP2 (fully_shard) cannot run on TensorRefs on device {device!r}: FSDP2 frees the gathered "
+    "parameters by resizing their storage, which the manager cannot page. The module is left as it "
+    "was. Use DistributedDataParallel on {device!r}, or FSDP2 on TensorRefs of device \"cpu\" "
+    "(docs/distributed.md)"
 )
 
 DATA_PARALLEL_ERROR = (
@@ -66,6 +77,25 @@ def data_parallel_wrapper(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _managed(modules) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    tensors = [t for m in modules for t in list(m.parameters()) + list(m.buffers())]
+    return _has_refs(t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+
+
+def fully_shard_wrapper(wrapped, instance, args, kwargs):
+    """``fully_shard``: refuse a managed module where FSDP2 cannot run, before it changes anything."""
+    from .manager import tensorsManager
+
+    module = args[0] if args else kwargs.get("module")
+    modules = [module] if isinstance(module, torch.nn.Module) else list(module or ())
+    if not tensorsManager._backend.passthrough and _managed(modules):
+        raise RuntimeError(FSDP_ERROR.format(device=tensorsManager.device))
+    return wrapped(*args, **kwargs)
+
+
 def wrapper_for(owner: str, name: str):
     """The wrapt wrapper function of an entry of ``FUNCTIONS``."""
-    return broadcast_coalesced_wrapper if name == "_broadcast_coalesced" else data_parallel_wrapper
+    return {"_broadcast_coalesced": broadcast_coalesced_wrapper, "__init__": data_parallel_wrapper,
+            "fully_shard": fully_shard_wrapper}[name]
