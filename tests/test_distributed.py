@@ -145,8 +145,17 @@ def test_data_parallel_without_gpus_runs_the_module():
 
 
 def test_fsdp2_pass_through_is_plain_fsdp2():
-    spawn(workers.fsdp_worker, "cpu")
+    spawn(workers.fsdp_worker, "cpu", [("flow", None)])
 
 
-def test_fsdp2_on_sim_is_refused_before_it_shards():
+def test_fsdp2_on_sim_is_plain_fsdp2():
+    spawn(workers.fsdp_worker, "sim", [("flow", None)])
+
+
+@pytest.mark.parametrize("strategy", ["flow", "genoa"])
+def test_fsdp2_pages_each_rank_at_half_the_parameters(strategy):
+    spawn(workers.fsdp_worker, "sim", [(strategy, 0.5)])
+
+
+def test_fsdp2_with_cpu_offload_is_refused_before_it_shards():
     spawn(workers.fsdp_refused_worker, "sim")

@@ -11,6 +11,20 @@ installed and removed with the rest by ``patch()`` / ``unpatch()``):
   bucket would have to fit the budget. Under a budget the buckets are made small enough.
 - ``nn.DataParallel``, which copies a module onto several GPUs of one process: the manager
   pages one device, so that is refused with what to use instead.
+- FSDP2's ``fully_shard``, ``alloc_storage`` and ``free_storage`` (Note [FSDP2 on TensorRefs]),
+  wrapped when ``torch.distributed.fsdp`` is imported.
+
+Note [FSDP2 on TensorRefs]: FSDP2 gathers each group's parameters into buffers of its own
+before the group's forward and backward, and frees them after by resizing their storage to
+nothing; the next gather gives the bytes back and writes all of them before any is read.
+On TensorRefs the manager owns those bytes: the shards, the gathered parameters, the
+gradients and the optimizer's state are blocks like any other, paged under the budget.
+FSDP2's free becomes ``tensorsManager.discard``: the accelerator copy is dropped without
+being written back (its bytes are dead), and its give-back does nothing (the block keeps its
+size; the gather writes it). Everything else FSDP2 asks of the device is its streams, which
+``"sim"`` provides as no-ops (Note [Streams of sim for PyTorch code] in ``streams.py``).
+Refused at ``fully_shard``, before it changes the module: CUDA (FSDP2's side streams and the
+manager's frees are not ordered yet) and ``CPUOffloadPolicy`` (the manager already offloads).
 """
 
 from __future__ import annotations
@@ -23,15 +37,23 @@ FUNCTIONS = (
     ("torch.nn.parallel.data_parallel:DataParallel", "__init__"),
     ("torch.distributed.fsdp", "fully_shard"),
     ("torch.distributed.fsdp._fully_shard", "fully_shard"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "alloc_storage"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "free_storage"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "alloc_storage"),
 )
 #: modules torch imports on demand: ``FUNCTIONS`` of theirs are wrapped when they are imported
 LATE_MODULES = ("torch.distributed.fsdp",)
 
-FSDP_ERROR = (
-    "FSDP2 (fully_shard) cannot run on TensorRefs on device {device!r}: FSDP2 frees the gathered "
-    "parameters by resizing their storage, which the manager cannot page. The module is left as it "
-    "was. Use DistributedDataParallel on {device!r}, or FSDP2 on TensorRefs of device \"cpu\" "
-    "(docs/distributed.md)"
+FSDP_CUDA_ERROR = (
+    "FSDP2 (fully_shard) cannot run on TensorRefs on device {device!r}: FSDP2 runs its all-gathers "
+    "and reduce-scatters on CUDA streams of its own, and the manager frees and reuses device memory "
+    "in the order of the current stream only. The module is left as it was. Use "
+    "DistributedDataParallel on {device!r}, or FSDP2 on device \"sim\" or \"cpu\" (docs/distributed.md)"
+)
+FSDP_OFFLOAD_ERROR = (
+    "FSDP2 (fully_shard) with offload_policy=CPUOffloadPolicy() on TensorRefs: the manager already "
+    "keeps in host memory what does not fit its budget, and two mechanisms would move the same "
+    "bytes. The module is left as it was. Leave offload_policy out and set tensorsManager.budget"
 )
 
 DATA_PARALLEL_ERROR = (
@@ -90,12 +112,41 @@ def fully_shard_wrapper(wrapped, instance, args, kwargs):
 
     module = args[0] if args else kwargs.get("module")
     modules = [module] if isinstance(module, torch.nn.Module) else list(module or ())
-    if not tensorsManager._backend.passthrough and _managed(modules):
-        raise RuntimeError(FSDP_ERROR.format(device=tensorsManager.device))
+    if _managed(modules):
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        if isinstance(kwargs.get("offload_policy"), CPUOffloadPolicy):
+            raise ValueError(FSDP_OFFLOAD_ERROR)
+        if tensorsManager._backend.name == "cuda":
+            raise RuntimeError(FSDP_CUDA_ERROR.format(device=tensorsManager.device))
+    return wrapped(*args, **kwargs)
+
+
+def alloc_storage_wrapper(wrapped, instance, args, kwargs):
+    """FSDP2 gives a gathered parameter its bytes back before the all-gather writes them
+    (Note [FSDP2 on TensorRefs]): a TensorRef's block has them all along."""
+    from .tensor_ref import TensorRef
+
+    tensor = args[0] if args else kwargs.get("tensor")
+    if isinstance(tensor, TensorRef):
+        return None
+    return wrapped(*args, **kwargs)
+
+
+def free_storage_wrapper(wrapped, instance, args, kwargs):
+    """FSDP2 frees a gathered parameter (Note [FSDP2 on TensorRefs]): the manager drops its
+    accelerator copy without writing it back."""
+    from .manager import tensorsManager
+    from .tensor_ref import TensorRef
+
+    tensor = args[0] if args else kwargs.get("tensor")
+    if isinstance(tensor, TensorRef):
+        return tensorsManager.discard(tensor)
     return wrapped(*args, **kwargs)
 
 
 def wrapper_for(owner: str, name: str):
     """The wrapt wrapper function of an entry of ``FUNCTIONS``."""
     return {"_broadcast_coalesced": broadcast_coalesced_wrapper, "__init__": data_parallel_wrapper,
-            "fully_shard": fully_shard_wrapper}[name]
+            "fully_shard": fully_shard_wrapper, "alloc_storage": alloc_storage_wrapper,
+            "free_storage": free_storage_wrapper}[name]
