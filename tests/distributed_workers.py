@@ -167,10 +167,11 @@ class Stack(nn.Module):
 
 
 def fsdp_worker(rank: int, world: int, init_file: str, device: str, runs: list) -> None:
-    """For each ``(strategy, budget_fraction)`` of ``runs``: plain FSDP2 beside managed FSDP2.
+    """For each ``(strategy, budget_fraction, options)`` of ``runs``: plain FSDP2 beside managed FSDP2.
 
     ``fully_shard`` per layer and at the root, three AdamW steps; the plain model on a CPU
-    mesh, the managed one on a mesh of ``device``. Losses, gradient shards, parameter shards
+    mesh, the managed one on a mesh of ``device``, ``options`` given to ``fully_shard``
+    (``mp_policy`` as ``(param_dtype, reduce_dtype)``). Losses, gradient shards, parameter shards
     and gathered parameters must agree bit for bit, and the rank's peak stay within its budget.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -180,16 +181,19 @@ def fsdp_worker(rank: int, world: int, init_file: str, device: str, runs: list) 
     torch.set_num_threads(1)
     tensorsManager.device = device
     meshes = (init_device_mesh("cpu", (world,)), init_device_mesh(device, (world,)))
-    for strategy, budget_fraction in runs:
-        fsdp_run(rank, meshes, strategy, budget_fraction)
+    for strategy, budget_fraction, options in runs:
+        fsdp_run(rank, meshes, strategy, budget_fraction, dict(options))
     dist.destroy_process_group()
 
 
-def fsdp_run(rank: int, meshes, strategy: str, budget_fraction) -> None:
-    from torch.distributed.fsdp import fully_shard
+def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    where = f"FSDP2 on {tensorsManager.device}, {strategy}, budget {budget_fraction}"
+    where = f"FSDP2 on {tensorsManager.device}, {strategy}, budget {budget_fraction}, {options}"
+    if "mp_policy" in options:
+        param_dtype, reduce_dtype = options["mp_policy"]
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     with torchTensorRef.disabled():
         torch.manual_seed(0)
         plain = Stack()
@@ -202,8 +206,8 @@ def fsdp_run(rank: int, meshes, strategy: str, budget_fraction) -> None:
     tensorsManager.reset_stats()
     for model, mesh in zip((plain, managed), meshes):
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **options)
+        fully_shard(model, mesh=mesh, **options)
     for p in managed.parameters():
         assert isinstance(p, DTensor) and isinstance(p.to_local(), TensorRef), type(p)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (plain, managed)]

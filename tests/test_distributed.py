@@ -144,17 +144,21 @@ def test_data_parallel_without_gpus_runs_the_module():
     assert torch.equal(torch.nn.DataParallel(model)(x).cpu(), model(x).cpu())
 
 
+#: FSDP2's options, each run plain and managed in the same processes
+FSDP2_OPTIONS = [{}, {"reshard_after_forward": False}, {"mp_policy": (torch.bfloat16, torch.float32)}]
+
+
 def test_fsdp2_pass_through_is_plain_fsdp2():
-    spawn(workers.fsdp_worker, "cpu", [("flow", None)])
+    spawn(workers.fsdp_worker, "cpu", [("flow", None, o) for o in FSDP2_OPTIONS])
 
 
 def test_fsdp2_on_sim_is_plain_fsdp2():
-    spawn(workers.fsdp_worker, "sim", [("flow", None)])
+    spawn(workers.fsdp_worker, "sim", [("flow", None, o) for o in FSDP2_OPTIONS])
 
 
 @pytest.mark.parametrize("strategy", ["flow", "genoa"])
 def test_fsdp2_pages_each_rank_at_half_the_parameters(strategy):
-    spawn(workers.fsdp_worker, "sim", [(strategy, 0.5)])
+    spawn(workers.fsdp_worker, "sim", [(strategy, 0.5, o) for o in FSDP2_OPTIONS])
 
 
 def test_fsdp2_with_cpu_offload_is_refused_before_it_shards():
