@@ -70,9 +70,31 @@ def test_ddp_pass_through_is_plain_ddp():
 
 
 def test_ddp_on_sim_is_plain_ddp():
-    # (find_unused_parameters needs pinned memory of the device, which a Python-registered
-    # device cannot provide: docs/distributed.md)
     spawn(workers.ddp_worker, "sim", [("flow", None, o) for o in DDP_OPTIONS])
+
+
+def test_ddp_find_unused_parameters_on_sim_is_refused_when_built():
+    # DDP needs pinned memory of the device for it, which a Python-registered device cannot
+    # allocate: refused before DDP asks for a process group or touches the module.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torchTensorRef import tensorsManager
+
+    if tensorsManager.device != "sim":
+        pytest.skip("the refusal is for the simulated device")
+    model = workers.Net(unused=True)
+    params = dict(model.named_parameters())
+    saved = {name: workers.values(p) for name, p in params.items()}
+    state = {id(m): dict(vars(m)) for m in model.modules()}
+    for call in (lambda: DDP(model, find_unused_parameters=True),
+                 lambda: DDP(module=model, bucket_cap_mb=1, find_unused_parameters=True)):
+        with pytest.raises(ValueError, match=r"find_unused_parameters=True\) cannot run on TensorRefs of \"sim\".*"
+                                             r"Leave find_unused_parameters out"):
+            call()
+    assert dict(model.named_parameters()) == params
+    for name, p in model.named_parameters():
+        assert torch.equal(workers.values(p), saved[name]), name
+    assert all(vars(m) == state[id(m)] for m in model.modules())
 
 
 @pytest.mark.parametrize("strategy", ["flow", "genoa"])

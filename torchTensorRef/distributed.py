@@ -11,6 +11,8 @@ installed and removed with the rest by ``patch()`` / ``unpatch()``):
   bucket would have to fit the budget. Under a budget the buckets are made small enough.
 - ``nn.DataParallel``, which copies a module onto several GPUs of one process: the manager
   pages one device, so that is refused with what to use instead.
+- ``DistributedDataParallel``, whose ``find_unused_parameters=True`` needs pinned memory of
+  the device, which ``"sim"`` cannot give: refused when DDP is built, not in backward.
 - FSDP2's ``fully_shard``, ``alloc_storage`` and ``free_storage`` (Note [FSDP2 on TensorRefs]),
   wrapped when ``torch.distributed.fsdp`` is imported.
 
@@ -29,12 +31,15 @@ manager's frees are not ordered yet) and ``CPUOffloadPolicy`` (the manager alrea
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 #: ``(owner, name)`` of the functions wrapped here, for ``patching.patch()``
 FUNCTIONS = (
     ("torch.distributed", "_broadcast_coalesced"),
     ("torch.nn.parallel.data_parallel:DataParallel", "__init__"),
+    ("torch.nn.parallel.distributed:DistributedDataParallel", "__init__"),
     ("torch.distributed.fsdp", "fully_shard"),
     ("torch.distributed.fsdp._fully_shard", "fully_shard"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param", "alloc_storage"),
@@ -44,6 +49,13 @@ FUNCTIONS = (
 #: modules torch imports on demand: ``FUNCTIONS`` of theirs are wrapped when they are imported
 LATE_MODULES = ("torch.distributed.fsdp",)
 
+DDP_UNUSED_ERROR = (
+    "DistributedDataParallel(find_unused_parameters=True) cannot run on TensorRefs of \"sim\": DDP "
+    "stages its map of the parameters used in each step in pinned memory of the device, which a "
+    "device registered from Python cannot allocate. The module is left as it was. Leave "
+    "find_unused_parameters out (every parameter must then get a gradient in every step), or check "
+    "it on device \"cpu\" (pass-through)"
+)
 FSDP_CUDA_ERROR = (
     "FSDP2 (fully_shard) cannot run on TensorRefs on device {device!r}: FSDP2 runs its all-gathers "
     "and reduce-scatters on CUDA streams of its own, and the manager frees and reuses device memory "
@@ -99,6 +111,18 @@ def data_parallel_wrapper(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def ddp_wrapper(wrapped, instance, args, kwargs):
+    """``DistributedDataParallel.__init__``: refuse what cannot run on ``"sim"``, before DDP starts."""
+    from .manager import tensorsManager
+
+    if tensorsManager._backend.name == "sim":
+        bound = inspect.signature(wrapped).bind(*args, **kwargs).arguments  # (wrapped: bound to the instance)
+        module = bound.get("module")
+        if bound.get("find_unused_parameters") and isinstance(module, torch.nn.Module) and _managed([module]):
+            raise ValueError(DDP_UNUSED_ERROR)
+    return wrapped(*args, **kwargs)
+
+
 def _managed(modules) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -147,6 +171,7 @@ def free_storage_wrapper(wrapped, instance, args, kwargs):
 
 def wrapper_for(owner: str, name: str):
     """The wrapt wrapper function of an entry of ``FUNCTIONS``."""
-    return {"_broadcast_coalesced": broadcast_coalesced_wrapper, "__init__": data_parallel_wrapper,
-            "fully_shard": fully_shard_wrapper, "alloc_storage": alloc_storage_wrapper,
-            "free_storage": free_storage_wrapper}[name]
+    if name == "__init__":
+        return ddp_wrapper if owner.endswith(":DistributedDataParallel") else data_parallel_wrapper
+    return {"_broadcast_coalesced": broadcast_coalesced_wrapper, "fully_shard": fully_shard_wrapper,
+            "alloc_storage": alloc_storage_wrapper, "free_storage": free_storage_wrapper}[name]
