@@ -183,5 +183,28 @@ def test_fsdp2_pages_each_rank_at_half_the_parameters(strategy):
     spawn(workers.fsdp_worker, "sim", [(strategy, 0.5, o) for o in FSDP2_OPTIONS])
 
 
+def test_discard_drops_the_device_copy_without_writing_it_back():
+    # What FSDP2's free of a gathered parameter becomes (Note [FSDP2 on TensorRefs])
+    from torchTensorRef import tensorsManager as tm
+
+    if tm.device != "sim":
+        pytest.skip("moves counted on the simulated device")
+    tm.strategy = "flow"  # (keeps blocks resident between ops)
+    t = torch.ones(256, device="sim")
+    t.add_(1)
+    tm.discard(t)  # no host copy yet: written back once to get one
+    assert not t._tr_block.resident and tm.stats()["writebacks"] == 1
+    t.mul_(3)  # dirty again, with a host copy
+    moved = tm.stats()["bytes_to_host"]
+    tm.discard(t)
+    assert not t._tr_block.resident
+    assert (tm.stats()["writebacks"], tm.stats()["bytes_to_host"]) == (1, moved)
+    tm.pin(t)
+    t.add_(1)
+    tm.discard(t)  # a pinned block stays
+    assert t._tr_block.resident
+    tm.unpin(t)
+
+
 def test_fsdp2_with_cpu_offload_is_refused_before_it_shards():
     spawn(workers.fsdp_refused_worker, "sim")
