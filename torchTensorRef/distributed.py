@@ -3,7 +3,7 @@
 Each process has its own ``tensorsManager``, on its own device (``"cuda"`` resolves to the
 process's ``LOCAL_RANK`` or current device; ``"sim"`` is a simulated device per process)
 and under its own budget. The collectives run through the manager (Note [Collectives] in
-``ops/collectives.py``). Two of torch's functions are wrapped here (the wrappers are
+``ops/collectives.py``). These functions of torch's are wrapped here (the wrappers are
 installed and removed with the rest by ``patch()`` / ``unpatch()``):
 
 - ``torch.distributed._broadcast_coalesced``, which DDP uses to copy rank 0's parameters
@@ -23,8 +23,10 @@ On TensorRefs the manager owns those bytes: the shards, the gathered parameters,
 gradients and the optimizer's state are blocks like any other, paged under the budget.
 FSDP2's free becomes ``tensorsManager.discard``: the accelerator copy is dropped without
 being written back (its bytes are dead), and its give-back does nothing (the block keeps its
-size; the gather writes it). Everything else FSDP2 asks of the device is its streams, which
-``"sim"`` provides as no-ops (Note [Streams of sim for PyTorch code] in ``streams.py``).
+size; the gather writes it). FSDP2's ``all_gather_copy_in`` writes the all-gather buffer
+without saying so in its schema: ``ops/registry.py`` marks it. The rest FSDP2 asks of the
+device is its streams, which ``"sim"`` provides as no-ops (Note [Streams of sim for PyTorch
+code] in ``streams.py``).
 Refused at ``fully_shard``, before it changes the module: CUDA (FSDP2's side streams and the
 manager's frees are not ordered yet) and ``CPUOffloadPolicy`` (the manager already offloads).
 """
