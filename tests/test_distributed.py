@@ -183,6 +183,25 @@ def test_fsdp2_pages_each_rank_at_half_the_parameters(strategy):
     spawn(workers.fsdp_worker, "sim", [(strategy, 0.5, o) for o in FSDP2_OPTIONS])
 
 
+def test_fsdp2_functions_are_wrapped_when_imported_and_restored_by_unpatch():
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    import torchTensorRef
+    from torchTensorRef.patching import _FunctionWrapper
+
+    places = [(fsdp, "fully_shard"), (fsdp._fully_shard, "fully_shard"), (_fsdp_param, "alloc_storage"),
+              (_fsdp_param, "free_storage"), (_fsdp_param_group, "alloc_storage")]
+    assert all(isinstance(getattr(m, n), _FunctionWrapper) for m, n in places)
+    torchTensorRef.unpatch()
+    try:
+        assert not any(isinstance(getattr(m, n), _FunctionWrapper) for m, n in places)
+    finally:
+        torchTensorRef.patch()
+    assert all(isinstance(getattr(m, n), _FunctionWrapper) for m, n in places)
+    assert hasattr(fsdp.fully_shard, "state")  # (FSDP2 reads its state through the name)
+
+
 def test_discard_drops_the_device_copy_without_writing_it_back():
     # What FSDP2's free of a gathered parameter becomes (Note [FSDP2 on TensorRefs])
     from torchTensorRef import tensorsManager as tm
