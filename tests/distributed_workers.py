@@ -171,7 +171,9 @@ def fsdp_worker(rank: int, world: int, init_file: str, device: str, runs: list) 
 
     ``fully_shard`` per layer and at the root, three AdamW steps; the plain model on a CPU
     mesh, the managed one on a mesh of ``device``, ``options`` given to ``fully_shard``
-    (``mp_policy`` as ``(param_dtype, reduce_dtype)``). Losses, gradient shards, parameter shards
+    (``mp_policy`` as ``(param_dtype, reduce_dtype)``) but ``no_sync``, which accumulates the
+    first step's gradients into the second's, and ``prefetch``, which sets each layer's
+    explicit forward and backward prefetch. Losses, gradient shards, parameter shards
     and gathered parameters must agree bit for bit, and the rank's peak stay within its budget.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -191,6 +193,8 @@ def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -
     from torch.distributed.tensor import DTensor
 
     where = f"FSDP2 on {tensorsManager.device}, {strategy}, budget {budget_fraction}, {options}"
+    no_sync = options.pop("no_sync", False)
+    prefetch = options.pop("prefetch", False)
     if "mp_policy" in options:
         param_dtype, reduce_dtype = options["mp_policy"]
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -208,6 +212,10 @@ def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, **options)
         fully_shard(model, mesh=mesh, **options)
+        if prefetch:
+            for a, b in zip(model.layers, model.layers[1:]):
+                a.set_modules_to_forward_prefetch([b])
+                b.set_modules_to_backward_prefetch([a])
     for p in managed.parameters():
         assert isinstance(p, DTensor) and isinstance(p.to_local(), TensorRef), type(p)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (plain, managed)]
@@ -216,11 +224,15 @@ def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -
             torch.manual_seed(10 * step + rank)
             x = torch.randn(6, 16)
         losses = []
+        sync = not (no_sync and step == 0)
         for model, batch in ((plain, x), (managed, torchTensorRef.manage(x.clone()))):
+            model.set_requires_gradient_sync(sync)
             loss = model(batch).square().mean()
             loss.backward()
             losses.append(loss)
         check_same(losses[0], losses[1], f"{where}: loss of step {step}")
+        if not sync:
+            continue  # (the gradients are unsharded, accumulating: compared after the next step)
         for (name, p), m in zip(plain.named_parameters(), managed.parameters()):
             check_same(p.grad.to_local(), m.grad.to_local(), f"{where}: step {step}: {name}.grad shard")
         for opt in optimizers:

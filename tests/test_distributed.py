@@ -167,7 +167,8 @@ def test_data_parallel_without_gpus_runs_the_module():
 
 
 #: FSDP2's options, each run plain and managed in the same processes
-FSDP2_OPTIONS = [{}, {"reshard_after_forward": False}, {"mp_policy": (torch.bfloat16, torch.float32)}]
+FSDP2_OPTIONS = [{}, {"reshard_after_forward": False}, {"mp_policy": (torch.bfloat16, torch.float32)},
+                 {"no_sync": True}, {"prefetch": True}]
 
 
 def test_fsdp2_pass_through_is_plain_fsdp2():
