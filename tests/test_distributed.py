@@ -203,6 +203,27 @@ def test_fsdp2_functions_are_wrapped_when_imported_and_restored_by_unpatch():
     assert hasattr(fsdp.fully_shard, "state")  # (FSDP2 reads its state through the name)
 
 
+def test_fsdp2_on_cuda_is_refused_before_it_shards(monkeypatch):
+    # Checked without a GPU: the refusal comes before FSDP2 looks at the device or the mesh.
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from torchTensorRef import TensorRef, tensorsManager as tm
+
+    model = workers.Stack(depth=1)
+    params = dict(model.named_parameters())
+    state = {id(m): dict(vars(m)) for m in model.modules()}
+    monkeypatch.setattr(type(tm._backend), "name", "cuda")
+    monkeypatch.setattr(tm._backend, "resolved", False, raising=False)  # (read by tm.device)
+    with pytest.raises(RuntimeError, match=r"FSDP2 \(fully_shard\) cannot run on TensorRefs on device .*CUDA "
+                                           r"streams of its own.*Use DistributedDataParallel"):
+        fully_shard(model.layers[0])
+    monkeypatch.undo()
+    assert dict(model.named_parameters()) == params
+    assert all(isinstance(p, TensorRef) for p in params.values())
+    assert not any(isinstance(m, FSDPModule) for m in model.modules())
+    assert all(vars(m) == state[id(m)] for m in model.modules())
+
+
 def test_discard_drops_the_device_copy_without_writing_it_back():
     # What FSDP2's free of a gathered parameter becomes (Note [FSDP2 on TensorRefs])
     from torchTensorRef import tensorsManager as tm
