@@ -35,6 +35,7 @@ def fresh_manager():
     torchTensorRef.patch()
     tm = tensorsManager
     tm.budget = None
+    tm.host_budget = None
     tm.device = TEST_DEVICE
     tm.strategy = "genoa"
     tm.fault_injector = None
@@ -50,8 +51,11 @@ def fresh_manager():
         handle.remove()  # (a callback left behind would turn the fast path off for later tests)
     tm.fault_injector = None
     tm.budget = None
+    tm.host_budget = None
     tm.strategy = "genoa"
     tm.device = TEST_DEVICE
+    tm.synchronize()  # (spills still being written)
+    tm.offload_dir = None
     torchTensorRef.patch()
     assert overshoot == 0, f"{overshoot} bytes in use above the budget"
     assert not leaked, f"the test left {len(leaked)} callback(s) added: remove them with handle.remove()"

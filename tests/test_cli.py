@@ -85,6 +85,18 @@ def test_training_script_gives_plain_losses_and_checkpoint(strategy, tmp_path):
     assert "to the accelerator" in summary and "evictions" in summary and "ops" in summary
 
 
+def test_training_under_a_host_budget_spills_to_the_offload_dir_and_gives_plain_losses(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    plain = _python("train.py", "plain.pt", cwd=tmp_path)
+    managed = _runner("--device", "sim", "--strategy", "flow", "--budget", "32KiB", "--host-budget", "1KiB",
+                      "--offload-dir", str(tmp_path / "spill"), "train.py", "managed.pt", cwd=tmp_path)
+    assert managed.returncode == 0, managed.stderr
+    assert managed.stdout == plain.stdout
+    disk = next(line for line in managed.stderr.splitlines() if line.strip().startswith("disk:"))
+    assert "of host copies of 1.0 KiB" in disk and "wrote 0 B" not in disk
+    assert (tmp_path / "spill").is_dir()
+
+
 def test_checkpoint_loads_without_torchTensorRef(tmp_path):
     (tmp_path / "train.py").write_text(TRAIN)
     assert _runner("--quiet", "train.py", "c.pt", cwd=tmp_path).returncode == 0
@@ -131,6 +143,8 @@ def test_environment_configures_the_runner(tmp_path):
     (["--strategy", "lru"], '"genoa"'),
     (["--budget", "lots"], '"512MiB"'),
     (["--budget", "-1"], ">= 0"),
+    (["--host-budget", "lots"], "--host-budget"),
+    (["--offload-dir", "/proc/none"], "offload_dir"),
     ([], "script.py"),
 ])
 def test_bad_arguments_are_usage_errors(args, named, tmp_path, capsys):

@@ -9,7 +9,8 @@ import torch._dynamo
 import torch._dynamo.testing
 
 import torchTensorRef
-from torchTensorRef import TensorRef, tensorsManager
+from torchTensorRef import OutOfBudgetError, TensorRef, compile_region, tensorsManager
+from torchTensorRef.compiler import FullGraphError
 
 from paired import assert_identical, plain_torch
 
@@ -76,10 +77,12 @@ def test_a_compiled_module_trains_like_eager_torch(device, how):
     assert_identical(plain, train_step(layer, compiled))
 
 
-def test_fullgraph_refuses_tensorrefs_naming_them():
-    fn = torch.compile(lambda x: x.sin(), fullgraph=True)
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="TensorRef"):
+@pytest.mark.parametrize("what", ["function", "module"])
+def test_fullgraph_refuses_tensorrefs_saying_why(what):
+    fn = torch.compile(torch.nn.Linear(3, 3) if what == "module" else (lambda x: x.sin()), fullgraph=True)
+    with pytest.raises(FullGraphError, match="compile_region") as raised:
         fn(torch.ones(3))
+    assert isinstance(raised.value.__cause__, torch._dynamo.exc.Unsupported)
 
 
 def test_code_without_tensorrefs_still_compiles():
@@ -117,3 +120,126 @@ def test_static_cache_generate_with_a_compiled_forward_matches_plain_torch():
     tensorsManager.strategy = "flow"
     tensorsManager.budget = 24 * 1024  # below the weights: they page while it decodes
     assert_identical(plain, generate(True))
+
+
+# -- compiled regions (Note [Compiled regions] in compiled_region.py) ------------------------
+# The plain reference is compiled for plain CPU tensors: where "sim" computes, and the
+# region's compiled code then runs the same kernels, so the values are bit-identical.
+
+
+def mlp(seed=0, n=4, width=64, managed=True):
+    # drawn by the CPU's generator (a managed model draws from the device's) and then managed
+    with torchTensorRef.disabled():
+        torch.manual_seed(seed)
+        layers = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width))
+                  for _ in range(n)]
+        model = torch.nn.Sequential(*layers).eval()
+    return torchTensorRef.manage(model) if managed else model
+
+
+def weight_bytes(model):
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def test_a_compiled_region_function_matches_plain_compiled_torch(device):
+    def f(x, w):
+        return torch.nn.functional.gelu(x @ w).sum(-1), x.t()
+
+    with torchTensorRef.disabled():
+        torch.manual_seed(0)
+        x, w = torch.randn(8, 16), torch.randn(16, 16)
+        plain = torch.compile(f)(x, w)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    region = compile_region(f, backend=counter, fullgraph=True)
+    mx, mw = TensorRef(x.clone()), TensorRef(w.clone())
+    with torch.no_grad():
+        managed = region(mx, mw)
+    assert all(isinstance(t, TensorRef) and t.device == device for t in managed)
+    assert_identical(plain, managed)
+    assert counter.frame_count == 1 and counter.op_count >= 3  # one graph: it ran compiled
+    assert managed[1]._tr_block is mx._tr_block  # a view of an input shares its block
+
+
+@pytest.mark.parametrize("strategy", ["flow", "genoa"])
+def test_compiled_region_layers_keep_the_budget_and_match_plain_compiled_torch(strategy):
+    with torchTensorRef.disabled():
+        x = torch.randn(2, 64)
+        plain_model = torch.nn.Sequential(*[torch.compile(layer) for layer in mlp(managed=False)])
+        with torch.no_grad():
+            plain = [plain_model(x) for _ in range(3)]
+    model = mlp()
+    for layer in model:
+        assert compile_region(layer, fullgraph=True) is layer  # a region is one graph
+    tensorsManager.strategy = strategy
+    tensorsManager.budget = weight_bytes(model) // 2  # the layers page, one region at a time
+    tensorsManager.reset_stats()
+    with torch.no_grad():
+        managed = [model(TensorRef(x.clone())) for _ in range(3)]
+    assert_identical(plain, managed)
+    stats = tensorsManager.stats()
+    assert stats["evictions"] > 0 and stats["peak_device_bytes"] <= tensorsManager.budget
+    assert stats["ops"] == 3 * 4  # one op per region call
+
+
+def test_a_region_writing_its_inputs_and_buffers_in_place_keeps_the_writes():
+    def bump(x):
+        x.add_(1)
+        return x * 2
+
+    with torchTensorRef.disabled():
+        torch.manual_seed(0)
+        norm_plain = torch.nn.BatchNorm1d(8).train()
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            plain = (torch.compile(norm_plain)(x), norm_plain.running_mean.clone())
+    torch.manual_seed(0)
+    norm = compile_region(torch.nn.BatchNorm1d(8).train())
+    mx = TensorRef(torch.randn(4, 8))
+    with torch.no_grad():
+        out = norm(mx)
+        doubled = compile_region(bump)(mx)
+    tensorsManager.evict_all()  # the writes must have reached the host copies
+    assert_identical(plain, (out, norm.running_mean))
+    assert_identical(x + 1, mx)
+    assert_identical((x + 1) * 2, doubled)
+
+
+def test_a_region_larger_than_the_budget_is_refused_naming_it():
+    model = mlp(n=1)
+    compile_region(model)
+    tensorsManager.budget = weight_bytes(model) // 2
+    with torch.no_grad(), pytest.raises(OutOfBudgetError, match="compiled region Sequential"):
+        model(torch.randn(2, 64))
+
+
+def test_a_region_refuses_to_run_where_gradients_are_needed():
+    model = compile_region(mlp(n=1))
+    with pytest.raises(RuntimeError, match="inference only"):
+        model(torch.randn(2, 64))
+    with torch.no_grad():
+        assert isinstance(model(torch.randn(2, 64)), TensorRef)
+
+
+def test_a_gpt2_with_compiled_decoder_layers_matches_plain_compiled_torch():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
+
+    def forward(region, managed):
+        with torchTensorRef.disabled():
+            torch.manual_seed(0)
+            model = transformers.GPT2LMHeadModel(config).eval()
+        if managed:
+            model = torchTensorRef.manage(model)
+        for i, block in enumerate(model.transformer.h):
+            model.transformer.h[i] = region(block)
+        with torch.no_grad():
+            return model(torch.tensor([[1, 5, 9, 3, 7]]), use_cache=False).logits
+
+    with torchTensorRef.disabled():
+        plain = forward(torch.compile, False)
+    tensorsManager.strategy = "flow"
+    tensorsManager.budget = 200 * 1024  # below the weights (about 330 KiB)
+    tensorsManager.reset_stats()
+    managed = forward(compile_region, True)
+    assert_identical(plain, managed)
+    assert tensorsManager.stats()["peak_device_bytes"] <= tensorsManager.budget

@@ -12,21 +12,26 @@ import os
 import torch
 
 from . import raw  # noqa: F401  (first: keeps the unpatched constructors)
+from .checkpoint import load_checkpoint
+from .disk import CheckpointChangedError, DiskError
 from .errors import DeviceOutOfMemoryError, OpVetoedError, OutOfBudgetError
 from .host_memory import HostMemoryError
+from .host_tier import HostBudgetError
 from .manage import manage
 from .manager import TensorsManager, tensorsManager
 from .patching import disabled, is_patched, patch, unpatch
 from .proxy_info import ProxyInfo
 from .tensor_ref import TensorRef
+from .compiled_region import compile_region
 from . import strategies
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TensorRef", "ProxyInfo", "TensorsManager", "tensorsManager", "manage",
-    "patch", "unpatch", "is_patched", "disabled", "strategies",
+    "patch", "unpatch", "is_patched", "disabled", "strategies", "compile_region",
     "OutOfBudgetError", "DeviceOutOfMemoryError", "OpVetoedError", "HostMemoryError",
+    "HostBudgetError", "DiskError", "CheckpointChangedError", "load_checkpoint",
     "configure_from_environment",
 ]
 
@@ -34,11 +39,14 @@ ENVIRONMENT = {
     "TORCHTENSORREF_DEVICE": "device",
     "TORCHTENSORREF_STRATEGY": "strategy",
     "TORCHTENSORREF_BUDGET": "budget",
+    "TORCHTENSORREF_HOST_BUDGET": "host_budget",
+    "TORCHTENSORREF_OFFLOAD_DIR": "offload_dir",
 }
 
 
 def configure_from_environment(environ=None) -> None:
-    """Apply ``TORCHTENSORREF_DEVICE``, ``_STRATEGY`` and ``_BUDGET`` to the manager.
+    """Apply ``TORCHTENSORREF_DEVICE``, ``_STRATEGY``, ``_BUDGET``, ``_HOST_BUDGET`` and
+    ``_OFFLOAD_DIR`` to the manager.
 
     Raises:
         ValueError: naming the variable and what it accepts.

@@ -87,7 +87,9 @@ class Adoption:
             # t views the block's storage unless an existing block's current copy is elsewhere
             current = block.dev if block.dev is not None else block.host
             view = t if current is storage else compute_view_of(block, t)
-            return make_ref(block, view, self._declared, requires_grad=requires_grad)
+            ref = make_ref(block, view, self._declared, requires_grad=requires_grad)
+            self._make_host_room(0, (), "a new tensor")  # (its bytes exist: it may leave too)
+            return ref
 
     def clone_ref(self, ref: TensorRef, memo: dict):
         """A deep copy of leaf ``ref`` with its own block (``copy.deepcopy``)."""
@@ -102,9 +104,12 @@ class Adoption:
                 new_block = self._new_block(block.nbytes)
                 self._set_host_only(new_block, storage)
                 memo[key] = new_block
+            else:
+                self.sync_host(new_block)  # (it may have left host memory since)
             view = with_math_bits(raw.typed_view(new_block.host, ref.dtype, ref.size(), ref.stride(),
                                                  ref.storage_offset()), ref)
             new = make_ref(new_block, view, self._declared, requires_grad=ref.requires_grad)
+            self._make_host_room(0, (), "a copy of a tensor")
         if getattr(ref, "_is_param", False):
             new = torch.nn.Parameter(new, requires_grad=ref.requires_grad)
         if ref.grad is not None:
@@ -128,7 +133,8 @@ class Adoption:
             ref._tr_block = block
             ref._tr_view = compute_view(new)
             ref._tr_gen = block.gen
-            ref._tr_wr = weakref.ref(ref, block.on_ref_dead)
+            ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
+            block.views.append(wr)
 
 
 def compute_view_of(block: Block, t: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,9 @@ write through any view is seen by all of them. A block has up to two copies: ``h
 - ``host_valid`` says whether the host copy holds the current bytes. An op writes only the
   accelerator copy, so a write clears ``host_valid``: the block is *dirty*;
 - evicting a clean block just drops ``dev``; a dirty one is written back first;
+- below the host copy there may be a disk copy (``disk``, Note [Three levels] in
+  ``disk.py``): a block whose host copy was dropped has ``host`` ``None`` and ``disk`` set,
+  and a clean one is one whose host or disk copy holds the current bytes;
 - a copy still in flight (Note [Pending copies] in ``streams.py``) is waited on before its
   destination is read: ``dev_pending`` by the op that reads ``dev`` (on the GPU),
   ``host_pending`` by whoever reads ``host`` (in Python, or a re-fetch on the GPU).
@@ -48,7 +51,7 @@ class Block:
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
         "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched",
         "dev_pending", "host_pending", "external", "host_only", "host_shared", "exposed",
-        "__weakref__",
+        "disk", "spilling", "views", "__weakref__",
     )
 
     def __init__(self, nbytes: int, on_ref_dead=None):
@@ -86,6 +89,12 @@ class Block:
         self.host_shared: bool = False
         #: its device address was handed out (``data_ptr``): kept resident until room is needed
         self.exposed: bool = False
+        #: a file range holding the current bytes (Note [Three levels] in ``disk.py``), or None
+        self.disk = None
+        #: the write of its host copy to the spill file, while it runs
+        self.spilling = None
+        #: weakrefs of the TensorRefs viewing it, whose cached views are dropped with a copy
+        self.views: list = []
 
     @property
     def resident(self) -> bool:
@@ -93,19 +102,40 @@ class Block:
         return self.dev is not None
 
     @property
+    def clean(self) -> bool:
+        """Whether a copy below the accelerator (host or disk) holds the current bytes."""
+        return self.host_valid or self.disk is not None
+
+    @property
     def dirty(self) -> bool:
-        """Whether the accelerator copy holds writes the host copy lacks."""
-        return self.dev is not None and not self.host_valid
+        """Whether the accelerator copy holds writes no copy below it has."""
+        return self.dev is not None and not self.host_valid and self.disk is None
 
     def set_dev(self, storage: Optional[torch.UntypedStorage]) -> None:
+        if self.dev is not None:
+            self._drop_views()
         self.dev = storage
         self.gen += 1
         self.dev_key = storage._cdata if storage is not None else 0
 
     def set_host(self, storage: Optional[torch.UntypedStorage], valid: bool) -> None:
+        if self.host is not None and storage is not self.host:
+            self._drop_views()
         self.host = storage
         self.host_valid = valid
         self.gen += 1
+
+    def _drop_views(self) -> None:
+        """A copy goes: the views TensorRefs cached of it go too, or they would keep its
+        memory allocated (device memory past the budget, host memory past the host budget)."""
+        live = []
+        for wr in self.views:
+            ref = wr()
+            if ref is not None:
+                ref._tr_view = None
+                ref._tr_gen = -1  # (never a generation: the next use makes a view afresh)
+                live.append(wr)
+        self.views = live
 
     def __repr__(self) -> str:
         where = "host only" if self.host_only else ("device" if self.dev is not None else "host")

@@ -49,19 +49,27 @@ def add_manager_options(parser: argparse.ArgumentParser) -> None:
                         help='accelerator bytes to use: an int, or a size such as "512MiB", "6GB" '
                              'or "1.5GiB"; default: TORCHTENSORREF_BUDGET, else the free memory '
                              '(unlimited on sim)')
+    parser.add_argument("--host-budget", metavar="B", default=None,
+                        help='host bytes for host copies; past it they go to disk (--offload-dir): '
+                             'a size such as "24GiB"; default: TORCHTENSORREF_HOST_BUDGET, else no limit')
+    parser.add_argument("--offload-dir", metavar="DIR", default=None,
+                        help="folder for tensors past the host budget; default: TORCHTENSORREF_OFFLOAD_DIR, "
+                             "else a temporary folder removed at exit")
 
 
 def configure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Apply ``--device/--strategy/--budget``; a bad value is a usage error (exit code 2)."""
+    """Apply ``--device/--strategy/--budget/--host-budget/--offload-dir``; a bad value is a
+    usage error (exit code 2)."""
     settings = [("device", args.device if args.device is not None else default_device()),
-                ("strategy", args.strategy), ("budget", args.budget)]
+                ("strategy", args.strategy), ("budget", args.budget),
+                ("host_budget", getattr(args, "host_budget", None)), ("offload_dir", getattr(args, "offload_dir", None))]
     for name, value in settings:
         if value is None:
             continue
         try:
             setattr(tensorsManager, name, value)
         except ValueError as e:
-            parser.error(f"--{name}: {e}")
+            parser.error(f"--{name.replace('_', '-')}: {e}")
 
 
 def summary(elapsed: float) -> str:
@@ -77,6 +85,9 @@ def summary(elapsed: float) -> str:
         f"{format_size(s['bytes_to_host'])} back; peak {format_size(s['peak_device_bytes'])} "
         f"resident of {format_size(s['budget'])}; {s['evictions']} evictions; "
         f"{s['ops']} ops; {elapsed:.1f} s"
+        + (f"\n  disk: read {format_size(s['bytes_from_disk'])}, wrote {format_size(s['bytes_to_disk'])}; "
+           f"peak {format_size(s['peak_host_bytes'])} of host copies of {format_size(s['host_budget'])}"
+           if s["host_budget"] is not None else "")
     )
 
 
@@ -155,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run an unmodified script under torchTensorRef",
         description="Run an unmodified Python script with torch patched and the manager configured; "
                     "print a summary to stderr at exit.",
-        usage="python -m torchTensorRef run [--device D] [--strategy S] [--budget B] [--quiet] "
-              "script.py [args ...]",
+        usage="python -m torchTensorRef run [--device D] [--strategy S] [--budget B] [--host-budget B] "
+              "[--offload-dir DIR] [--quiet] script.py [args ...]",
     )
     add_manager_options(run)
     run.add_argument("--quiet", action="store_true", help="print no summary at exit")

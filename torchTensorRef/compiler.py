@@ -8,12 +8,31 @@ call (or ``patch()``, if the compiler was loaded before) puts this package on Dy
 of code it never traces. What it meets then is a TensorRef, a tensor subclass it cannot
 trace: it breaks the graph there and the ops run eagerly, through the manager, with the
 results of plain eager torch. Code that touches no TensorRef still compiles as usual.
-``fullgraph=True`` allows no break, so compiling code that touches TensorRefs with it
-raises Dynamo's ``Unsupported`` error naming the TensorRef method it could not trace.
+``fullgraph=True`` allows no break: the compiled function then raises
+:class:`FullGraphError`, which says why and points to ``compile_region``.
+
+For compiled speed on managed tensors, ``compile_region`` (Note [Compiled regions] in
+``compiled_region.py``) compiles a function or module for plain tensors and lets the
+manager run each call as one op, at the region's boundary.
+
+Why TensorRef is not a traceable subclass (``__tensor_flatten__``, as DTensor's): tracing
+such a subclass builds fake TensorRefs from fake inner tensors (``__tensor_unflatten__``)
+and runs ``__torch_dispatch__`` on them once, at trace time, to learn which aten ops to
+put in the graph on the inner tensors. Everything else ``__torch_dispatch__`` does (blocks,
+fetches and evictions within the budget, the strategy, the counters) would run on fake
+tensors then, and nothing of it is in the graph that runs: the budget would hold for a
+trace, not for the calls. At run time the subclass's inputs are unwrapped one by one
+(``__tensor_flatten__``), with no point where all of a graph's inputs are made resident
+together and kept so while it runs (bringing in one could evict another), and an evicted
+TensorRef has no device tensor to hand out. What remains possible is residency at the
+graph's boundary for all its inputs at once, which is what a compiled region does without
+the subclass protocol. (Tried: with a ``__tensor_flatten__`` returning the target,
+``__tensor_unflatten__`` is called with ``FakeTensor``s, which the manager cannot adopt.)
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 
@@ -73,7 +92,42 @@ def break_graph_at_wrappers() -> None:
 _breaks: dict = {}
 
 
+class FullGraphError(RuntimeError):
+    """``torch.compile(..., fullgraph=True)`` met a TensorRef, which it cannot put in a graph."""
+
+
+_FULLGRAPH = (
+    "torch.compile(fullgraph=True) cannot compile code that touches TensorRefs: every op on a "
+    "TensorRef runs through the manager (it makes the op's blocks resident within the budget), "
+    "which cannot run inside a compiled graph, so the compiler must break its graph there and "
+    "fullgraph=True allows no break. Compile with torchTensorRef.compile_region(fn_or_module, "
+    "fullgraph=True) instead: the manager makes the region's TensorRefs resident together and "
+    "the whole region runs compiled on them (inference only)")
+
+
+def _explained(fn):
+    """``fn`` (compiled with ``fullgraph=True``), raising :class:`FullGraphError` rather than
+    the compiler's error when it fails on a TensorRef."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            if "TensorRef" not in str(e):
+                raise
+            raise FullGraphError(_FULLGRAPH) from e
+
+    return call
+
+
 def compile_wrapper(wrapped, instance, args, kwargs):
     """The patched ``torch.compile``: hide the manager's code, then compile as asked."""
     hide_from_compiler()
-    return wrapped(*args, **kwargs)
+    compiled = wrapped(*args, **kwargs)
+    if not kwargs.get("fullgraph") or not callable(compiled):
+        return compiled  # (fullgraph is keyword-only; without a model, a decorator is returned)
+    if isinstance(compiled, torch.nn.Module):
+        compiled.forward = _explained(compiled.forward)  # (an OptimizedModule's own attribute)
+        return compiled
+    return _explained(compiled)

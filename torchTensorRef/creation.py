@@ -48,6 +48,10 @@ def create(fn, args, kwargs):
 
     name = getattr(fn, "__name__", "")
     device = kwargs.get("device")
+    if device is None:
+        default = _get_default_device()  # ``with torch.device("meta"):``, ``set_default_device``
+        if default.type != "cpu":
+            device = default
     if device is not None:
         device = torch.device(device)
         if device.type == "cpu":
@@ -71,6 +75,21 @@ def create(fn, args, kwargs):
     if device is not None:
         kwargs = {k: v for k, v in kwargs.items() if k != "device"}  # made on the host, fetched when used
     return _adopt(fn(*args, **kwargs))
+
+
+def _get_default_device() -> torch.device:
+    """The device creation functions use when none is named (``torch.get_default_device``
+    without its probe tensor, which would come back here)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return torch.device(mode.device)
+    return _CPU
+
+
+_CPU = torch.device("cpu")
 
 
 def _tensor_arguments(args, kwargs) -> bool:

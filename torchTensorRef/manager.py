@@ -26,7 +26,9 @@ from .blocks import Block
 from .callbacks import Callbacks, OpCallback
 from .devices import Backend, PassthroughBackend, SIM_CAPACITY_BYTES, default_device, make_backend
 from .errors import OutOfBudgetError
+from .disk import check_offload_dir
 from .host_memory import HostMemoryWatch
+from .host_tier import HostTier, return_freed_host_memory
 from .op_protocol import OpProtocol
 from .pinned import default_limit
 from .residency import Residency
@@ -41,11 +43,11 @@ CUDA_RESERVE_BYTES = 512 * 2**20
 _STAT_KEYS = (
     "bytes_to_device", "bytes_to_host", "fetches", "writebacks", "evictions",
     "prefetches", "prefetch_hits", "prefetch_misses", "prefetches_unused", "prefetches_dropped",
-    "host_syncs",
+    "host_syncs", "bytes_from_disk", "bytes_to_disk",
 )
 
 
-class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
+class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
     """The global pager; use the ``torchTensorRef.tensorsManager`` instance.
 
     Example::
@@ -91,6 +93,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
         self._fault_injector = None
         self._callbacks: List[OpCallback] = []
         self._host_watch = HostMemoryWatch()
+        self._init_host_tier()
         self._external = 0  # live external blocks (Note [External bytes])
         self._host_only_blocks = 0
         self._capturing = False  # a CUDA graph capture is under way (ops on TensorRefs refuse it)
@@ -365,7 +368,9 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
         ``prefetches``, ``prefetch_hits``, ``prefetch_misses``, ``prefetches_unused``,
         ``prefetches_dropped``, ``host_syncs``, ``budget``, ``device``, ``strategy``,
         ``tensors`` (live TensorRefs), ``tensors_on_device``, ``blocks``,
-        ``blocks_on_device``, ``host_bytes``, ``pinned_bytes``; on CUDA also
+        ``blocks_on_device``, ``host_bytes`` (host copies of paged blocks, CPU tensors
+        not counted), ``peak_host_bytes``, ``host_budget``, ``bytes_from_disk``,
+        ``bytes_to_disk``, ``pinned_bytes``; on CUDA also
         ``max_memory_allocated`` and ``max_memory_reserved`` (torch.cuda's, since the
         last ``reset_stats()``).
         """
@@ -383,7 +388,9 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
             out["blocks_on_device"] = len(self._resident)
             out["tensors"] = sum(b.refs for b in self._blocks.values())
             out["tensors_on_device"] = sum(b.refs for b in self._resident.values())
-            out["host_bytes"] = sum(b.nbytes for b in self._blocks.values() if b.host is not None)
+            out["host_bytes"] = self._host_bytes
+            out["peak_host_bytes"] = self._peak_host
+            out["host_budget"] = self._host_limit
             pinned = self._backend.pinned
             out["pinned_bytes"] = pinned.used if pinned is not None else 0
             if self._backend.name == "cuda" and self._backend.resolved:
@@ -397,6 +404,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
             self._counters = dict.fromkeys(_STAT_KEYS, 0)
             self._ops_at_reset = self._op_count
             self._peak = self._device_bytes + self._inflight_bytes
+            self._peak_host = self._host_bytes
             self._overshoot = 0
             if self._backend.name == "cuda" and self._backend.resolved:
                 torch.cuda.reset_peak_memory_stats(self._backend.compute)
@@ -405,6 +413,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
         """Wait until every copy in flight has finished (``torch.cuda.synchronize`` for the pager)."""
         with self._lock:
             self._retire_inflight(wait=True)
+            self._retire_spills(wait=True)
             for block in self._blocks.values():
                 if block.host_pending is not None:
                     self._wait_pending_host(block)
@@ -416,6 +425,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
         with self._lock:
             self._drain()
             trace.initial = {b.id: (b.nbytes, b.dirty) for b in self._resident.values()}
+            trace.initial_host = {b.id: (b.nbytes, False) for b in self._hosted.values() if b.host_valid}
             previous, self._trace = self._trace, trace
             observer, streams.copy_observer = streams.copy_observer, trace.hidden
             self._refresh_fast()
@@ -460,6 +470,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
             view = ref.target
             if not block.host_only and block.dev is not None:
                 block.host_valid = False
+                self._disk_stale(block)
             return view
 
     def move_to_host(self, ref: TensorRef) -> None:
@@ -497,6 +508,52 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
     def host_reserve(self, value) -> None:
         nbytes = parse_size(value, "host_reserve", none=False)
         self._host_watch.reserve = nbytes
+
+    @property
+    def host_budget(self) -> Optional[int]:
+        """Host bytes the manager's host copies may take: int, ``"24GiB"``, or ``None``.
+
+        Past it, host copies go down to disk (Note [Three levels] in ``disk.py``): a clean
+        one (its bytes are in a checkpoint file or a spill slot) is dropped, any other is
+        written to the spill file in ``offload_dir`` first. ``None`` (the default) means no
+        limit of the manager's own: host memory is then limited by what the system has
+        (``host_reserve``). CPU tensors of the program (``device="cpu"``) are not counted.
+        """
+        return self._host_budget
+
+    @host_budget.setter
+    def host_budget(self, value) -> None:
+        nbytes = parse_size(value, "host_budget")
+        if nbytes is not None:
+            return_freed_host_memory()
+        with self._lock:
+            old = (self._host_budget, self._host_limit)
+            self._host_budget = self._host_limit = nbytes
+            try:
+                self._make_host_room(0, (), "tensorsManager.host_budget")
+            except MemoryError:
+                self._host_budget, self._host_limit = old
+                raise
+
+    @property
+    def offload_dir(self) -> Optional[str]:
+        """Folder of the spill file for host copies past ``host_budget`` (``None``: a temporary
+        folder removed at exit). Checkpoint files are read where they are, never written.
+        After a change, new spills go to the new folder; the old file is removed once the
+        tensors spilled there are read back, written or freed."""
+        return self._offload_dir
+
+    @offload_dir.setter
+    def offload_dir(self, value) -> None:
+        path = None if value is None else check_offload_dir(value)  # ValueError: nothing changed
+        with self._lock:
+            if path == self._offload_dir:
+                return
+            self._retire_spills(wait=True)
+            if self._spill_file is not None:
+                self._spill_file.retire()  # (read from until its last slot is freed, then removed)
+                self._spill_file = None
+            self._offload_dir = path
 
     def evict_all(self) -> None:
         """Send every unpinned block back to host memory (writing back what changed)."""
@@ -553,6 +610,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
 
     def _host_written(self, block: Block) -> None:
         """An op on the host wrote ``block``'s host copy: a device copy is stale now."""
+        self._disk_stale(block)
         if block.dev is not None and not block.host_only:
             block.host_valid = True
             block.dev_pending = None
@@ -563,6 +621,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
     def _set_host_only(self, block: Block, storage) -> None:
         """``storage`` is ``block``'s host copy, and the one ops run on if it is host-only (or pass-through)."""
         block.set_host(storage, True)
+        self._host_gained(block)
         if self._backend.passthrough or block.host_only:
             block.dev_key = storage._cdata
 
@@ -605,6 +664,7 @@ class TensorsManager(Residency, OpProtocol, Adoption, Callbacks):
             block.host = None
         if block.dev is not None:
             block.set_dev(None)
+        self._disk_stale(block)
         block.dev_pending = None
         block.alive = False
         block.on_ref_dead = None

@@ -6,6 +6,11 @@ needed, evict the block whose next use is farthest in the future, knowing the wh
 Evicting a clean block, or one never used again, is free; a dirty one is written back.
 Flow is measured against this on the same trace.
 
+Below host memory (the disk tier), the reference for disk traffic is the same rule on one
+memory as large as the device and host budgets together (``reference_disk_moves``): a pager
+with two levels of that total size cannot read less from disk than an all-knowing one with
+a single level that size.
+
 The trace is one step of a loop, so blocks that existed before it (weights, optimizer
 state) are used again in the next step: their next use after their last access is their
 first access plus the trace's length. Blocks the step created are dead after their last
@@ -116,3 +121,13 @@ def reference_moves(
         for block in needed:
             push(block, pos)
     return {"bytes_to_device": to_device, "bytes_to_host": to_host, "peak_device_bytes": peak, "ops": length}
+
+
+def reference_disk_moves(trace, budget: int, host_budget: int) -> dict:
+    """Bytes an all-knowing pager reads from and writes to disk for ``trace`` (a recorded
+    step) with ``budget`` device bytes and ``host_budget`` host bytes: ``{"bytes_from_disk",
+    "bytes_to_disk"}``, a lower bound for any pager of those two levels."""
+    initial = dict(trace.initial_host)
+    initial.update(trace.initial)
+    moves = reference_moves(trace.accesses, budget + host_budget, initial, trace.created)
+    return {"bytes_from_disk": moves["bytes_to_device"], "bytes_to_disk": moves["bytes_to_host"]}

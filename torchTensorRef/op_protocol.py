@@ -145,6 +145,8 @@ class OpProtocol:
             for b in blocks:
                 if not b.host_only:
                     b.host_valid = False
+                    if b.disk is not None or b.spilling is not None:
+                        self._disk_stale(b)
 
     def _adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
         block = self._result_block(t, ctx.index, ctx.on_host)
@@ -181,6 +183,7 @@ class OpProtocol:
 
     def _resized(self, block: Block, nbytes: int) -> None:
         """``block``'s storage was resized in place (``resize_``) to ``nbytes``."""
+        self._disk_stale(block)
         if block.dev is not None:
             self._add_device_bytes(nbytes - block.nbytes)
             if block.host is not None:  # the host copy has the old size: drop it
@@ -188,6 +191,8 @@ class OpProtocol:
                 block.set_host(None, False)
             if self._trace is not None:
                 self._trace.resized(time.perf_counter_ns(), self._device_bytes)
+        if block.id in self._hosted:
+            self._host_bytes += nbytes - block.nbytes
         block.nbytes = nbytes
 
     def _finish(self, ctx) -> None:

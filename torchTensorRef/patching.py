@@ -13,6 +13,7 @@ accelerator than the manager's, and everything in DataLoader worker processes.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 import threading
 from typing import Dict, Tuple
@@ -20,7 +21,7 @@ from typing import Dict, Tuple
 import torch
 import wrapt
 
-from . import compiler, distributed
+from . import checkpoint, compiler, distributed
 from .tensor_ref import TensorRef, saving
 
 #: torch functions that create tensors without a tensor input
@@ -51,6 +52,11 @@ RNG_STATE_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
 #: the fast path too (``"owner:Class"`` names a class of that module)
 CAPTURE_METHODS: Tuple[Tuple[str, str], ...] = (
     ("torch.cuda.graphs:CUDAGraph", "capture_begin"), ("torch.cuda.graphs:CUDAGraph", "capture_end"),
+)
+#: functions that open checkpoints: whole tensors read through them stay on disk until used
+#: (``checkpoint.py``); ``transformers.modeling_utils`` holds its own reference to it
+LAZY_LOAD_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
+    ("safetensors", "safe_open"), ("transformers.modeling_utils", "safe_open"),
 )
 #: inputs those functions copy or return as they are (tensors are managed on their own)
 _NOT_SHARED = (torch.Tensor, list, tuple, int, float, bool, complex)
@@ -259,6 +265,9 @@ def patch() -> None:
         targets += [(module, name, _rng_state_wrapper) for module, name in RNG_STATE_FUNCTIONS]
         targets += [(owner, name, _capture_wrapper) for owner, name in CAPTURE_METHODS]
         targets += [(owner, name, distributed.wrapper_for(owner, name)) for owner, name in distributed.FUNCTIONS]
+        targets += [(owner, name, checkpoint.safe_open_wrapper) for owner, name in LAZY_LOAD_FUNCTIONS]
+        if "safetensors" not in sys.modules and importlib.util.find_spec("safetensors") is not None:
+            import safetensors  # noqa: F401  (before transformers takes its own reference)
         _wrap(targets)
         # Optimizers choose their list (``_foreach``) implementation only for exact
         # ``torch.Tensor``s on an accelerator: TensorRef parameters must get the choice plain

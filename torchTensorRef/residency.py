@@ -173,6 +173,8 @@ class Residency:
         """
         if block.dev is not None or block.host_only or self._backend.passthrough:
             return
+        if not block.host_valid and block.disk is not None:
+            self._load_host(block, protect)  # its bytes are only on disk
         start = time.perf_counter_ns()
         if self._backend.simulated:
             self._host_watch.reserve_bytes(block.nbytes)  # the simulated device is host memory
@@ -195,6 +197,9 @@ class Residency:
         itself here (a strategy evicts first if it wants) and never fails the op it runs beside.
         """
         if block.dev is not None or block.host_only or block.external or self._backend.passthrough:
+            return False
+        if not block.host_valid and block.disk is not None:
+            self.read_ahead(block)  # only on disk: the op will find it in host memory, or nearer
             return False
         if not self._backend.pinned.is_pinned(block.host) and not self._pin_host(block):
             return False
@@ -232,7 +237,7 @@ class Residency:
         if block.prefetched:  # brought in and never used
             block.prefetched = False
             self._counters["prefetches_unused"] += 1
-        wrote = not block.host_valid
+        wrote = not block.clean
         if wrote:
             self._write_back(block)
         block.dev_pending = None  # (a prefetch never waited on: its copy may still run, into memory we drop)
@@ -254,12 +259,15 @@ class Residency:
         if host is None or host.nbytes() != block.nbytes:
             if host is not None:
                 self._forget_host(block)
+                block.set_host(None, False)
+            self._make_host_room(block.nbytes, (block.id,), "writing a tensor back to host memory")
             self._host_watch.reserve_bytes(block.nbytes)
             buffer = self._backend.pinned.allocate(block.nbytes)
             if buffer is None:
                 buffer = raw.empty(block.nbytes, dtype=raw.UINT8)
             host = buffer.untyped_storage()
             block.set_host(host, False)
+            self._host_gained(block)
         dev = raw.flat_bytes(block.dev)
         if block.dev_pending is not None:
             block.dev_pending.wait_compute()
@@ -287,6 +295,8 @@ class Residency:
     def sync_host(self, block: Block, record: bool = True) -> bool:
         """Make the host copy valid and readable now (keeping the device copy); whether it copied."""
         wrote = False
+        if not block.host_valid and block.dev is None and block.disk is not None:
+            self._load_host(block, (block.id,))
         if not block.host_valid and block.dev is not None:
             start = time.perf_counter_ns()
             self._write_back(block)
@@ -307,7 +317,7 @@ class Residency:
         """
         pinned = self._backend.pinned
         if (pinned is None or block.host is None or not block.host_valid or block.external
-                or block.host_shared or block.host_pending is not None):
+                or block.host_shared or block.host_pending is not None or block.spilling is not None):
             return False  # (no accelerator to copy to: nothing to pin for)
         buffer = pinned.allocate(block.nbytes)
         if buffer is None:
@@ -315,6 +325,7 @@ class Residency:
         buffer.copy_(raw.flat_bytes(block.host))
         self._forget_host(block)
         block.set_host(buffer.untyped_storage(), True)
+        self._host_gained(block)
         return True
 
     def _forget_host(self, block: Block) -> None:
@@ -324,6 +335,7 @@ class Residency:
         if self._backend.pinned is not None:
             self._backend.pinned.freed(host)
         block.host_pending = None
+        self._host_lost(block)
 
     # -- new device tensors -----------------------------------------------------------------
 

@@ -291,7 +291,8 @@ def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_
     ref._tr_view = view
     ref._tr_gen = block.gen
     block.refs += 1
-    ref._tr_wr = weakref.ref(ref, block.on_ref_dead)
+    ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
+    block.views.append(wr)
     return ref
 
 

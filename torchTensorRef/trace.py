@@ -44,6 +44,8 @@ class Trace:
         self.resident: List[tuple] = []
         #: blocks resident when recording started: {block_id: (nbytes, dirty)}
         self.initial: dict = {}
+        #: blocks with a valid host copy when recording started: {block_id: (nbytes, False)}
+        self.initial_host: dict = {}
         #: blocks created by ops while recording (they need no copy in)
         self.created: set = set()
         #: op_index -> Kernel: the op's own kernel call, timed apart from the bookkeeping
@@ -55,6 +57,9 @@ class Trace:
         #: (start_ns, end_ns) of copies the simulated device deferred and the host ran later
         #: (on a GPU a copy engine runs them: not host time)
         self.hidden_copies: List[tuple] = []
+        #: (kind "from_disk" | "to_disk", block_id, nbytes, start_ns, end_ns): the disk tier's
+        #: reads and writes (a write's end is when it was queued: it runs on the disk thread)
+        self.disk: List[tuple] = []
         #: step boundaries (time_ns) set by whoever drives the recording (the ``predict`` runner)
         self.marks: List[int] = []
         #: (time_ns, nbytes, tensors) per module call: the weights an offloading hook would copy
@@ -92,6 +97,9 @@ class Trace:
             mode = "drop" if nbytes == 0 else "ordered"
         self.move_modes.append(mode)
 
+    def disk_move(self, kind: str, block_id: int, nbytes: int, start: int, end: int) -> None:
+        self.disk.append((kind, block_id, nbytes, start, end))
+
     def sync(self, when: int, block_id: int) -> None:
         """The host waited for the device to read ``block_id``'s bytes (outside an op)."""
         self.syncs.append((when, block_id))
@@ -127,12 +135,17 @@ class Trace:
             {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"torchTensorRef ({self.device})"}},
             {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "ops"}},
             {"name": "thread_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "moves"}},
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 3, "args": {"name": "disk"}},
         ]
         for index, name, start, end in self.ops:
             events.append({"name": name, "cat": "op", "ph": "X", "pid": 1, "tid": 1,
                            "ts": us(start), "dur": max(us(end) - us(start), 0.001), "args": {"index": index}})
         for kind, block_id, nbytes, start, end in self.moves:
             events.append({"name": kind, "cat": "move", "ph": "X", "pid": 1, "tid": 2,
+                           "ts": us(start), "dur": max(us(end) - us(start), 0.001),
+                           "args": {"block": block_id, "bytes": nbytes}})
+        for kind, block_id, nbytes, start, end in self.disk:
+            events.append({"name": kind, "cat": "disk", "ph": "X", "pid": 1, "tid": 3,
                            "ts": us(start), "dur": max(us(end) - us(start), 0.001),
                            "args": {"block": block_id, "bytes": nbytes}})
         for when, nbytes in self.resident:

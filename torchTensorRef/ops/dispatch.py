@@ -195,6 +195,8 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
             out = run_fast(func, args, kwargs, spec)
             if out is not _NOT_FAST:
                 return out
+        if not spec.allocates and not spec.write_args and args and _only_on_disk(args[0]):
+            return view_on_disk(func, args, kwargs)
         return run_generic(func, args, kwargs, spec)
     except Exception as e:
         if getattr(_mgr._backend, "strict", False) and sim_device.in_backward():
@@ -204,6 +206,29 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
 
 
 _NOT_FAST = object()
+
+
+def _only_on_disk(a) -> bool:
+    if a.__class__ is not TensorRef:
+        return False
+    b = a._tr_block
+    return b.dev is None and b.host is None and b.disk is not None
+
+
+def view_on_disk(func, args, kwargs):
+    """A view (``detach``, ``view``, ``t`` ...) of a block whose only copy is on disk: its
+    geometry comes from the op on a meta twin, and nothing is read (``nn.Parameter(w)`` of a
+    weight loaded lazily runs ``detach``)."""
+    ref = args[0]
+    storage = raw.empty(ref._tr_block.nbytes, dtype=raw.UINT8, device="meta").untyped_storage()
+    meta = raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
+    out = func(meta, *args[1:], **kwargs)
+    if out.__class__ is not _Tensor or out.untyped_storage()._cdata != meta.untyped_storage()._cdata:
+        return run_generic(func, args, kwargs, _SPECS.get(id(func)) or spec_of(func))  # not one view
+    with _mgr._lock:
+        view = make_ref(ref._tr_block, out, _mgr._declared)
+        view._tr_gen = -1  # (the meta view is never a copy to run on)
+        return view
 
 
 class _NotResident(Exception):

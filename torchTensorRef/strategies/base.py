@@ -116,5 +116,20 @@ class Strategy:
                 best = block
         return best
 
+    def choose_host_victim(self, candidates, index: int):
+        """Which host copy leaves host memory when the host budget is full (``None``: none).
+
+        ``candidates`` are the blocks whose host copy may go; ``index`` is the next op's.
+        The default prefers copies that go for free (a stale one, or one whose bytes a disk
+        copy holds), then the least recently used.
+        """
+        best = None
+        best_key = None
+        for block in candidates:
+            key = (block.host_valid and block.disk is None, block.last_use)
+            if best is None or key < best_key:
+                best, best_key = block, key
+        return best
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

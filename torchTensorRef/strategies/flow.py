@@ -68,19 +68,24 @@ class Flow(Strategy):
             ``"sim"``) but on a GPU overlaps compute where a demand fetch would stall it.
         plan: compile the period into a plan once it repeated whole, and follow it (the same
             decisions at a fraction of the per-op cost); ``False`` keeps learning every op.
+        disk_lookahead: while following the plan, start reading from disk the long-lived
+            blocks (weights) the op this many ops ahead uses, if their only copy is on disk,
+            making host room from free host copies needed later (Note [Three levels]).
     """
 
     name = "flow"
 
     def __init__(self, lookahead: int = 6, min_period: int = 1, max_history: int = 50_000,
-                 prefetch_evicts: Optional[bool] = None, plan: bool = True):
+                 prefetch_evicts: Optional[bool] = None, plan: bool = True, disk_lookahead: int = 64):
         super().__init__()
-        if lookahead < 0 or min_period < 1 or max_history < 2 * min_period:
+        if lookahead < 0 or min_period < 1 or max_history < 2 * min_period or disk_lookahead < 0:
             raise ValueError(
-                "Flow needs lookahead >= 0, min_period >= 1 and max_history >= 2 * min_period "
-                f"(got: lookahead={lookahead}, min_period={min_period}, max_history={max_history})"
+                "Flow needs lookahead >= 0, min_period >= 1, max_history >= 2 * min_period and "
+                f"disk_lookahead >= 0 (got: lookahead={lookahead}, min_period={min_period}, "
+                f"max_history={max_history}, disk_lookahead={disk_lookahead})"
             )
         self.lookahead = lookahead
+        self.disk_lookahead = disk_lookahead
         self.prefetch_evicts = prefetch_evicts
         self._evicting_prefetch = bool(prefetch_evicts)
         self.min_period = min_period
@@ -289,7 +294,7 @@ class Flow(Strategy):
         nxt = plan.next_use(block.id, n, self._birth, _DEAD) if plan is not None else self.next_use(block.id, n)
         if nxt is None:
             return _UNKNOWN - block.last_use  # recency: least recently used first
-        if nxt == _DEAD and block.host_valid:
+        if nxt == _DEAD and block.clean:
             return _DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
         return nxt
 
@@ -349,6 +354,8 @@ class Flow(Strategy):
                 self._plan_prefetch(op.index, op.blocks, op.output_estimate())
             else:
                 self._prefetch(op.index, op.output_estimate())
+        if self.plan is not None and self.disk_lookahead and mgr._disk_blocks:
+            self._read_ahead(op.index)
 
     # -- following the plan --------------------------------------------------------------
 
@@ -368,7 +375,39 @@ class Flow(Strategy):
             return False  # the generic path runs it: before_op finds the divergence
         if self.lookahead and not self.manager.all_resident():
             self._plan_prefetch(n, blocks, reserved)
+        if self.disk_lookahead and self.manager._disk_blocks:
+            self._read_ahead(n)
         return True
+
+    def _read_ahead(self, n: int) -> None:
+        """Start reading from disk what the plan's op ``disk_lookahead`` ops ahead uses."""
+        mgr = self.manager
+        m = n + self.disk_lookahead
+        plan = self.plan
+        for role in plan.roles[plan.offset(m)]:
+            if role.__class__ is not int:
+                continue  # (made by an op: never only on disk that soon)
+            block = mgr.block(role)
+            if block is None or block.host is not None or block.disk is None or block.dev is not None:
+                continue
+            room = mgr.host_room()
+            while room is not None and room < block.nbytes:
+                victim = self._free_host_victim(n, m)
+                if victim is None or not mgr.drop_host_copy(victim):
+                    return  # host memory holds only what is needed sooner: read it later
+                room = mgr.host_room()
+            mgr.read_ahead(block)
+
+    def _free_host_victim(self, n: int, m: int):
+        """The host copy, free to drop, needed furthest ahead and after op ``m``; or ``None``."""
+        best, best_priority = None, m
+        for block in self.manager.host_copies():
+            if block.host_valid and block.disk is None:
+                continue  # (would have to be written first)
+            priority = self._priority(block, n)
+            if priority > best_priority:
+                best, best_priority = block, priority
+        return best
 
     def after_fast_op(self, n: int, outputs) -> None:
         if outputs:
@@ -432,7 +471,7 @@ class Flow(Strategy):
             if resident(bid) is not block:
                 del ranked[i]  # evicted or freed since the ranking
                 continue
-            if block.pins or bid in protect or (clean_only and not block.host_valid):
+            if block.pins or bid in protect or (clean_only and not block.clean):
                 continue
             del ranked[i]
             return block
@@ -514,7 +553,7 @@ class Flow(Strategy):
             if worse_than is not None and -neg <= worse_than:
                 break  # everything left is needed sooner
             heapq.heappop(heap)
-            if block.pins or bid in protect or (clean_only and not block.host_valid):
+            if block.pins or bid in protect or (clean_only and not block.clean):
                 skipped.append((neg, s, bid))
                 continue
             found = block
@@ -523,6 +562,16 @@ class Flow(Strategy):
         for entry in skipped:
             heapq.heappush(heap, entry)
         return found
+
+    def choose_host_victim(self, candidates, index: int):
+        """The host copy needed furthest ahead (a free drop first among equals)."""
+        best = None
+        best_key = None
+        for block in candidates:
+            key = (self._priority(block, index), block.disk is not None or not block.host_valid)
+            if best is None or key > best_key:
+                best, best_key = block, key
+        return best
 
     def choose_victim(self, protect):
         victim = self._plan_victim(protect) if self.plan is not None else self._pop_victim(protect)

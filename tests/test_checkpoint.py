@@ -1,0 +1,187 @@
+"""Loading without reading: a model whose weights stay in their safetensors file until used,
+under a host budget a third of its weights and a device budget a tenth."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+import torchTensorRef
+from paired import assert_identical, plain_torch, to_plain
+from torchTensorRef import CheckpointChangedError, TensorRef, tensorsManager
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(n_layer=16, n_embd=64, n_head=4, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0,
+              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # (training compares without dropout)
+PROMPT = [[1, 2, 3, 4, 5, 6]]
+
+
+def _config():
+    return transformers.GPT2Config(**CONFIG)
+
+
+@pytest.fixture
+def saved(tmp_path_factory):
+    """A plain GPT-2's checkpoint folder, and the plain model (on the test device) that wrote it.
+
+    (Per test: the test device is set by the autouse fixture, which runs after wider-scoped ones.)
+    """
+    folder = tmp_path_factory.mktemp("gpt2")
+    with plain_torch():
+        torch.manual_seed(0)
+        plain = transformers.GPT2LMHeadModel(_config())
+        plain.save_pretrained(folder)
+    return folder, plain
+
+
+def _digest(folder) -> dict:
+    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(folder.glob("*.safetensors"))}
+
+
+def _lazy_model(folder):
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(_config())
+    result = torchTensorRef.load_checkpoint(model, folder, strict=False)
+    model.tie_weights()
+    return model, result
+
+
+def _weight_bytes(model) -> int:
+    return sum(p.nbytes for p in model.parameters())
+
+
+def _tight(model) -> int:
+    weights = _weight_bytes(model)
+    tensorsManager.budget = weights // 10
+    tensorsManager.host_budget = weights // 3
+    tensorsManager.reset_stats()
+    return weights
+
+
+def test_loading_reads_nothing_and_keeps_ties(saved):
+    folder, _ = saved
+    before = tensorsManager.stats()
+    model, result = _lazy_model(folder)
+    assert result.unexpected_keys == [] and result.missing_keys == []
+    stats = tensorsManager.stats()
+    assert stats["bytes_from_disk"] == 0
+    assert (stats["host_bytes"], stats["device_bytes"]) == (before["host_bytes"], before["device_bytes"])
+    assert model.lm_head.weight is model.transformer.wte.weight
+    w = model.transformer.h[0].mlp.c_fc.weight
+    assert isinstance(w, TensorRef) and isinstance(w, torch.nn.Parameter) and w.requires_grad
+    assert w._tr_block.disk is not None and w._tr_block.host is None
+
+
+@pytest.mark.parametrize("strategy", ["flow", "genoa"])
+def test_generate_from_a_checkpoint_three_times_the_host_budget(saved, strategy):
+    folder, plain = saved
+    before = _digest(folder)
+    tensorsManager.strategy = strategy
+    model, _ = _lazy_model(folder)
+    model.eval()
+    weights = _tight(model)
+    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
+    with plain_torch():
+        expected = plain.eval().generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
+    assert_identical(expected, tokens, "tokens")
+    stats = tensorsManager.stats()
+    assert stats["peak_host_bytes"] <= weights // 3 and stats["peak_device_bytes"] <= weights // 10
+    assert stats["bytes_from_disk"] >= 6 * (weights - weights // 3 - weights // 10)  # (read again every token)
+    assert _digest(folder) == before  # the checkpoint is never written
+
+
+def test_a_training_step_from_a_checkpoint_spills_what_it_writes(saved):
+    folder, plain = saved
+    before = _digest(folder)
+    with plain_torch():
+        plain.train()
+        popt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+        pids = torch.tensor(PROMPT * 2)
+        ploss = plain(pids, labels=pids).loss
+        ploss.backward()
+        popt.step()
+    tensorsManager.strategy = "flow"
+    model, _ = _lazy_model(folder)
+    model.train()
+    weights = _tight(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.tensor(PROMPT * 2)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    assert_identical(ploss, loss, "loss")
+    for (name, p), (_, q) in zip(plain.named_parameters(), model.named_parameters()):
+        assert_identical(p.grad, q.grad, f"{name}.grad")
+        assert_identical(p, q, name)
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert_identical(popt.state[p]["exp_avg_sq"], opt.state[q]["exp_avg_sq"], "exp_avg_sq")
+    stats = tensorsManager.stats()
+    assert stats["peak_host_bytes"] <= weights // 3 and stats["peak_device_bytes"] <= weights // 10
+    assert stats["bytes_to_disk"] >= 2 * weights  # optimizer state and trained weights went to disk
+    assert _digest(folder) == before
+
+
+def test_from_pretrained_of_a_local_folder_loads_lazily(saved):
+    folder, plain = saved
+    host_before = tensorsManager.stats()["host_bytes"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    stats = tensorsManager.stats()
+    assert stats["bytes_from_disk"] == 0 and stats["host_bytes"] == host_before
+    assert model.transformer.h[3].attn.c_attn.weight._tr_block.disk is not None
+    _tight(model)
+    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
+    with plain_torch():
+        expected = plain.eval().generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
+    assert_identical(expected, tokens, "tokens")
+
+
+def test_a_sharded_folder_is_read_through_its_index(saved, tmp_path):
+    _, plain = saved
+    with plain_torch():
+        plain.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and list(tmp_path.glob("*.index.json"))
+    model, result = _lazy_model(tmp_path)
+    assert result.missing_keys == []
+    for (name, p), q in zip(plain.state_dict().items(), model.state_dict().values()):
+        assert_identical(p, q, name)
+
+
+def test_a_mismatch_is_refused_and_leaves_the_model_unchanged(saved):
+    folder, _ = saved
+    config = _config()
+    config.n_embd = 32
+    with torch.device("meta"):
+        small = transformers.GPT2LMHeadModel(config)
+    before = dict(small.named_parameters())
+    with pytest.raises(ValueError, match=r"transformer.wte.weight: the checkpoint has torch.float32 \[100, 64\]"):
+        torchTensorRef.load_checkpoint(small, folder)
+    assert dict(small.named_parameters()) == before
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(_config())
+    model.register_buffer("extra", torch.zeros(2, device="meta"))
+    with pytest.raises(ValueError, match=r"missing keys \['extra'\]"):
+        torchTensorRef.load_checkpoint(model, folder)
+    assert model.transformer.wte.weight.is_meta
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        torchTensorRef.load_checkpoint(model, folder / "absent")
+
+
+def test_a_checkpoint_changed_under_a_loaded_model_is_a_clear_error(saved, tmp_path):
+    folder, _ = saved
+    copy = tmp_path / "model.safetensors"
+    copy.write_bytes((folder / "model.safetensors").read_bytes())
+    model, _ = _lazy_model(copy)
+    with open(copy, "r+b") as f:
+        f.seek(0, os.SEEK_END)
+        f.write(b"\0" * 16)  # (larger: every range is still in the file, but it is not the same file)
+    with pytest.raises(CheckpointChangedError, match="changed while TensorRefs still read"):
+        model(torch.tensor(PROMPT))
+    header = json.loads(copy.read_bytes()[8:8 + int.from_bytes(copy.read_bytes()[:8], "little")])
+    assert "transformer.wte.weight" in header
+    assert to_plain(torch.ones(2)).tolist() == [1.0, 1.0]  # the manager still works

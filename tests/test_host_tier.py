@@ -1,0 +1,170 @@
+"""The host budget: host copies past it go to disk, come back where needed, and nothing is lost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchTensorRef
+from paired import plain_torch, values
+from torchTensorRef import DiskError, HostBudgetError, tensorsManager
+
+N = 64 * 64 * 4  # bytes of one weight
+
+
+def _weights(n: int = 12):
+    torch.manual_seed(0)
+    return [torch.randn(64, 64) for _ in range(n)], torch.randn(2, 64)
+
+
+def _chain(ws, x):
+    for w in ws:
+        x = torch.tanh(x @ w)
+    return x
+
+
+@pytest.mark.parametrize("strategy", ["flow", "genoa"])
+def test_host_copies_past_the_host_budget_go_to_disk_and_values_match(strategy):
+    tm = tensorsManager
+    with plain_torch():
+        want = _chain(*_weights())
+    tm.strategy = strategy
+    tm.budget = 3 * N + 4096
+    ws, x = _weights()
+    tm.evict_all()  # every weight now has a host copy: 12 of them
+    tm.host_budget = 4 * N
+    tm.synchronize()
+    assert tm.stats()["bytes_to_disk"] >= 8 * N  # the weights had no copy on disk: written once
+    tm.reset_stats()
+    for _ in range(3):
+        got = _chain(ws, x)
+        assert torch.equal(values(got), values(want))
+    stats = tm.stats()
+    assert stats["peak_host_bytes"] <= 4 * N
+    assert stats["bytes_from_disk"] >= 3 * 4 * N  # (at least what is not held in host or device memory)
+    assert stats["bytes_to_disk"] < 2 * N  # ... and never again: their spill slots stay valid
+    assert all(torch.equal(values(w), values(p)) for w, p in zip(ws, _plain_weights()))
+
+
+def _plain_weights():
+    with plain_torch():
+        return _weights()[0]
+
+
+def test_a_written_block_leaves_its_disk_copy_and_is_spilled_again():
+    tm = tensorsManager
+    tm.strategy = "genoa"
+    tm.budget = 2 * N
+    a, b, c = (torch.ones(64, 64) * i for i in (1, 2, 3))
+    tm.evict_all()
+    tm.host_budget = N
+    assert tm.stats()["host_bytes"] <= N and a._tr_block.disk is not None
+    a.add_(10)  # read back, written: the spilled copy is stale now
+    assert a._tr_block.disk is None
+    tm.evict_all()
+    b.sum()  # makes room on the host: a is spilled again
+    tm.synchronize()
+    assert torch.equal(values(a), torch.full((64, 64), 11.0))
+    assert torch.equal(values(b), torch.full((64, 64), 2.0)) and torch.equal(values(c), torch.full((64, 64), 3.0))
+
+
+def test_host_only_readers_get_bytes_from_disk():
+    tm = tensorsManager
+    t = torch.arange(4096, dtype=torch.float32)
+    tm.evict_all()
+    tm.host_budget = 0
+    tm.synchronize()
+    assert t._tr_block.host is None and t._tr_block.disk is not None
+    tm.host_budget = None
+    assert t.tolist() == list(range(4096))
+    assert torch.equal(t.target, torch.arange(4096, dtype=torch.float32))
+
+
+def test_a_host_budget_too_small_for_one_op_names_the_setting_and_loses_nothing():
+    tm = tensorsManager
+    tm.budget = 4 * N
+    t = torch.full((64, 64), 5.0)
+    tm.evict_all()
+    tm.host_budget = 0
+    tm.synchronize()
+    tm.host_budget = N // 2
+    with pytest.raises(HostBudgetError, match="host_budget"):
+        t.sum()  # its bytes must come back through host memory
+    tm.host_budget = N
+    assert t.sum().item() == 5.0 * 64 * 64
+
+
+def test_host_budget_settings_are_checked_and_a_refused_one_changes_nothing(tmp_path):
+    tm = tensorsManager
+    with pytest.raises(ValueError, match="host_budget"):
+        tm.host_budget = "lots"
+    assert tm.host_budget is None
+    with torchTensorRef.disabled():
+        held = torch.ones(64, 64)
+    t = torchTensorRef.TensorRef(held)  # shares a plain tensor's bytes: cannot leave
+    with pytest.raises(HostBudgetError):
+        tm.host_budget = 16
+    assert tm.host_budget is None and t._tr_block.host is not None
+    tm.host_budget = "1GiB"
+    assert tm.host_budget == 2**30 and tm.stats()["host_budget"] == 2**30
+
+
+def test_offload_dir_holds_the_spill_file_until_its_tensors_leave_it(tmp_path):
+    tm = tensorsManager
+    tm.offload_dir = tmp_path / "first"
+    t = torch.ones(64, 64)
+    tm.evict_all()
+    tm.host_budget = 0
+    tm.synchronize()
+    first = list((tmp_path / "first").iterdir())
+    assert [p.name.startswith("torchTensorRef-spill") for p in first] == [True]
+    tm.offload_dir = tmp_path / "second"
+    tm.host_budget = N
+    u = torch.full((64, 64), 2.0)
+    tm.evict_all()
+    tm.host_budget = 0
+    tm.synchronize()
+    assert len(list((tmp_path / "second").iterdir())) == 1
+    assert first[0].exists()  # t is still there
+    tm.host_budget = None
+    assert t.sum().item() == 4096.0
+    del t  # its slot was the last of the first file
+    tm.synchronize()
+    assert not first[0].exists()
+    assert u.sum().item() == 2 * 4096.0
+
+
+def test_a_full_disk_raises_and_keeps_the_host_copy(monkeypatch, tmp_path):
+    tm = tensorsManager
+    tm.offload_dir = tmp_path  # a new spill file, not yet opened
+    t = torch.full((64, 64), 7.0)
+    tm.evict_all()
+    monkeypatch.setattr(tm._spill(), "path", "/dev/full")
+    with pytest.raises(DiskError, match="disk is full"):
+        tm.host_budget = 0
+        tm.synchronize()
+    tm.host_budget = None
+    assert t._tr_block.host is not None and t._tr_block.disk is None
+    assert torch.equal(values(t), torch.full((64, 64), 7.0))
+
+
+def test_the_trace_has_a_disk_lane():
+    tm = tensorsManager
+    tm.budget = 2 * N
+    ws, x = _weights(4)
+    tm.evict_all()
+    with tm.recording() as trace:
+        tm.host_budget = 2 * N
+        _chain(ws, x)
+    kinds = {k for k, *_ in trace.disk}
+    assert kinds == {"from_disk", "to_disk"}
+    assert any(e.get("cat") == "disk" for e in trace.chrome_events())
+
+
+def test_the_environment_sets_the_host_budget(tmp_path):
+    tm = tensorsManager
+    torchTensorRef.configure_from_environment({"TORCHTENSORREF_HOST_BUDGET": "3MiB",
+                                               "TORCHTENSORREF_OFFLOAD_DIR": str(tmp_path)})
+    assert tm.host_budget == 3 * 2**20 and tm.offload_dir == str(tmp_path)
+    with pytest.raises(ValueError, match="TORCHTENSORREF_HOST_BUDGET"):
+        torchTensorRef.configure_from_environment({"TORCHTENSORREF_HOST_BUDGET": "x"})
