@@ -152,31 +152,70 @@ class _nothing:
         return False
 
 
-def fsdp_worker(rank: int, world: int, init_file: str, device: str) -> None:
-    """Three steps of FSDP2 (``fully_shard`` per layer and at the root), plain beside managed.
+class Stack(nn.Module):
+    """Linear layers, one FSDP2 group each: a group's gathered parameters are a tenth of the model."""
 
-    On ``"cpu"`` both run on a CPU mesh and must agree bit for bit; on ``"sim"`` the first
-    forward must refuse with the error that names FSDP2.
+    def __init__(self, width: int = 24, depth: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, width)] + [nn.Linear(width, width) for _ in range(depth)]
+                                    + [nn.Linear(width, 8)])
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = layer(x).relu()
+        return self.layers[-1](x)
+
+
+def fsdp_worker(rank: int, world: int, init_file: str, device: str, runs: list) -> None:
+    """For each ``(strategy, budget_fraction, options)`` of ``runs``: plain FSDP2 beside managed FSDP2.
+
+    ``fully_shard`` per layer and at the root, three AdamW steps; the plain model on a CPU
+    mesh, the managed one on a mesh of ``device``, ``options`` given to ``fully_shard``
+    (``mp_policy`` as ``(param_dtype, reduce_dtype)``) but ``no_sync``, which accumulates the
+    first step's gradients into the second's, and ``prefetch``, which sets each layer's
+    explicit forward and backward prefetch. Losses, gradient shards, parameter shards
+    and gathered parameters must agree bit for bit, and the rank's peak stay within its budget.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
 
     backend = "cpu:gloo,sim:gloo" if device == "sim" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     tensorsManager.device = device
+    meshes = (init_device_mesh("cpu", (world,)), init_device_mesh(device, (world,)))
+    for strategy, budget_fraction, options in runs:
+        fsdp_run(rank, meshes, strategy, budget_fraction, dict(options))
+    dist.destroy_process_group()
+
+
+def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    where = f"FSDP2 on {tensorsManager.device}, {strategy}, budget {budget_fraction}, {options}"
+    no_sync = options.pop("no_sync", False)
+    prefetch = options.pop("prefetch", False)
+    if "mp_policy" in options:
+        param_dtype, reduce_dtype = options["mp_policy"]
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     with torchTensorRef.disabled():
         torch.manual_seed(0)
-        plain = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 8))
+        plain = Stack()
         managed = copy.deepcopy(plain)
     torchTensorRef.manage(managed)
-    meshes = (init_device_mesh("cpu", (world,)), init_device_mesh(device, (world,)))
+    budget = None if budget_fraction is None else int(budget_fraction * param_bytes(plain))
+    tensorsManager.budget = None
+    tensorsManager.strategy = strategy
+    tensorsManager.budget = budget
+    tensorsManager.reset_stats()
     for model, mesh in zip((plain, managed), meshes):
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, **options)
+        fully_shard(model, mesh=mesh, **options)
+        if prefetch:
+            for a, b in zip(model.layers, model.layers[1:]):
+                a.set_modules_to_forward_prefetch([b])
+                b.set_modules_to_backward_prefetch([a])
     for p in managed.parameters():
         assert isinstance(p, DTensor) and isinstance(p.to_local(), TensorRef), type(p)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (plain, managed)]
@@ -184,27 +223,67 @@ def fsdp_worker(rank: int, world: int, init_file: str, device: str) -> None:
         with torchTensorRef.disabled():
             torch.manual_seed(10 * step + rank)
             x = torch.randn(6, 16)
-        if device == "sim":
-            try:
-                managed(torchTensorRef.manage(x.clone()))
-            except AttributeError as e:
-                assert "FSDP2 (fully_shard) cannot run" in str(e), e
-                break
-            raise AssertionError("FSDP2 ran on sim")
         losses = []
+        sync = not (no_sync and step == 0)
         for model, batch in ((plain, x), (managed, torchTensorRef.manage(x.clone()))):
+            model.set_requires_gradient_sync(sync)
             loss = model(batch).square().mean()
             loss.backward()
             losses.append(loss)
+        check_same(losses[0], losses[1], f"{where}: loss of step {step}")
+        if not sync:
+            continue  # (the gradients are unsharded, accumulating: compared after the next step)
         for (name, p), m in zip(plain.named_parameters(), managed.parameters()):
-            check_same(p.grad.to_local(), m.grad.to_local(), f"step {step}: {name}.grad shard")
+            check_same(p.grad.to_local(), m.grad.to_local(), f"{where}: step {step}: {name}.grad shard")
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
-        check_same(losses[0], losses[1], f"FSDP2 loss of step {step}")
         for (name, p), m in zip(plain.named_parameters(), managed.parameters()):
-            check_same(p.to_local(), m.to_local(), f"step {step}: {name} shard")
-            check_same(p.full_tensor(), m.full_tensor(), f"step {step}: {name} gathered")
+            check_same(p.to_local(), m.to_local(), f"{where}: step {step}: {name} shard")
+    stats = tensorsManager.stats()
+    assert stats["worst_overshoot_bytes"] == 0, (where, stats)
+    if budget is not None:
+        assert stats["peak_device_bytes"] <= budget, (where, stats["peak_device_bytes"], budget)
+        assert stats["evictions"] > 0, f"{where}: the budget did not make the manager page"
+    for (name, p), m in zip(plain.named_parameters(), managed.parameters()):
+        check_same(p.full_tensor(), m.full_tensor(), f"{where}: {name} gathered")
+    tensorsManager.budget = None
+
+
+def fsdp_refused_worker(rank: int, world: int, init_file: str, device: str) -> None:
+    """``fully_shard`` with ``CPUOffloadPolicy`` on a managed module is refused and leaves it as it was."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("cpu:gloo,sim:gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    tensorsManager.device = device
+    with torchTensorRef.disabled():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+    torchTensorRef.manage(model)
+    before = dict(model.named_parameters())
+    saved = {name: values(p) for name, p in before.items()}
+    state = {id(m): dict(vars(m)) for m in model.modules()}
+    mesh = init_device_mesh(device, (world,))
+    for target in (model[0], model, [model[0], model[2]]):
+        try:
+            fully_shard(target, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        except ValueError as e:
+            assert "FSDP2 (fully_shard) with offload_policy=CPUOffloadPolicy() on TensorRefs" in str(e), e
+            assert "Leave offload_policy out and set tensorsManager.budget" in str(e), e
+        else:
+            raise AssertionError("fully_shard ran with CPUOffloadPolicy")
+    after = dict(model.named_parameters())
+    assert list(after) == list(before)
+    for name, p in after.items():
+        assert p is before[name], f"{name} was replaced"
+        assert isinstance(p, TensorRef) and not isinstance(p, DTensor), type(p)
+        check_same(saved[name], p, f"{name} after the refused fully_shard")
+    for m in model.modules():
+        assert not isinstance(m, FSDPModule), type(m)
+        assert vars(m) == state[id(m)], f"{type(m).__name__}'s attributes changed"
     dist.destroy_process_group()
 
 
@@ -241,6 +320,18 @@ def collectives_worker(rank: int, world: int, init_file: str, device: str) -> No
     run("all_gather_into_tensor", lambda: [torch.rand(16), torch.zeros(16 * world)],
         lambda t: dist.all_gather_into_tensor(t[1], t[0]))
     run("a view", lambda: [torch.rand(8, 8)], lambda t: dist.all_reduce(t[0][2]))
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+    for name, fn in (("functional all_reduce", lambda t: funcol.all_reduce(t, "sum", group)),
+                     ("functional all_gather", lambda t: funcol.all_gather_tensor(t, 0, group)),
+                     ("functional reduce_scatter", lambda t: funcol.reduce_scatter_tensor(t, "sum", 0, group))):
+        plain, managed = both(lambda: torch.rand(16))
+        with torchTensorRef.disabled():
+            expected = fn(plain).wait()  # (an AsyncCollectiveTensor)
+        got = fn(managed)
+        assert isinstance(got, TensorRef), f"{name}: {type(got)}"
+        check_same(expected, got, name)
     stats = tensorsManager.stats()
     assert stats["peak_device_bytes"] <= 4096 and stats["worst_overshoot_bytes"] == 0, stats
     if device != "cpu":  # (pass-through never moves anything)

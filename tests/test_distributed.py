@@ -70,9 +70,31 @@ def test_ddp_pass_through_is_plain_ddp():
 
 
 def test_ddp_on_sim_is_plain_ddp():
-    # (find_unused_parameters needs pinned memory of the device, which a Python-registered
-    # device cannot provide: docs/distributed.md)
     spawn(workers.ddp_worker, "sim", [("flow", None, o) for o in DDP_OPTIONS])
+
+
+def test_ddp_find_unused_parameters_on_sim_is_refused_when_built():
+    # DDP needs pinned memory of the device for it, which a Python-registered device cannot
+    # allocate: refused before DDP asks for a process group or touches the module.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torchTensorRef import tensorsManager
+
+    if tensorsManager.device != "sim":
+        pytest.skip("the refusal is for the simulated device")
+    model = workers.Net(unused=True)
+    params = dict(model.named_parameters())
+    saved = {name: workers.values(p) for name, p in params.items()}
+    state = {id(m): dict(vars(m)) for m in model.modules()}
+    for call in (lambda: DDP(model, find_unused_parameters=True),
+                 lambda: DDP(module=model, bucket_cap_mb=1, find_unused_parameters=True)):
+        with pytest.raises(ValueError, match=r"find_unused_parameters=True\) cannot run on TensorRefs of \"sim\".*"
+                                             r"Leave find_unused_parameters out"):
+            call()
+    assert dict(model.named_parameters()) == params
+    for name, p in model.named_parameters():
+        assert torch.equal(workers.values(p), saved[name]), name
+    assert all(vars(m) == state[id(m)] for m in model.modules())
 
 
 @pytest.mark.parametrize("strategy", ["flow", "genoa"])
@@ -144,9 +166,86 @@ def test_data_parallel_without_gpus_runs_the_module():
     assert torch.equal(torch.nn.DataParallel(model)(x).cpu(), model(x).cpu())
 
 
+#: FSDP2's options, each run plain and managed in the same processes
+FSDP2_OPTIONS = [{}, {"reshard_after_forward": False}, {"mp_policy": (torch.bfloat16, torch.float32)},
+                 {"no_sync": True}, {"prefetch": True}]
+
+
 def test_fsdp2_pass_through_is_plain_fsdp2():
-    spawn(workers.fsdp_worker, "cpu")
+    spawn(workers.fsdp_worker, "cpu", [("flow", None, o) for o in FSDP2_OPTIONS])
 
 
-def test_fsdp2_on_sim_is_refused_clearly():
-    spawn(workers.fsdp_worker, "sim")
+def test_fsdp2_on_sim_is_plain_fsdp2():
+    spawn(workers.fsdp_worker, "sim", [("flow", None, o) for o in FSDP2_OPTIONS])
+
+
+@pytest.mark.parametrize("strategy", ["flow", "genoa"])
+def test_fsdp2_pages_each_rank_at_half_the_parameters(strategy):
+    spawn(workers.fsdp_worker, "sim", [(strategy, 0.5, o) for o in FSDP2_OPTIONS])
+
+
+def test_fsdp2_functions_are_wrapped_when_imported_and_restored_by_unpatch():
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    import torchTensorRef
+    from torchTensorRef.patching import _FunctionWrapper
+
+    places = [(fsdp, "fully_shard"), (fsdp._fully_shard, "fully_shard"), (_fsdp_param, "alloc_storage"),
+              (_fsdp_param, "free_storage"), (_fsdp_param_group, "alloc_storage")]
+    assert all(isinstance(getattr(m, n), _FunctionWrapper) for m, n in places)
+    torchTensorRef.unpatch()
+    try:
+        assert not any(isinstance(getattr(m, n), _FunctionWrapper) for m, n in places)
+    finally:
+        torchTensorRef.patch()
+    assert all(isinstance(getattr(m, n), _FunctionWrapper) for m, n in places)
+    assert hasattr(fsdp.fully_shard, "state")  # (FSDP2 reads its state through the name)
+
+
+def test_fsdp2_on_cuda_is_refused_before_it_shards(monkeypatch):
+    # Checked without a GPU: the refusal comes before FSDP2 looks at the device or the mesh.
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from torchTensorRef import TensorRef, tensorsManager as tm
+
+    model = workers.Stack(depth=1)
+    params = dict(model.named_parameters())
+    state = {id(m): dict(vars(m)) for m in model.modules()}
+    monkeypatch.setattr(type(tm._backend), "name", "cuda")
+    monkeypatch.setattr(tm._backend, "resolved", False, raising=False)  # (read by tm.device)
+    with pytest.raises(RuntimeError, match=r"FSDP2 \(fully_shard\) cannot run on TensorRefs on device .*CUDA "
+                                           r"streams of its own.*Use DistributedDataParallel"):
+        fully_shard(model.layers[0])
+    monkeypatch.undo()
+    assert dict(model.named_parameters()) == params
+    assert all(isinstance(p, TensorRef) for p in params.values())
+    assert not any(isinstance(m, FSDPModule) for m in model.modules())
+    assert all(vars(m) == state[id(m)] for m in model.modules())
+
+
+def test_discard_drops_the_device_copy_without_writing_it_back():
+    # What FSDP2's free of a gathered parameter becomes (Note [FSDP2 on TensorRefs])
+    from torchTensorRef import tensorsManager as tm
+
+    if tm.device != "sim":
+        pytest.skip("moves counted on the simulated device")
+    tm.strategy = "flow"  # (keeps blocks resident between ops)
+    t = torch.ones(256, device="sim")
+    t.add_(1)
+    tm.discard(t)  # no host copy yet: written back once to get one
+    assert not t._tr_block.resident and tm.stats()["writebacks"] == 1
+    t.mul_(3)  # dirty again, with a host copy
+    moved = tm.stats()["bytes_to_host"]
+    tm.discard(t)
+    assert not t._tr_block.resident
+    assert (tm.stats()["writebacks"], tm.stats()["bytes_to_host"]) == (1, moved)
+    tm.pin(t)
+    t.add_(1)
+    tm.discard(t)  # a pinned block stays
+    assert t._tr_block.resident
+    tm.unpin(t)
+
+
+def test_fsdp2_with_cpu_offload_is_refused_before_it_shards():
+    spawn(workers.fsdp_refused_worker, "sim")

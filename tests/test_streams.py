@@ -236,3 +236,25 @@ def test_synchronize_completes_every_write_back_in_flight():
     tm.synchronize()
     assert [r.tolist() for r in results] == [[2.0 * i] * 256 for i in range(4)]
     assert _syncs() == start + len(results)  # nothing was left to wait for
+
+
+# -- streams of "sim" for PyTorch code ---------------------------------------------------------
+
+
+def test_sim_offers_pytorch_code_streams_and_events_that_wait_for_nothing():
+    # FSDP2 orders its all-gathers with them (Note [Streams of sim for PyTorch code])
+    module = torch.get_device_module("sim")
+    side = module.Stream(priority=-1)
+    with module.stream(side):
+        x = torch.ones(4, device="sim") * 3
+    event = side.record_event()
+    module.current_stream().wait_event(event)
+    module.current_stream().wait_stream(side)
+    assert event.query() and side.query()
+    assert module.current_stream() is module.default_stream() and side != module.current_stream()
+    event.synchronize()
+    side.synchronize()
+    assert module.Event().record() is None
+    assert x.tolist() == [3.0] * 4
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
+        module.no_such_thing

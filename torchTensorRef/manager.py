@@ -482,6 +482,22 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
             self.sync_host(block)
             self._retire_inflight()  # its write-back ended: its device bytes are free now
 
+    def discard(self, ref: TensorRef) -> None:
+        """``ref``'s bytes are rewritten before they are read again: free its accelerator copy
+        without writing it back (FSDP2 frees its gathered parameters so between uses).
+
+        The host copy is kept as the valid one (its stale bytes are never read); a block that
+        has none yet is written back once to get it.
+        """
+        with self._lock:
+            self._drain()
+            block = ref._tr_block
+            if block.dev is None or block.pins or block.host_only or block.external or block.host_shared:
+                return
+            if block.host is not None and block.host.nbytes() == block.nbytes:
+                block.host_valid = True
+            self.evict(block)
+
     @property
     def host_reserve(self) -> int:
         """Host bytes that must stay available; a copy that would eat into them raises

@@ -67,6 +67,7 @@ _NOT_SHARED = (torch.Tensor, list, tuple, int, float, bool, complex)
 _local = threading.local()
 _patched: Dict[Tuple[str, str], Tuple[object, object]] = {}  # (module, name) -> (original, our wrapper)
 _lock = threading.Lock()
+_late_hooks: set = set()  # modules whose import runs ``_wrap_late`` (a hook cannot be removed)
 
 
 def _is_disabled() -> bool:
@@ -250,6 +251,24 @@ class _FunctionWrapper(wrapt.FunctionWrapper):
         return self
 
 
+def _wrap(targets) -> None:
+    for module_name, name, how in targets:
+        module = _owner(module_name)
+        if (module_name, name) in _patched or not hasattr(module, name):
+            continue
+        original = _attribute(module, name)
+        wrapper = _FunctionWrapper(original, how)
+        setattr(module, name, wrapper)
+        _patched[module_name, name] = (original, wrapper)
+
+
+def _wrap_late(module) -> None:
+    """After ``import torch.distributed.fsdp`` (say): wrap its functions if torch is patched."""
+    with _lock:
+        if _patched:
+            _wrap([(owner, name, distributed.wrapper_for(owner, name)) for owner, name in distributed.FUNCTIONS])
+
+
 def patch() -> None:
     """Wrap torch's creation functions so they return TensorRefs (idempotent)."""
     with _lock:
@@ -262,14 +281,7 @@ def patch() -> None:
         targets += [(owner, name, _warmup_wrapper) for owner, name in WARMUP_FUNCTIONS]
         if "safetensors" not in sys.modules and importlib.util.find_spec("safetensors") is not None:
             import safetensors  # noqa: F401  (before transformers takes its own reference)
-        for module_name, name, how in targets:
-            module = _owner(module_name)
-            if (module_name, name) in _patched or not hasattr(module, name):
-                continue
-            original = _attribute(module, name)
-            wrapper = _FunctionWrapper(original, how)
-            setattr(module, name, wrapper)
-            _patched[module_name, name] = (original, wrapper)
+        _wrap(targets)
         # Optimizers choose their list (``_foreach``) implementation only for exact
         # ``torch.Tensor``s on an accelerator: TensorRef parameters must get the choice plain
         # torch makes on that device, or the last bits of every step differ (list ops larger
@@ -280,6 +292,12 @@ def patch() -> None:
         if TensorRef not in foreach_types:
             foreach_types.append(TensorRef)
         compiler.hide_if_loaded()
+    # Functions of modules torch imports only on demand are wrapped when they are imported
+    # (outside the lock: for a module already imported the hook runs at once).
+    for module_name in distributed.LATE_MODULES:
+        if module_name not in _late_hooks:
+            _late_hooks.add(module_name)
+            wrapt.register_post_import_hook(_wrap_late, module_name)
 
 
 def unpatch() -> None:

@@ -33,7 +33,7 @@ from typing import Dict, Optional
 
 import torch
 
-from . import raw, sim_kernels
+from . import raw, sim_kernels, streams
 
 NAME = "sim"
 
@@ -341,19 +341,25 @@ class _SimModule:
 
         return tensorsManager.stats()["device_bytes"]
 
+    # Streams and events, for PyTorch code that orders its work with them (FSDP2): Note
+    # [Streams of sim for PyTorch code] in ``streams.py``.
+    Stream = streams.SimStream
+    Event = streams.SimEvent
+
+    def stream(self, stream) -> "streams.SimStreamContext":
+        return streams.SimStreamContext(stream)
+
+    def current_stream(self, device=None) -> "streams.SimStream":
+        return streams.DEFAULT_STREAM
+
+    def default_stream(self, device=None) -> "streams.SimStream":
+        return streams.DEFAULT_STREAM
+
+    def set_stream(self, stream) -> None:
+        pass
+
     def __getattr__(self, name: str):
-        if name in _STREAM_API:
-            raise AttributeError(STREAMS_ERROR.format(name=name))
         raise AttributeError(f"module 'torch.{NAME}' has no attribute {name!r}")
-
-
-#: what PyTorch code asks of a device's streams (FSDP2 does, around every all-gather)
-_STREAM_API = frozenset({"Stream", "Event", "stream", "current_stream", "default_stream", "set_stream"})
-STREAMS_ERROR = (
-    'torch.sim.{name}: the simulated device "sim" has no streams for PyTorch code, so FSDP2 '
-    '(fully_shard) cannot run on it; check FSDP2 with TensorRefs on device "cpu" (pass-through), '
-    'or use DistributedDataParallel on "sim" (docs/distributed.md)'
-)
 
 
 def _register_factories() -> None:

@@ -146,3 +146,85 @@ class SimStreams:
     def copy_ordered(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # The compute stream runs in order: the next op comes after this copy.
         dst.copy_(src)
+
+
+# -- the simulated device's streams, for PyTorch code ------------------------------------------
+#
+# Note [Streams of sim for PyTorch code]: code written for an accelerator (FSDP2 around each
+# all-gather and reduce-scatter) orders its work with streams and events. Every op on
+# "sim" runs on the host when it is called, in program order, and is complete when it
+# returns, so each stream is already ordered after every other: waits and synchronizations
+# have nothing to wait for. (The manager's own copies are deferred, and waited on, by
+# ``SimPending``, which such code never sees.)
+
+
+class SimStream:
+    """A stream of ``sim:0`` (``torch.sim.Stream``): work on it is done when it is issued."""
+
+    def __init__(self, device=None, priority: int = 0):
+        self.priority = priority
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("sim", 0)  # (the name exists once the device is registered)
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> "SimEvent":
+        event = SimEvent() if event is None else event
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SimStream) and other is self
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __repr__(self) -> str:
+        return f"<torch.sim.Stream device=sim:0 at {id(self):#x}>"
+
+
+class SimEvent:
+    """An event of ``sim:0`` (``torch.sim.Event``): complete as soon as it is recorded."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+DEFAULT_STREAM = SimStream()
+
+
+class SimStreamContext:
+    """``with torch.sim.stream(s):`` work issued inside runs on ``s``, that is, at once."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        return self.stream
+
+    def __exit__(self, *exc) -> bool:
+        return False

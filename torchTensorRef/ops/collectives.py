@@ -10,12 +10,19 @@ TensorRefs the caller passed. The op is waited for before the handler returns: a
 asynchronous collective still writing into a block the strategy evicts next would lose
 its result. The ``Work`` returned is therefore already complete, and waiting on it again
 costs nothing.
+
+The functional collectives (``_c10d_functional``: DTensor's ``full_tensor`` and
+redistributions) return new tensors, registered to be waited on later. They take the generic
+path, with each result waited for before the manager adopts it (``_functional``). Their
+results are not wrapped in ``AsyncCollectiveTensor``, which would wait on first use: an
+``AsyncCollectiveTensor`` holds its tensor inside and has no bytes of its own to page.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed  # noqa: F401  (registers the c10d ops)
+import torch.distributed._functional_collectives  # noqa: F401  (registers _wrap_tensor_autograd)
 
 from ..manager import tensorsManager as _mgr
 from ..tensor_ref import TensorRef, compute_view
@@ -115,3 +122,43 @@ def collective(func, args, kwargs, spec):
         result = _unswap(out, plain_to_ref, views)
         mgr._finish(ctx)
         return result
+
+
+def _functional_ops():
+    ops = []
+    packets = getattr(torch.ops, "_c10d_functional", None)
+    if packets is None:
+        return ops
+    for name in ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_",
+                 "all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
+                 "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single",
+                 "broadcast", "broadcast_"):
+        packet = getattr(packets, name, None)
+        if packet is not None:
+            ops.extend(getattr(packet, o) for o in packet.overloads())
+    return ops
+
+
+@implements(_functional_ops())
+def functional_collective(func, args, kwargs, spec):
+    """A functional collective on TensorRefs: the generic path, its results waited for first."""
+    from .dispatch import run_generic
+
+    def waited(*cargs, **ckwargs):
+        out = func(*cargs, **ckwargs)
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, _Tensor):
+                torch.ops._c10d_functional.wait_tensor.default(t)
+        return out
+
+    waited.__name__ = str(func)
+    return run_generic(waited, args, kwargs, spec)
+
+
+_WRAP = getattr(torch.ops._c10d_functional, "_wrap_tensor_autograd", None)
+
+
+@implements([_WRAP.default] if _WRAP is not None else [])
+def no_async_wrapper(func, args, kwargs, spec):
+    """``_wrap_tensor_autograd``: a view of the TensorRef, already waited for (Note [Collectives])."""
+    return torch.ops.aten.alias.default(args[0] if args else kwargs["input"])

@@ -82,11 +82,13 @@ _RESTRIDING = frozenset({
 })
 
 #: ops that write arguments their schema does not mark ``(a!)``: native_batch_norm updates
-#: the running statistics in place (a known schema gap kept for compatibility)
+#: the running statistics in place (a known schema gap kept for compatibility); FSDP2's
+#: all_gather_copy_in copies each rank's shards into its all-gather buffer
 _UNANNOTATED_WRITES = {
     "native_batch_norm": ("running_mean", "running_var"),
     "cudnn_batch_norm": ("running_mean", "running_var"),
     "miopen_batch_norm": ("running_mean", "running_var"),
+    "all_gather_copy_in": ("all_gather_output",),
 }
 
 #: small results that CUDA kernels make in host memory and other kernels read there
