@@ -13,7 +13,6 @@ accelerator than the manager's, and everything in DataLoader worker processes.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import sys
 import threading
 from typing import Dict, Tuple
@@ -262,26 +261,33 @@ def _wrap(targets) -> None:
         _patched[module_name, name] = (original, wrapper)
 
 
+def _targets():
+    """(owner, name, wrapper function) of everything ``patch()`` wraps."""
+    names = CREATION_FUNCTIONS + SAVE_FUNCTIONS + COMPILE_FUNCTIONS
+    targets = [("torch", name, _wrapper_for(name)) for name in names]
+    targets += [(module, name, _rng_state_wrapper) for module, name in RNG_STATE_FUNCTIONS]
+    targets += [(owner, name, _capture_wrapper) for owner, name in CAPTURE_METHODS]
+    targets += [(owner, name, distributed.wrapper_for(owner, name)) for owner, name in distributed.FUNCTIONS]
+    targets += [(owner, name, checkpoint.safe_open_wrapper) for owner, name in LAZY_LOAD_FUNCTIONS]
+    targets += [(owner, name, _warmup_wrapper) for owner, name in WARMUP_FUNCTIONS]
+    return targets
+
+
+#: modules imported on demand, after torch, whose functions are wrapped when they are imported
+LATE_MODULES = distributed.LATE_MODULES + ("safetensors", "transformers.modeling_utils")
+
+
 def _wrap_late(module) -> None:
     """After ``import torch.distributed.fsdp`` (say): wrap its functions if torch is patched."""
     with _lock:
         if _patched:
-            _wrap([(owner, name, distributed.wrapper_for(owner, name)) for owner, name in distributed.FUNCTIONS])
+            _wrap(_targets())
 
 
 def patch() -> None:
     """Wrap torch's creation functions so they return TensorRefs (idempotent)."""
     with _lock:
-        names = CREATION_FUNCTIONS + SAVE_FUNCTIONS + COMPILE_FUNCTIONS
-        targets = [("torch", name, _wrapper_for(name)) for name in names]
-        targets += [(module, name, _rng_state_wrapper) for module, name in RNG_STATE_FUNCTIONS]
-        targets += [(owner, name, _capture_wrapper) for owner, name in CAPTURE_METHODS]
-        targets += [(owner, name, distributed.wrapper_for(owner, name)) for owner, name in distributed.FUNCTIONS]
-        targets += [(owner, name, checkpoint.safe_open_wrapper) for owner, name in LAZY_LOAD_FUNCTIONS]
-        targets += [(owner, name, _warmup_wrapper) for owner, name in WARMUP_FUNCTIONS]
-        if "safetensors" not in sys.modules and importlib.util.find_spec("safetensors") is not None:
-            import safetensors  # noqa: F401  (before transformers takes its own reference)
-        _wrap(targets)
+        _wrap(_targets())
         # Optimizers choose their list (``_foreach``) implementation only for exact
         # ``torch.Tensor``s on an accelerator: TensorRef parameters must get the choice plain
         # torch makes on that device, or the last bits of every step differ (list ops larger
@@ -294,7 +300,7 @@ def patch() -> None:
         compiler.hide_if_loaded()
     # Functions of modules torch imports only on demand are wrapped when they are imported
     # (outside the lock: for a module already imported the hook runs at once).
-    for module_name in distributed.LATE_MODULES:
+    for module_name in LATE_MODULES:
         if module_name not in _late_hooks:
             _late_hooks.add(module_name)
             wrapt.register_post_import_hook(_wrap_late, module_name)
