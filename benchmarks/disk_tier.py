@@ -143,6 +143,7 @@ def measure(folder: str, tokens: int, device_fraction: float, host_fraction: flo
         model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         load_seconds = time.perf_counter() - load_start
         loaded = tm.stats()
+        after_load = psutil.Process().memory_info().rss
         prompt = torch.tensor(PROMPT)
         with torch.no_grad():
             first_start = time.perf_counter()
@@ -173,6 +174,7 @@ def measure(folder: str, tokens: int, device_fraction: float, host_fraction: flo
         "first_call_seconds": first_seconds,
         "recorded_call_seconds": second_seconds,
         "peak_rss_above_start": rss.peak - before,
+        "rss_added_by_loading": after_load - before,
         "peak_host_bytes": stats["peak_host_bytes"],
         "peak_device_bytes": stats["peak_device_bytes"],
         "bytes_from_disk_per_forward": stats["bytes_from_disk"] / forwards,
@@ -208,7 +210,8 @@ def main(argv=None) -> int:
     print(f"weights {r['weights_bytes'] / gib:.2f} GiB on disk; host budget {r['host_budget'] / gib:.2f} GiB, "
           f"device budget {r['device_budget'] / gib:.2f} GiB (sim: in host memory too)")
     print(f"tokens equal plain torch: {r['tokens_equal_plain']}")
-    print(f"loading read {r['bytes_read_while_loading']} bytes in {r['load_seconds']:.1f} s")
+    print(f"loading read {r['bytes_read_while_loading']} bytes in {r['load_seconds']:.1f} s and added "
+          f"{r['rss_added_by_loading'] / gib:.2f} GiB to the process (the model's Python objects)")
     print(f"peak resident memory above the start: {r['peak_rss_above_start'] / gib:.2f} GiB = "
           f"{r['peak_rss_above_start'] / r['host_budget']:.2f}x the host budget, "
           f"{r['peak_rss_above_start'] / (r['host_budget'] + r['device_budget']):.2f}x host + device budgets")

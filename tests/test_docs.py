@@ -15,9 +15,9 @@ from torchTensorRef import strategies
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: pages whose ```python blocks form one runnable program each
 RUNNABLE = ["README.md", "docs/concepts.md", "docs/custom-strategy.md", "docs/trace.md", "docs/api.md",
-            "docs/timeline.md"]
+            "docs/timeline.md", "docs/disk.md"]
 PAGES = ["README.md", "docs/concepts.md", "docs/custom-strategy.md", "docs/trace.md", "docs/api.md",
-         "docs/runner.md", "docs/timeline.md"]
+         "docs/runner.md", "docs/timeline.md", "docs/disk.md"]
 
 
 def _read(page):
