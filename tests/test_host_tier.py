@@ -168,3 +168,14 @@ def test_the_environment_sets_the_host_budget(tmp_path):
     assert tm.host_budget == 3 * 2**20 and tm.offload_dir == str(tmp_path)
     with pytest.raises(ValueError, match="TORCHTENSORREF_HOST_BUDGET"):
         torchTensorRef.configure_from_environment({"TORCHTENSORREF_HOST_BUDGET": "x"})
+
+
+def test_tensors_made_in_host_memory_are_counted_within_the_host_budget():
+    tm = tensorsManager
+    tm.host_budget = 3 * N
+    tm.reset_stats()
+    made = [torch.tensor([[float(i)] * 64] * 64) for i in range(10)]  # from data: made in host memory
+    tm.synchronize()
+    assert tm.stats()["peak_host_bytes"] <= 3 * N
+    assert tm.stats()["bytes_to_disk"] >= 7 * N
+    assert [t[0, 0].item() for t in made] == [float(i) for i in range(10)]

@@ -79,6 +79,8 @@ class Adoption:
                     block.host_only = host_only
                     self._host_only_blocks += block.host_only
                     block.host_shared = shared
+                    if not host_only:
+                        self._make_host_room(block.nbytes, (), "a new tensor")  # (counted within the budget)
                     self._set_host_only(block, storage)
                     self._by_host_storage[key] = block
                     if not shared and not block.host_only and block.nbytes >= PIN_AT_ADOPTION_BYTES:
@@ -87,9 +89,7 @@ class Adoption:
             # t views the block's storage unless an existing block's current copy is elsewhere
             current = block.dev if block.dev is not None else block.host
             view = t if current is storage else compute_view_of(block, t)
-            ref = make_ref(block, view, self._declared, requires_grad=requires_grad)
-            self._make_host_room(0, (), "a new tensor")  # (its bytes exist: it may leave too)
-            return ref
+            return make_ref(block, view, self._declared, requires_grad=requires_grad)
 
     def clone_ref(self, ref: TensorRef, memo: dict):
         """A deep copy of leaf ``ref`` with its own block (``copy.deepcopy``)."""
@@ -99,6 +99,7 @@ class Adoption:
             new_block = memo.get(key)
             if new_block is None:
                 self.sync_host(block)
+                self._make_host_room(block.nbytes, (block.id,), "a copy of a tensor")
                 self._host_watch.reserve_bytes(block.nbytes)
                 storage = raw.flat_bytes(block.host).clone().untyped_storage()
                 new_block = self._new_block(block.nbytes)
@@ -109,7 +110,6 @@ class Adoption:
             view = with_math_bits(raw.typed_view(new_block.host, ref.dtype, ref.size(), ref.stride(),
                                                  ref.storage_offset()), ref)
             new = make_ref(new_block, view, self._declared, requires_grad=ref.requires_grad)
-            self._make_host_room(0, (), "a copy of a tensor")
         if getattr(ref, "_is_param", False):
             new = torch.nn.Parameter(new, requires_grad=ref.requires_grad)
         if ref.grad is not None:
