@@ -292,7 +292,10 @@ def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_
     ref._tr_gen = block.gen
     block.refs += 1
     ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
-    block.views.append(wr)
+    views = block.views
+    views.append(wr)
+    if len(views) > 2 * block.refs + 8:  # (views that died since: a weight's list would grow forever)
+        block.views = [v for v in views if v() is not None]
     return ref
 
 
