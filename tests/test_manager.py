@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import threading
 
 import pytest
@@ -15,6 +17,7 @@ STAT_KEYS = {"bytes_to_device", "bytes_to_host", "peak_device_bytes", "device_by
 
 
 def _state():
+    gc.collect()  # (tensors of earlier tests that die now would change the counts in between)
     return (tensorsManager.device, tensorsManager.strategy, tensorsManager.budget, tensorsManager.stats())
 
 
