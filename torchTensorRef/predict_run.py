@@ -3,7 +3,9 @@
 A step ends when the first module the script calls (its model) returns from a forward
 (``--step-on forward``: one step per generated token, or per training iteration), or
 after each ``optimizer.step()`` (``--step-on optimizer``). ``--steps A:B`` records steps A
-to B-1 (the first is warm-up: allocations, pinning). The prediction is printed beside
+to B-1 (the first is warm-up: allocations, pinning); as many steps after them run
+unrecorded and timed, and our host time is taken from them (recording turns the fast
+path off). The prediction is printed beside
 the same steps predicted all-resident and, for inference, with accelerate's
 ``cpu_offload`` hooks (see ``docs/timeline.md``).
 """
@@ -16,7 +18,7 @@ import json
 import os
 import sys
 import time
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -41,10 +43,22 @@ def parse_steps(text: str) -> Tuple[int, int]:
 
 
 class StepRecorder:
-    """Counts the script's steps and records the ones asked for, from torch's global hooks."""
+    """Counts the script's steps and records the ones asked for, from torch's global hooks.
 
-    def __init__(self, first: int, end: int, step_on: str = "forward", progress=None):
+    ``timed=(C, D)``: steps C to D-1 are timed unrecorded (they must not overlap the
+    recorded ones); the trace gets their wall time (``trace.set_unrecorded``), from which
+    ``timeline.predict`` takes our host time. A script that stops before D gives the steps
+    it completed.
+    """
+
+    def __init__(self, first: int, end: int, step_on: str = "forward", progress=None,
+                 timed: Optional[Tuple[int, int]] = None):
+        if timed is not None and not (0 <= timed[0] < timed[1] and (timed[1] <= first or timed[0] >= end)):
+            raise ValueError(f"timed steps {timed[0]}:{timed[1]} must be a range apart from the recorded "
+                             f"{first}:{end}")
         self.first, self.end, self.step_on = first, end, step_on
+        self.timed = timed
+        self.timed_at: List[int] = []  # perf_counter_ns at the start and end of each timed step
         self.progress = progress
         self.done = 0
         self.trace = None
@@ -63,12 +77,21 @@ class StepRecorder:
             self._handles.append(register_optimizer_step_post_hook(self._optimizer_step))
         if self.first == 0:
             self._start()
+        if self.timed is not None and self.timed[0] == 0:
+            self.timed_at.append(time.perf_counter_ns())
         return self
 
     def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
         self._stack.close()
+        if self.trace is not None and len(self.timed_at) > 1:
+            self.trace.set_unrecorded(len(self.timed_at) - 1, self.timed_at[-1] - self.timed_at[0])
+
+    @property
+    def timed_steps(self) -> int:
+        """How many unrecorded steps were timed."""
+        return max(len(self.timed_at) - 1, 0)
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -101,8 +124,13 @@ class StepRecorder:
             self._start()
         elif self.done == self.end:
             self._stack.close()
+        timed = ""
+        if self.timed is not None:
+            if self.timed[0] <= self.done <= self.timed[1]:  # (after stopping the recording above)
+                self.timed_at.append(time.perf_counter_ns())
+            timed = f", {self.timed_steps}/{self.timed[1] - self.timed[0]} timed unrecorded"
         recorded = max(min(self.done, self.end) - self.first, 0)
-        print(f"predict: step {self.done} done, {recorded}/{self.end - self.first} recorded "
+        print(f"predict: step {self.done} done, {recorded}/{self.end - self.first} recorded{timed} "
               f"({time.perf_counter() - self._started:.1f} s)", file=self.progress or sys.stderr, flush=True)
 
     def _start(self) -> None:
@@ -188,7 +216,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             except ValueError as e:
                 parser.error(f"--{name}: {e}")
     entry = timeline.proxy_entry_ns()  # what a plain program would not pay per op
-    with StepRecorder(first, end, args.step_on) as recorder:
+    # The steps after the recorded ones, as many, run unrecorded: our host time comes from them.
+    with StepRecorder(first, end, args.step_on, timed=(end, 2 * end - first)) as recorder:
         code = run_script(args.script, args.args)
     trace = recorder.trace
     if trace is not None:
@@ -200,6 +229,9 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"predict: the script ran {recorder.done} step(s) (--step-on {args.step_on}); --steps "
               f"{args.steps} needs at least {first + 1}", file=sys.stderr)
         return 1
+    if recorder.timed_steps == 0:
+        print("predict: no step ran after the recorded ones: our host time is the recording's "
+              "(the generic path, pessimistic; see docs/timeline.md)", file=sys.stderr)
     results = predictions(trace, gpu, recorded, args.half, args.host_scale)
     budget = tensorsManager.budget
     sys.stdout.flush()
@@ -208,7 +240,12 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
           f"strategy {tensorsManager.strategy.name}, budget {format_size(budget) if budget is not None else 'none'}"
           f"{', as 16-bit' if args.half else ''}"
           f"{f', host time x {args.host_scale:g}' if args.host_scale != 1 else ''}:")
+    ours = results["torchTensorRef"]
+    if trace.unrecorded is not None:
+        print(f"host time from {trace.unrecorded[0]} unrecorded step(s): x {ours.host_unrecorded_scale:.3f} "
+              f"of the recording's")
     print(table(results))
+    print(f"busiest lane: {', '.join(f'{label}: {p.bottleneck}' for label, p in results.items())}")
     print("(predicted by a model of the run, not measured: see docs/timeline.md)")
     if args.json:
         with open(args.json, "w") as f:
