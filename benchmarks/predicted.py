@@ -3,12 +3,17 @@
 The model has TinyLlama-1.1B's shapes (hidden 2048, MLP 5632, 32 heads, 4 KV heads,
 vocabulary 32000) with random weights. Two works:
 
-- ``decode``: batch-1 greedy ``generate()``, an 8-token prompt; the steps recorded are
-  single-token decode steps (the prefill and the first decode step are warm-up);
+- ``decode``: batch-1 greedy ``generate()`` calls of 4 new tokens from an 8-token prompt.
+  Two calls or more are warm-up (under Flow, until it follows its plan: it learns its
+  period from the first call and compiles the plan once the sequence repeats); the next
+  call's last two decode steps are recorded and the one after's same steps run unrecorded
+  and timed: the host time comes from those (recording turns the fast path off,
+  ``timeline.unrecorded_scale``);
 - ``train``: an AdamW step (forward, backward, step), batch 1 x ``--seq`` tokens, on
   ``--train-layers`` layers and a ``--train-vocab`` vocabulary: AdamW's update of a
   32000 x 2048 embedding in fp32 needs 750 MiB resident at once, more than 25% or 50% of
-  the weights of a few layers.
+  the weights of a few layers. Three steps or more are warm-up (the same way), two
+  recorded, two timed unrecorded.
 
 Rows: the run under Flow and Genoa at 25%, 50% and 100% of the weights' bytes, and from
 the no-budget run the same steps predicted all-resident (no moves, none of our host time)
@@ -46,9 +51,24 @@ from torchTensorRef import predict_run, timeline  # noqa: E402
 SHAPES = dict(hidden=2048, intermediate=5632, vocab=32000, heads=32, kv_heads=4)
 TINY = dict(hidden=64, intermediate=160, vocab=256, heads=4, kv_heads=2)
 FRACTIONS = (0.25, 0.5, 1.0)
+LANE = {"host": "host", "compute": "comp", "host-to-device": "h2d", "device-to-host": "d2h"}
 STRATEGIES = ("flow", "genoa")
-#: steps: warm-up steps, then recorded steps (decode: the prefill is step 0)
-WARMUP, RECORDED = 2, 2
+#: decode: generate() calls of TOKENS new tokens (one step each: the prefill, then one per
+#: token); of the recorded call, steps SKIP.. are recorded
+TOKENS, SKIP = 4, 2
+#: warm-up: at least this many calls (decode) or steps (training), more while Flow has no
+#: plan yet, up to the second number
+WARMUP = {"decode": (2, 6), "train": (3, 12)}
+#: steps recorded, and as many timed unrecorded after them
+RECORDED = 2
+
+
+def steps_of(kind: str):
+    """After warm-up: (first, end) of the recorded steps, (first, end) of the timed ones,
+    and how many ``generate()`` calls or training steps to run."""
+    if kind == "decode":  # the same steps of the next call
+        return (SKIP, SKIP + RECORDED), (TOKENS + SKIP, TOKENS + SKIP + RECORDED), 2
+    return (0, RECORDED), (RECORDED, 2 * RECORDED), 2 * RECORDED
 
 
 def bf16_is_fast() -> bool:
@@ -68,34 +88,46 @@ def bf16_is_fast() -> bool:
 
 
 def record(model, kind: str, ids, strategy: str, budget):
-    """Run ``kind`` on a managed copy of ``model`` and record steps WARMUP..WARMUP+RECORDED-1."""
+    """Run ``kind`` on a managed copy of ``model``, record steady-state steps and time the
+    same steps unrecorded (:func:`steps_of`); the trace, the peak and whether Flow
+    followed its plan when the run ended."""
     managed = common.managed_copy(model, "sim", strategy)
     entry = timeline.proxy_entry_ns()
     inputs = torchTensorRef.manage(ids.clone())
     tm.budget = budget
-    recorder = predict_run.StepRecorder(WARMUP, WARMUP + RECORDED, progress=open(os.devnull, "w"))
+    recorded, timed, runs = steps_of(kind)
+    recorder = predict_run.StepRecorder(*recorded, progress=open(os.devnull, "w"), timed=timed)
+    if kind == "decode":
+        def run():
+            common.generate(managed, inputs, TOKENS)
+    else:
+        run = common.trainer(managed, inputs)
+    least, most = WARMUP[kind]
     try:
+        warmup = 0
+        while warmup < least or warmup < most and strategy == "flow" and tm.strategy.plan is None:
+            run()
+            warmup += 1
         with recorder:
-            if kind == "decode":
-                common.generate(managed, inputs, WARMUP + RECORDED + 1)
-            else:
-                step = common.trainer(managed, inputs)
-                for _ in range(WARMUP + RECORDED):
-                    step()
+            for _ in range(runs):
+                run()
+        plan = getattr(tm.strategy, "plan", None) is not None
     finally:
         tm.budget = None
-        del managed, inputs
+        del managed, inputs, run
         gc.collect()
     recorder.trace.entry_ns = entry
-    return recorder.trace, tm.stats()["peak_device_bytes"]
+    recorder.trace.warmup = warmup
+    return recorder.trace, tm.stats()["peak_device_bytes"], plan
 
 
-def rows_of(work: str, trace, label: str, strategy, fraction, budget, gpu_names, as_half, scenario="recorded"):
+def rows_of(work: str, trace, label: str, strategy, fraction, budget, gpu_names, as_half, scenario="recorded",
+            plan=None):
     out = []
     for gpu in gpu_names:
         p = timeline.predict(trace, gpu, scenario=scenario, as_half=as_half, steps=RECORDED)
         out.append({"work": work, "row": label, "strategy": strategy, "budget_fraction": fraction, "budget": budget,
-                    "fits": True, **p.summary()})
+                    "fits": True, "flow_plan": plan, "warmup": trace.warmup, **p.summary()})
     return out
 
 
@@ -110,7 +142,7 @@ def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: di
     as_half = not half
     rows = []
     print(f"  {work}: no budget", flush=True)
-    trace, _peak = record(model, work, ids, "flow", None)
+    trace, _peak, _plan = record(model, work, ids, "flow", None)
     rows += rows_of(work, trace, "all-resident", None, None, None, gpu_names, as_half, "resident")
     if work == "decode":
         rows += rows_of(work, trace, "accelerate cpu_offload", None, None, None, gpu_names, as_half, "cpu_offload")
@@ -121,12 +153,13 @@ def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: di
             label = f"{strategy.capitalize()}, {fraction:.0%}"
             print(f"  {work}: {label}", flush=True)
             try:
-                trace, peak = record(model, work, ids, strategy, budget)
+                trace, peak, plan = record(model, work, ids, strategy, budget)
             except torchTensorRef.OutOfBudgetError as e:
                 rows += [{"work": work, "row": label, "strategy": strategy, "budget_fraction": fraction,
                           "budget": budget, "fits": False, "error": str(e), "gpu": g} for g in gpu_names]
                 continue
-            rows += rows_of(work, trace, label, strategy, fraction, budget, gpu_names, as_half)
+            rows += rows_of(work, trace, label, strategy, fraction, budget, gpu_names, as_half,
+                            plan=plan if strategy == "flow" else None)
             del trace
     return {"work": work, "layers": layers, "vocab": shapes["vocab"], "param_bytes": weights,
             "parameters": common.parameters_text(sum(p.numel() for p in model.parameters())),
@@ -138,14 +171,15 @@ def table(result: dict) -> str:
     for work in result["works"]:
         lines.append(f"{work['work']}: {work['layers']} layers, vocabulary {work['vocab']}, "
                      f"{work['parameters']} parameters (recorded in {work['recorded_dtype']}, "
-                     f"predicted as {work['predicted_dtype']}), ms per step:")
+                     f"predicted as {work['predicted_dtype']}), ms per step and the busiest lane:")
         gpu_names = list(dict.fromkeys(r["gpu"] for r in work["rows"]))
-        lines.append(f"  {'':24s}" + "".join(f"{g:>14s}" for g in gpu_names))
+        lines.append(f"  {'':24s}" + "".join(f"{g:>15s}" for g in gpu_names))
         for label in dict.fromkeys(r["row"] for r in work["rows"]):
             cells = []
             for g in gpu_names:
                 r = next(r for r in work["rows"] if r["row"] == label and r["gpu"] == g)
-                cells.append(f"{r['step_seconds'] * 1e3:14.2f}" if r["fits"] else f"{'does not fit':>14s}")
+                cells.append(f"{r['step_seconds'] * 1e3:10.2f} {LANE[r['bottleneck']]:>4s}" if r["fits"]
+                             else f"{'does not fit':>15s}")
             lines.append(f"  {label:24s}" + "".join(cells))
     return "\n".join(lines)
 
@@ -168,7 +202,8 @@ def main(argv=None) -> dict:
     shapes = TINY if args.tiny else SHAPES
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     result = common.metadata(common.command_line("benchmarks/predicted.py", argv), "sim (predicted for GPUs)")
-    result.update(predicted=True, bf16_recorded=half, shapes=shapes, warmup_steps=WARMUP, recorded_steps=RECORDED,
+    result.update(predicted=True, bf16_recorded=half, shapes=shapes, decode_tokens_per_call=TOKENS,
+                  warmup={k: {"least": a, "most": b} for k, (a, b) in WARMUP.items()}, recorded_steps=RECORDED,
                   note="predicted by torchTensorRef.timeline from runs on sim; not measured on a GPU", works=[])
     for work in args.works:
         layers = args.layers if work == "decode" else args.train_layers

@@ -45,20 +45,27 @@ def parse_steps(text: str) -> Tuple[int, int]:
 class StepRecorder:
     """Counts the script's steps and records the ones asked for, from torch's global hooks.
 
-    ``timed=(C, D)``: steps C to D-1 are timed unrecorded (they must not overlap the
-    recorded ones); the trace gets their wall time (``trace.set_unrecorded``), from which
-    ``timeline.predict`` takes our host time. A script that stops before D gives the steps
-    it completed.
+    ``timed=(C, D)``: steps C to D-1 are timed unrecorded, and again ``repeats - 1`` times
+    ``every`` steps later (the same steps of the next ``generate()`` call, say); none may
+    overlap the recorded ones. The trace gets the fastest complete repeat
+    (``trace.set_unrecorded``), from which ``timeline.predict`` takes the host time; with no
+    complete repeat (the script stopped before D), the steps of the first it completed.
     """
 
     def __init__(self, first: int, end: int, step_on: str = "forward", progress=None,
-                 timed: Optional[Tuple[int, int]] = None):
-        if timed is not None and not (0 <= timed[0] < timed[1] and (timed[1] <= first or timed[0] >= end)):
-            raise ValueError(f"timed steps {timed[0]}:{timed[1]} must be a range apart from the recorded "
-                             f"{first}:{end}")
+                 timed: Optional[Tuple[int, int]] = None, repeats: int = 1, every: int = 0):
+        self.runs: List[Tuple[int, int]] = []  # the timed ranges
+        if timed is not None:
+            c, d = timed
+            if repeats > 1 and every < d - c:
+                raise ValueError(f"timed repeats must be at least {d - c} steps apart (got: every={every})")
+            self.runs = [(c + k * every, d + k * every) for k in range(repeats)]
+            for c, d in self.runs:
+                if not (0 <= c < d and (d <= first or c >= end)):
+                    raise ValueError(f"timed steps {c}:{d} must be a range apart from the recorded {first}:{end}")
         self.first, self.end, self.step_on = first, end, step_on
-        self.timed = timed
-        self.timed_at: List[int] = []  # perf_counter_ns at the start and end of each timed step
+        #: per timed range, perf_counter_ns at its start and at the end of each step timed
+        self.timed_at: List[List[int]] = [[] for _ in self.runs]
         self.progress = progress
         self.done = 0
         self.trace = None
@@ -77,21 +84,36 @@ class StepRecorder:
             self._handles.append(register_optimizer_step_post_hook(self._optimizer_step))
         if self.first == 0:
             self._start()
-        if self.timed is not None and self.timed[0] == 0:
-            self.timed_at.append(time.perf_counter_ns())
+        self._time_steps()
         return self
 
     def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
         self._stack.close()
-        if self.trace is not None and len(self.timed_at) > 1:
-            self.trace.set_unrecorded(len(self.timed_at) - 1, self.timed_at[-1] - self.timed_at[0])
+        best = self.unrecorded()
+        if self.trace is not None and best is not None:
+            self.trace.set_unrecorded(*best)
+
+    def unrecorded(self) -> Optional[Tuple[int, int]]:
+        """(steps, wall ns) of the fastest complete timed range, else of the first partial one."""
+        done = [(len(at) - 1, at[-1] - at[0]) for at in self.timed_at if len(at) > 1]
+        whole = [run for run, (c, d) in zip(done, self.runs) if run[0] == d - c]
+        if whole:
+            return min(whole, key=lambda run: run[1])
+        return done[0] if done else None
 
     @property
     def timed_steps(self) -> int:
-        """How many unrecorded steps were timed."""
-        return max(len(self.timed_at) - 1, 0)
+        """How many unrecorded steps the timing comes from."""
+        best = self.unrecorded()
+        return best[0] if best else 0
+
+    def _time_steps(self) -> None:
+        # (called after the recording stopped at this step: its end is not timed)
+        for (c, d), at in zip(self.runs, self.timed_at):
+            if c <= self.done <= d:
+                at.append(time.perf_counter_ns())
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -124,11 +146,11 @@ class StepRecorder:
             self._start()
         elif self.done == self.end:
             self._stack.close()
+        self._time_steps()
         timed = ""
-        if self.timed is not None:
-            if self.timed[0] <= self.done <= self.timed[1]:  # (after stopping the recording above)
-                self.timed_at.append(time.perf_counter_ns())
-            timed = f", {self.timed_steps}/{self.timed[1] - self.timed[0]} timed unrecorded"
+        if self.runs:
+            timed = (f", {sum(max(len(at) - 1, 0) for at in self.timed_at)}/"
+                     f"{sum(d - c for c, d in self.runs)} timed unrecorded")
         recorded = max(min(self.done, self.end) - self.first, 0)
         print(f"predict: step {self.done} done, {recorded}/{self.end - self.first} recorded{timed} "
               f"({time.perf_counter() - self._started:.1f} s)", file=self.progress or sys.stderr, flush=True)
