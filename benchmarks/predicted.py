@@ -6,14 +6,20 @@ vocabulary 32000) with random weights. Two works:
 - ``decode``: batch-1 greedy ``generate()`` calls of 4 new tokens from an 8-token prompt.
   Two calls or more are warm-up (under Flow, until it follows its plan: it learns its
   period from the first call and compiles the plan once the sequence repeats); the next
-  call's last two decode steps are recorded and the one after's same steps run unrecorded
-  and timed: the host time comes from those (recording turns the fast path off,
-  ``timeline.unrecorded_scale``);
+  call's last two decode steps are recorded;
 - ``train``: an AdamW step (forward, backward, step), batch 1 x ``--seq`` tokens, on
   ``--train-layers`` layers and a ``--train-vocab`` vocabulary: AdamW's update of a
   32000 x 2048 embedding in fp32 needs 750 MiB resident at once, more than 25% or 50% of
-  the weights of a few layers. Three steps or more are warm-up (the same way), two
-  recorded, two timed unrecorded.
+  the weights of a few layers. Three steps or more are warm-up (the same way), two are
+  recorded.
+
+Recording turns the fast path off, so the host time recorded is the generic path's. The
+host time of an unrecorded run (the fast path, Flow's plan) is measured on the same model
+16 times narrower (the same ops; 8 or 4 times where that does not fit the budget;
+``host_scale``): its recorded steps are timed again
+unrecorded, three times, and the fastest gives ``timeline.unrecorded_scale``, which
+scales the full-width trace's host time. At full width on "sim" the host time is a few
+percent of a step and the wall time less the device work would be noise.
 
 Rows: the run under Flow and Genoa at 25%, 50% and 100% of the weights' bytes, and from
 the no-budget run the same steps predicted all-resident (no moves, none of our host time)
@@ -59,16 +65,31 @@ TOKENS, SKIP = 4, 2
 #: warm-up: at least this many calls (decode) or steps (training), more while Flow has no
 #: plan yet, up to the second number
 WARMUP = {"decode": (2, 6), "train": (3, 12)}
-#: steps recorded, and as many timed unrecorded after them
-RECORDED = 2
+#: steps recorded; the host-time run times the same steps unrecorded TIMED times
+RECORDED, TIMED = 2, 3
+#: the host-time run's model is this many times narrower in every width: the first of
+#: these whose run fits in the same fraction of its weights
+NARROW = (16, 8, 4)
 
 
 def steps_of(kind: str):
-    """After warm-up: (first, end) of the recorded steps, (first, end) of the timed ones,
-    and how many ``generate()`` calls or training steps to run."""
-    if kind == "decode":  # the same steps of the next call
-        return (SKIP, SKIP + RECORDED), (TOKENS + SKIP, TOKENS + SKIP + RECORDED), 2
-    return (0, RECORDED), (RECORDED, 2 * RECORDED), 2 * RECORDED
+    """After warm-up: (first, end) of the recorded steps, the StepRecorder's timing
+    arguments (the same steps of each later call or the next steps, ``TIMED`` times), and
+    how many ``generate()`` calls or training steps to run, with timing and without."""
+    if kind == "decode":
+        timed = dict(timed=(TOKENS + SKIP, TOKENS + SKIP + RECORDED), repeats=TIMED, every=TOKENS)
+        return (SKIP, SKIP + RECORDED), timed, 1 + TIMED, 1
+    timed = dict(timed=(RECORDED, 2 * RECORDED), repeats=TIMED, every=RECORDED)
+    return (0, RECORDED), timed, RECORDED * (1 + TIMED), RECORDED
+
+
+def narrow(shapes: dict, factor: int) -> dict:
+    """The same model ``factor`` times narrower (the same layers, heads and ops; a head
+    keeps at least 2 dimensions for the rotary embedding)."""
+    hidden = max(shapes["hidden"] // factor, 2 * shapes["heads"])
+    ratio = hidden / shapes["hidden"]
+    return dict(shapes, hidden=hidden, intermediate=max(int(shapes["intermediate"] * ratio), 2),
+                vocab=max(int(shapes["vocab"] * ratio), 16))
 
 
 def bf16_is_fast() -> bool:
@@ -87,16 +108,17 @@ def bf16_is_fast() -> bool:
     return times[1] < 2 * times[0]
 
 
-def record(model, kind: str, ids, strategy: str, budget):
-    """Run ``kind`` on a managed copy of ``model``, record steady-state steps and time the
-    same steps unrecorded (:func:`steps_of`); the trace, the peak and whether Flow
-    followed its plan when the run ended."""
+def record(model, kind: str, ids, strategy: str, budget, timed: bool = False):
+    """Run ``kind`` on a managed copy of ``model`` and record steady-state steps (after
+    warm-up: under Flow, until it follows its plan); with ``timed``, time the same steps
+    unrecorded (:func:`steps_of`). The trace, the peak and whether Flow followed its plan
+    at the end."""
     managed = common.managed_copy(model, "sim", strategy)
     entry = timeline.proxy_entry_ns()
     inputs = torchTensorRef.manage(ids.clone())
     tm.budget = budget
-    recorded, timed, runs = steps_of(kind)
-    recorder = predict_run.StepRecorder(*recorded, progress=open(os.devnull, "w"), timed=timed)
+    recorded, timing, runs, runs_untimed = steps_of(kind)
+    recorder = predict_run.StepRecorder(*recorded, progress=open(os.devnull, "w"), **(timing if timed else {}))
     if kind == "decode":
         def run():
             common.generate(managed, inputs, TOKENS)
@@ -109,7 +131,7 @@ def record(model, kind: str, ids, strategy: str, budget):
             run()
             warmup += 1
         with recorder:
-            for _ in range(runs):
+            for _ in range(runs if timed else runs_untimed):
                 run()
         plan = getattr(tm.strategy, "plan", None) is not None
     finally:
@@ -121,13 +143,36 @@ def record(model, kind: str, ids, strategy: str, budget):
     return recorder.trace, tm.stats()["peak_device_bytes"], plan
 
 
+def host_scale(narrowed, kind: str, strategy: str, fraction) -> dict:
+    """The factor from recorded to unrecorded host time, measured on a narrower model.
+
+    At full width the host time is a few percent of a step on "sim" (its kernels and copies
+    run on the CPU): the wall time less the device work would be noise. Host time goes per
+    op, not per byte, and the narrow model runs the same ops, so there it is most of the
+    step and the subtraction holds (``timeline.unrecorded_scale``). ``narrowed`` yields
+    (factor, model, ids), narrowest first; the first that fits the fraction is used.
+    """
+    error = None
+    for factor, model, ids in narrowed():
+        budget = None if fraction is None else int(fraction * common.param_bytes(model))
+        try:
+            trace, _peak, plan = record(model, kind, ids, strategy, budget, timed=True)
+        except torchTensorRef.OutOfBudgetError as e:
+            error = str(e)
+            continue
+        return {"scale": timeline.unrecorded_scale(trace, RECORDED), "narrower": factor,
+                "unrecorded_steps": trace.unrecorded[0], "flow_plan": plan if strategy == "flow" else None}
+    return {"scale": 1.0, "error": f"no narrower model fits ({error}): the host time is the recording's"}
+
+
 def rows_of(work: str, trace, label: str, strategy, fraction, budget, gpu_names, as_half, scenario="recorded",
-            plan=None):
+            plan=None, host=None):
     out = []
+    scale = host["scale"] if host else 1.0
     for gpu in gpu_names:
-        p = timeline.predict(trace, gpu, scenario=scenario, as_half=as_half, steps=RECORDED)
+        p = timeline.predict(trace, gpu, scenario=scenario, as_half=as_half, steps=RECORDED, host_scale=scale)
         out.append({"work": work, "row": label, "strategy": strategy, "budget_fraction": fraction, "budget": budget,
-                    "fits": True, "flow_plan": plan, "warmup": trace.warmup, **p.summary()})
+                    "fits": True, "flow_plan": plan, "warmup": trace.warmup, "host_time": host, **p.summary()})
     return out
 
 
@@ -135,10 +180,24 @@ def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: di
     dtype = torch.bfloat16 if half else torch.float32
     if vocab is not None:
         shapes = dict(shapes, vocab=vocab)
-    model = common.llama(layers=layers, positions=max(seq, 64) + 8, dtype=dtype, **shapes)
+    positions = max(seq, 64) + 8
+    model = common.llama(layers=layers, positions=positions, dtype=dtype, **shapes)
     weights = common.param_bytes(model)
     vocab = model.config.vocab_size
-    ids = common.plain_inputs(1, vocab, 1, seq) if work == "train" else common.plain_inputs(2, vocab, 1, 8)
+
+    def inputs(vocab):
+        return common.plain_inputs(1, vocab, 1, seq) if work == "train" else common.plain_inputs(2, vocab, 1, 8)
+
+    ids = inputs(vocab)
+    small = {}
+
+    def narrowed():
+        for factor in NARROW:
+            if factor not in small:
+                m = common.llama(layers=layers, positions=positions, dtype=dtype, **narrow(shapes, factor))
+                small[factor] = (factor, m, inputs(m.config.vocab_size))
+            yield small[factor]
+
     as_half = not half
     rows = []
     print(f"  {work}: no budget", flush=True)
@@ -154,12 +213,13 @@ def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: di
             print(f"  {work}: {label}", flush=True)
             try:
                 trace, peak, plan = record(model, work, ids, strategy, budget)
+                host = host_scale(narrowed, work, strategy, fraction)
             except torchTensorRef.OutOfBudgetError as e:
                 rows += [{"work": work, "row": label, "strategy": strategy, "budget_fraction": fraction,
                           "budget": budget, "fits": False, "error": str(e), "gpu": g} for g in gpu_names]
                 continue
             rows += rows_of(work, trace, label, strategy, fraction, budget, gpu_names, as_half,
-                            plan=plan if strategy == "flow" else None)
+                            plan=plan if strategy == "flow" else None, host=host)
             del trace
     return {"work": work, "layers": layers, "vocab": shapes["vocab"], "param_bytes": weights,
             "parameters": common.parameters_text(sum(p.numel() for p in model.parameters())),
@@ -204,6 +264,7 @@ def main(argv=None) -> dict:
     result = common.metadata(common.command_line("benchmarks/predicted.py", argv), "sim (predicted for GPUs)")
     result.update(predicted=True, bf16_recorded=half, shapes=shapes, decode_tokens_per_call=TOKENS,
                   warmup={k: {"least": a, "most": b} for k, (a, b) in WARMUP.items()}, recorded_steps=RECORDED,
+                  timed_repeats=TIMED, host_time_narrower=NARROW,
                   note="predicted by torchTensorRef.timeline from runs on sim; not measured on a GPU", works=[])
     for work in args.works:
         layers = args.layers if work == "decode" else args.train_layers

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import torchTensorRef
+from torchTensorRef import timeline
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -312,6 +313,12 @@ def test_predicted_harness_at_a_tiny_size(tmp_path):
                 assert "budget" in r["error"]
                 continue
             assert r["step_seconds"] >= r["bound_seconds"] > 0
+            assert r["bottleneck"] in timeline.LANES and r["bound_lane"] in timeline.LANES
+            if r["strategy"] == "flow":
+                assert r["flow_plan"]  # recorded once Flow follows its plan
+            if r["strategy"] is not None:  # the host time of an unrecorded run, or why not
+                assert r["host_time"]["scale"] >= 0 and ("narrower" in r["host_time"] or "error" in r["host_time"])
+                assert r["host_unrecorded_scale"] == 1  # (applied as host_scale: the trace has no timing)
             if r["row"] == "all-resident":
                 assert r["bytes_to_device"] == 0
             elif r["budget_fraction"] is not None and r["budget_fraction"] < 1:
