@@ -127,7 +127,8 @@ def record(model, kind: str, ids, strategy: str, budget, timed: bool = False):
     least, most = WARMUP[kind]
     try:
         warmup = 0
-        while warmup < least or warmup < most and strategy == "flow" and tm.strategy.plan is None:
+        learns = strategy == "flow" and budget is not None  # (without a budget Flow makes no plan)
+        while warmup < least or warmup < most and learns and tm.strategy.plan is None:
             run()
             warmup += 1
         with recorder:
