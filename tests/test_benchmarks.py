@@ -123,6 +123,21 @@ def test_gpu_throughput_harness_on_sim(gpu_result):
             assert r[workload]["bound_seconds"] >= r[workload]["transfer_seconds"]
     assert flow["generate"]["tokens_equal_resident"] and genoa["generate"]["tokens_equal_resident"]
     assert flow["train"]["losses"] == rows[("resident", None)]["train"]["losses"]
+    # each measured row has its prediction beside it, on the row the --gpu flag names (h100-pcie on sim)
+    assert saved["predicted_on"] == "h100-pcie" and "not measured" in saved["predicted_note"]
+    for (config, _f), r in rows.items():
+        for workload in ("generate", "train"):
+            if "skipped" in r[workload]:
+                continue
+            m, p = r[workload], r[workload]["predicted"]
+            assert p["gpu"] == "h100-pcie" and p["step_seconds"] >= p["bound_seconds"] > 0, (config, workload)
+            assert p["bottleneck"] in timeline.LANES
+            assert m["predicted_to_measured"] == pytest.approx(p["seconds"] / m["seconds"])
+    assert rows[("resident", None)]["generate"]["predicted"]["moved"] == 0
+    assert rows[("flow", 0.5)]["generate"]["predicted"]["moved"] > 0
+    assert rows[("flow", 0.5)]["train"]["predicted"]["host_unrecorded_scale"] != 1  # timed unrecorded on sim
+    # accelerate's hooks modelled from the module calls: every weight before each forward, as measured
+    assert rows[("accelerate", None)]["generate"]["predicted"]["moved"] == size["tokens"] * wbytes
     assert {c["check"] for c in result["checks"]} >= {"flow 50% generate: bound / time",
                                                       "flow 50% generate: tokens/s vs accelerate",
                                                       "flow 50% train: real peak / budget"}
@@ -133,6 +148,13 @@ def test_gpu_throughput_plot(gpu_result, tmp_path):
     path = plots.plot("gpu_throughput", gpu_result[0], str(tmp_path))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_throughput_unknown_gpu_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        gpu_throughput.main(["--device", "sim", "--tiny", "--gpu", "h200"])
+    assert info.value.code == 2
+    assert "--gpu: unknown GPU 'h200': accepted are h100-sxm" in capsys.readouterr().err
 
 
 def test_gpu_throughput_without_cuda_says_so(monkeypatch, capsys):
