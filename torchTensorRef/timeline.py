@@ -4,8 +4,10 @@
 
 - **host**: the measured time between kernels and copies, ours (from an op's entry into
   the manager to its end) and the program's (between ops), plus a modelled launch cost
-  per kernel and per copy; the kernels' own time on the recording machine is left out (on
-  a GPU they run on the device);
+  per kernel and per copy; the kernels' and copies' own time on the recording machine is
+  left out (on a GPU they run on the device). Where the trace has an unrecorded run of the
+  same steps (``trace.set_unrecorded``), the measured host time is scaled to that run's
+  (:func:`unrecorded_scale`): recording turns the fast path off;
 - **compute**: one kernel per op that launches one, lasting the roofline
   ``max(FLOPs / peak, bytes / memory bandwidth, launch floor)``;
 - **host-to-device** and **device-to-host**: one copy engine each way, at the link's pinned
