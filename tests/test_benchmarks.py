@@ -349,5 +349,14 @@ def test_predicted_harness_at_a_tiny_size(tmp_path):
         for r in offload:  # every weight, in before each forward
             assert r["bytes_to_device"] == work["param_bytes"] // (1 if saved["bf16_recorded"] else 2)
     assert result["works"][0]["rows"] == saved["works"][0]["rows"]
+    # the targets, checked on the rows: the figure is recomputed from them
+    decode_rows = {(r["row"], r["gpu"]): r for r in decode["rows"]}
+    for c in saved["checks"]:
+        if c["work"] == "decode" and c["check"] == "Flow 50%: step / bound":
+            r = decode_rows[("Flow, 50%", c["gpu"])]
+            assert c["value"] == pytest.approx(r["step_seconds"] / r["bound_seconds"])
+            assert c["met"] == (c["value"] <= 1.25) and c["busiest_lane"] == r["bottleneck"]
+    assert {c["check"] for c in saved["checks"] if c["work"] == "decode"} >= {
+        "Flow 50%: step / bound", "Flow 50%: cpu_offload step / Flow step"}
     if png:
         assert png.stat().st_size > 0
