@@ -253,7 +253,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-#: the issue's targets, all on predictions: Flow's step within this factor of its bound at
+#: the targets, all on predictions: Flow's step within this factor of its bound at
 #: 25% and 50%; Flow's decode step this many times faster than cpu_offload's; Flow's
 #: training step at 100% at least this fraction of all-resident's speed
 TARGETS = {"flow_step_to_bound": 1.25, "flow_to_cpu_offload": 3.0, "full_budget_to_resident": 0.95}
