@@ -15,7 +15,7 @@ for a run is ``max(compute time, bytes moved / bandwidth)``; the targets are pri
 the figures: Flow within 80% of the bound, at least 3x accelerate's tokens/s at the same
 budget, at 100% budget at least 0.95x all-resident, and a real peak within the budget + 10%.
 
-    python benchmarks/gpu_throughput.py [--json out.json]
+    python benchmarks/gpu_throughput.py [--gpu NAME] [--json out.json]
     python benchmarks/gpu_throughput.py --device sim --tiny   # the same harness, no GPU
 
 Each run is also predicted (``torchTensorRef.timeline``) on the row of
