@@ -132,8 +132,10 @@ def record(model, kind: str, ids, strategy: str, budget, pairs: int = 0):
             run()
             warmup += 1
         for _ in range(max(pairs, 1)):
-            recorder = predict_run.StepRecorder(*recorded, progress=open(os.devnull, "w"),
-                                                timed=timed if pairs else None)
+            # (a training step ends at optimizer.step(): from the recording's start, a step
+            # ending at the model's forward would leave the first backward out)
+            recorder = predict_run.StepRecorder(*recorded, step_on="forward" if kind == "decode" else "optimizer",
+                                                progress=open(os.devnull, "w"), timed=timed if pairs else None)
             with recorder:
                 for _ in range(runs if pairs else runs_untimed):
                     run()
