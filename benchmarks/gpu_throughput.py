@@ -15,8 +15,15 @@ for a run is ``max(compute time, bytes moved / bandwidth)``; the targets are pri
 the figures: Flow within 80% of the bound, at least 3x accelerate's tokens/s at the same
 budget, at 100% budget at least 0.95x all-resident, and a real peak within the budget + 10%.
 
-    python benchmarks/gpu_throughput.py [--json out.json]
+    python benchmarks/gpu_throughput.py [--gpu NAME] [--json out.json]
     python benchmarks/gpu_throughput.py --device sim --tiny   # the same harness, no GPU
+
+Each run is also predicted (``torchTensorRef.timeline``) on the row of
+``torchTensorRef/data/gpus.json`` that ``torch.cuda.get_device_name()`` names (``--gpu``
+for another): a strategy's from a recording of one more call or of as many steps more of
+the same run, all-resident and accelerate's from a run managed without a budget. The
+prediction stands beside the measurement in each row (``"predicted"``,
+``"predicted_to_measured"``), so that a run on a GPU checks the model.
 
 Without CUDA (and without ``--device sim``) it says so and exits 0. On ``"sim"`` the times
 are meaningless (the "GPU" is host memory) but the bytes are real.
@@ -42,6 +49,7 @@ import torch  # noqa: E402
 import torchTensorRef  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import MIB, tm  # noqa: E402
+from torchTensorRef import gpus, predict_run, timeline  # noqa: E402
 from torchTensorRef.sizes import format_size  # noqa: E402
 
 SIZES = {
@@ -136,18 +144,28 @@ class Device:
 
 # -- one configuration -----------------------------------------------------------------------------
 
-def measure_generate(dev: Device, model, ids, size: dict, moved: Callable[[], int], managed: bool) -> dict:
-    """Warm up, then time one greedy ``generate()`` call."""
+def measure_generate(dev: Device, model, ids, size: dict, moved: Callable[[], int], managed: bool,
+                     predict: Optional[Callable] = None) -> dict:
+    """Warm up, then time one greedy ``generate()`` call; with ``predict``, record one more
+    (see :func:`predicted`)."""
+    def call():
+        return common.generate(model, ids, size["tokens"])
+
     for _ in range(size["calls"] - 1):
-        common.generate(model, ids, size["tokens"])
+        call()
     moved(reset=True)
-    out, seconds = dev.timed(lambda: common.generate(model, ids, size["tokens"]))
-    return {"seconds": seconds, "tokens_per_s": ids.shape[0] * size["tokens"] / seconds,
-            "moved": moved(), "peak": dev.peak(managed), "tokens": common.as_plain(out)}
+    out, seconds = dev.timed(call)
+    result = {"seconds": seconds, "tokens_per_s": ids.shape[0] * size["tokens"] / seconds,
+              "moved": moved(), "peak": dev.peak(managed), "tokens": common.as_plain(out)}
+    if predict is not None:
+        result["predicted"] = predict(call)
+    return result
 
 
-def measure_train(dev: Device, model, ids, size: dict, moved: Callable[[], int], managed: bool) -> dict:
-    """Warm up, then time a few AdamW steps; the median step time."""
+def measure_train(dev: Device, model, ids, size: dict, moved: Callable[[], int], managed: bool,
+                  predict: Optional[Callable] = None) -> dict:
+    """Warm up, then time a few AdamW steps; the median step time. With ``predict``, record
+    as many steps more (see :func:`predicted`)."""
     step = common.trainer(model, ids)
     losses = [step() for _ in range(size["warmup_steps"])]
     moved(reset=True)
@@ -158,13 +176,49 @@ def measure_train(dev: Device, model, ids, size: dict, moved: Callable[[], int],
         times.append(seconds)
     result = {"seconds": statistics.median(times), "step_seconds": times,
               "moved": moved() // size["steps"], "peak": dev.peak(managed), "losses": losses}
+    if predict is not None:
+        result["predicted"] = predict(step)
     del step
     return result
 
 
+def predicted(dev: Device, run: Callable, workload: str, size: dict, gpu, scenarios=("recorded",)) -> dict:
+    """Record ``run`` once more (a ``generate()`` call, or ``size["steps"]`` training steps)
+    and predict it on ``gpu`` in each of ``scenarios``: per call or per step, beside the
+    measured figure. On "sim" the same steps run once more unrecorded and timed: the host
+    time comes from them (``timeline.unrecorded_scale``); on a GPU the host time is the
+    recording's (the generic path: the prediction is pessimistic there)."""
+    steps = size["tokens"] if workload == "generate" else size["steps"]
+    calls = 1 if workload == "generate" else steps
+    timing = {} if dev.cuda else dict(timed=(steps, 2 * steps))
+    entry = timeline.proxy_entry_ns()
+    recorder = predict_run.StepRecorder(0, steps, step_on="forward" if workload == "generate" else "optimizer",
+                                        progress=open(os.devnull, "w"), **timing)
+    with recorder:
+        for _ in range(calls * (2 if timing else 1)):
+            run()
+    trace = recorder.trace
+    trace.entry_ns = entry
+    out = {}
+    for scenario in scenarios:
+        p = timeline.predict(trace, gpu, scenario=scenario, steps=steps)
+        seconds = p.step_seconds * (steps if workload == "generate" else 1)  # per call, or per step
+        out[scenario] = {"gpu": p.gpu.name, "seconds": seconds, "bound_seconds": p.bound_seconds,
+                         "step_seconds": p.step_seconds, "bottleneck": p.bottleneck, "bound_lane": p.bound_lane,
+                         "host_unrecorded_scale": p.host_unrecorded_scale, "moved": p.bytes_to_device * steps
+                         if workload == "generate" else p.bytes_to_device}
+        if workload == "generate":
+            out[scenario]["tokens_per_s"] = size["batch"] * size["tokens"] / seconds
+    return out
+
+
 def run_config(dev: Device, plain, ids: dict, size: dict, config: str, fraction: Optional[float],
-               wbytes: int) -> dict:
-    """Both workloads of one configuration: "resident", "accelerate", or a strategy at a budget."""
+               wbytes: int, gpu=None, baseline: Optional[dict] = None) -> dict:
+    """Both workloads of one configuration: "resident", "accelerate", or a strategy at a budget.
+
+    With ``gpu``, each workload has its prediction on that GPU beside the measured figures
+    (``"predicted"``): a strategy's from a recording of the same run; "resident" and
+    "accelerate" from ``baseline`` (:func:`baseline_predictions`)."""
     row = {"config": config, "budget_fraction": fraction,
            "budget": None if fraction is None else int(wbytes * fraction)}
     for workload in ("generate", "train"):
@@ -174,7 +228,10 @@ def run_config(dev: Device, plain, ids: dict, size: dict, config: str, fraction:
         dev.free()
         dev.reset_peak()
         try:
-            row[workload] = _run_workload(dev, plain, ids[workload], size, config, row["budget"], workload)
+            row[workload] = _run_workload(dev, plain, ids[workload], size, config, row["budget"], workload, gpu)
+            scenario = {"resident": "resident", "accelerate": "cpu_offload"}.get(config)
+            if scenario is not None and baseline and scenario in baseline.get(workload, {}):
+                row[workload]["predicted"] = baseline[workload][scenario]
         except Exception as e:  # one failing configuration must not lose the others' figures
             traceback.print_exc()
             row[workload] = {"error": f"{type(e).__name__}: {e}"}
@@ -184,7 +241,25 @@ def run_config(dev: Device, plain, ids: dict, size: dict, config: str, fraction:
     return row
 
 
-def _run_workload(dev: Device, plain, ids, size, config, budget, workload):
+def baseline_predictions(dev: Device, plain, ids: dict, size: dict, gpu) -> dict:
+    """All-resident and accelerate's ``cpu_offload`` predicted on ``gpu``, from a run managed
+    without a budget (nothing moves): by workload, then scenario."""
+    out = {}
+    for workload in ("generate", "train"):
+        scenarios = ("resident", "cpu_offload") if workload == "generate" else ("resident",)
+        try:
+            out[workload] = _run_workload(dev, plain, ids[workload], size, "flow", None, workload, gpu,
+                                          scenarios)["predicted"]
+        except Exception as e:  # the measured figures do not depend on it
+            traceback.print_exc()
+            out[workload] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            tm.budget = None
+            dev.free()
+    return out
+
+
+def _run_workload(dev, plain, ids, size, config, budget, workload, gpu=None, scenarios=("recorded",)):
     measure = measure_generate if workload == "generate" else measure_train
     if config in ("resident", "accelerate"):
         counter = common.AccelerateCopies()
@@ -217,8 +292,13 @@ def _run_workload(dev: Device, plain, ids, size, config, budget, workload):
     tm.budget = budget
     model.train(workload == "train")
     mids = torchTensorRef.manage(ids.clone())
+    def predict(run):
+        return predicted(dev, run, workload, size, gpu, scenarios)
+
     try:
-        result = measure(dev, model, mids, size, moved, managed=True)
+        result = measure(dev, model, mids, size, moved, managed=True, predict=predict if gpu is not None else None)
+        if gpu is not None and scenarios == ("recorded",):
+            result["predicted"] = result["predicted"]["recorded"]
         if not dev.cuda:
             result["peak"] = tm.stats()["peak_device_bytes"]
     finally:
@@ -235,6 +315,10 @@ def evaluate(rows: list, bandwidth: dict) -> list:
     acc = by.get(("accelerate", None), {})
     checks = []
     for r in rows:
+        for workload in ("generate", "train"):
+            m = r.get(workload, {})
+            if "seconds" in m and "seconds" in m.get("predicted", {}):
+                m["predicted_to_measured"] = m["predicted"]["seconds"] / m["seconds"]
         if r["budget_fraction"] is None:
             continue
         for workload in ("generate", "train"):
@@ -302,6 +386,19 @@ def print_report(result: dict) -> None:
             m = r.get(workload, {})
             if "error" in m or "skipped" in m:
                 print(f"{'':>10} {workload}: {m.get('error') or m.get('skipped')}")
+    print(f"predicted on {result['predicted_on']} (a model of each run, not measured; ratio = predicted / "
+          f"measured):")
+    for r in result["rows"]:
+        frac = "-" if r["budget_fraction"] is None else f"{r['budget_fraction']:.0%}"
+        cells = []
+        for workload in ("generate", "train"):
+            m = r.get(workload, {})
+            p = m.get("predicted")
+            if p and "seconds" in p:
+                value = f"{p['tokens_per_s']:.2f} tok/s" if workload == "generate" else f"{p['seconds']:.4f} s/step"
+                cells.append(f"{workload} {value} (busiest lane {p['bottleneck']}, ratio "
+                             f"{cell(common.ratio(p['seconds'], m.get('seconds')), '.2f')})")
+        print(f"{r['config']:>10} {frac:>6} | {'; '.join(cells) or '-'}")
     print("targets:")
     for c in result["checks"]:
         print(f"  {'met ' if c['met'] else 'MISS'} {c['check']}: {c['value']:.3f} (target {c['target']})")
@@ -319,6 +416,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="the same as --size tiny")
     parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument("--gpu", metavar="NAME", default=None,
+                        help="the row of torchTensorRef/data/gpus.json (or a .json file of numbers) to predict "
+                             "each run on, beside its measurement; default: the one torch.cuda.get_device_name() "
+                             "names, h100-pcie on sim")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     command = common.command_line("benchmarks/gpu_throughput.py", argv)
@@ -332,6 +433,16 @@ def main(argv=None) -> dict:
     size_name = "tiny" if args.tiny else args.size
     size = SIZES[size_name]
     dev = Device(args.device)
+    gpu = args.gpu
+    if gpu is None:
+        gpu = gpus.for_device(torch.cuda.get_device_name(dev.compute)) if dev.cuda else "h100-pcie"
+        if gpu is None:
+            parser.error(f"--gpu: no row of {', '.join(gpus.names())} is the "
+                         f"{torch.cuda.get_device_name(dev.compute)!r}: name the closest, or give a .json of numbers")
+    try:
+        gpu = predict_run.load_gpu(gpu)
+    except (ValueError, TypeError) as e:
+        parser.error(f"--gpu: {e}")
     plain = common.llama(positions=max(size["seq"], size["prompt"] + size["tokens"]) + 8,
                          dtype=getattr(torch, size["dtype"]), **size["model"])
     wbytes = common.param_bytes(plain)
@@ -344,8 +455,10 @@ def main(argv=None) -> dict:
     configs += [(strategy, fraction) for fraction in args.fractions for strategy in args.strategies]
     rows = []
     try:
+        tm.device = dev.name
+        baseline = baseline_predictions(dev, plain, ids, size, gpu)
         for config, fraction in configs:
-            rows.append(run_config(dev, plain, ids, size, config, fraction, wbytes))
+            rows.append(run_config(dev, plain, ids, size, config, fraction, wbytes, gpu, baseline))
             # one line per configuration as it ends: a run cut short still says something
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("generate", "train")}
                              | {w: {k: v for k, v in rows[-1].get(w, {}).items() if k != "tokens"}
@@ -360,6 +473,9 @@ def main(argv=None) -> dict:
         "model": "Llama (random init)", "parameters": sum(p.numel() for p in plain.parameters()),
         "weight_bytes": wbytes, "sizes": size_name, "size": size,
         "bandwidth": bandwidth, "targets": TARGETS, "rows": rows, "checks": checks,
+        "predicted_on": gpu.name,
+        "predicted_note": "predicted: torchTensorRef.timeline on a recording of the same run (docs/timeline.md), "
+                          "not measured",
     }
     if not dev.cuda:
         result["note"] = "device 'sim': times are meaningless (the accelerator is host memory), bytes are real"

@@ -3,12 +3,23 @@
 The model has TinyLlama-1.1B's shapes (hidden 2048, MLP 5632, 32 heads, 4 KV heads,
 vocabulary 32000) with random weights. Two works:
 
-- ``decode``: batch-1 greedy ``generate()``, an 8-token prompt; the steps recorded are
-  single-token decode steps (the prefill and the first decode step are warm-up);
+- ``decode``: batch-1 greedy ``generate()`` calls of 4 new tokens from an 8-token prompt.
+  Two calls or more are warm-up (under Flow, until it follows its plan: it learns its
+  period from the first call and compiles the plan once the sequence repeats); the next
+  call's last two decode steps are recorded;
 - ``train``: an AdamW step (forward, backward, step), batch 1 x ``--seq`` tokens, on
   ``--train-layers`` layers and a ``--train-vocab`` vocabulary: AdamW's update of a
   32000 x 2048 embedding in fp32 needs 750 MiB resident at once, more than 25% or 50% of
-  the weights of a few layers.
+  the weights of a few layers. Three steps or more are warm-up (the same way), two are
+  recorded.
+
+Recording turns the fast path off, so the host time recorded is the generic path's. The
+host time of an unrecorded run (the fast path, Flow's plan) is measured on the same model
+16 times narrower (the same ops; 8 or 4 times where that does not fit the budget;
+``host_scale``): its steps are recorded and the same steps timed unrecorded, three times
+over, and the median of ``timeline.unrecorded_scale`` scales the full-width trace's host
+time. At full width on "sim" the host time is a few
+percent of a step and the wall time less the device work would be noise.
 
 Rows: the run under Flow and Genoa at 25%, 50% and 100% of the weights' bytes, and from
 the no-budget run the same steps predicted all-resident (no moves, none of our host time)
@@ -28,8 +39,10 @@ shapes of each layer and has fewer of them (the result says how many).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
+import statistics
 import sys
 
 if __package__ in (None, ""):
@@ -46,9 +59,38 @@ from torchTensorRef import predict_run, timeline  # noqa: E402
 SHAPES = dict(hidden=2048, intermediate=5632, vocab=32000, heads=32, kv_heads=4)
 TINY = dict(hidden=64, intermediate=160, vocab=256, heads=4, kv_heads=2)
 FRACTIONS = (0.25, 0.5, 1.0)
+LANE = {"host": "host", "compute": "comp", "host-to-device": "h2d", "device-to-host": "d2h"}
 STRATEGIES = ("flow", "genoa")
-#: steps: warm-up steps, then recorded steps (decode: the prefill is step 0)
-WARMUP, RECORDED = 2, 2
+#: decode: generate() calls of TOKENS new tokens (one step each: the prefill, then one per
+#: token); of the recorded call, steps SKIP.. are recorded
+TOKENS, SKIP = 4, 2
+#: warm-up: at least this many calls (decode) or steps (training), more while Flow has no
+#: plan yet, up to the second number
+WARMUP = {"decode": (2, 6), "train": (3, 12)}
+#: steps recorded; the host-time run records them and times them unrecorded PAIRS times
+#: over, one after the other (the machine's load changes both alike), and keeps the median
+RECORDED, PAIRS = 2, 3
+#: the host-time run's model is this many times narrower in every width: the first of
+#: these whose run fits in the same fraction of its weights
+NARROW = (16, 8, 4)
+
+
+def steps_of(kind: str):
+    """After warm-up: (first, end) of the recorded steps, the StepRecorder's timing
+    argument (the same steps of the next call, or the next steps), and how many
+    ``generate()`` calls or training steps to run, with timing and without."""
+    if kind == "decode":
+        return (SKIP, SKIP + RECORDED), (TOKENS + SKIP, TOKENS + SKIP + RECORDED), 2, 1
+    return (0, RECORDED), (RECORDED, 2 * RECORDED), 2 * RECORDED, RECORDED
+
+
+def narrow(shapes: dict, factor: int) -> dict:
+    """The same model ``factor`` times narrower (the same layers, heads and ops; a head
+    keeps at least 2 dimensions for the rotary embedding)."""
+    hidden = max(shapes["hidden"] // factor, 2 * shapes["heads"])
+    ratio = hidden / shapes["hidden"]
+    return dict(shapes, hidden=hidden, intermediate=max(int(shapes["intermediate"] * ratio), 2),
+                vocab=max(int(shapes["vocab"] * ratio), 16))
 
 
 def bf16_is_fast() -> bool:
@@ -67,35 +109,81 @@ def bf16_is_fast() -> bool:
     return times[1] < 2 * times[0]
 
 
-def record(model, kind: str, ids, strategy: str, budget):
-    """Run ``kind`` on a managed copy of ``model`` and record steps WARMUP..WARMUP+RECORDED-1."""
+def record(model, kind: str, ids, strategy: str, budget, pairs: int = 0):
+    """Run ``kind`` on a managed copy of ``model`` and record steady-state steps (after
+    warm-up: under Flow, until it follows its plan); with ``pairs``, that many times over,
+    each followed by the same steps timed unrecorded (:func:`steps_of`). The traces, the
+    peak and whether Flow followed its plan at the end."""
     managed = common.managed_copy(model, "sim", strategy)
     entry = timeline.proxy_entry_ns()
     inputs = torchTensorRef.manage(ids.clone())
     tm.budget = budget
-    recorder = predict_run.StepRecorder(WARMUP, WARMUP + RECORDED, progress=open(os.devnull, "w"))
+    recorded, timed, runs, runs_untimed = steps_of(kind)
+    if kind == "decode":
+        run = functools.partial(common.generate, managed, inputs, TOKENS)
+    else:
+        run = common.trainer(managed, inputs)
+    least, most = WARMUP[kind]
+    traces = []
     try:
-        with recorder:
-            if kind == "decode":
-                common.generate(managed, inputs, WARMUP + RECORDED + 1)
-            else:
-                step = common.trainer(managed, inputs)
-                for _ in range(WARMUP + RECORDED):
-                    step()
+        warmup = 0
+        learns = strategy == "flow" and budget is not None  # (without a budget Flow makes no plan)
+        while warmup < least or warmup < most and learns and tm.strategy.plan is None:
+            run()
+            warmup += 1
+        for _ in range(max(pairs, 1)):
+            # (a training step ends at optimizer.step(): from the recording's start, a step
+            # ending at the model's forward would leave the first backward out)
+            recorder = predict_run.StepRecorder(*recorded, step_on="forward" if kind == "decode" else "optimizer",
+                                                progress=open(os.devnull, "w"), timed=timed if pairs else None)
+            with recorder:
+                for _ in range(runs if pairs else runs_untimed):
+                    run()
+            recorder.trace.entry_ns = entry
+            recorder.trace.warmup = warmup
+            traces.append(recorder.trace)
+        plan = getattr(tm.strategy, "plan", None) is not None
     finally:
         tm.budget = None
-        del managed, inputs
+        del managed, inputs, run
         gc.collect()
-    recorder.trace.entry_ns = entry
-    return recorder.trace, tm.stats()["peak_device_bytes"]
+    return traces, tm.stats()["peak_device_bytes"], plan
 
 
-def rows_of(work: str, trace, label: str, strategy, fraction, budget, gpu_names, as_half, scenario="recorded"):
+def host_scale(narrowed, kind: str, strategy: str, fraction) -> dict:
+    """The factor from recorded to unrecorded host time, measured on a narrower model.
+
+    At full width the host time is a few percent of a step on "sim" (its kernels and copies
+    run on the CPU): the wall time less the device work would be noise. Host time goes per
+    op, not per byte, and the narrow model runs the same ops, so there it is most of the
+    step and the subtraction holds (``timeline.unrecorded_scale``). ``narrowed`` yields
+    (factor, model, ids), narrowest first; the first that fits the fraction is used.
+    """
+    error = None
+    for factor, model, ids in narrowed():
+        budget = None if fraction is None else int(fraction * common.param_bytes(model))
+        try:
+            traces, _peak, plan = record(model, kind, ids, strategy, budget, pairs=PAIRS)
+        except torchTensorRef.OutOfBudgetError as e:
+            error = str(e)
+            continue
+        scales = [timeline.unrecorded_scale(t, RECORDED) for t in traces]
+        out = {"scale": statistics.median(scales), "pairs": scales, "narrower": factor,
+               "flow_plan": plan if strategy == "flow" else None}
+        if not out["scale"] > 0:  # the unrecorded runs took less than the device work recorded: noise
+            out.update(scale=1.0, error="no host time left in the unrecorded runs: the host time is the recording's")
+        return out
+    return {"scale": 1.0, "error": f"no narrower model fits ({error}): the host time is the recording's"}
+
+
+def rows_of(work: str, trace, label: str, strategy, fraction, budget, gpu_names, as_half, scenario="recorded",
+            plan=None, host=None):
     out = []
+    scale = host["scale"] if host else 1.0
     for gpu in gpu_names:
-        p = timeline.predict(trace, gpu, scenario=scenario, as_half=as_half, steps=RECORDED)
+        p = timeline.predict(trace, gpu, scenario=scenario, as_half=as_half, steps=RECORDED, host_scale=scale)
         out.append({"work": work, "row": label, "strategy": strategy, "budget_fraction": fraction, "budget": budget,
-                    "fits": True, **p.summary()})
+                    "fits": True, "flow_plan": plan, "warmup": trace.warmup, "host_time": host, **p.summary()})
     return out
 
 
@@ -103,14 +191,28 @@ def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: di
     dtype = torch.bfloat16 if half else torch.float32
     if vocab is not None:
         shapes = dict(shapes, vocab=vocab)
-    model = common.llama(layers=layers, positions=max(seq, 64) + 8, dtype=dtype, **shapes)
+    positions = max(seq, 64) + 8
+    model = common.llama(layers=layers, positions=positions, dtype=dtype, **shapes)
     weights = common.param_bytes(model)
     vocab = model.config.vocab_size
-    ids = common.plain_inputs(1, vocab, 1, seq) if work == "train" else common.plain_inputs(2, vocab, 1, 8)
+
+    def inputs(vocab):
+        return common.plain_inputs(1, vocab, 1, seq) if work == "train" else common.plain_inputs(2, vocab, 1, 8)
+
+    ids = inputs(vocab)
+    small = {}
+
+    def narrowed():
+        for factor in NARROW:
+            if factor not in small:
+                m = common.llama(layers=layers, positions=positions, dtype=dtype, **narrow(shapes, factor))
+                small[factor] = (factor, m, inputs(m.config.vocab_size))
+            yield small[factor]
+
     as_half = not half
     rows = []
     print(f"  {work}: no budget", flush=True)
-    trace, _peak = record(model, work, ids, "flow", None)
+    (trace,), _peak, _plan = record(model, work, ids, "flow", None)
     rows += rows_of(work, trace, "all-resident", None, None, None, gpu_names, as_half, "resident")
     if work == "decode":
         rows += rows_of(work, trace, "accelerate cpu_offload", None, None, None, gpu_names, as_half, "cpu_offload")
@@ -121,12 +223,14 @@ def run_work(work: str, layers: int, seq: int, gpu_names, half: bool, shapes: di
             label = f"{strategy.capitalize()}, {fraction:.0%}"
             print(f"  {work}: {label}", flush=True)
             try:
-                trace, peak = record(model, work, ids, strategy, budget)
+                (trace,), peak, plan = record(model, work, ids, strategy, budget)
+                host = host_scale(narrowed, work, strategy, fraction)
             except torchTensorRef.OutOfBudgetError as e:
                 rows += [{"work": work, "row": label, "strategy": strategy, "budget_fraction": fraction,
                           "budget": budget, "fits": False, "error": str(e), "gpu": g} for g in gpu_names]
                 continue
-            rows += rows_of(work, trace, label, strategy, fraction, budget, gpu_names, as_half)
+            rows += rows_of(work, trace, label, strategy, fraction, budget, gpu_names, as_half,
+                            plan=plan if strategy == "flow" else None, host=host)
             del trace
     return {"work": work, "layers": layers, "vocab": shapes["vocab"], "param_bytes": weights,
             "parameters": common.parameters_text(sum(p.numel() for p in model.parameters())),
@@ -138,16 +242,56 @@ def table(result: dict) -> str:
     for work in result["works"]:
         lines.append(f"{work['work']}: {work['layers']} layers, vocabulary {work['vocab']}, "
                      f"{work['parameters']} parameters (recorded in {work['recorded_dtype']}, "
-                     f"predicted as {work['predicted_dtype']}), ms per step:")
+                     f"predicted as {work['predicted_dtype']}), ms per step and the busiest lane:")
         gpu_names = list(dict.fromkeys(r["gpu"] for r in work["rows"]))
-        lines.append(f"  {'':24s}" + "".join(f"{g:>14s}" for g in gpu_names))
+        lines.append(f"  {'':24s}" + "".join(f"{g:>15s}" for g in gpu_names))
         for label in dict.fromkeys(r["row"] for r in work["rows"]):
             cells = []
             for g in gpu_names:
                 r = next(r for r in work["rows"] if r["row"] == label and r["gpu"] == g)
-                cells.append(f"{r['step_seconds'] * 1e3:14.2f}" if r["fits"] else f"{'does not fit':>14s}")
+                cells.append(f"{r['step_seconds'] * 1e3:10.2f} {LANE[r['bottleneck']]:>4s}" if r["fits"]
+                             else f"{'does not fit':>15s}")
             lines.append(f"  {label:24s}" + "".join(cells))
     return "\n".join(lines)
+
+
+#: the targets, all on predictions: Flow's step within this factor of its bound at
+#: 25% and 50%; Flow's decode step this many times faster than cpu_offload's; Flow's
+#: training step at 100% at least this fraction of all-resident's speed
+TARGETS = {"flow_step_to_bound": 1.25, "flow_to_cpu_offload": 3.0, "full_budget_to_resident": 0.95}
+
+
+def checks(result: dict) -> list:
+    """Each target per GPU, with the figure and the busiest lane of the Flow row."""
+    out = []
+    for work in result["works"]:
+        rows = {(r["row"], r["gpu"]): r for r in work["rows"]}
+        for gpu in dict.fromkeys(r["gpu"] for r in work["rows"]):
+            def row(label):
+                r = rows.get((label, gpu))
+                return r if r is not None and r["fits"] else None
+
+            def check(name, flow, value, op, target):
+                if value is not None:
+                    met = value <= target if op == "<=" else value >= target
+                    out.append({"work": work["work"], "gpu": gpu, "check": name, "value": value,
+                                "target": f"{op} {target}", "met": met, "busiest_lane": flow["bottleneck"],
+                                "bound_lane": flow["bound_lane"]})
+
+            for fraction in ("25%", "50%"):
+                flow = row(f"Flow, {fraction}")
+                if flow:
+                    check(f"Flow {fraction}: step / bound", flow, flow["step_seconds"] / flow["bound_seconds"],
+                          "<=", TARGETS["flow_step_to_bound"])
+                    offload = row("accelerate cpu_offload")
+                    if offload:
+                        check(f"Flow {fraction}: cpu_offload step / Flow step", flow,
+                              offload["step_seconds"] / flow["step_seconds"], ">=", TARGETS["flow_to_cpu_offload"])
+            flow, resident = row("Flow, 100%"), row("all-resident")
+            if flow and resident and work["work"] == "train":
+                check("Flow 100%: all-resident step / Flow step", flow,
+                      resident["step_seconds"] / flow["step_seconds"], ">=", TARGETS["full_budget_to_resident"])
+    return out
 
 
 def main(argv=None) -> dict:
@@ -168,14 +312,22 @@ def main(argv=None) -> dict:
     shapes = TINY if args.tiny else SHAPES
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     result = common.metadata(common.command_line("benchmarks/predicted.py", argv), "sim (predicted for GPUs)")
-    result.update(predicted=True, bf16_recorded=half, shapes=shapes, warmup_steps=WARMUP, recorded_steps=RECORDED,
+    result.update(predicted=True, bf16_recorded=half, shapes=shapes, decode_tokens_per_call=TOKENS,
+                  warmup={k: {"least": a, "most": b} for k, (a, b) in WARMUP.items()}, recorded_steps=RECORDED,
+                  host_time_pairs=PAIRS, host_time_narrower=NARROW,
                   note="predicted by torchTensorRef.timeline from runs on sim; not measured on a GPU", works=[])
     for work in args.works:
         layers = args.layers if work == "decode" else args.train_layers
         print(f"== {work}, {layers} layers", flush=True)
         vocab = args.train_vocab if work == "train" and not args.tiny else None
         result["works"].append(run_work(work, layers, args.seq, args.gpus, half, shapes, vocab))
+    result["targets"] = TARGETS
+    result["checks"] = checks(result)
     print(table(result))
+    print("targets (predicted):")
+    for c in result["checks"]:
+        print(f"  {'met ' if c['met'] else 'MISS'} {c['work']} {c['gpu']} {c['check']}: {c['value']:.3f} "
+              f"(target {c['target']}; busiest lane {c['busiest_lane']}, bound by {c['bound_lane']})")
     if args.json:
         common.write_json(args.json, result)
     if args.plot:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import torchTensorRef
+from torchTensorRef import timeline
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -122,6 +123,21 @@ def test_gpu_throughput_harness_on_sim(gpu_result):
             assert r[workload]["bound_seconds"] >= r[workload]["transfer_seconds"]
     assert flow["generate"]["tokens_equal_resident"] and genoa["generate"]["tokens_equal_resident"]
     assert flow["train"]["losses"] == rows[("resident", None)]["train"]["losses"]
+    # each measured row has its prediction beside it, on the row the --gpu flag names (h100-pcie on sim)
+    assert saved["predicted_on"] == "h100-pcie" and "not measured" in saved["predicted_note"]
+    for (config, _f), r in rows.items():
+        for workload in ("generate", "train"):
+            if "skipped" in r[workload]:
+                continue
+            m, p = r[workload], r[workload]["predicted"]
+            assert p["gpu"] == "h100-pcie" and p["step_seconds"] >= p["bound_seconds"] > 0, (config, workload)
+            assert p["bottleneck"] in timeline.LANES
+            assert m["predicted_to_measured"] == pytest.approx(p["seconds"] / m["seconds"])
+    assert rows[("resident", None)]["generate"]["predicted"]["moved"] == 0
+    assert rows[("flow", 0.5)]["generate"]["predicted"]["moved"] > 0
+    assert rows[("flow", 0.5)]["train"]["predicted"]["host_unrecorded_scale"] != 1  # timed unrecorded on sim
+    # accelerate's hooks modelled from the module calls: every weight before each forward, as measured
+    assert rows[("accelerate", None)]["generate"]["predicted"]["moved"] == size["tokens"] * wbytes
     assert {c["check"] for c in result["checks"]} >= {"flow 50% generate: bound / time",
                                                       "flow 50% generate: tokens/s vs accelerate",
                                                       "flow 50% train: real peak / budget"}
@@ -132,6 +148,13 @@ def test_gpu_throughput_plot(gpu_result, tmp_path):
     path = plots.plot("gpu_throughput", gpu_result[0], str(tmp_path))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_throughput_unknown_gpu_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        gpu_throughput.main(["--device", "sim", "--tiny", "--gpu", "h200"])
+    assert info.value.code == 2
+    assert "--gpu: unknown GPU 'h200': accepted are h100-sxm" in capsys.readouterr().err
 
 
 def test_gpu_throughput_without_cuda_says_so(monkeypatch, capsys):
@@ -312,6 +335,12 @@ def test_predicted_harness_at_a_tiny_size(tmp_path):
                 assert "budget" in r["error"]
                 continue
             assert r["step_seconds"] >= r["bound_seconds"] > 0
+            assert r["bottleneck"] in timeline.LANES and r["bound_lane"] in timeline.LANES
+            if r["strategy"] == "flow":
+                assert r["flow_plan"]  # recorded once Flow follows its plan
+            if r["strategy"] is not None:  # the host time of an unrecorded run, or why not
+                assert r["host_time"]["scale"] >= 0 and ("narrower" in r["host_time"] or "error" in r["host_time"])
+                assert r["host_unrecorded_scale"] == 1  # (applied as host_scale: the trace has no timing)
             if r["row"] == "all-resident":
                 assert r["bytes_to_device"] == 0
             elif r["budget_fraction"] is not None and r["budget_fraction"] < 1:
@@ -320,5 +349,14 @@ def test_predicted_harness_at_a_tiny_size(tmp_path):
         for r in offload:  # every weight, in before each forward
             assert r["bytes_to_device"] == work["param_bytes"] // (1 if saved["bf16_recorded"] else 2)
     assert result["works"][0]["rows"] == saved["works"][0]["rows"]
+    # the targets, checked on the rows: the figure is recomputed from them
+    decode_rows = {(r["row"], r["gpu"]): r for r in decode["rows"]}
+    for c in saved["checks"]:
+        if c["work"] == "decode" and c["check"] == "Flow 50%: step / bound":
+            r = decode_rows[("Flow, 50%", c["gpu"])]
+            assert c["value"] == pytest.approx(r["step_seconds"] / r["bound_seconds"])
+            assert c["met"] == (c["value"] <= 1.25) and c["busiest_lane"] == r["bottleneck"]
+    assert {c["check"] for c in saved["checks"] if c["work"] == "decode"} >= {
+        "Flow 50%: step / bound", "Flow 50%: cpu_offload step / Flow step"}
     if png:
         assert png.stat().st_size > 0

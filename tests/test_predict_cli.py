@@ -55,10 +55,15 @@ def test_inference_is_predicted_beside_all_resident_and_cpu_offload(script, tmp_
     stdout, stderr = capsys.readouterr()
     assert "done 2" in stdout
     assert "predicted on rtx-4090" in stdout and "inference" in stdout
-    assert "step 3 done, 2/2 recorded" in stderr  # progress
+    assert "step 3 done, 2/2 recorded, 0/2 timed unrecorded" in stderr  # progress
+    assert "step 4 done, 2/2 recorded, 1/2 timed unrecorded" in stderr  # the script stops at 4 steps
+    assert "host time from 1 unrecorded step(s)" in stdout
+    assert "busiest lane: torchTensorRef: " in stdout
     results = json.load(open(out))
     assert list(results) == ["torchTensorRef", "all-resident", "accelerate cpu_offload"]
     ours, resident, offload = results.values()
+    # (the factor itself is noise at this size: timeline's tests pin its arithmetic)
+    assert ours["host_unrecorded_scale"] >= 0 and resident["host_unrecorded_scale"] == 1
     assert ours["steps"] == 2 and ours["gpu"] == "rtx-4090"
     assert ours["bytes_to_device"] > 0 and resident["bytes_to_device"] == 0
     # cpu_offload copies every weight (2 Linear layers, fp32) in before each forward
@@ -86,6 +91,33 @@ def test_too_few_steps_is_reported(script, capsys):
     code = cli.main(["predict", "--steps", "5:7", script(INFER)])
     assert code == 1
     assert "the script ran 4 step(s) (--step-on forward); --steps 5:7 needs at least 6" in capsys.readouterr().err
+
+
+def test_no_step_after_the_recorded_ones_keeps_the_recorded_host_time(script, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert cli.main(["predict", "--steps", "2:4", "--json", str(out), script(INFER)]) == 0
+    assert "no step ran after the recorded ones" in capsys.readouterr().err
+    assert json.load(open(out))["torchTensorRef"]["host_unrecorded_scale"] == 1
+
+
+def test_timed_steps_apart_from_the_recorded_ones():
+    with pytest.raises(ValueError, match="timed steps 2:4 must be a range apart from the recorded 1:3"):
+        predict_run.StepRecorder(1, 3, timed=(2, 4))
+    with pytest.raises(ValueError, match="timed steps 5:7 must be a range apart from the recorded 5:6"):
+        predict_run.StepRecorder(5, 6, timed=(1, 3), repeats=3, every=2)
+    with pytest.raises(ValueError, match="timed repeats must be at least 2 steps apart"):
+        predict_run.StepRecorder(0, 1, timed=(1, 3), repeats=2, every=1)
+
+
+def test_the_fastest_complete_repeat_is_kept():
+    recorder = predict_run.StepRecorder(0, 1, timed=(1, 3), repeats=3, every=4)
+    assert recorder.runs == [(1, 3), (5, 7), (9, 11)]
+    recorder.timed_at = [[0, 10, 30], [100, 105, 118], [200, 201]]  # the third stopped after a step
+    assert recorder.unrecorded() == (2, 18) and recorder.timed_steps == 2
+    recorder.timed_at = [[0, 10], [], []]
+    assert recorder.unrecorded() == (1, 10)
+    recorder.timed_at = [[], [], []]
+    assert recorder.unrecorded() is None and recorder.timed_steps == 0
 
 
 def test_a_gpu_file_of_numbers(script, tmp_path, capsys):

@@ -256,3 +256,83 @@ def test_host_scale_scales_the_measured_host_time():
     assert q.host_program_seconds == pytest.approx(p.host_program_seconds / 2)
     assert q.compute_seconds == pytest.approx(p.compute_seconds)
     assert q.step_seconds < p.step_seconds
+
+
+def _hand_trace():
+    """One op on "sim": entered at 1 µs, kernel 3-7 µs (of which 1 µs measuring it), exits at
+    8 µs; then an ordered copy in from 8 to 9 µs; the recording stops at 10 µs."""
+    from torchTensorRef.op_cost import Kernel
+    from torchTensorRef.trace import Trace
+
+    trace = Trace("sim", None)
+    trace.t0 = 0
+    trace.entries[0] = 1000
+    trace.ops.append((0, "aten.add.Tensor", 2000, 8000))
+    trace.kernels[0] = Kernel(3000, 7000, 0, 4000, False, True, False)
+    trace.measure_ns = 1000
+    trace.moves.append(("to_device", 7, 4000, 8000, 9000))
+    trace.move_modes.append("ordered")
+    trace.t_end = 10000
+    return trace
+
+
+def test_host_time_from_an_unrecorded_run():
+    trace = _hand_trace()
+    # Recorded host: ours 1-3 and 7-8 µs, the program's 0-1 and 9-10 µs: 5 µs. Device work
+    # on the recording machine: the kernel less its measuring, 3 µs, and the copy, 1 µs.
+    p = timeline.predict(trace, "h100-pcie")
+    assert p.host_unrecorded_scale == 1.0
+    assert p.host_ours_seconds == pytest.approx(3e-6)
+    assert p.host_program_seconds == pytest.approx(2e-6)
+    # Unrecorded, 2 steps took 10 µs: 5 µs each, of which 4 µs device work: 1 µs of host.
+    trace.set_unrecorded(2, 10_000)
+    assert timeline.unrecorded_scale(trace) == pytest.approx(1 / 5)
+    q = timeline.predict(trace, "h100-pcie")
+    assert q.host_unrecorded_scale == pytest.approx(1 / 5)
+    assert q.host_ours_seconds == pytest.approx(0.6e-6)
+    assert q.host_program_seconds == pytest.approx(0.4e-6)
+    assert q.host_seconds == pytest.approx(1e-6 + timeline.LAUNCH_HOST + timeline.COPY_HOST)
+    assert q.compute_seconds == pytest.approx(p.compute_seconds)
+    # unrecorded=False keeps the recording's; host_scale applies on top of the measured one
+    assert timeline.predict(trace, "h100-pcie", unrecorded=False).host_ours_seconds == pytest.approx(3e-6)
+    assert timeline.predict(trace, "h100-pcie", host_scale=0.5).host_ours_seconds == pytest.approx(0.3e-6)
+    # all-resident has no host time of ours to substitute: its program time is as recorded
+    assert timeline.predict(trace, scenario="resident").host_program_seconds == pytest.approx(2e-6)
+    # an unrecorded run faster than the device work recorded: no host time, not a negative one
+    trace.set_unrecorded(1, 3_000)
+    assert timeline.unrecorded_scale(trace) == 0.0
+
+
+def test_an_unrecorded_run_is_only_known_on_sim():
+    trace = _hand_trace()
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        trace.set_unrecorded(0, 1000)
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        trace.set_unrecorded(1, 0)
+    with pytest.raises(ValueError, match="no unrecorded run"):
+        timeline.unrecorded_scale(trace)
+    trace.device = "cuda"
+    with pytest.raises(ValueError, match="only known on 'sim'"):
+        trace.set_unrecorded(1, 1000)
+
+
+def test_the_bounding_lane_is_named():
+    trace = _train()
+    p = timeline.predict(trace, "h100-pcie")
+    assert p.bottleneck in timeline.LANES and p.lanes[p.bottleneck] == max(p.lanes.values())
+    assert timeline.predict(trace, _fast(tflops_32=1e-6)).bound_lane == "compute"
+    assert timeline.predict(trace, _fast(h2d_pinned_gb_s=1e-6)).bound_lane == "host-to-device"
+    assert timeline.predict(trace, _fast(d2h_pinned_gb_s=1e-9)).bound_lane == "device-to-host"
+    summary = p.summary()
+    assert summary["bound_lane"] == p.bound_lane and summary["bottleneck"] == p.bottleneck
+
+
+@pytest.mark.parametrize("device, row", [
+    ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA A100-SXM4-80GB", "a100-sxm"),
+    ("NVIDIA A100 80GB PCIe", "a100-pcie"), ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+    ("Tesla T4", "t4"), ("NVIDIA GeForce RTX 3060", "rtx-3060-12gb"),
+    # other GPUs than the rows: no guess
+    ("NVIDIA L40S", None), ("NVIDIA GeForce RTX 3060 Ti", None), ("NVIDIA A100-SXM4-40GB", None), ("NVIDIA H200", None),
+])
+def test_the_row_of_a_cuda_device_name(device, row):
+    assert gpus.for_device(device) == row

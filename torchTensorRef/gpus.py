@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List, Union
+from typing import Dict, List, Optional, Union
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpus.json")
 _GB = 1e9
@@ -69,6 +69,25 @@ def table() -> Dict[str, GPU]:
 
 def names() -> List[str]:
     return list(table())
+
+
+#: what ``torch.cuda.get_device_name()`` says of each row's GPU: words that must all appear
+#: ("!w": must not: a "Ti" is another GPU)
+_DEVICE_NAMES = {
+    "h100-pcie": ("h100", "pcie"), "h100-sxm": ("h100", "hbm3"), "a100-pcie": ("a100", "80gb", "pcie"),
+    "a100-sxm": ("a100", "sxm4", "80gb"), "l4": ("nvidia l4",), "rtx-4090": ("rtx 4090", "!d"),
+    "rtx-3090": ("rtx 3090", "!ti"), "rtx-3060-12gb": ("rtx 3060", "!ti"), "t4": ("t4",),
+}
+
+
+def for_device(device_name: str) -> Optional[str]:
+    """The row of the GPU ``torch.cuda.get_device_name()`` names, or None if none matches."""
+    words = f" {' '.join(device_name.lower().replace('-', ' ').split())} "
+    for name, needed in _DEVICE_NAMES.items():
+        if all((f" {w[1:]} " not in words) if w.startswith("!") else (f" {w} " in words)
+               for w in needed):  # whole words: "L4" is not "L40S"
+            return name
+    return None
 
 
 def resolve(gpu: Union[str, GPU, dict]) -> GPU:

@@ -3,7 +3,9 @@
 A step ends when the first module the script calls (its model) returns from a forward
 (``--step-on forward``: one step per generated token, or per training iteration), or
 after each ``optimizer.step()`` (``--step-on optimizer``). ``--steps A:B`` records steps A
-to B-1 (the first is warm-up: allocations, pinning). The prediction is printed beside
+to B-1 (the first is warm-up: allocations, pinning); as many steps after them run
+unrecorded and timed, and our host time is taken from them (recording turns the fast
+path off). The prediction is printed beside
 the same steps predicted all-resident and, for inference, with accelerate's
 ``cpu_offload`` hooks (see ``docs/timeline.md``).
 """
@@ -16,7 +18,7 @@ import json
 import os
 import sys
 import time
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -41,10 +43,29 @@ def parse_steps(text: str) -> Tuple[int, int]:
 
 
 class StepRecorder:
-    """Counts the script's steps and records the ones asked for, from torch's global hooks."""
+    """Counts the script's steps and records the ones asked for, from torch's global hooks.
 
-    def __init__(self, first: int, end: int, step_on: str = "forward", progress=None):
+    ``timed=(C, D)``: steps C to D-1 are timed unrecorded, and again ``repeats - 1`` times
+    ``every`` steps later (the same steps of the next ``generate()`` call, say); none may
+    overlap the recorded ones. The trace gets the fastest complete repeat
+    (``trace.set_unrecorded``), from which ``timeline.predict`` takes the host time; with no
+    complete repeat (the script stopped before D), the steps of the first it completed.
+    """
+
+    def __init__(self, first: int, end: int, step_on: str = "forward", progress=None,
+                 timed: Optional[Tuple[int, int]] = None, repeats: int = 1, every: int = 0):
+        self.runs: List[Tuple[int, int]] = []  # the timed ranges
+        if timed is not None:
+            c, d = timed
+            if repeats > 1 and every < d - c:
+                raise ValueError(f"timed repeats must be at least {d - c} steps apart (got: every={every})")
+            self.runs = [(c + k * every, d + k * every) for k in range(repeats)]
+            for c, d in self.runs:
+                if not (0 <= c < d and (d <= first or c >= end)):
+                    raise ValueError(f"timed steps {c}:{d} must be a range apart from the recorded {first}:{end}")
         self.first, self.end, self.step_on = first, end, step_on
+        #: per timed range, perf_counter_ns at its start and at the end of each step timed
+        self.timed_at: List[List[int]] = [[] for _ in self.runs]
         self.progress = progress
         self.done = 0
         self.trace = None
@@ -63,12 +84,36 @@ class StepRecorder:
             self._handles.append(register_optimizer_step_post_hook(self._optimizer_step))
         if self.first == 0:
             self._start()
+        self._time_steps()
         return self
 
     def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
         self._stack.close()
+        best = self.unrecorded()
+        if self.trace is not None and best is not None:
+            self.trace.set_unrecorded(*best)
+
+    def unrecorded(self) -> Optional[Tuple[int, int]]:
+        """(steps, wall ns) of the fastest complete timed range, else of the first partial one."""
+        done = [(len(at) - 1, at[-1] - at[0]) for at in self.timed_at if len(at) > 1]
+        whole = [run for run, (c, d) in zip(done, self.runs) if run[0] == d - c]
+        if whole:
+            return min(whole, key=lambda run: run[1])
+        return done[0] if done else None
+
+    @property
+    def timed_steps(self) -> int:
+        """How many unrecorded steps the timing comes from."""
+        best = self.unrecorded()
+        return best[0] if best else 0
+
+    def _time_steps(self) -> None:
+        # (called after the recording stopped at this step: its end is not timed)
+        for (c, d), at in zip(self.runs, self.timed_at):
+            if c <= self.done <= d:
+                at.append(time.perf_counter_ns())
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -101,8 +146,13 @@ class StepRecorder:
             self._start()
         elif self.done == self.end:
             self._stack.close()
+        self._time_steps()
+        timed = ""
+        if self.runs:
+            timed = (f", {sum(max(len(at) - 1, 0) for at in self.timed_at)}/"
+                     f"{sum(d - c for c, d in self.runs)} timed unrecorded")
         recorded = max(min(self.done, self.end) - self.first, 0)
-        print(f"predict: step {self.done} done, {recorded}/{self.end - self.first} recorded "
+        print(f"predict: step {self.done} done, {recorded}/{self.end - self.first} recorded{timed} "
               f"({time.perf_counter() - self._started:.1f} s)", file=self.progress or sys.stderr, flush=True)
 
     def _start(self) -> None:
@@ -188,7 +238,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             except ValueError as e:
                 parser.error(f"--{name}: {e}")
     entry = timeline.proxy_entry_ns()  # what a plain program would not pay per op
-    with StepRecorder(first, end, args.step_on) as recorder:
+    # The steps after the recorded ones, as many, run unrecorded: our host time comes from them.
+    with StepRecorder(first, end, args.step_on, timed=(end, 2 * end - first)) as recorder:
         code = run_script(args.script, args.args)
     trace = recorder.trace
     if trace is not None:
@@ -200,6 +251,9 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"predict: the script ran {recorder.done} step(s) (--step-on {args.step_on}); --steps "
               f"{args.steps} needs at least {first + 1}", file=sys.stderr)
         return 1
+    if recorder.timed_steps == 0:
+        print("predict: no step ran after the recorded ones: our host time is the recording's "
+              "(the generic path, pessimistic; see docs/timeline.md)", file=sys.stderr)
     results = predictions(trace, gpu, recorded, args.half, args.host_scale)
     budget = tensorsManager.budget
     sys.stdout.flush()
@@ -208,7 +262,12 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
           f"strategy {tensorsManager.strategy.name}, budget {format_size(budget) if budget is not None else 'none'}"
           f"{', as 16-bit' if args.half else ''}"
           f"{f', host time x {args.host_scale:g}' if args.host_scale != 1 else ''}:")
+    ours = results["torchTensorRef"]
+    if trace.unrecorded is not None:
+        print(f"host time from {trace.unrecorded[0]} unrecorded step(s): x {ours.host_unrecorded_scale:.3f} "
+              f"of the recording's")
     print(table(results))
+    print(f"busiest lane: {', '.join(f'{label}: {p.bottleneck}' for label, p in results.items())}")
     print("(predicted by a model of the run, not measured: see docs/timeline.md)")
     if args.json:
         with open(args.json, "w") as f:

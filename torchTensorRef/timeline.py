@@ -4,8 +4,10 @@
 
 - **host**: the measured time between kernels and copies, ours (from an op's entry into
   the manager to its end) and the program's (between ops), plus a modelled launch cost
-  per kernel and per copy; the kernels' own time on the recording machine is left out (on
-  a GPU they run on the device);
+  per kernel and per copy; the kernels' and copies' own time on the recording machine is
+  left out (on a GPU they run on the device). Where the trace has an unrecorded run of the
+  same steps (``trace.set_unrecorded``), the measured host time is scaled to that run's
+  (:func:`unrecorded_scale`): recording turns the fast path off;
 - **compute**: one kernel per op that launches one, lasting the roofline
   ``max(FLOPs / peak, bytes / memory bandwidth, launch floor)``;
 - **host-to-device** and **device-to-host**: one copy engine each way, at the link's pinned
@@ -48,7 +50,10 @@ class Prediction:
     """A predicted run; ``*_seconds`` are per step, lanes busy time.
 
     ``stalls`` is the time the compute lane waited with work to do: ``"copy"`` for a copy
-    its kernel needed, ``"host"`` for the host to launch it. ``host_wait_seconds`` is the time
+    its kernel needed, ``"host"`` for the host to launch it. ``host_unrecorded_scale`` is
+    the factor from the recorded host time to the unrecorded run's (:func:`unrecorded_scale`;
+    1 when the trace has none). ``bound_lane`` names the lane that sets
+    ``bound_seconds``; ``bottleneck`` the busiest lane. ``host_wait_seconds`` is the time
     the host waited for the device (``.item()``, copies from or to pageable memory).
     """
 
@@ -61,6 +66,7 @@ class Prediction:
     host_seconds: float
     host_ours_seconds: float
     host_program_seconds: float
+    host_unrecorded_scale: float
     bound_seconds: float
     stalls: Dict[str, float]
     host_wait_seconds: float
@@ -69,6 +75,19 @@ class Prediction:
     bytes_to_host: float
     kernels: int
     events: List[tuple] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def bound_lane(self) -> str:
+        """The lane of ``bound_seconds``: "compute", "host-to-device" or "device-to-host"."""
+        up = self.bytes_to_device / self.gpu.copy_rate(True, True)
+        down = self.bytes_to_host / self.gpu.copy_rate(False, True)
+        return max((self.compute_seconds, "compute"), (up, "host-to-device"), (down, "device-to-host"))[1]
+
+    @property
+    def bottleneck(self) -> str:
+        """The busiest lane of the predicted step (what bounds it): one of :data:`LANES`."""
+        lanes = self.lanes
+        return max(LANES, key=lambda lane: lanes[lane])
 
     @property
     def lanes(self) -> Dict[str, float]:
@@ -82,6 +101,8 @@ class Prediction:
         """The figures as a JSON-ready dict."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("gpu", "events")}
         out["gpu"] = self.gpu.name
+        out["bound_lane"] = self.bound_lane
+        out["bottleneck"] = self.bottleneck
         return out
 
     def save(self, path) -> str:
@@ -106,7 +127,8 @@ class Prediction:
         return (f"{self.gpu.name} ({self.scenario}): {self.step_seconds * ms:.3f} ms/step "
                 f"[compute {self.compute_seconds * ms:.3f}, transfer {self.transfer_seconds * ms:.3f}, "
                 f"host {self.host_seconds * ms:.3f}, bound {self.bound_seconds * ms:.3f}, "
-                f"stalls copy {self.stalls['copy'] * ms:.3f} host {self.stalls['host'] * ms:.3f}]")
+                f"stalls copy {self.stalls['copy'] * ms:.3f} host {self.stalls['host'] * ms:.3f}; "
+                f"busiest lane: {self.bottleneck}]")
 
 
 def proxy_entry_ns(trials: int = 300) -> float:
@@ -146,7 +168,7 @@ def proxy_entry_ns(trials: int = 300) -> float:
 
 def predict(trace: Trace, gpu: Union[str, GPU, dict] = "h100-pcie", *, scenario: str = "recorded",
             steps: Optional[int] = None, as_half: bool = False, pinned: bool = False,
-            host_scale: float = 1.0) -> Prediction:
+            host_scale: float = 1.0, unrecorded: bool = True) -> Prediction:
     """Replay ``trace`` on ``gpu``.
 
     Args:
@@ -162,6 +184,9 @@ def predict(trace: Trace, gpu: Union[str, GPU, dict] = "h100-pcie", *, scenario:
         pinned: for ``"cpu_offload"``, whether the weights are in pinned memory.
         host_scale: the measured host time is multiplied by this: 0.5 for a host twice as
             fast as the recording machine's (the modelled launch costs are not scaled).
+        unrecorded: for ``"recorded"``, when the trace has an unrecorded run of the same
+            steps (``trace.unrecorded``), scale the recorded host time to that run's
+            (:func:`unrecorded_scale`); ``False`` keeps the recording's (the generic path).
     """
     spec = gpus.resolve(gpu)
     if scenario not in SCENARIOS:
@@ -172,10 +197,40 @@ def predict(trace: Trace, gpu: Union[str, GPU, dict] = "h100-pcie", *, scenario:
         raise ValueError(f"steps must be a positive int (got: {steps!r})")
     if isinstance(host_scale, bool) or not isinstance(host_scale, (int, float)) or not host_scale > 0:
         raise ValueError(f"host_scale must be a positive number (got: {host_scale!r})")
+    measured = 1.0
+    if unrecorded and scenario == "recorded" and trace.unrecorded is not None:
+        measured = unrecorded_scale(trace, steps)
     replay = _Replay(trace, spec, scenario, 0.5 if as_half else 1.0, as_half, pinned)
     replay.host_scale = host_scale
+    replay.measured = measured
     replay.run()
     return replay.prediction(steps)
+
+
+def unrecorded_scale(trace: Trace, steps: Optional[int] = None) -> float:
+    """The factor from the recorded host time to that of the same steps run unrecorded.
+
+    Recording runs every op through the generic path (and costs host time of its own);
+    unrecorded, resident ops take the fast path and Flow follows its plan. On ``"sim"``
+    kernels and copies run on the host thread, so per step the unrecorded run's host time
+    is its wall time less the device work the recording measured:
+    ``host = wall / unrecorded steps - (span - recorded host - measuring) / steps``, and the
+    factor is ``host / recorded host`` (ours and the program's together: recording slows
+    both). Applied to each gap of the trace, it keeps which op spends the time.
+    """
+    if trace.unrecorded is None:
+        raise ValueError("the trace has no unrecorded run (trace.set_unrecorded)")
+    steps = steps or max(len(trace.marks), 1)
+    base = _Replay(trace, gpus.resolve("h100-pcie"), "recorded", 1.0, False, False)
+    base.run()  # (the host time measured does not depend on the GPU)
+    recorded = (base.ours + base.program) / steps
+    if recorded <= 0:
+        return 1.0
+    end = trace.t_end if trace.t_end is not None else base.last
+    device = ((end - trace.t0) - trace.measure_ns) / 1e9 / steps - recorded
+    run_steps, wall_ns = trace.unrecorded
+    host = wall_ns / 1e9 / run_steps - device
+    return max(host, 0.0) / recorded
 
 
 class _Replay:
@@ -192,7 +247,8 @@ class _Replay:
         self.host_wait = self.ours = self.program = self.flops = 0.0
         self.bytes = {"to_device": 0.0, "to_host": 0.0}
         self.kernels = 0
-        self.host_scale = 1.0
+        self.host_scale = self.measured = 1.0
+        self.last = trace.t0
         self.entry = getattr(trace, "entry_ns", 0.0) / 1e9
 
     # -- the walk ---------------------------------------------------------------------------
@@ -210,10 +266,10 @@ class _Replay:
             out.append((end, 4, "exit", index))
         for start, end in t.hidden_copies:
             out.append((start, 1, "hidden", end))
+        for i, move in enumerate(t.moves):  # (in every scenario: a copy's time is not host time)
+            mode = t.move_modes[i] if i < len(t.move_modes) else "ordered"
+            out.append((move[3], 1, "move", (move, mode)))
         if self.scenario == "recorded":
-            for i, move in enumerate(t.moves):
-                mode = t.move_modes[i] if i < len(t.move_modes) else "ordered"
-                out.append((move[3], 1, "move", (move, mode)))
             for when, block in t.syncs:
                 out.append((when, 3, "sync", block))
         elif self.scenario == "cpu_offload":
@@ -229,7 +285,7 @@ class _Replay:
             blocks[index].add(block)
         last = t.t0
         inside = False
-        unit = self.host_scale / 1e9
+        unit = self.host_scale * self.measured / 1e9
         for when, _order, kind, payload in self.points():
             gap = max(when - last, 0) * unit
             if inside:
@@ -251,7 +307,8 @@ class _Replay:
                 when = max(when, k.end)  # the kernel's own time on this machine is not host time
             elif kind == "move":
                 move, mode = payload
-                self._move(move, mode)
+                if self.scenario == "recorded":
+                    self._move(move, mode)
                 if mode != "drop":  # (dropping a clean copy is bookkeeping: host time)
                     when = max(when, move[4])
             elif kind == "hidden":
@@ -263,6 +320,7 @@ class _Replay:
                 for _ in range(count):
                     self._copy_in(None, nbytes * self.scale / count, "blocking", self.pinned)
             last = max(last, when)
+        self.last = last
         end = t.t_end if t.t_end is not None else last
         tail = max(end - last, 0) * unit
         self.program += tail
@@ -354,6 +412,7 @@ class _Replay:
             host_seconds=busy["host"] / steps,
             host_ours_seconds=(self.ours if self.scenario == "recorded" else 0.0) / steps,
             host_program_seconds=self.program / steps, bound_seconds=bound,
+            host_unrecorded_scale=self.measured,
             stalls={k: v / steps for k, v in self.stalls.items()}, host_wait_seconds=self.host_wait / steps,
             flops=self.flops / steps, bytes_to_device=self.bytes["to_device"] / steps,
             bytes_to_host=self.bytes["to_host"] / steps, kernels=self.kernels // steps, events=self.events)

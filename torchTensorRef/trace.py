@@ -71,6 +71,11 @@ class Trace:
         #: host ns per op that entering a TensorRef costs before the manager sees the op
         #: (``timeline.proxy_entry_ns``; 0 until someone measures it)
         self.entry_ns = 0.0
+        #: ns spent measuring kernels' costs (inside ``kernels[i].end``): the recording's own
+        #: time, which an unrecorded run does not spend
+        self.measure_ns = 0
+        #: (steps, wall ns) of the same steps run without recording (``set_unrecorded``)
+        self.unrecorded: Optional[Tuple[int, int]] = None
         self.t0 = time.perf_counter_ns()
         self.t_end: Optional[int] = None
 
@@ -87,7 +92,9 @@ class Trace:
         kernel = op_cost.measure(func, args, kwargs, out, start, end)
         # Measuring is the recording's cost, not the op's: it counts as kernel time, which
         # the timeline leaves out of the host's.
-        self.kernels[index] = kernel._replace(end=time.perf_counter_ns())
+        now = time.perf_counter_ns()
+        self.measure_ns += now - end
+        self.kernels[index] = kernel._replace(end=now)
 
     def move(self, kind: str, block_id: int, nbytes: int, start: int, end: int, device_bytes: int,
              mode: Optional[str] = None) -> None:
@@ -110,6 +117,19 @@ class Trace:
     def mark(self) -> None:
         """A step ends now (``timeline.predict`` divides by the number of steps)."""
         self.marks.append(time.perf_counter_ns())
+
+    def set_unrecorded(self, steps: int, wall_ns: int) -> None:
+        """The same steps as the recorded ones took ``wall_ns`` in all when run unrecorded.
+
+        Recording turns the fast path off; ``timeline.predict`` takes our host time from
+        this run instead. Only on ``"sim"``: there kernels and copies run on the host thread,
+        so the wall time less the recorded device work is host time.
+        """
+        if self.device != "sim":
+            raise ValueError(f"an unrecorded run's host time is only known on 'sim' (this trace is on {self.device!r})")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or not wall_ns > 0:
+            raise ValueError(f"steps must be a positive int and wall_ns positive (got: {steps!r}, {wall_ns!r})")
+        self.unrecorded = (steps, int(wall_ns))
 
     def stop(self) -> None:
         self.t_end = time.perf_counter_ns()
