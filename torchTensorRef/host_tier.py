@@ -101,6 +101,14 @@ class HostTier:
             if self._host_bytes > self._peak_host:
                 self._peak_host = self._host_bytes
 
+    def _count_host_copies(self) -> None:
+        """After a device change: the host copies paged now (none on pass-through, where the
+        blocks are the program's CPU tensors)."""
+        self._hosted = {} if self._backend.passthrough else {
+            b.id: b for b in self._blocks.values() if b.host is not None and not b.host_only}
+        self._host_bytes = sum(b.nbytes for b in self._hosted.values())
+        self._peak_host = max(self._peak_host, self._host_bytes)
+
     def _host_lost(self, block: Block) -> None:
         if self._hosted.pop(block.id, None) is not None:
             self._host_bytes -= block.nbytes

@@ -185,6 +185,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
                 block.dev_key = block.host._cdata if (backend.passthrough or block.host_only) and block.host is not None else 0
             self._pressured = False
             self._limit = self._compute_limit(self._budget)
+            self._count_host_copies()
             self._strategy.device_changed()
             self._refresh_fast()
 
@@ -621,9 +622,10 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
     def _set_host_only(self, block: Block, storage) -> None:
         """``storage`` is ``block``'s host copy, and the one ops run on if it is host-only (or pass-through)."""
         block.set_host(storage, True)
-        self._host_gained(block)
         if self._backend.passthrough or block.host_only:
-            block.dev_key = storage._cdata
+            block.dev_key = storage._cdata  # (and not paged: not counted against the host budget)
+        else:
+            self._host_gained(block)
 
     def _drain(self) -> None:
         """Apply the TensorRef deaths the weakref callbacks queued; release dead blocks."""
@@ -664,7 +666,8 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
             block.host = None
         if block.dev is not None:
             block.set_dev(None)
-        self._disk_stale(block)
+        if block.disk is not None or block.spilling is not None:
+            self._disk_stale(block)
         block.dev_pending = None
         block.alive = False
         block.on_ref_dead = None
