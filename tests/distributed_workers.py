@@ -173,8 +173,9 @@ def fsdp_worker(rank: int, world: int, init_file: str, device: str, runs: list) 
     mesh, the managed one on a mesh of ``device``, ``options`` given to ``fully_shard``
     (``mp_policy`` as ``(param_dtype, reduce_dtype)``) but ``no_sync``, which accumulates the
     first step's gradients into the second's, and ``prefetch``, which sets each layer's
-    explicit forward and backward prefetch. Losses, gradient shards, parameter shards
-    and gathered parameters must agree bit for bit, and the rank's peak stay within its budget.
+    explicit forward and backward prefetch, and ``host_fraction``, which sets a host budget of
+    that fraction of the parameter bytes. Losses, gradient shards, parameter shards and
+    gathered parameters must agree bit for bit, and the rank's peaks stay within its budgets.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -195,6 +196,7 @@ def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -
     where = f"FSDP2 on {tensorsManager.device}, {strategy}, budget {budget_fraction}, {options}"
     no_sync = options.pop("no_sync", False)
     prefetch = options.pop("prefetch", False)
+    host_fraction = options.pop("host_fraction", None)
     if "mp_policy" in options:
         param_dtype, reduce_dtype = options["mp_policy"]
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -207,6 +209,8 @@ def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -
     tensorsManager.budget = None
     tensorsManager.strategy = strategy
     tensorsManager.budget = budget
+    host_budget = None if host_fraction is None else int(host_fraction * param_bytes(plain))
+    tensorsManager.host_budget = host_budget
     tensorsManager.reset_stats()
     for model, mesh in zip((plain, managed), meshes):
         for layer in model.layers:
@@ -245,9 +249,13 @@ def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -
     if budget is not None:
         assert stats["peak_device_bytes"] <= budget, (where, stats["peak_device_bytes"], budget)
         assert stats["evictions"] > 0, f"{where}: the budget did not make the manager page"
+    if host_budget is not None:
+        assert stats["peak_host_bytes"] <= host_budget, (where, stats["peak_host_bytes"], host_budget)
+        assert stats["bytes_to_disk"] > 0, f"{where}: the host budget did not make the manager spill"
     for (name, p), m in zip(plain.named_parameters(), managed.parameters()):
         check_same(p.full_tensor(), m.full_tensor(), f"{where}: {name} gathered")
     tensorsManager.budget = None
+    tensorsManager.host_budget = None
 
 
 def fsdp_refused_worker(rank: int, world: int, init_file: str, device: str) -> None:

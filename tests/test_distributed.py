@@ -184,6 +184,13 @@ def test_fsdp2_pages_each_rank_at_half_the_parameters(strategy):
     spawn(workers.fsdp_worker, "sim", [(strategy, 0.5, o) for o in FSDP2_OPTIONS])
 
 
+@pytest.mark.parametrize("strategy", ["flow", "genoa"])
+def test_fsdp2_pages_each_rank_under_a_host_budget_too(strategy):
+    # (the module is managed in place from plain tensors, whose host copies are shared and
+    # stay: about the parameter bytes; the rest of the host budget is what pages)
+    spawn(workers.fsdp_worker, "sim", [(strategy, 0.5, {"host_fraction": 2.0})])
+
+
 def test_fsdp2_functions_are_wrapped_when_imported_and_restored_by_unpatch():
     import torch.distributed.fsdp as fsdp
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
