@@ -247,6 +247,11 @@ def write_json(path: str, result: dict) -> None:
         f.write("\n")
 
 
+def write_result(path: str, script: str, argv, device: str, result: dict) -> None:
+    """Write ``result`` to ``path`` with where, when and how it was obtained (``metadata``)."""
+    write_json(path, {**metadata(command_line(script, argv), device), "result": result})
+
+
 def parameters_text(n: int) -> str:
     """``1.10B`` or ``0.25M`` parameters."""
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"

@@ -144,8 +144,7 @@ def main(argv=None) -> dict:
     result = common.metadata(common.command_line("benchmarks/compiled.py", argv), "sim")
     result["rows"] = rows
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        common.write_json(args.json, result)
     if not all(r["equal_to_plain_compiled"] for r in rows):
         print("a row's logits differ from plain compiled torch", file=sys.stderr)
         sys.exit(1)

@@ -31,6 +31,8 @@ import threading
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROMPT = [[1, 306, 4966, 263, 931, 12892, 727, 471]]
 
@@ -113,7 +115,7 @@ def sequential_read_rate(path: str, chunk: int = 16 << 20) -> float:
 
 
 def measure(folder: str, tokens: int, device_fraction: float, host_fraction: float, warmup: int) -> dict:
-    import psutil  # noqa: F401
+    import psutil
     import torch
     import transformers
 
@@ -143,8 +145,6 @@ def measure(folder: str, tokens: int, device_fraction: float, host_fraction: flo
         read_bytes[0] += self.nbytes
 
     disk.FileRange.read_into = timed_read
-    import psutil
-
     before = psutil.Process().memory_info().rss
     with PeakRSS() as rss:
         load_start = time.perf_counter()
@@ -191,7 +191,6 @@ def measure(folder: str, tokens: int, device_fraction: float, host_fraction: flo
         "bytes_to_disk": stats["bytes_to_disk"],
         "read_rate": read_bytes[0] / read_seconds[0] if read_seconds[0] else None,
         "sequential_read_rate": file_rate,
-        "torch": torch.__version__,
         "torchTensorRef": torchTensorRef.__version__,
     }
 
@@ -236,9 +235,9 @@ def main(argv=None) -> int:
     print(f"generate({args.tokens} tokens): first call {r['first_call_seconds']:.1f} s, "
           f"recorded call (after {args.warmup}) {r['recorded_call_seconds']:.1f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": "python benchmarks/disk_tier.py " + " ".join(argv or sys.argv[1:]),
-                       **result}, f, indent=1)
+        from benchmarks import common  # (not at the top: the writer process imports no torchTensorRef)
+
+        common.write_result(args.json, "benchmarks/disk_tier.py", argv, "sim", result)
     return 0 if result["tokens_equal_plain"] else 1
 
 

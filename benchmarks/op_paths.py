@@ -140,8 +140,7 @@ def main(argv=None) -> dict:
         for name, us in result["profile_plan_row"]:
             print(f"    {us:6.2f} us  {name}")
     if args.json:
-        common.write_json(args.json, {**common.metadata(common.command_line("benchmarks/op_paths.py", argv),
-                                                        "cpu (pass-through) and sim"), "result": result})
+        common.write_result(args.json, "benchmarks/op_paths.py", argv, "cpu (pass-through) and sim", result)
     return result
 
 

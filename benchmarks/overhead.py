@@ -238,8 +238,7 @@ def main(argv=None) -> dict:
               f"Python subclass adds {s['floor_added_us']:.1f} us, torchTensorRef {s['own_us']:.1f} us more")
     print(f"  outputs equal to plain: {result['outputs_equal']}; bytes copied in per forward: {moved}")
     if args.json:
-        common.write_json(args.json, {**common.metadata(common.command_line("benchmarks/overhead.py", argv),
-                                                        "cpu (pass-through) and sim"), "result": result})
+        common.write_result(args.json, "benchmarks/overhead.py", argv, "cpu (pass-through) and sim", result)
     return result
 
 

@@ -304,8 +304,7 @@ def main(argv=None) -> dict:
     mismatches = [(w["work"], r["row"]) for w in works for r in w["rows"] if r["fits"] and not r["outputs_equal"]]
     result["outputs_equal"] = not mismatches
     if args.json:
-        common.write_json(args.json, {**common.metadata(common.command_line("benchmarks/small_ops.py", argv),
-                                                        "cpu (pass-through) and sim"), "result": result})
+        common.write_result(args.json, "benchmarks/small_ops.py", argv, "cpu (pass-through) and sim", result)
     if args.plot:
         from benchmarks import plots
 

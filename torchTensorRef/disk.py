@@ -216,9 +216,6 @@ class DiskPending(Pending):
     def done(self) -> bool:
         return self.future.done()
 
-    def retire(self) -> bool:
-        return self.future.done()
-
 
 class DiskIO:
     """The background thread for disk reads and writes, one at a time in submission order."""

@@ -23,7 +23,6 @@ import sys
 import time
 from typing import Collection, Dict, List, Optional
 
-import torch
 
 from . import raw
 from .blocks import Block
@@ -206,10 +205,6 @@ class HostTier:
         if self._trace is not None:
             self._trace.disk_move("to_disk", block.id, nbytes, start, time.perf_counter_ns())
 
-    def _drop_host(self, block: Block) -> None:
-        self._forget_host(block)
-        block.set_host(None, False)
-
     def _retire_spills(self, wait: bool = False) -> None:
         """Finish the spills that ended (with ``wait``: all): their host copies go."""
         failed = None
@@ -260,8 +255,8 @@ class HostTier:
         with self._lock:
             if block.host_valid or block.disk is None or block.dev is not None or not block.alive:
                 return False
-            limit = self._host_limit
-            if limit is not None and self._host_bytes + block.nbytes > limit:
+            room = self.host_room()
+            if room is not None and room < block.nbytes:
                 return False
             self._start_read(block, (block.id,), wait=False)
             return True

@@ -187,8 +187,7 @@ class OpProtocol:
         if block.dev is not None:
             self._add_device_bytes(nbytes - block.nbytes)
             if block.host is not None:  # the host copy has the old size: drop it
-                self._forget_host(block)
-                block.set_host(None, False)
+                self._drop_host(block)
             if self._trace is not None:
                 self._trace.resized(time.perf_counter_ns(), self._device_bytes)
         if block.id in self._hosted:

@@ -258,8 +258,7 @@ class Residency:
         host = block.host
         if host is None or host.nbytes() != block.nbytes:
             if host is not None:
-                self._forget_host(block)
-                block.set_host(None, False)
+                self._drop_host(block)
             self._make_host_room(block.nbytes, (block.id,), "writing a tensor back to host memory")
             self._host_watch.reserve_bytes(block.nbytes)
             buffer = self._backend.pinned.allocate(block.nbytes)
@@ -327,6 +326,11 @@ class Residency:
         block.set_host(buffer.untyped_storage(), True)
         self._host_gained(block)
         return True
+
+    def _drop_host(self, block: Block) -> None:
+        """``block`` has no host copy any more (it is stale, or another copy holds the bytes)."""
+        self._forget_host(block)
+        block.set_host(None, False)
 
     def _forget_host(self, block: Block) -> None:
         """``block`` stops using its host copy (accounting; the bytes go when no view holds them)."""

@@ -390,24 +390,27 @@ class Flow(Strategy):
             block = mgr.block(role)
             if block is None or block.host is not None or block.disk is None or block.dev is not None:
                 continue
-            room = mgr.host_room()
-            while room is not None and room < block.nbytes:
-                victim = self._free_host_victim(n, m)
-                if victim is None or not mgr.drop_host_copy(victim):
-                    return  # host memory holds only what is needed sooner: read it later
-                room = mgr.host_room()
+            if not self._free_host_room(block.nbytes, n, m):
+                return  # host memory holds only what is needed sooner: read it later
             mgr.read_ahead(block)
 
     def host_room_for(self, block, index: int) -> bool:
         """Room, from free host copies needed after ``block``, to keep ``block`` in host memory."""
-        mgr = self.manager
         needed = self._priority(block, index)
         if needed >= _UNKNOWN:
             return False  # not known to be needed again: the disk holds it
-        while mgr.host_room() < block.nbytes:
-            victim = self._free_host_victim(index, needed)
+        return self._free_host_room(block.nbytes, index, needed)
+
+    def _free_host_room(self, nbytes: int, n: int, m: int) -> bool:
+        """Drop free host copies needed after op ``m``, furthest first, until ``nbytes`` fit
+        under the host budget; whether they do."""
+        mgr = self.manager
+        room = mgr.host_room()
+        while room is not None and room < nbytes:
+            victim = self._free_host_victim(n, m)
             if victim is None or not mgr.drop_host_copy(victim):
                 return False
+            room = mgr.host_room()
         return True
 
     def _free_host_victim(self, n: int, m: int):
