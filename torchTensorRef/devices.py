@@ -24,6 +24,7 @@ import torch
 
 from . import raw, sim_device
 from .pinned import PinnedMemory
+from .sim_memory import DevicePool
 from .sizes import format_size
 from .streams import CudaStreams, SimStreams
 
@@ -68,6 +69,12 @@ class Backend:
     def release_cached(self) -> None:
         """Return cached free device memory to the driver (after an out-of-memory)."""
 
+    def recycle(self, storage: torch.UntypedStorage, limit: int) -> bool:
+        """The manager dropped ``storage``, a device copy: a device without a caching
+        allocator of its own may keep it for reuse, up to ``limit`` bytes kept; whether it
+        did. CUDA's allocator does this itself."""
+        return False
+
     def is_device_output(self, t: torch.Tensor) -> bool:
         """Whether the kernel output ``t`` lives on this device (else: host, or another device)."""
         return t.device == self.compute
@@ -110,9 +117,21 @@ class SimBackend(Backend):
         self._capacity = capacity
         self.streams = SimStreams()
         self.pinned = PinnedMemory(emulated=True, limit=pinned_limit)
+        self.pool = DevicePool(0)
 
     def capacity(self) -> Optional[int]:
         return self._capacity
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        kept = self.pool.take(nbytes)
+        return kept if kept is not None else super().allocate(nbytes)
+
+    def recycle(self, storage: torch.UntypedStorage, limit: int) -> bool:
+        self.pool.limit = limit
+        return self.pool.give(storage)
+
+    def release_cached(self) -> None:
+        self.pool.clear()
 
     def is_device_output(self, t: torch.Tensor) -> bool:
         # The kernels are the CPU's: which outputs are the device's is decided by the op

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import psutil
 
@@ -48,6 +48,8 @@ class HostMemoryWatch:
         self._since = 0
         self._at = 0.0
         self._warned = False
+        #: called before refusing: frees host memory kept for reuse (set by the manager)
+        self.release: Optional[Callable[[], None]] = None
         self._refresh()
 
     def _refresh(self) -> None:
@@ -62,6 +64,10 @@ class HostMemoryWatch:
         if stale or self._available - self._since - nbytes < self.reserve:
             self._refresh()
         left = self._available - self._since - nbytes
+        if left < self.reserve and self.release is not None:
+            self.release()  # memory kept for reuse goes back first (the simulated device's cache)
+            self._refresh()
+            left = self._available - nbytes
         if left < self.reserve:
             raise HostMemoryError(nbytes, self._available - self._since, self.reserve)
         if left < 2 * self.reserve and not self._warned:

@@ -93,6 +93,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         self._fault_injector = None
         self._callbacks: List[OpCallback] = []
         self._host_watch = HostMemoryWatch()
+        self._host_watch.release = lambda: self._backend.release_cached()  # (on "sim": host memory)
         self._init_host_tier()
         self._external = 0  # live external blocks (Note [External bytes])
         self._host_only_blocks = 0
@@ -615,7 +616,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         if block.dev is not None and not block.host_only:
             block.host_valid = True
             block.dev_pending = None
-            block.set_dev(None)
+            self._drop_dev(block)
             del self._resident[block.id]
             self._device_bytes -= block.nbytes
 
@@ -665,7 +666,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
             self._forget_host(block)
             block.host = None
         if block.dev is not None:
-            block.set_dev(None)
+            self._drop_dev(block)
         if block.disk is not None or block.spilling is not None:
             self._disk_stale(block)
         block.dev_pending = None

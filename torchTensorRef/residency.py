@@ -242,7 +242,7 @@ class Residency:
             self._write_back(block)
         block.dev_pending = None  # (a prefetch never waited on: its copy may still run, into memory we drop)
         block.exposed = False
-        block.set_dev(None)
+        self._drop_dev(block)
         del self._resident[block.id]
         self._device_bytes -= block.nbytes
         self._counters["evictions"] += 1
@@ -251,6 +251,26 @@ class Residency:
                              time.perf_counter_ns(), self._device_bytes, _write_mode(block, wrote))
 
     _evict = evict
+
+    def _drop_dev(self, block: Block) -> None:
+        """Forget ``block``'s device copy; the device may keep its buffer for reuse
+        (``Backend.recycle``).
+
+        What the simulated device keeps is bounded by the budget (by an eighth of its
+        capacity without one): its host memory stays within twice what the budget promises.
+        """
+        storage = block.dev
+        block.set_dev(None)
+        if storage is None:
+            return
+        backend = self._backend
+        start = time.perf_counter_ns()
+        backend.recycle(storage, self._budget or (backend.capacity() or 0) // 8)
+        del storage
+        if backend.simulated and self._trace is not None:
+            # Keeping or freeing the simulated device's buffer is its allocator's work, not
+            # the host's (a GPU's allocator keeps it for free): left out of the host's time.
+            self._trace.hidden(start, time.perf_counter_ns())
 
     def _write_back(self, block: Block) -> None:
         """Start copying ``block``'s device copy to its host copy (asynchronously into pinned memory)."""

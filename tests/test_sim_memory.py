@@ -1,0 +1,152 @@
+"""The simulated device's caching allocator (``sim_memory.DevicePool``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import raw
+from torchTensorRef.host_memory import HostMemoryError, HostMemoryWatch
+from torchTensorRef.sim_memory import MIN_BYTES, DevicePool
+
+MIB = 2**20
+sim_only = pytest.mark.skipif(os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim") != "sim",
+                              reason="the simulated device's pool")
+
+
+def _storage(nbytes: int) -> torch.UntypedStorage:
+    with torchTensorRef.disabled():
+        return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+
+
+def test_a_given_buffer_comes_back_for_the_same_size_only():
+    pool = DevicePool(limit=8 * MIB)
+    storage = _storage(2 * MIB)
+    address = storage.data_ptr()
+    assert pool.give(storage)
+    del storage
+    assert pool.cached_bytes == 2 * MIB
+    assert pool.take(2 * MIB + 1) is None and pool.take(MIB) is None
+    buffer = pool.take(2 * MIB)
+    assert buffer.dtype == torch.uint8 and buffer.shape == (2 * MIB,) and buffer.data_ptr() == address
+    assert pool.cached_bytes == 0 and pool.hits == 1
+    assert pool.take(2 * MIB) is None
+
+
+def test_small_buffers_and_buffers_past_the_limit_are_not_kept():
+    pool = DevicePool(limit=4 * MIB)
+    assert not pool.give(_storage(MIN_BYTES - 1))
+    assert not pool.give(_storage(5 * MIB))
+    assert pool.cached_bytes == 0
+
+
+def test_the_oldest_buffers_go_first_past_the_limit():
+    pool = DevicePool(limit=4 * MIB)
+    first, second, third = _storage(2 * MIB), _storage(2 * MIB), _storage(2 * MIB)
+    addresses = [s.data_ptr() for s in (first, second, third)]
+    for s in (first, second, third):
+        assert pool.give(s)
+    del first, second, third
+    assert pool.cached_bytes == 4 * MIB
+    kept = {pool.take(2 * MIB).data_ptr(), pool.take(2 * MIB).data_ptr()}
+    assert kept == set(addresses[1:])
+    assert pool.take(2 * MIB) is None
+
+
+def test_a_buffer_is_not_handed_out_while_a_tensor_uses_it():
+    pool = DevicePool(limit=8 * MIB)
+    with torchTensorRef.disabled():
+        t = torch.arange(MIB, dtype=torch.int32)  # 4 MiB
+    assert pool.give(t.untyped_storage())
+    assert pool.take(4 * MIB) is None  # t still uses the bytes
+    assert torch.equal(t[:5], torch.arange(5, dtype=torch.int32))
+    address = t.data_ptr()
+    del t
+    assert pool.take(4 * MIB).data_ptr() == address
+
+
+def test_clear_gives_everything_back():
+    pool = DevicePool(limit=8 * MIB)
+    pool.give(_storage(2 * MIB))
+    pool.clear()
+    assert pool.cached_bytes == 0 and pool.take(2 * MIB) is None
+
+
+@sim_only
+def test_paging_on_sim_reuses_device_buffers_and_keeps_every_value(fresh_manager):
+    tm = fresh_manager
+    tm.strategy = "flow"
+    with torchTensorRef.disabled():
+        plain = [torch.randn(512, 1024) for _ in range(4)]  # 2 MiB each
+    weights = [torchTensorRef.manage(p.clone()) for p in plain]
+    tm.budget = "5MiB"  # two of them at a time
+    pool = tm._backend.pool
+    hits = pool.hits
+    for _ in range(3):
+        for w, p in zip(weights, plain):
+            w.mul_(1.5)
+            p.mul_(1.5)
+    assert pool.hits > hits  # buffers of evicted weights were handed to later fetches
+    for w, p in zip(weights, plain):
+        assert torch.equal(w.cpu(), p)
+
+
+@sim_only
+def test_a_buffer_a_queued_write_back_still_reads_is_not_reused(fresh_manager):
+    tm = fresh_manager
+    tm.strategy = "flow"
+    with torchTensorRef.disabled():
+        plain = [torch.full((512, 1024), float(i)) for i in range(3)]  # 2 MiB each
+    tensors = [torchTensorRef.manage(p.clone()) for p in plain]
+    tm.budget = "5MiB"  # two of them at a time
+    for _ in range(3):
+        for t, p in zip(tensors, plain):
+            t.add_(1)  # dirty: each eviction queues a write-back reading the device buffer
+            p.add_(1)
+    for t, p in zip(tensors, plain):
+        assert torch.equal(t.cpu(), p)
+
+
+@sim_only
+def test_freed_device_buffers_are_left_out_of_the_recorded_host_time(fresh_manager):
+    tm = fresh_manager
+    tm.strategy = "flow"  # (no budget: nothing moves)
+    with tm.recording() as trace:
+        x = torch.ones(MIB)
+        y = x * 2
+        before = len(trace.hidden_copies)
+        del y  # its 4 MiB buffer is kept for reuse
+        z = x[: MIB // 4] * 3
+        del z  # 1 MiB: kept too
+        assert len(trace.hidden_copies) == before + 2
+        assert tm._backend.pool.cached_bytes >= 5 * MIB
+    start, end = trace.hidden_copies[-1]
+    assert 0 <= end - start < trace.t_end - trace.t0
+    assert torch.equal(x.cpu(), torch.ones(MIB, device="cpu"))
+
+
+def test_the_host_watch_releases_kept_memory_before_refusing():
+    watch = HostMemoryWatch(reserve=0)
+    released = []
+    watch.reserve = watch._available + 1  # nothing may be allocated
+    watch.release = lambda: released.append(True)
+    with pytest.raises(HostMemoryError):
+        watch.reserve_bytes(1)
+    assert released == [True]
+    freed = {"bytes": 0}
+
+    def release():
+        freed["bytes"] = 2 * watch.reserve  # what the release frees, as the system reports it
+    watch.release = release
+    watch._refresh = lambda: setattr(watch, "_available", watch.reserve + freed["bytes"])
+    watch.reserve_bytes(1)  # fits once the kept memory is back
+    assert freed["bytes"] > 0
+
+
+def test_raw_flat_bytes_of_a_kept_buffer_is_its_size():
+    pool = DevicePool(limit=8 * MIB)
+    pool.give(_storage(2 * MIB))
+    assert raw.flat_bytes(pool.take(2 * MIB).untyped_storage()).numel() == 2 * MIB
