@@ -1,4 +1,4 @@
-"""The simulated device's caching allocator (``sim_memory.DevicePool``)."""
+"""The simulated device's caching allocator (``sim_memory.BufferPool``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import raw
 from torchTensorRef.host_memory import HostMemoryError, HostMemoryWatch
-from torchTensorRef.sim_memory import MIN_BYTES, DevicePool
+from torchTensorRef.sim_memory import MIN_BYTES, BufferPool
 
 MIB = 2**20
 sim_only = pytest.mark.skipif(os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim") != "sim",
@@ -23,7 +23,7 @@ def _storage(nbytes: int) -> torch.UntypedStorage:
 
 
 def test_a_given_buffer_comes_back_for_the_same_size_only():
-    pool = DevicePool(limit=8 * MIB)
+    pool = BufferPool(limit=8 * MIB)
     storage = _storage(2 * MIB)
     address = storage.data_ptr()
     assert pool.give(storage)
@@ -37,14 +37,14 @@ def test_a_given_buffer_comes_back_for_the_same_size_only():
 
 
 def test_small_buffers_and_buffers_past_the_limit_are_not_kept():
-    pool = DevicePool(limit=4 * MIB)
+    pool = BufferPool(limit=4 * MIB)
     assert not pool.give(_storage(MIN_BYTES - 1))
     assert not pool.give(_storage(5 * MIB))
     assert pool.cached_bytes == 0
 
 
 def test_the_oldest_buffers_go_first_past_the_limit():
-    pool = DevicePool(limit=4 * MIB)
+    pool = BufferPool(limit=4 * MIB)
     first, second, third = _storage(2 * MIB), _storage(2 * MIB), _storage(2 * MIB)
     addresses = [s.data_ptr() for s in (first, second, third)]
     for s in (first, second, third):
@@ -57,7 +57,7 @@ def test_the_oldest_buffers_go_first_past_the_limit():
 
 
 def test_a_buffer_is_not_handed_out_while_a_tensor_uses_it():
-    pool = DevicePool(limit=8 * MIB)
+    pool = BufferPool(limit=8 * MIB)
     with torchTensorRef.disabled():
         t = torch.arange(MIB, dtype=torch.int32)  # 4 MiB
     assert pool.give(t.untyped_storage())
@@ -69,7 +69,7 @@ def test_a_buffer_is_not_handed_out_while_a_tensor_uses_it():
 
 
 def test_clear_gives_everything_back():
-    pool = DevicePool(limit=8 * MIB)
+    pool = BufferPool(limit=8 * MIB)
     pool.give(_storage(2 * MIB))
     pool.clear()
     assert pool.cached_bytes == 0 and pool.take(2 * MIB) is None
@@ -147,6 +147,29 @@ def test_the_host_watch_releases_kept_memory_before_refusing():
 
 
 def test_raw_flat_bytes_of_a_kept_buffer_is_its_size():
-    pool = DevicePool(limit=8 * MIB)
+    pool = BufferPool(limit=8 * MIB)
     pool.give(_storage(2 * MIB))
     assert raw.flat_bytes(pool.take(2 * MIB).untyped_storage()).numel() == 2 * MIB
+
+
+@sim_only
+def test_emulated_pinned_memory_reuses_freed_host_copies_except_under_a_host_budget(fresh_manager):
+    tm = fresh_manager
+    tm.strategy = "flow"
+    kept = tm._backend.pinned.kept
+    with torchTensorRef.disabled():
+        plain = [torch.randn(512, 1024) for _ in range(3)]  # 2 MiB each
+    tm.budget = "5MiB"
+    for _ in range(2):
+        results = [torchTensorRef.manage(p.clone()) * 2 for p in plain]  # made on the device
+        for r in results:
+            r.add_(1)  # paged out: each gets a host copy, freed with it
+        for r, p in zip(results, plain):
+            assert torch.equal(r.cpu(), p * 2 + 1)
+        del results
+    assert kept.hits > 0
+    tm.host_budget = "1GiB"
+    assert kept.cached_bytes == 0
+    results = [torchTensorRef.manage(p.clone()) * 2 for p in plain]
+    del results
+    assert kept.cached_bytes == 0

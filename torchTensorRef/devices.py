@@ -24,7 +24,7 @@ import torch
 
 from . import raw, sim_device
 from .pinned import PinnedMemory
-from .sim_memory import DevicePool
+from .sim_memory import BufferPool
 from .sizes import format_size
 from .streams import CudaStreams, SimStreams
 
@@ -117,7 +117,7 @@ class SimBackend(Backend):
         self._capacity = capacity
         self.streams = SimStreams()
         self.pinned = PinnedMemory(emulated=True, limit=pinned_limit)
-        self.pool = DevicePool(0)
+        self.pool = BufferPool(0)
 
     def capacity(self) -> Optional[int]:
         return self._capacity
@@ -132,6 +132,7 @@ class SimBackend(Backend):
 
     def release_cached(self) -> None:
         self.pool.clear()
+        self.pinned.kept.clear()
 
     def is_device_output(self, t: torch.Tensor) -> bool:
         # The kernels are the CPU's: which outputs are the device's is decided by the op

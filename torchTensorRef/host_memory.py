@@ -35,10 +35,14 @@ class HostMemoryWatch:
 
     Args:
         reserve: bytes that must stay available; ``None``: 5% of total RAM, at least 256 MiB.
-        check_every_bytes / check_every_seconds: how often the system is asked.
+        check_every_bytes / check_every_seconds: how often the system is asked (it costs
+            a read of ``/proc/meminfo``, hundreds of microseconds: training that pages
+            activations allocates a GiB a step), besides whenever what is left nears the
+            reserve. Between asks our own allocations are counted, our frees are not (the
+            estimate errs on the safe side).
     """
 
-    def __init__(self, reserve: Optional[int] = None, check_every_bytes: int = 64 * 2**20,
+    def __init__(self, reserve: Optional[int] = None, check_every_bytes: int = 2**30,
                  check_every_seconds: float = 0.5):
         total = psutil.virtual_memory().total
         self.reserve = max(total // 20, 256 * 2**20) if reserve is None else reserve

@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from . import raw
+from .sim_memory import BufferPool
 
 
 def default_limit() -> int:
@@ -45,6 +46,8 @@ class PinnedMemory:
         self.limit = default_limit() if limit is None else limit
         self.used = 0
         self._sizes: Dict[int, int] = {}  # storage key -> rounded bytes, for the buffers allocated here
+        #: emulated: freed buffers kept for reuse (PyTorch's pinned allocator keeps its own)
+        self.kept = BufferPool(0)
 
     def allocate(self, nbytes: int) -> Optional[torch.Tensor]:
         """A flat uint8 pinned buffer of ``nbytes``, or ``None`` past the limit (or if pinning fails)."""
@@ -52,7 +55,9 @@ class PinnedMemory:
         if self.used + size > self.limit:
             return None
         if self.emulated:
-            buffer = raw.empty(nbytes, dtype=raw.UINT8)
+            buffer = self.kept.take(nbytes)
+            if buffer is None:
+                buffer = raw.empty(nbytes, dtype=raw.UINT8)
         else:
             try:
                 buffer = raw.empty(nbytes, dtype=raw.UINT8, pin_memory=True)
@@ -67,8 +72,12 @@ class PinnedMemory:
             return True
         return not self.emulated and storage.device.type == "cpu" and storage.is_pinned()
 
-    def freed(self, storage: torch.UntypedStorage) -> None:
-        """``storage`` is no longer used by a block (it is freed when its last view dies)."""
+    def freed(self, storage: torch.UntypedStorage, keep: int = 0) -> None:
+        """``storage`` is no longer used by a block (it is freed when its last view dies);
+        emulated, it may be kept for reuse, up to ``keep`` bytes kept."""
         size = self._sizes.pop(storage._cdata, None)
         if size is not None:
             self.used -= size
+            if self.emulated:
+                self.kept.limit = keep
+                self.kept.give(storage)

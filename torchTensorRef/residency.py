@@ -254,23 +254,25 @@ class Residency:
 
     def _drop_dev(self, block: Block) -> None:
         """Forget ``block``'s device copy; the device may keep its buffer for reuse
-        (``Backend.recycle``).
-
-        What the simulated device keeps is bounded by the budget (by an eighth of its
-        capacity without one): its host memory stays within twice what the budget promises.
-        """
+        (``Backend.recycle``, up to :meth:`_kept_limit`)."""
         storage = block.dev
         block.set_dev(None)
         if storage is None:
             return
         backend = self._backend
         start = time.perf_counter_ns()
-        backend.recycle(storage, self._budget or (backend.capacity() or 0) // 8)
+        backend.recycle(storage, self._kept_limit())
         del storage
         if backend.simulated and self._trace is not None:
             # Keeping or freeing the simulated device's buffer is its allocator's work, not
             # the host's (a GPU's allocator keeps it for free): left out of the host's time.
             self._trace.hidden(start, time.perf_counter_ns())
+
+    def _kept_limit(self) -> int:
+        """Bytes of freed buffers a simulated allocator may keep for reuse: the budget (an
+        eighth of the device's capacity without one), so that the simulated device's host
+        memory stays within twice what the budget promises."""
+        return self._budget or (self._backend.capacity() or 0) // 8
 
     def _write_back(self, block: Block) -> None:
         """Start copying ``block``'s device copy to its host copy (asynchronously into pinned memory)."""
@@ -357,7 +359,8 @@ class Residency:
         host = block.host
         self._by_host_storage.pop(host._cdata, None)
         if self._backend.pinned is not None:
-            self._backend.pinned.freed(host)
+            # (under a host budget nothing is kept: freed host memory must leave the process)
+            self._backend.pinned.freed(host, 0 if self._host_limit else self._kept_limit())
         block.host_pending = None
         self._host_lost(block)
 

@@ -8,8 +8,10 @@ per buffer of tens of MiB, on the host thread. Without a cache those millisecond
 counted as our host time, on ``"sim"`` only, and a prediction from a ``"sim"`` trace
 (``timeline.py``) would carry them to a GPU that never pays them.
 
-``DevicePool`` keeps the device buffers the manager drops (evictions, released blocks),
-keyed by their exact size, and gives them back to the next allocation of that size. Only
+``BufferPool`` keeps the device buffers the manager drops (evictions, released blocks),
+keyed by their exact size, and gives them back to the next allocation of that size. The
+emulated pinned memory of ``"sim"`` keeps the host copies it frees the same way, as
+PyTorch's pinned host allocator does (``pinned.py``). Only
 large buffers are kept (small ones are the C allocator's fast case anyway), at most
 ``limit`` bytes, the oldest dropped first. A buffer is handed out again only when no tensor
 uses its bytes any more: a view somebody holds, or a copy still queued on a stream, keeps it
@@ -30,8 +32,8 @@ MIN_BYTES = 1 << 20
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-class DevicePool:
-    """Free device buffers by size (``take`` / ``give``), at most ``limit`` bytes of them."""
+class BufferPool:
+    """Free buffers by size (``take`` / ``give``), at most ``limit`` bytes of them."""
 
     def __init__(self, limit: int):
         self.limit = limit
