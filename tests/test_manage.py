@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torchTensorRef
+from torchTensorRef.adoption import PIN_AT_ADOPTION_BYTES
 from torchTensorRef import TensorRef, manage
 
 from paired import assert_identical, device_type, paging, plain_torch  # noqa: F401  (paging is a fixture)
@@ -159,3 +160,41 @@ def test_manage_optimizer_state_dict():
 def test_manage_rejects_other_objects():
     with pytest.raises(TypeError, match="accepts an nn.Module, a tensor, or a dict/list/tuple"):
         manage(3)
+
+
+def test_a_managed_module_s_tensors_nobody_else_holds_become_the_managers_own(fresh_manager):
+    tm = fresh_manager
+    with torchTensorRef.disabled():
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 8))
+        other = torch.nn.Linear(64, 128)
+        x = torch.randn(4, 64)
+        with torch.no_grad():  # (a graph would hold the weights: they would stay shared)
+            expected = model(x)
+    held = other.weight  # the program still holds this one: its bytes must stay where they are
+    torchTensorRef.manage(model)
+    torchTensorRef.manage(other)
+    if tm.device != "cpu":
+        assert all(tm._backend.pinned.is_pinned(p._tr_block.host) for p in model.parameters() if p.numel() >= 1024)
+    assert not any(p._tr_block.host_shared for p in model.parameters())
+    assert other.weight._tr_block.host_shared and not other.bias._tr_block.host_shared
+    tm.strategy = "flow"
+    tm.budget = "40KiB"  # fetched and evicted around every op: asynchronous copies only
+    xr = torch.empty(4, 64)
+    xr.copy_(x)
+    tm.reset_stats()
+    out = model(xr)
+    stats = tm.stats()
+    assert torch.equal(out.cpu(), expected)
+    if tm.device != "cpu":
+        # (from bytes still shared every fetch would copy synchronously; only host copies
+        # too small to be worth pinning do)
+        small = sum(1 for p in model.parameters() if p.nbytes < PIN_AT_ADOPTION_BYTES)
+        assert stats["fetches"] > small and stats["host_syncs"] <= small
+    with torch.no_grad():
+        other.weight.add_(1)  # written through: the holder of the plain tensor sees it
+    assert torch.equal(held, other.weight.cpu())
+
+
+def test_manage_of_an_empty_module_is_a_no_op():
+    m = torch.nn.ReLU()
+    assert torchTensorRef.manage(m) is m

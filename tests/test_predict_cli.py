@@ -70,7 +70,10 @@ def test_inference_is_predicted_beside_all_resident_and_cpu_offload(script, tmp_
     weights = 4 * (64 * 128 + 128 + 128 * 64 + 64)
     assert offload["bytes_to_device"] == weights
     assert offload["host_wait_seconds"] > 0  # from pageable memory: the host waits
-    assert resident["step_seconds"] < ours["step_seconds"]
+    # the same kernels; only ours copies (the step times compare host times scaled by a
+    # factor that is noise at this size)
+    assert resident["compute_seconds"] == pytest.approx(ours["compute_seconds"])
+    assert resident["transfer_seconds"] == 0 < ours["transfer_seconds"]
     names = {e["args"]["name"] for e in json.load(open(chrome))["traceEvents"] if e["name"] == "thread_name"}
     assert names == {"host", "compute", "host-to-device", "device-to-host"}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import weakref
 from typing import Optional
 
@@ -15,6 +16,7 @@ from .tensor_ref import TensorRef, compute_view, make_ref, user_attributes, with
 
 #: host copies of at least this size are moved into pinned memory when a tensor is adopted
 PIN_AT_ADOPTION_BYTES = 4096
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class Adoption:
@@ -50,6 +52,30 @@ class Adoption:
         if t.__dict__:
             ref.__dict__.update(t.__dict__)  # attributes users set (transformers marks parameters)
         return ref
+
+    def take_over(self, refs) -> int:
+        """Blocks of ``refs`` whose plain tensors nobody holds any more become the manager's
+        own: their host copies may be pinned, re-homed and spilled from now on (while
+        someone holds the plain tensor, its bytes stay where they are: Note [External
+        bytes]). ``manage(module)`` calls it once the module's plain tensors are replaced.
+        Returns how many blocks it took over."""
+        taken = 0
+        with self._lock:
+            for ref in refs:
+                block = getattr(ref, "_tr_block", None)
+                if block is None or not block.host_shared or not block.alive or block.host is None:
+                    continue
+                host = block.host
+                # Nobody else: no tensor over the bytes but the block's own storage object
+                # (one use), and no other name for that object (``block.host``, ``host``, the call's).
+                if _use_count is None or _use_count(host._cdata) != 1 or sys.getrefcount(host) != 3:
+                    continue
+                del host
+                block.host_shared = False
+                taken += 1
+                if not block.host_only and not block.external and block.nbytes >= PIN_AT_ADOPTION_BYTES:
+                    self._pin_host(block)
+        return taken
 
     def _wrap_plain(self, t: torch.Tensor, requires_grad: bool, host_only: bool = False,
                     shared: bool = True) -> TensorRef:

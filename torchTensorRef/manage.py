@@ -35,6 +35,10 @@ def manage(obj):
             _convert(value, memo)
         for table, name, value in slots:
             table[name] = memo[id(value)]
+        # The module held the plain tensors; where nobody else does, their bytes are ours now.
+        refs = list(memo.values())
+        slots = value = memo = None  # (this call's names for them must not count as holders)
+        tensorsManager.take_over(refs)
         return obj
     if isinstance(obj, (torch.Tensor, dict, list, tuple)):
         return _convert(obj, memo)
