@@ -198,3 +198,22 @@ def test_a_managed_module_s_tensors_nobody_else_holds_become_the_managers_own(fr
 def test_manage_of_an_empty_module_is_a_no_op():
     m = torch.nn.ReLU()
     assert torchTensorRef.manage(m) is m
+
+
+def test_moving_a_model_between_devices_keeps_its_tied_parameters_tied(paging):
+    with plain_torch():
+        plain = plain_model()
+        plain.to(device_type())
+        assert plain[0].weight is plain[2].weight  # (what plain torch does)
+        expected = run_training(plain)
+    managed = manage(plain_model())
+    managed.cpu()  # a TensorRef to host memory: not converted in place by torch
+    assert managed[0].weight is managed[2].weight and managed[0].weight.device.type == "cpu"
+    managed.to(device_type())
+    assert managed[0].weight is managed[2].weight
+    moved = plain_model()
+    moved.to(device_type())  # a plain model moved to the managed device outside disabled()
+    assert moved[0].weight is moved[2].weight
+    assert len(list(moved.parameters())) == len(list(plain.parameters()))
+    assert_identical(run_training(managed), expected)
+    assert_identical(run_training(moved), expected)

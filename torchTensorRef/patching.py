@@ -52,6 +52,9 @@ RNG_STATE_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
 CAPTURE_METHODS: Tuple[Tuple[str, str], ...] = (
     ("torch.cuda.graphs:CUDAGraph", "capture_begin"), ("torch.cuda.graphs:CUDAGraph", "capture_end"),
 )
+#: ``Module._apply`` (``.to``, ``.cpu``, ``.cuda``, ``.half`` ...): parameters tied across
+#: modules stay tied (``_apply_wrapper``)
+MODULE_METHODS: Tuple[Tuple[str, str], ...] = (("torch.nn.modules.module:Module", "_apply"),)
 #: functions that open checkpoints: whole tensors read through them stay on disk until used
 #: (``checkpoint.py``); ``transformers.modeling_utils`` holds its own reference to it
 LAZY_LOAD_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
@@ -216,6 +219,35 @@ def _warmup_wrapper(wrapped, instance, args, kwargs):
     return None
 
 
+def _apply_wrapper(wrapped, instance, args, kwargs):
+    """``Module._apply`` keeping a parameter that several modules share one Parameter.
+
+    Plain torch converts a parameter in place (``param.data = new``) where the new tensor's
+    type allows it, so a tied parameter stays one. A conversion between a TensorRef and
+    another device (``model.cpu()``, a plain model's ``.to("sim")``) is not in place: each
+    module holding the parameter would get a Parameter of its own, and training would
+    update the copies apart. Every slot that held one parameter gets the first slot's
+    conversion. (Buffers are left as plain torch leaves them.)
+    """
+    if getattr(_local, "applying", False):
+        return wrapped(*args, **kwargs)  # (a submodule's, inside the outermost call)
+    holders: Dict[int, list] = {}
+    for module in instance.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module._parameters, name))
+    _local.applying = True
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        _local.applying = False
+    for slots in holders.values():
+        (first_table, first_name), rest = slots[0], slots[1:]
+        for table, name in rest:
+            table[name] = first_table[first_name]
+    return result
+
+
 def _owner(name: str):
     """The module ``name``, or the class ``"module:Class"``; ``None`` if not loaded."""
     module_name, _, cls = name.partition(":")
@@ -270,6 +302,7 @@ def _targets():
     targets += [(owner, name, distributed.wrapper_for(owner, name)) for owner, name in distributed.FUNCTIONS]
     targets += [(owner, name, checkpoint.safe_open_wrapper) for owner, name in LAZY_LOAD_FUNCTIONS]
     targets += [(owner, name, _warmup_wrapper) for owner, name in WARMUP_FUNCTIONS]
+    targets += [(owner, name, _apply_wrapper) for owner, name in MODULE_METHODS]
     return targets
 
 
