@@ -352,7 +352,8 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
         return _wrap_nested(out, ctx, mgr), ctx.outputs
     if out.layout is not _strided or out.is_nested or out.is_meta:
         return out, _NO_OUTPUTS  # no single strided storage to page: as _wrap_one
-    key = out.untyped_storage()._cdata
+    storage = out.untyped_storage()
+    key = storage._cdata
     for b in blocks:
         if b.dev_key == key:
             return make_ref(b, out, mgr._declared), _NO_OUTPUTS  # a view: shares the input's block
@@ -360,7 +361,7 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
         ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
         ctx.index = index
         return _wrap_one(out, ctx, mgr), ctx.outputs  # a CPU result on CUDA (or another GPU's)
-    block = mgr._result_block(out, index)
+    block = mgr._result_block(out, index, storage=storage)
     return make_ref(block, out, mgr._declared), (block,)
 
 
