@@ -97,10 +97,7 @@ def _blocks_of_list(blocks):
     """``blocks`` without repeats, in order."""
     if len(blocks) < 2:
         return blocks
-    seen = {}
-    for b in blocks:
-        seen.setdefault(b.id, b)
-    return list(seen.values())
+    return list(dict.fromkeys(blocks))  # (a block hashes by identity: one per id)
 
 
 def _written_blocks(spec: OpSpec, args, kwargs):
@@ -473,7 +470,7 @@ def _wrap_nested(out, ctx, mgr):
 
 
 def _wrap_one(t, ctx, mgr):
-    if isinstance(t, TensorRef) or t.device.type == "meta":
+    if isinstance(t, TensorRef) or t.is_meta:  # (not ``t.device.type``: that costs a microsecond)
         return t
     if t.layout is not _strided or t.is_nested:
         # No single storage to page (sparse, nested): a plain tensor of the device, unmanaged.
@@ -481,7 +478,7 @@ def _wrap_one(t, ctx, mgr):
             return SimTensor(t)
         return t
     compute = mgr._backend.compute
-    if t.device != compute and t.device.type != "cpu":
+    if t.device != compute and not t.is_cpu:
         return t  # explicitly sent to another device than the manager's: not managed
     key = t.untyped_storage()._cdata
     for b in ctx.blocks:

@@ -426,7 +426,7 @@ class Flow(Strategy):
 
     def after_fast_op(self, n: int, outputs) -> None:
         if outputs:
-            ids = tuple(b.id for b in outputs)
+            ids = tuple([b.id for b in outputs])  # (a list comprehension: no generator per op)
             self._created[n] = ids
             birth = self._birth
             for j, i in enumerate(ids):
