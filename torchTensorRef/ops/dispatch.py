@@ -71,8 +71,6 @@ class OpContext:
     def output_estimate(self) -> int:
         """Bytes of new tensors the op will allocate (see ``output_size.py``)."""
         if self._estimate is None:
-            from .output_size import estimate_output_bytes
-
             self._estimate = estimate_output_bytes(self.spec, self.args, self.kwargs)
         return self._estimate
 
@@ -128,7 +126,10 @@ def _placement(kwargs, blocks, backend) -> bool:
     target = kwargs.get("device") if kwargs else None
     if target is not None:
         return torch.device(target).type == "cpu"
-    return bool(blocks) and all(b.host_only for b in blocks)
+    for b in blocks:  # (a loop: no generator per op)
+        if not b.host_only:
+            return False
+    return bool(blocks)
 
 
 def _compute_kwargs(kwargs, backend):
@@ -148,7 +149,7 @@ _TAKES_CPU_TENSORS = frozenset({
 })
 
 
-def _check_devices(spec, args, kwargs, declared) -> None:
+def _check_devices(spec, args, kwargs, declared, blocks) -> None:
     """On the strict ``"sim"``: refuse a CPU TensorRef beside accelerator ones, as CUDA kernels do.
 
     A 0-dim CPU tensor is a scalar, which accelerator kernels accept (Note [Strict sim] in
@@ -157,6 +158,11 @@ def _check_devices(spec, args, kwargs, declared) -> None:
     does not page (nested tensors, and what is computed from them) are plain CPU tensors
     that are the device's on a GPU.
     """
+    for b in blocks:  # (``blocks``: those of the TensorRef arguments)
+        if b.host_only:
+            break
+    else:
+        return  # no CPU TensorRef: nothing to look for
     for a in _tensor_args(args, kwargs):
         if a.__class__ is TensorRef and a._tr_block.host_only and a.dim() > 0:
             if spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
@@ -379,7 +385,7 @@ def run_generic(func, args, kwargs, spec: OpSpec):
         on_host = False if backend.passthrough else _placement(kwargs, blocks, backend)
         ctx = OpContext(spec, blocks, written, args, kwargs, on_host)
         if getattr(backend, "strict", False) and not on_host:
-            _check_devices(spec, args, kwargs, backend.declared)
+            _check_devices(spec, args, kwargs, backend.declared, blocks)
         mgr._prepare(ctx)
         if on_host:
             for b in blocks:
