@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from . import patching  # (a module: patching imports this one)
 from .errors import DeviceOutOfMemoryError
+from .manager import tensorsManager as mgr
 from .tensor_ref import TensorRef
 from .residency import is_out_of_memory
 
@@ -43,9 +45,7 @@ RANDOM = frozenset({"rand", "randn", "randint", "randperm", "normal"})
 
 def create(fn, args, kwargs):
     """Call the creation function ``fn`` as torch would with the accelerator as default device."""
-    from .manager import tensorsManager as mgr
-    from .patching import _adopt
-
+    _adopt = patching._adopt
     name = getattr(fn, "__name__", "")
     device = kwargs.get("device")
     if device is None:
@@ -105,8 +105,7 @@ def _bytes_of(fn, args, kwargs) -> int:
 
 
 def _on_device(mgr, fn, args, kwargs, nbytes: int, what: str):
-    from .patching import _adopt
-
+    _adopt = patching._adopt
     kwargs = dict(kwargs)
     with mgr._lock:
         mgr._drain()

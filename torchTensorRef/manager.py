@@ -76,6 +76,12 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         self._limit: Optional[int] = None  # the budget in force (None: the device's capacity)
         self._blocks: Dict[int, Block] = {}
         self._resident: Dict[int, Block] = {}
+        # For strategies, which look blocks up by id many times per op: the dicts' own get,
+        # with no Python frame per call (neither dict is ever replaced).
+        #: ``block(id)``: the live block with this id, or ``None``
+        self.block = self._blocks.get
+        #: ``resident_block(id)``: the resident block with this id, or ``None``
+        self.resident_block = self._resident.get
         self._by_host_storage: Dict[int, Block] = {}
         self._dead: List[Block] = []
         self._device_bytes = 0
@@ -332,14 +338,6 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
     def resident_blocks(self):
         """The blocks with a valid accelerator copy (for strategies)."""
         return self._resident.values()
-
-    def block(self, block_id: int) -> Optional[Block]:
-        """The live block with this id, or ``None``."""
-        return self._blocks.get(block_id)
-
-    def resident_block(self, block_id: int) -> Optional[Block]:
-        """The resident block with this id, or ``None``."""
-        return self._resident.get(block_id)
 
     def all_resident(self) -> bool:
         """Whether every live block that can be resident (not host-only) is."""

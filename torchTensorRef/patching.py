@@ -20,7 +20,8 @@ from typing import Dict, Tuple
 import torch
 import wrapt
 
-from . import checkpoint, compiler, distributed
+from . import checkpoint, compiler, creation, distributed
+from .manager import tensorsManager as _mgr
 from .tensor_ref import TensorRef, saving
 
 #: torch functions that create tensors without a tensor input
@@ -89,13 +90,12 @@ def _adopt(obj, memo=None, host_only: bool = False):
             return memo[id(obj)]
         if type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter:
             return obj  # a TensorRef already, or another subclass (fake tensors)
-        if obj.layout is not torch.strided or obj.device.type == "meta":
+        # (is_meta, is_cpu: ``device.type`` costs a microsecond)
+        if obj.layout is not torch.strided or obj.is_meta:
             return obj
-        from .manager import tensorsManager as mgr
-
-        if obj.device.type != "cpu" and obj.device != mgr._backend.compute:
+        if not obj.is_cpu and obj.device != _mgr._backend.compute:
             return obj  # explicitly asked for another device than the managed one
-        memo[id(obj)] = ref = mgr.manage_tensor(obj, host_only=host_only and obj.device.type == "cpu", shared=False)
+        memo[id(obj)] = ref = _mgr.manage_tensor(obj, host_only=host_only and obj.is_cpu, shared=False)
         return ref
     if isinstance(obj, dict):
         items = [(k, _adopt(v, memo, host_only)) for k, v in obj.items()]
@@ -137,9 +137,7 @@ def _plain_call() -> bool:
     """Whether this creation must stay plain torch: disabled, torch building its own tensors,
     or a kernel written in Python (a custom op, a decomposition) computing inside a managed
     op, which holds the manager's lock: its tensors are the op's internals, on plain views."""
-    from .manager import tensorsManager
-
-    return (_is_disabled() or tensorsManager._lock._is_owned()
+    return (_is_disabled() or _mgr._lock._is_owned()
             or sys._getframe(2).f_globals.get("__name__", "").startswith(_PLAIN_PREFIXES))
 
 
@@ -149,9 +147,7 @@ def _creation_wrapper(wrapped, instance, args, kwargs):
         if device is not None and kwargs.get("device") is None and wrapped in _takes_device():
             kwargs = dict(kwargs, device=device)  # disabled(device=...)
         return wrapped(*args, **kwargs)
-    from .creation import create
-
-    return create(wrapped, args, kwargs)
+    return creation.create(wrapped, args, kwargs)
 
 
 def _sharing_wrapper(wrapped, instance, args, kwargs):

@@ -71,8 +71,6 @@ class OpContext:
     def output_estimate(self) -> int:
         """Bytes of new tensors the op will allocate (see ``output_size.py``)."""
         if self._estimate is None:
-            from .output_size import estimate_output_bytes
-
             self._estimate = estimate_output_bytes(self.spec, self.args, self.kwargs)
         return self._estimate
 
@@ -97,10 +95,7 @@ def _blocks_of_list(blocks):
     """``blocks`` without repeats, in order."""
     if len(blocks) < 2:
         return blocks
-    seen = {}
-    for b in blocks:
-        seen.setdefault(b.id, b)
-    return list(seen.values())
+    return list(dict.fromkeys(blocks))  # (a block hashes by identity: one per id)
 
 
 def _written_blocks(spec: OpSpec, args, kwargs):
@@ -131,7 +126,10 @@ def _placement(kwargs, blocks, backend) -> bool:
     target = kwargs.get("device") if kwargs else None
     if target is not None:
         return torch.device(target).type == "cpu"
-    return bool(blocks) and all(b.host_only for b in blocks)
+    for b in blocks:  # (a loop: no generator per op)
+        if not b.host_only:
+            return False
+    return bool(blocks)
 
 
 def _compute_kwargs(kwargs, backend):
@@ -151,7 +149,7 @@ _TAKES_CPU_TENSORS = frozenset({
 })
 
 
-def _check_devices(spec, args, kwargs, declared) -> None:
+def _check_devices(spec, args, kwargs, declared, blocks) -> None:
     """On the strict ``"sim"``: refuse a CPU TensorRef beside accelerator ones, as CUDA kernels do.
 
     A 0-dim CPU tensor is a scalar, which accelerator kernels accept (Note [Strict sim] in
@@ -160,6 +158,11 @@ def _check_devices(spec, args, kwargs, declared) -> None:
     does not page (nested tensors, and what is computed from them) are plain CPU tensors
     that are the device's on a GPU.
     """
+    for b in blocks:  # (``blocks``: those of the TensorRef arguments)
+        if b.host_only:
+            break
+    else:
+        return  # no CPU TensorRef: nothing to look for
     for a in _tensor_args(args, kwargs):
         if a.__class__ is TensorRef and a._tr_block.host_only and a.dim() > 0:
             if spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
@@ -309,7 +312,8 @@ def run_fast(func, args, kwargs, spec: OpSpec):
                     return _NOT_FAST  # the simulated device would run out: the generic path recovers
         watch = mgr._fast_watch
         if watch is not None:
-            blocks = _blocks_of_list(blocks)
+            if len(blocks) > 1:
+                blocks = list(dict.fromkeys(blocks))  # (_blocks_of_list, inlined: every op)
             index = mgr._op_count
             if not watch.fast_op(index, spec, blocks, need):
                 return _NOT_FAST
@@ -352,7 +356,8 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
         return _wrap_nested(out, ctx, mgr), ctx.outputs
     if out.layout is not _strided or out.is_nested or out.is_meta:
         return out, _NO_OUTPUTS  # no single strided storage to page: as _wrap_one
-    key = out.untyped_storage()._cdata
+    storage = out.untyped_storage()
+    key = storage._cdata
     for b in blocks:
         if b.dev_key == key:
             return make_ref(b, out, mgr._declared), _NO_OUTPUTS  # a view: shares the input's block
@@ -360,7 +365,7 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
         ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
         ctx.index = index
         return _wrap_one(out, ctx, mgr), ctx.outputs  # a CPU result on CUDA (or another GPU's)
-    block = mgr._result_block(out, index)
+    block = mgr._result_block(out, index, storage=storage)
     return make_ref(block, out, mgr._declared), (block,)
 
 
@@ -381,7 +386,7 @@ def run_generic(func, args, kwargs, spec: OpSpec):
         on_host = False if backend.passthrough else _placement(kwargs, blocks, backend)
         ctx = OpContext(spec, blocks, written, args, kwargs, on_host)
         if getattr(backend, "strict", False) and not on_host:
-            _check_devices(spec, args, kwargs, backend.declared)
+            _check_devices(spec, args, kwargs, backend.declared, blocks)
         mgr._prepare(ctx)
         if on_host:
             for b in blocks:
@@ -472,7 +477,7 @@ def _wrap_nested(out, ctx, mgr):
 
 
 def _wrap_one(t, ctx, mgr):
-    if isinstance(t, TensorRef) or t.device.type == "meta":
+    if isinstance(t, TensorRef) or t.is_meta:  # (not ``t.device.type``: that costs a microsecond)
         return t
     if t.layout is not _strided or t.is_nested:
         # No single storage to page (sparse, nested): a plain tensor of the device, unmanaged.
@@ -480,7 +485,7 @@ def _wrap_one(t, ctx, mgr):
             return SimTensor(t)
         return t
     compute = mgr._backend.compute
-    if t.device != compute and t.device.type != "cpu":
+    if t.device != compute and not t.is_cpu:
         return t  # explicitly sent to another device than the manager's: not managed
     key = t.untyped_storage()._cdata
     for b in ctx.blocks:

@@ -16,6 +16,7 @@ import torch
 
 from .. import raw
 from ..errors import OutOfBudgetError
+from ..manager import tensorsManager as mgr
 from ..tensor_ref import TensorRef
 from .dispatch import run_generic
 from .output_size import estimate_output_bytes
@@ -148,8 +149,6 @@ def _slices(spec, layout, n, args, kwargs, limit) -> List[Tuple[int, int]]:
 
 def run_in_slices(func, args, kwargs, spec: OpSpec):
     """The op on consecutive slices of its lists when all of it would exceed the budget."""
-    from ..manager import tensorsManager as mgr
-
     limit = mgr._limit
     layout = _layouts.get(func)
     if layout is None:

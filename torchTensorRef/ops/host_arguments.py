@@ -10,13 +10,12 @@ torch would have had it. (The results CUDA makes in host memory are in
 from __future__ import annotations
 
 from ..tensor_ref import TensorRef
+from .dispatch import run_generic
 from .registry import aten, implements
 
 
 @implements([aten._pack_padded_sequence.default])
 def pack_padded_sequence(func, args, kwargs, spec):
-    from .dispatch import run_generic
-
     if len(args) > 1 and isinstance(args[1], TensorRef) and not args[1]._tr_block.host_only:
         args = (args[0], args[1].to("cpu")) + tuple(args[2:])
     elif isinstance(kwargs.get("lengths"), TensorRef) and not kwargs["lengths"]._tr_block.host_only:

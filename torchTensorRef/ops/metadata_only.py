@@ -11,6 +11,7 @@ import torch
 
 from .. import raw
 from ..tensor_ref import TensorRef
+from .dispatch import run_generic
 from .registry import aten, implements
 
 _META = torch.device("meta")
@@ -27,9 +28,6 @@ _META = torch.device("meta")
     aten.new_ones.default, aten.new_full.default,
 ])
 def metadata_only(func, args, kwargs, spec):
-    from ..manager import tensorsManager
-    from .dispatch import run_generic
-
     source = args[0]
     if not isinstance(source, TensorRef):
         return run_generic(func, args, kwargs, spec)

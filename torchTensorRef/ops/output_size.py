@@ -188,7 +188,8 @@ def _unique_bound(flags_at: tuple):
 
 
 _BOUNDS: Dict[object, Callable] = {}
-#: ops whose bound reads values (Note [Data-dependent sizes]): never cached by shapes
+#: ids of the ops whose bound reads values (Note [Data-dependent sizes]): never cached by
+#: shapes (ids: ``OpOverload.__hash__`` is Python code, and this is asked for every op)
 _READS_VALUES = set()
 #: ops whose meta kernel runs but cannot know the size (it would read a tensor's values)
 _META_TOO_SMALL = frozenset({torch.ops.aten._ctc_loss.Tensor})
@@ -219,7 +220,7 @@ def _register_bounds() -> None:
             if op is not None:
                 _BOUNDS[op] = bound
                 if bound in (_bound_repeat_interleave, _bound_bincount):
-                    _READS_VALUES.add(op)
+                    _READS_VALUES.add(id(op))
 
 
 _register_bounds()
@@ -254,17 +255,17 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
     the growth of the tensors it writes when it may resize them (``resize_``, ``out=``)."""
     if not spec.allocates and not spec.restrides:
         return 0  # views and in-place results allocate nothing
-    try:
-        # Growth depends on the written tensors' blocks, not only on shapes: not cached.
-        key = None if spec.restrides or spec.func in _READS_VALUES else (
-            spec, _key(args), _key(kwargs.items()) if kwargs else ())
-        hash(key)
-    except (TypeError, RuntimeError):  # unhashable arguments; nested tensors have no sizes
-        key = None
-    if key is not None:
-        hit = _cache.get(key)
-        if hit is not None:
-            return hit
+    key = None
+    # Growth depends on the written tensors' blocks, not only on shapes: not cached.
+    if not spec.restrides and id(spec.func) not in _READS_VALUES:
+        try:
+            key = (spec, _key(args), _key(kwargs.items()) if kwargs else ())
+            hit = _cache.get(key)  # (hashing raises for unhashable arguments)
+        except (TypeError, RuntimeError):  # unhashable arguments; nested tensors have no sizes
+            key = None
+        else:
+            if hit is not None:
+                return hit
     try:
         if spec.func in _META_TOO_SMALL:
             raise LookupError(spec.name)  # sized by its bound

@@ -373,9 +373,10 @@ class Flow(Strategy):
         self._now = n
         if self.plan is None or not self._follows(n, func, blocks):
             return False  # the generic path runs it: before_op finds the divergence
-        if self.lookahead and not self.manager.all_resident():
+        mgr = self.manager
+        if self.lookahead and not mgr.all_resident():
             self._plan_prefetch(n, blocks, reserved)
-        if self.disk_lookahead and self.manager._disk_blocks:
+        if self.disk_lookahead and mgr._disk_blocks:
             self._read_ahead(n)
         return True
 
@@ -426,7 +427,7 @@ class Flow(Strategy):
 
     def after_fast_op(self, n: int, outputs) -> None:
         if outputs:
-            ids = tuple(b.id for b in outputs)
+            ids = tuple([b.id for b in outputs])  # (a list comprehension: no generator per op)
             self._created[n] = ids
             birth = self._birth
             for j, i in enumerate(ids):
@@ -493,11 +494,15 @@ class Flow(Strategy):
         return None
 
     def _plan_prefetch(self, n: int, blocks, reserved: int) -> None:
-        limit = self.manager.limit - reserved  # the op's results still need their room
-        lookup, born_at = self.manager.block, self._born_at
-        for j, role in self.plan.ahead[self.plan.offset(n)]:
-            bid = role if role.__class__ is int else born_at(n + j - role[0], role[1])
-            block = lookup(bid) if bid is not None else None
+        mgr, plan = self.manager, self.plan
+        limit = mgr.limit - reserved  # the op's results still need their room
+        lookup, born_at = mgr.block, self._born_at
+        for j, role in plan.ahead[(n - plan.base) % plan.period]:  # (Plan.offset, inlined: every op)
+            if role.__class__ is int:
+                block = lookup(role)
+            else:
+                bid = born_at(n + j - role[0], role[1])
+                block = lookup(bid) if bid is not None else None
             if block is None or block.dev is not None:
                 continue
             # (the plan's ranking may predate this op's fetches: its blocks are protected)

@@ -115,7 +115,7 @@ class Plan:
             if born is None and b.last_use == n and not b.from_op:
                 born_before(b, n)
                 born = birth[b.id]
-            if born != (n - r[0], r[1]):
+            if born is None or born[1] != r[1] or born[0] != n - r[0]:  # (no tuple per role)
                 return False
         return True
 
