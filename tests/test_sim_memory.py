@@ -173,3 +173,18 @@ def test_emulated_pinned_memory_reuses_freed_host_copies_except_under_a_host_bud
     results = [torchTensorRef.manage(p.clone()) * 2 for p in plain]
     del results
     assert kept.cached_bytes == 0
+
+
+@sim_only
+def test_freed_host_copies_are_left_out_of_the_recorded_host_time_too(fresh_manager):
+    tm = fresh_manager
+    tm.strategy = "flow"
+    x = torch.ones(MIB)
+    y = x * 2
+    tm.evict_all()  # y gets a pinned host copy
+    tm.synchronize()
+    with tm.recording() as trace:
+        before = len(trace.hidden_copies)
+        del y  # no device copy to drop: only its host copy goes, to the pinned allocator
+        assert len(trace.hidden_copies) == before + 1
+    assert torch.equal(x.cpu(), torch.ones(MIB, device="cpu"))

@@ -358,9 +358,15 @@ class Residency:
         """``block`` stops using its host copy (accounting; the bytes go when no view holds them)."""
         host = block.host
         self._by_host_storage.pop(host._cdata, None)
-        if self._backend.pinned is not None:
+        pinned = self._backend.pinned
+        if pinned is not None:
+            start = time.perf_counter_ns()
             # (under a host budget nothing is kept: freed host memory must leave the process)
-            self._backend.pinned.freed(host, 0 if self._host_limit else self._kept_limit())
+            pinned.freed(host, 0 if self._host_limit else self._kept_limit())
+            if pinned.emulated and self._trace is not None:
+                # Keeping or freeing the buffer is the pinned allocator's work, which PyTorch's
+                # does for free on a GPU machine (it keeps the buffer): not host time.
+                self._trace.hidden(start, time.perf_counter_ns())
         block.host_pending = None
         self._host_lost(block)
 
