@@ -33,6 +33,7 @@ import torch
 from . import raw
 from .blocks import Block
 from .errors import DeviceOutOfMemoryError, OutOfBudgetError
+from .sim_memory import MIN_BYTES as KEPT_MIN_BYTES
 from .sizes import format_size
 
 #: substrings of the errors libraries raise when their own device allocations fail
@@ -257,8 +258,8 @@ class Residency:
         (``Backend.recycle``, up to :meth:`_kept_limit`)."""
         storage = block.dev
         block.set_dev(None)
-        if storage is None:
-            return
+        if storage is None or block.nbytes < KEPT_MIN_BYTES:
+            return  # (small buffers: the C allocator's fast case, and the per-op path)
         backend = self._backend
         start = time.perf_counter_ns()
         backend.recycle(storage, self._kept_limit())
@@ -362,7 +363,7 @@ class Residency:
         if pinned is not None:
             start = time.perf_counter_ns()
             # (under a host budget nothing is kept: freed host memory must leave the process)
-            pinned.freed(host, 0 if self._host_limit else self._kept_limit())
+            pinned.freed(host, 0 if self._host_limit or block.nbytes < KEPT_MIN_BYTES else self._kept_limit())
             if pinned.emulated and self._trace is not None:
                 # Keeping or freeing the buffer is the pinned allocator's work, which PyTorch's
                 # does for free on a GPU machine (it keeps the buffer): not host time.
