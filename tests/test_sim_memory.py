@@ -153,7 +153,7 @@ def test_raw_flat_bytes_of_a_kept_buffer_is_its_size():
 
 
 @sim_only
-def test_emulated_pinned_memory_reuses_freed_host_copies_except_under_a_host_budget(fresh_manager):
+def test_sim_reuses_freed_buffers_except_under_a_host_budget(fresh_manager):
     tm = fresh_manager
     tm.strategy = "flow"
     kept = tm._backend.pinned.kept
@@ -168,11 +168,15 @@ def test_emulated_pinned_memory_reuses_freed_host_copies_except_under_a_host_bud
             assert torch.equal(r.cpu(), p * 2 + 1)
         del results
     assert kept.hits > 0
-    tm.host_budget = "1GiB"
-    assert kept.cached_bytes == 0
-    results = [torchTensorRef.manage(p.clone()) * 2 for p in plain]
-    del results
-    assert kept.cached_bytes == 0
+    assert tm._backend.pool.cached_bytes > 0
+    tm.host_budget = "1GiB"  # nothing kept from now on: freed memory must leave the process
+    assert kept.cached_bytes == 0 and tm._backend.pool.cached_bytes == 0
+    for _ in range(2):
+        results = [torchTensorRef.manage(p.clone()) * 2 for p in plain]
+        for r in results:
+            r.add_(1)
+        del results
+    assert kept.cached_bytes == 0 and tm._backend.pool.cached_bytes == 0
 
 
 @sim_only

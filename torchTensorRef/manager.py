@@ -534,8 +534,8 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
             except MemoryError:
                 self._host_budget, self._host_limit = old
                 raise
-            if nbytes is not None and self._backend.pinned is not None:
-                self._backend.pinned.kept.clear()  # (host buffers kept for reuse leave the process)
+            if nbytes is not None:
+                self._backend.release_cached()  # (buffers kept for reuse leave the process)
 
     @property
     def offload_dir(self) -> Optional[str]:

@@ -272,7 +272,10 @@ class Residency:
     def _kept_limit(self) -> int:
         """Bytes of freed buffers a simulated allocator may keep for reuse: the budget (an
         eighth of the device's capacity without one), so that the simulated device's host
-        memory stays within twice what the budget promises."""
+        memory stays within twice what the budget promises; none under a host budget, where
+        freed memory must leave the process."""
+        if self._host_limit:
+            return 0
         return self._budget or (self._backend.capacity() or 0) // 8
 
     def _write_back(self, block: Block) -> None:
@@ -362,8 +365,7 @@ class Residency:
         pinned = self._backend.pinned
         if pinned is not None:
             start = time.perf_counter_ns()
-            # (under a host budget nothing is kept: freed host memory must leave the process)
-            pinned.freed(host, 0 if self._host_limit or block.nbytes < KEPT_MIN_BYTES else self._kept_limit())
+            pinned.freed(host, 0 if block.nbytes < KEPT_MIN_BYTES else self._kept_limit())
             if pinned.emulated and self._trace is not None:
                 # Keeping or freeing the buffer is the pinned allocator's work, which PyTorch's
                 # does for free on a GPU machine (it keeps the buffer): not host time.
