@@ -154,3 +154,28 @@ def test_a_random_op_is_never_run_to_size_it():
         after_estimate = torch.rand(1)
         torch.manual_seed(0)
         assert torch.equal(torch.rand(1), after_estimate)
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_an_out_variant_s_growth_follows_its_written_tensor_on_every_call():
+    # The size after the op is cached by shapes; the growth depends on the written tensor's
+    # storage now, so the same call with a smaller, then a large enough `out` estimates apart.
+    spec = spec_of(aten.add.out)
+    a, b = torch.randn(1024), torch.randn(1024)
+    small, large = torch.empty(0), torch.empty(2048)
+    assert estimate_output_bytes(spec, (a, b), {"out": small}) == 4096
+    assert estimate_output_bytes(spec, (a, b), {"out": small}) == 4096  # (cached)
+    assert estimate_output_bytes(spec, (a, b), {"out": torch.empty(512)}) == 2048  # (it grows by half)
+    assert estimate_output_bytes(spec, (a, b), {"out": large}) == 0
+
+
+def test_creation_sizes_are_cached_by_their_arguments_and_stay_right(fresh_manager):
+    tm = fresh_manager
+    tm.strategy = "flow"
+    tm.budget = "1MiB"
+    for n in (24, 24, 25, 1000, 24):
+        x = torch.arange(0, n)
+        assert x.proxyInfo.device == "sim" and x.numel() == n and x.untyped_storage().nbytes() == 8 * n
+        assert torch.equal(x.cpu(), torch.arange(0, n, device="cpu"))
+    big = torch.arange(0, 2**20)  # 8 MiB: past the budget, so made in host memory
+    assert big.proxyInfo.device == "cpu" and tm.stats()["peak_device_bytes"] <= tm.budget

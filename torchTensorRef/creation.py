@@ -97,11 +97,27 @@ def _tensor_arguments(args, kwargs) -> bool:
 
 
 def _bytes_of(fn, args, kwargs) -> int:
-    """Bytes the call will allocate, from the same call on ``meta`` (no data, no work)."""
+    """Bytes the call will allocate, from the same call on ``meta`` (no data, no work),
+    cached by its arguments (``torch.arange`` on meta runs a Python decomposition: about
+    100 µs a call, for calls a decode loop repeats with the same values)."""
     meta = {k: v for k, v in kwargs.items() if k not in ("generator", "pin_memory", "requires_grad")}
-    meta["device"] = "meta"
-    out = fn(*args, **meta)
-    return out.untyped_storage().nbytes()
+    try:
+        key = (fn, args, tuple(meta.items()))
+        nbytes = _bytes_cache.get(key)  # (hashing raises for unhashable arguments: a list)
+    except TypeError:
+        key = nbytes = None
+    if nbytes is None:
+        meta["device"] = "meta"
+        nbytes = fn(*args, **meta).untyped_storage().nbytes()
+        if key is not None:
+            if len(_bytes_cache) >= _BYTES_CACHE_SIZE:
+                _bytes_cache.clear()
+            _bytes_cache[key] = nbytes
+    return nbytes
+
+
+_bytes_cache: dict = {}
+_BYTES_CACHE_SIZE = 10_000
 
 
 def _on_device(mgr, fn, args, kwargs, nbytes: int, what: str):

@@ -90,16 +90,29 @@ def _views_another(t: torch.Tensor, metas) -> bool:
     return any(m is not t and m.untyped_storage()._cdata == key for m in metas)
 
 
-def _growth(spec: OpSpec, args, kwargs, meta_args, meta_kwargs) -> int:
-    """Bytes by which the op grows the tensors it writes (``resize_``, ``out=``)."""
-    metas = [v for v in list(meta_args) + list(meta_kwargs.values()) if isinstance(v, torch.Tensor)]
-    grown = 0
+def _written(spec: OpSpec, args, kwargs):
+    """The tensors the op writes and may resize (``resize_``, ``out=``), in order."""
     for i, name in spec.write_args:
-        before, after = (args[i], meta_args[i]) if i < len(args) else (kwargs.get(name), meta_kwargs.get(name))
-        pairs = zip(before, after) if isinstance(before, (list, tuple)) else [(before, after)]
-        for b, a in pairs:
-            if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor) and not _views_another(a, metas):
-                grown += max(0, a.untyped_storage().nbytes() - _storage_nbytes(b))
+        value = args[i] if i < len(args) else kwargs.get(name)
+        yield from (value if isinstance(value, (list, tuple)) else (value,))
+
+
+def _sizes_after(spec: OpSpec, meta_args, meta_kwargs) -> tuple:
+    """Storage bytes of each written tensor after the op ran on meta (``None``: not a tensor,
+    or it now views another argument's storage, which allocates nothing). It depends on the
+    arguments' shapes only: cached with the op's new bytes."""
+    metas = [v for v in list(meta_args) + list(meta_kwargs.values()) if isinstance(v, torch.Tensor)]
+    return tuple(a.untyped_storage().nbytes() if isinstance(a, torch.Tensor) and not _views_another(a, metas)
+                 else None for a in _written(spec, meta_args, meta_kwargs))
+
+
+def _growth(spec: OpSpec, args, kwargs, sizes_after: tuple) -> int:
+    """Bytes by which the op grows the tensors it writes: their sizes after it, less the
+    storage they have now (which depends on their blocks, so it is not cached)."""
+    grown = 0
+    for before, after in zip(_written(spec, args, kwargs), sizes_after):
+        if after is not None and isinstance(before, torch.Tensor):
+            grown += max(0, after - _storage_nbytes(before))
     return grown
 
 
@@ -256,16 +269,22 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
     if not spec.allocates and not spec.restrides:
         return 0  # views and in-place results allocate nothing
     key = None
-    # Growth depends on the written tensors' blocks, not only on shapes: not cached.
-    if not spec.restrides and id(spec.func) not in _READS_VALUES:
+    # The cache holds what depends on shapes alone: the new bytes, and for an op that may
+    # resize what it writes, those tensors' sizes after it (their growth depends on their
+    # blocks too, and is worked out per call).
+    if id(spec.func) not in _READS_VALUES:
         try:
             key = (spec, _key(args), _key(kwargs.items()) if kwargs else ())
+            if spec.restrides:  # (a written tensor's size after the op follows its strides too)
+                key += (tuple(t.stride() for t in _written(spec, args, kwargs) if isinstance(t, _Tensor)),)
             hit = _cache.get(key)  # (hashing raises for unhashable arguments)
         except (TypeError, RuntimeError):  # unhashable arguments; nested tensors have no sizes
             key = None
         else:
             if hit is not None:
-                return hit
+                size, sizes_after = hit
+                return size + _growth(spec, args, kwargs, sizes_after) if sizes_after else size
+    sizes_after = ()
     try:
         if spec.func in _META_TOO_SMALL:
             raise LookupError(spec.name)  # sized by its bound
@@ -277,11 +296,11 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
             out = spec.func(*meta_args, **meta_kwargs)
         size = _new_bytes(out, spec) if spec.allocates else 0
         if spec.restrides and spec.func not in _PROBED:
-            size += _growth(spec, args, kwargs, meta_args, meta_kwargs)
+            sizes_after = _sizes_after(spec, meta_args, meta_kwargs)
     except Exception:  # no meta kernel, or a data-dependent size
-        size = _size_without_meta(spec, args, kwargs)
+        size, sizes_after = _size_without_meta(spec, args, kwargs), ()
     if key is not None:
         if len(_cache) >= _MAX_CACHE:
             _cache.clear()
-        _cache[key] = size
-    return size
+        _cache[key] = (size, sizes_after)
+    return size + _growth(spec, args, kwargs, sizes_after) if sizes_after else size
