@@ -11,11 +11,11 @@ counted as our host time, on ``"sim"`` only, and a prediction from a ``"sim"`` t
 ``BufferPool`` keeps the device buffers the manager drops (evictions, released blocks),
 keyed by their exact size, and gives them back to the next allocation of that size. The
 emulated pinned memory of ``"sim"`` keeps the host copies it frees the same way, as
-PyTorch's pinned host allocator does (``pinned.py``). Only
-large buffers are kept (small ones are the C allocator's fast case anyway), at most
-``limit`` bytes, the oldest dropped first. A buffer is handed out again only when no tensor
-uses its bytes any more: a view somebody holds, or a copy still queued on a stream, keeps it
-back (PyTorch counts the users of a storage).
+PyTorch's pinned host allocator does (``pinned.py``). Only large buffers are kept (small
+ones are the C allocator's fast case anyway), at most ``limit`` bytes, the oldest dropped
+first. A buffer is handed out again only when no tensor uses its bytes any more: a view
+somebody holds, or a copy still queued on a stream, keeps it back (PyTorch counts the users
+of a storage).
 """
 
 from __future__ import annotations
