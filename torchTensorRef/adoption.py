@@ -16,7 +16,6 @@ from .tensor_ref import TensorRef, compute_view, make_ref, user_attributes, with
 
 #: host copies of at least this size are moved into pinned memory when a tensor is adopted
 PIN_AT_ADOPTION_BYTES = 4096
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class Adoption:
@@ -68,7 +67,7 @@ class Adoption:
                 host = block.host
                 # Nobody else: no tensor over the bytes but the block's own storage object
                 # (one use), and no other name for that object (``block.host``, ``host``, the call's).
-                if _use_count is None or _use_count(host._cdata) != 1 or sys.getrefcount(host) != 3:
+                if raw.storage_users(host) != 1 or sys.getrefcount(host) != 3:
                     continue
                 del host
                 block.host_shared = False

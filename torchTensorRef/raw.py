@@ -31,6 +31,15 @@ def flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return empty(0, dtype=UINT8, device=storage.device).set_(storage)
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_users(storage: torch.UntypedStorage):
+    """How many tensors and storage objects use ``storage``'s bytes (PyTorch's own count),
+    or ``None`` where this torch cannot say."""
+    return _use_count(storage._cdata) if _use_count is not None else None
+
+
 def typed_view(storage: torch.UntypedStorage, dtype, size, stride, offset) -> torch.Tensor:
     """A plain tensor of ``dtype`` viewing ``storage`` with the given geometry (no copy)."""
     return empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)

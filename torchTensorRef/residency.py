@@ -364,9 +364,10 @@ class Residency:
         self._by_host_storage.pop(host._cdata, None)
         pinned = self._backend.pinned
         if pinned is not None:
-            start = time.perf_counter_ns()
+            timed = pinned.emulated and self._trace is not None
+            start = time.perf_counter_ns() if timed else 0
             pinned.freed(host, 0 if block.nbytes < KEPT_MIN_BYTES else self._kept_limit())
-            if pinned.emulated and self._trace is not None:
+            if timed:
                 # Keeping or freeing the buffer is the pinned allocator's work, which PyTorch's
                 # does for free on a GPU machine (it keeps the buffer): not host time.
                 self._trace.hidden(start, time.perf_counter_ns())

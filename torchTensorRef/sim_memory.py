@@ -29,7 +29,6 @@ from . import raw
 
 #: buffers smaller than this are not kept
 MIN_BYTES = 1 << 20
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class BufferPool:
@@ -45,7 +44,7 @@ class BufferPool:
     def take(self, nbytes: int) -> Optional[torch.Tensor]:
         """A kept buffer of exactly ``nbytes`` as a flat uint8 tensor, or ``None``."""
         for key in reversed(self._by_size.get(nbytes, ())):  # (the newest first: its pages are warm)
-            if _use_count(self._free[key]._cdata) == 1:  # (else a tensor still uses its bytes)
+            if raw.storage_users(self._free[key]) == 1:  # (else a tensor still uses its bytes)
                 self.hits += 1
                 return raw.empty(0, dtype=raw.UINT8).set_(self._pop(key))
         return None
@@ -57,7 +56,7 @@ class BufferPool:
         handed out only once none does (``take``).
         """
         nbytes = storage.nbytes()
-        if nbytes < MIN_BYTES or nbytes > self.limit or _use_count is None:
+        if nbytes < MIN_BYTES or nbytes > self.limit or raw.storage_users(storage) is None:
             return False
         key = storage._cdata
         self._free[key] = storage

@@ -312,8 +312,7 @@ def run_fast(func, args, kwargs, spec: OpSpec):
                     return _NOT_FAST  # the simulated device would run out: the generic path recovers
         watch = mgr._fast_watch
         if watch is not None:
-            if len(blocks) > 1:
-                blocks = list(dict.fromkeys(blocks))  # (_blocks_of_list, inlined: every op)
+            blocks = _blocks_of_list(blocks)
             index = mgr._op_count
             if not watch.fast_op(index, spec, blocks, need):
                 return _NOT_FAST

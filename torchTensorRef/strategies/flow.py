@@ -497,7 +497,7 @@ class Flow(Strategy):
         mgr, plan = self.manager, self.plan
         limit = mgr.limit - reserved  # the op's results still need their room
         lookup, born_at = mgr.block, self._born_at
-        for j, role in plan.ahead[(n - plan.base) % plan.period]:  # (Plan.offset, inlined: every op)
+        for j, role in plan.ahead[plan.offset(n)]:
             if role.__class__ is int:
                 block = lookup(role)
             else:
