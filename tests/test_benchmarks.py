@@ -335,6 +335,8 @@ def test_predicted_harness_at_a_tiny_size(tmp_path):
                 assert "budget" in r["error"]
                 continue
             assert r["step_seconds"] >= r["bound_seconds"] > 0
+            # with no host time but the launches, a row is no longer but still not below its bound
+            assert r["bound_seconds"] <= r["schedule_step_seconds"] <= r["step_seconds"]
             assert r["bottleneck"] in timeline.LANES and r["bound_lane"] in timeline.LANES
             if r["strategy"] == "flow":
                 assert r["flow_plan"]  # recorded once Flow follows its plan
@@ -356,6 +358,11 @@ def test_predicted_harness_at_a_tiny_size(tmp_path):
             r = decode_rows[("Flow, 50%", c["gpu"])]
             assert c["value"] == pytest.approx(r["step_seconds"] / r["bound_seconds"])
             assert c["met"] == (c["value"] <= 1.25) and c["busiest_lane"] == r["bottleneck"]
+            resident = decode_rows[("all-resident", c["gpu"])]
+            assert c["attainable"] == pytest.approx(
+                max(r["bound_seconds"], resident["step_seconds"]) / r["bound_seconds"])
+            assert c["schedule"] == pytest.approx(r["schedule_step_seconds"] / r["bound_seconds"])
+            assert 1 <= c["schedule"] <= c["value"]
     assert {c["check"] for c in saved["checks"] if c["work"] == "decode"} >= {
         "Flow 50%: step / bound", "Flow 50%: cpu_offload step / Flow step"}
     if png:

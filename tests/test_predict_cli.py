@@ -136,7 +136,7 @@ def test_a_gpu_file_of_numbers(script, tmp_path, capsys):
     (["--steps", "x"], "(got: 'x')"),
     (["--budget", "lots"], "--budget: "),
     (["--step-on", "epoch"], "invalid choice: 'epoch'"),
-    (["--host-scale", "0"], "--host-scale must be a positive number (got: 0.0)"),
+    (["--host-scale", "-1"], "--host-scale must be a number >= 0 (got: -1.0)"),
 ])
 def test_bad_arguments_are_usage_errors(args, named, script, capsys):
     path = script("print('ran')\n")

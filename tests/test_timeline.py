@@ -218,7 +218,7 @@ def test_bad_arguments():
         timeline.predict(trace, scenario="offload")
     with pytest.raises(ValueError, match=r"steps must be a positive int \(got: 0\)"):
         timeline.predict(trace, steps=0)
-    with pytest.raises(ValueError, match=r"host_scale must be a positive number \(got: -1\)"):
+    with pytest.raises(ValueError, match=r"host_scale must be a number >= 0 \(got: -1\)"):
         timeline.predict(trace, host_scale=-1)
     with pytest.raises(TypeError, match="gpu must be a name, a GPU or a dict"):
         timeline.predict(trace, 3)
@@ -256,6 +256,19 @@ def test_host_scale_scales_the_measured_host_time():
     assert q.host_program_seconds == pytest.approx(p.host_program_seconds / 2)
     assert q.compute_seconds == pytest.approx(p.compute_seconds)
     assert q.step_seconds < p.step_seconds
+
+
+def test_host_scale_zero_leaves_the_schedule_of_kernels_and_copies():
+    trace = _train(steps=3, budget="96KiB", strategy="flow")
+    p = timeline.predict(trace, "h100-pcie")
+    q = timeline.predict(trace, "h100-pcie", host_scale=0)
+    assert q.host_ours_seconds == q.host_program_seconds == 0
+    # only the modelled launches are left on the host: one per kernel and one per copy
+    copies = sum(1 for (_k, _b, n, _s, _e), mode in zip(trace.moves, trace.move_modes) if n and mode != "drop")
+    assert q.host_seconds == pytest.approx(q.kernels * timeline.LAUNCH_HOST + copies / q.steps * timeline.COPY_HOST)
+    assert (q.compute_seconds, q.transfer_seconds, q.bound_seconds) == pytest.approx(
+        (p.compute_seconds, p.transfer_seconds, p.bound_seconds))
+    assert q.bound_seconds <= q.step_seconds < p.step_seconds
 
 
 def _hand_trace():

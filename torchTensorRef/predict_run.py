@@ -174,7 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--half", action="store_true",
                         help="the script runs in fp32 for a bf16/fp16 program: predict with 16-bit bytes and peak")
     parser.add_argument("--host-scale", metavar="X", type=float, default=1.0,
-                        help="multiply the measured host time by X (0.5: a host twice as fast as this one)")
+                        help="multiply the measured host time by X (0.5: a host twice as fast as this one; "
+                             "0: none of it, the schedule of kernels and copies alone)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the predictions as JSON")
     parser.add_argument("--chrome", metavar="PATH", default=None, help="write the predicted timeline as a Chrome trace")
     parser.add_argument("script", help="the Python script to run")
@@ -227,8 +228,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         gpu = load_gpu(args.gpu)
     except (ValueError, TypeError) as e:
         parser.error(f"--gpu: {e}")
-    if not args.host_scale > 0:
-        parser.error(f"--host-scale must be a positive number (got: {args.host_scale})")
+    if not args.host_scale >= 0:
+        parser.error(f"--host-scale must be a number >= 0 (got: {args.host_scale})")
     tensorsManager.device = "sim"
     for name in ("strategy", "budget"):
         value = getattr(args, name)

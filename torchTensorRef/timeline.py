@@ -183,7 +183,9 @@ def predict(trace: Trace, gpu: Union[str, GPU, dict] = "h100-pcie", *, scenario:
             bf16): halve every byte count and use the 16-bit peak.
         pinned: for ``"cpu_offload"``, whether the weights are in pinned memory.
         host_scale: the measured host time is multiplied by this: 0.5 for a host twice as
-            fast as the recording machine's (the modelled launch costs are not scaled).
+            fast as the recording machine's (the modelled launch costs are not scaled); 0
+            leaves it all out, ours and the program's: what the schedule of kernels and
+            copies allows, with only the launch costs on the host.
         unrecorded: for ``"recorded"``, when the trace has an unrecorded run of the same
             steps (``trace.unrecorded``), scale the recorded host time to that run's
             (:func:`unrecorded_scale`); ``False`` keeps the recording's (the generic path).
@@ -195,8 +197,8 @@ def predict(trace: Trace, gpu: Union[str, GPU, dict] = "h100-pcie", *, scenario:
         steps = max(len(trace.marks), 1)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be a positive int (got: {steps!r})")
-    if isinstance(host_scale, bool) or not isinstance(host_scale, (int, float)) or not host_scale > 0:
-        raise ValueError(f"host_scale must be a positive number (got: {host_scale!r})")
+    if isinstance(host_scale, bool) or not isinstance(host_scale, (int, float)) or not host_scale >= 0:
+        raise ValueError(f"host_scale must be a number >= 0 (got: {host_scale!r})")
     measured = 1.0
     if unrecorded and scenario == "recorded" and trace.unrecorded is not None:
         measured = unrecorded_scale(trace, steps)
