@@ -194,7 +194,9 @@ def plot(name: str, result: dict, folder: str) -> str:
 
 
 def predicted(result: dict, path: str) -> str:
-    """Predicted ms per step of each row on each GPU, one panel per work (log scale)."""
+    """Predicted ms per step of each row on each GPU, one panel per work (log scale); a
+    black tick on each bar marks the same row with no host time but the launches (its
+    schedule alone), a grey one its bound."""
     plt = _pyplot()
     works = result["works"]
     fig, axes = plt.subplots(1, len(works), figsize=(5.6 * len(works), 3.8), squeeze=False)
@@ -204,12 +206,18 @@ def predicted(result: dict, path: str) -> str:
         gpu_names = list(dict.fromkeys(r["gpu"] for r in rows))
         width = 0.8 / max(len(gpu_names), 1)
         for i, gpu in enumerate(gpu_names):
-            values = []
+            values, schedule, bound = [], [], []
             for label in labels:
                 r = next(r for r in rows if r["row"] == label and r["gpu"] == gpu)
                 values.append(r["step_seconds"] * 1e3 if r["fits"] else 0)
-            ax.bar([x + (i - (len(gpu_names) - 1) / 2) * width for x in range(len(labels))], values, width,
-                   label=gpu)
+                schedule.append(r.get("schedule_step_seconds", 0) * 1e3 if r["fits"] else float("nan"))
+                bound.append(r["bound_seconds"] * 1e3 if r["fits"] else float("nan"))
+            xs = [x + (i - (len(gpu_names) - 1) / 2) * width for x in range(len(labels))]
+            ax.bar(xs, values, width, label=gpu)
+            ax.scatter(xs, bound, marker="_", color="0.6", s=120, zorder=3,
+                       label="bound" if i == len(gpu_names) - 1 else None)
+            ax.scatter(xs, schedule, marker="_", color="black", s=120, zorder=4,
+                       label="no host time" if i == len(gpu_names) - 1 else None)
         ax.set_yscale("log")
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)

@@ -205,3 +205,36 @@ def test_out_of_memory_on_the_fast_path_evicts_and_retries(fresh_manager, monkey
     assert x.proxyInfo.on_device
     with torchTensorRef.disabled():
         assert torch.equal(y.toCPU().target, torch.full((4, 4), 2.0))
+
+
+def test_an_op_on_a_prefetched_block_takes_the_fast_path(fresh_manager, counted):
+    """Under Flow's plan, a block a prefetch brought in is waited for and counted as a hit
+    on the fast path: only ops with a block to fetch take the generic path."""
+    from torchTensorRef.strategies import Flow
+
+    fresh_manager.strategy = Flow(lookahead=2, prefetch_evicts=True)
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64) for _ in range(8)]
+    x = torch.randn(4, 64)
+    with torchTensorRef.disabled():
+        expected = x.target.clone()
+        for w in ws:
+            expected = (expected @ w.target.clone()).tanh()
+    fresh_manager.budget = 4 * ws[0].proxyInfo.nbytes
+
+    def forward():
+        h = x
+        for w in ws:
+            h = (h @ w).tanh()
+        return h.toCPU()
+
+    for _ in range(6):
+        assert torch.equal(forward().target, expected)
+    assert fresh_manager.strategy.plan is not None
+    fresh_manager.reset_stats()
+    counted.update(fast=0, generic=0)
+    assert torch.equal(forward().target, expected)
+    stats = fresh_manager.stats()
+    assert stats["prefetch_hits"] > 0
+    assert counted["generic"] <= stats["prefetch_misses"]  # (each generic op fetched a block)
+    assert counted["fast"] >= stats["prefetch_hits"]

@@ -82,15 +82,21 @@ class OpProtocol:
         index = ctx.index
         for b in blocks:
             b.last_use = index
-            if b.prefetched:
-                b.prefetched = False
-                c["prefetch_hits"] += 1
-            if b.dev_pending is not None:
-                b.dev_pending.wait_compute()
-                b.dev_pending = None
+            if b.prefetched or b.dev_pending is not None:
+                self._arrived(b)
         self._strategy.before_run(ctx)
         if self._trace is not None:
             ctx._start = time.perf_counter_ns()  # type: ignore[attr-defined]
+
+    def _arrived(self, block: Block) -> None:
+        """An op is about to read ``block``, brought in by a prefetch: count the hit and
+        order the op after the copy (the compute stream waits for it; the host does not)."""
+        if block.prefetched:
+            block.prefetched = False
+            self._counters["prefetch_hits"] += 1
+        if block.dev_pending is not None:
+            block.dev_pending.wait_compute()
+            block.dev_pending = None
 
     def _refuse_growing_external(self, ctx) -> None:
         # The op runs on the accelerator copy, which could grow; but the host bytes are shared

@@ -12,7 +12,8 @@ move nothing, and then the steps above only cost time. When the manager says nob
 to see the op (``TensorsManager._fast``: no callbacks, no recording, no fault injector,
 and a strategy that does not need every op) and every TensorRef argument is resident,
 ``run_fast`` swaps the arguments for their plain views, runs the op and wraps its results
-in one pass. Anything else (a block to fetch, a pending prefetch, a plain host tensor to
+in one pass; a block a prefetch brought in is resident too (the op is ordered after its
+copy, as on the generic path). Anything else (a block to fetch, a plain host tensor to
 copy to the accelerator) is found before anything changed, and the generic path runs.
 """
 
@@ -256,7 +257,7 @@ def _fast_view(a, blocks, live):
     # ``live``: pass-through, where ops run on the host copy itself
     if isinstance(a, TensorRef):
         b = a._tr_block
-        if (b.dev is None and not live) or b.dev_pending is not None or b.prefetched:
+        if b.dev is None and not live:
             raise _NotResident
         blocks.append(b)
         return a._tr_view if a._tr_gen == b.gen else compute_view(a)
@@ -288,7 +289,7 @@ def run_fast(func, args, kwargs, spec: OpSpec):
             for a in args:  # _fast_view, unrolled for the common argument kinds
                 if isinstance(a, TensorRef):
                     b = a._tr_block
-                    if (b.dev is None and not live) or b.dev_pending is not None or b.prefetched:
+                    if b.dev is None and not live:
                         return _NOT_FAST
                     blocks.append(b)
                     cargs.append(a._tr_view if a._tr_gen == b.gen else compute_view(a))
@@ -316,10 +317,18 @@ def run_fast(func, args, kwargs, spec: OpSpec):
             index = mgr._op_count
             if not watch.fast_op(index, spec, blocks, need):
                 return _NOT_FAST
+            _arrive(mgr, blocks)
             out, outputs = _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)
             watch.after_fast_op(index, outputs)
             return out
+        _arrive(mgr, blocks)
         return _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)[0]
+
+
+def _arrive(mgr, blocks) -> None:
+    for b in blocks:
+        if b.prefetched or b.dev_pending is not None:
+            mgr._arrived(b)
 
 
 _NO_OUTPUTS = ()
