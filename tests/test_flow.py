@@ -272,3 +272,17 @@ def test_flow_training_is_bit_identical_to_plain(fresh_manager):
 def test_flow_rejects_bad_settings():
     with pytest.raises(ValueError, match="lookahead"):
         Flow(lookahead=-1)
+
+
+def test_a_prefetch_evicts_only_when_asked_on_every_device(fresh_manager, monkeypatch):
+    """The simulated device and CUDA make the same decisions: by default a prefetch only
+    fills free memory, whatever the device."""
+    flow = Flow()
+    fresh_manager.strategy = flow
+    monkeypatch.setattr(type(fresh_manager), "device_kind", property(lambda self: "cuda"))
+    flow.device_changed()
+    assert not flow._evicting_prefetch
+    evicting = Flow(prefetch_evicts=True)
+    fresh_manager.strategy = evicting
+    evicting.device_changed()
+    assert evicting._evicting_prefetch
