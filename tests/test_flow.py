@@ -286,3 +286,36 @@ def test_a_prefetch_evicts_only_when_asked_on_every_device(fresh_manager, monkey
     fresh_manager.strategy = evicting
     evicting.device_changed()
     assert evicting._evicting_prefetch
+
+
+def test_a_tiny_block_predicted_dead_is_evicted_after_the_weights(fresh_manager):
+    """Writing back a vector nobody reads again costs a copy for no room: the weights,
+    clean and needed later, go first."""
+    fresh_manager.strategy = Flow()
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64) for _ in range(6)]  # 16 KiB each
+    x = torch.randn(1, 64)
+    with torchTensorRef.disabled():
+        expected = x.target.clone()
+        for w in ws:
+            expected = expected @ w.target.clone()
+    fresh_manager.budget = 4 * ws[0].proxyInfo.nbytes + 4096
+    kept = []
+
+    def step():
+        kept.clear()
+        h = x
+        for w in ws:
+            h = h @ w
+            kept.append(h)  # alive, never read again: predicted dead, and dirty
+        return h.toCPU().target
+
+    for _ in range(6):
+        assert torch.allclose(step(), expected)
+    assert fresh_manager.strategy.plan is not None
+    fresh_manager.reset_stats()
+    for _ in range(3):
+        assert torch.allclose(step(), expected)
+    stats = fresh_manager.stats()
+    assert stats["evictions"] > 0  # the weights page
+    assert stats["writebacks"] == 3  # ... and only the results asked for (toCPU) are written back
