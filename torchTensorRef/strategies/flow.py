@@ -72,10 +72,11 @@ class Flow(Strategy):
         prefetch_evicts: let a prefetch evict clean blocks needed later than the prefetched
             one (default: off, on every device). Prefetching into free memory only never
             adds traffic; evicting for a prefetch can force out a block that would have
-            stayed had the op waited, and that costs bytes. The timeline predicts no gain
-            from it on an H100 PCIe that would pay for them (Llama decode at 50% of the
-            weights: 14% more bytes and a 9% longer step; at 25% and in training, within
-            4%), so the simulated device and CUDA make the same decisions.
+            stayed had the op waited, and that costs bytes. The timeline predicts nothing
+            gained for them on an H100 PCIe, from the schedule of copies and kernels alone
+            (Llama decode at 50% of the weights: 14% more bytes and a 9% longer step; at
+            25% and in training, within 4%), so the simulated device and CUDA make the
+            same decisions.
         plan: compile the period into a plan once it repeated whole, and follow it (the same
             decisions at a fraction of the per-op cost); ``False`` keeps learning every op.
         disk_lookahead: while following the plan, start reading from disk the long-lived
