@@ -7,9 +7,10 @@ calls) to warm up; one steady-state step (call) is recorded, and the bytes the s
 moved are printed beside what the offline reference (Belady with write-back costs,
 ``torchTensorRef.offline.reference_moves``) moves for that same trace.
 
-The reference is a lower bound rather than a reachable target: it drops a block the step
+The reference is a yardstick rather than a reachable target: it drops a block the step
 created, once the trace does not use it again, for free, even while the program still holds
-it (a safe pager must keep it or write it back).
+it (a safe pager must keep it or write it back). With blocks of different sizes Belady's
+rule is not a proven optimum either, so a pager may move a little less.
 
 Beside them: what ``accelerate.cpu_offload`` copies for the same work, counted from its
 hooks (see ``benchmarks.common.AccelerateCopies``): it copies every weight to the execution

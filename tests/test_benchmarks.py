@@ -55,7 +55,9 @@ def test_transfer_flow_between_reference_and_genoa(transfer_result):
             assert r["equal_to_plain"], r
             assert r["peak_device_bytes"] <= r["budget"]
             assert r["moved"] == _moved(r)
-            assert r["reference_moved"] <= r["moved"], r
+            # Belady's rule with blocks of different sizes is no proven optimum: a pager may
+            # beat it by a little, never by much (byte accounting gone wrong would)
+            assert r["moved"] >= 0.98 * r["reference_moved"], r
         assert flow["moved"] <= genoa["moved"], (flow, genoa)
 
 

@@ -4,7 +4,8 @@ Given the accesses of a recorded step (``Trace.accesses``) and a budget, simulat
 rule with write-back costs: before each op its blocks must be resident; when room is
 needed, evict the block whose next use is farthest in the future, knowing the whole trace.
 Evicting a clean block, or one never used again, is free; a dirty one is written back.
-Flow is measured against this on the same trace.
+Flow is measured against this on the same trace. With blocks of different sizes this is
+close to, not provably, the least traffic: a pager can beat it by a little.
 
 Below host memory (the disk tier), the reference for disk traffic is the same rule on one
 memory as large as the device and host budgets together (``reference_disk_moves``): a pager
