@@ -225,8 +225,9 @@ def predicted(result: dict, path: str) -> str:
         kind = "batch-1 decode (per token)" if work["work"] == "decode" else "AdamW training step"
         ax.set_title(f"{kind}: {work['layers']} layers, {work['parameters']} params\n"
                      f"predicted as {work['predicted_dtype']}, not measured", fontsize=9)
-        ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, ncol=len(labels), loc="lower center")  # (below the bars)
+    return _save(plt, fig, path, rect=(0, 0.06, 1, 1))
 
 
 PLOTS["predicted"] = predicted
