@@ -602,16 +602,12 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         comes back when plain torch would free it, not at the next op (allocations then
         reuse it instead of taking fresh pages, and on an accelerator the budget sees it).
         """
+        self._dead.append(block)
         lock = self._lock
         if lock._is_owned() or not lock.acquire(blocking=False):
-            self._dead.append(block)
             return  # mid-op on this thread, or another thread holds the lock: the next op drains
         try:
-            if self._dead:
-                self._drain()
-            block.refs -= 1
-            if block.refs == 0 and block.alive:
-                self._release(block)
+            self._drain()
         finally:
             lock.release()
 

@@ -366,7 +366,7 @@ class Residency:
         if pinned is not None:
             timed = pinned.emulated and self._trace is not None
             start = time.perf_counter_ns() if timed else 0
-            pinned.freed(host, 0 if block.nbytes < KEPT_MIN_BYTES else self._kept_limit())
+            pinned.freed(host, self._kept_limit())  # (the pool keeps no small buffer)
             if timed:
                 # Keeping or freeing the buffer is the pinned allocator's work, which PyTorch's
                 # does for free on a GPU machine (it keeps the buffer): not host time.

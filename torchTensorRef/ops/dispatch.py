@@ -317,18 +317,10 @@ def run_fast(func, args, kwargs, spec: OpSpec):
             index = mgr._op_count
             if not watch.fast_op(index, spec, blocks, need):
                 return _NOT_FAST
-            _arrive(mgr, blocks)
             out, outputs = _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)
             watch.after_fast_op(index, outputs)
             return out
-        _arrive(mgr, blocks)
         return _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)[0]
-
-
-def _arrive(mgr, blocks) -> None:
-    for b in blocks:
-        if b.prefetched or b.dev_pending is not None:
-            mgr._arrived(b)
 
 
 _NO_OUTPUTS = ()
@@ -340,6 +332,8 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
     mgr._op_count = index + 1
     for b in blocks:
         b.last_use = index
+        if b.prefetched or b.dev_pending is not None:
+            mgr._arrived(b)  # brought in by a prefetch: the op waits for its copy
     if spec.write_args or not spec.one_result:
         # in-place ops and several results: the generic bookkeeping, without the moves
         written = _written_blocks(spec, args, kwargs) if spec.write_args else []

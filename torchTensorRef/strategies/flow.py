@@ -97,7 +97,6 @@ class Flow(Strategy):
             )
         self.lookahead = lookahead
         self.disk_lookahead = disk_lookahead
-        self.prefetch_evicts = prefetch_evicts
         self._evicting_prefetch = bool(prefetch_evicts)
         self.min_period = min_period
         self.max_history = max_history
