@@ -152,9 +152,9 @@ def test_a_fetch_that_fails_twice_raises_and_leaves_the_op_uncounted(injector):
     a, b, kept = _one_input_away()
     before, ops = tm.op_index, tm.stats()["ops"]
     injector("fetch", times=2)
-    with pytest.raises(DeviceOutOfMemoryError) as info:
+    with pytest.raises(DeviceOutOfMemoryError, match="op aten.mul.Tensor ran out") as info:
         a * b
-    assert info.value.needed == b.proxyInfo.nbytes
+    assert info.value.needed == b.proxyInfo.nbytes and info.value.op == "aten.mul.Tensor"
     del info
     tm.fault_injector = None
     assert tm.op_index == before and tm.stats()["ops"] == ops

@@ -203,6 +203,23 @@ def test_load_gives_tensor_refs_and_keeps_sharing():
     assert d["a"].tolist() == [0.0, 7.0, 2.0]
 
 
+def test_rng_states_restored_from_a_checkpoint_replay_the_same_numbers():
+    # a training script's resume: save the generators' states, load them, restore, draw again
+    g = torch.Generator().manual_seed(5)
+    torch.manual_seed(3)
+    buffer = io.BytesIO()
+    torch.save({"global": torch.get_rng_state(), "g": g.get_state()}, buffer)
+    want = [torch.rand(4).tolist(), torch.rand(4, generator=g).tolist()]
+    buffer.seek(0)
+    states = torch.load(buffer, weights_only=True)
+    assert all(type(v) is TensorRef for v in states.values())
+    torch.set_rng_state(states["global"])  # patched: takes the TensorRef
+    with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):
+        g.set_state(states["g"])  # a C type: cannot be patched (docs/compatibility.md)
+    g.set_state(states["g"].cpu().target)  # the documented way
+    assert [torch.rand(4).tolist(), torch.rand(4, generator=g).tolist()] == want
+
+
 def test_load_with_mmap(tmp_path):
     plain, managed = run_both(lambda: model().state_dict())
     torch.save(managed, tmp_path / "m.pt")

@@ -73,9 +73,12 @@ class OpProtocol:
                     self._make_room(room, protect, ctx.name)
             for b in missing:
                 self.fetch(b, protect)
-        except BaseException:
+        except BaseException as e:
             if self._op_count == ctx.index + 1:
                 self._op_count = ctx.index  # the op did not run: it is not counted
+            if isinstance(e, DeviceOutOfMemoryError) and e.op != ctx.name:
+                # (a fetch knows only that it fetches: the error names the op the user ran)
+                raise DeviceOutOfMemoryError(ctx.name, e.needed, e.available) from e.__cause__
             raise
         c = self._counters
         c["prefetch_misses"] += len(missing)
