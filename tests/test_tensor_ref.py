@@ -317,8 +317,7 @@ def test_deepcopy_of_a_module_keeps_tied_weights_tied():
     assert twin[0].weight is twin[1].weight and isinstance(twin[0].weight, torch.nn.Parameter)
     assert type(twin[0].weight) is TensorRef and twin[0].weight is not managed[0].weight
     assert torch.equal(twin[0].weight, managed[0].weight)
-    with torchTensorRef.disabled():
-        assert torch.equal(twin[0].weight.target, plain[0].weight)
+    assert_identical(plain[0].weight, twin[0].weight)
 
 
 def test_data_setter_rebinds_the_parameter():

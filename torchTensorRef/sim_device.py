@@ -127,6 +127,11 @@ class SimTensor(torch.Tensor):
     reports ``sim:0``, PyTorch picks kernels for it as for any accelerator). Tests compare
     TensorRefs on ``"sim"`` with it, as they compare
     TensorRefs on CUDA with plain CUDA tensors.
+
+    Unlike a CUDA tensor it takes a plain CPU tensor beside it: a nested tensor on the
+    device is a plain CPU one (no wrapper can hold it), and its buffers and dense results
+    meet SimTensors in ops that have only device tensors on CUDA (``TransformerEncoder``'s
+    eval fast path). TensorRefs, whose CPU ones are known, refuse them (``_check_devices``).
     """
 
     # (no __slots__: module.to("sim") swaps a parameter with its SimTensor, which needs the
@@ -169,8 +174,6 @@ class SimTensor(torch.Tensor):
         kwargs = kwargs or {}
         target = kwargs.get("device")
         on_host = target is not None and torch.device(target).type == "cpu"
-        spec = spec_of(func)
-        _refuse_plain_cpu_tensors(spec, args, kwargs)
         try:
             out = func(*_unwrap(args), **_unwrap(kwargs))
         except Exception as e:
@@ -180,6 +183,7 @@ class SimTensor(torch.Tensor):
             return FAILED
         if on_host:
             return out
+        spec = spec_of(func)
         if spec.write_args:  # resize_, t_, out=, addbmm_ ...: the wrappers follow their bytes' new geometry
             for i, name in spec.write_args:
                 arg = args[i] if i < len(args) else kwargs.get(name)
@@ -257,42 +261,6 @@ class SimTensor(torch.Tensor):
         if self.dim() == 0 and not getattr(self, "_is_param", False):
             return self.item().__format__(format_spec)
         return object.__format__(self, format_spec)
-
-
-#: ops whose accelerator kernels accept CPU tensors of any size among their arguments
-_TAKES_CPU_TENSORS = frozenset({
-    "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "_unsafe_index", "index_put",
-    "index_put_", "_index_put_impl_", "_unsafe_index_put", "_pack_padded_sequence", "_pad_packed_sequence",
-    "lstm", "gru", "rnn_tanh", "rnn_relu", "set_", "lift_fresh", "lift_fresh_copy",
-})
-
-
-def refuse_cpu_tensor(spec, declared) -> None:
-    """Raise CUDA's error for a CPU tensor (not a 0-dim scalar) among the arguments of an op
-    on the device, unless the op is one whose accelerator kernel takes CPU tensors."""
-    if spec.func.overloadpacket.__name__ not in _TAKES_CPU_TENSORS:
-        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                           f"{declared} and cpu! (when checking the arguments of {spec.name})")
-
-
-def tensor_args(args, kwargs):
-    """The tensors among an op's arguments, and in its list and tuple arguments."""
-    for a in list(args) + (list(kwargs.values()) if kwargs else []):
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif a.__class__ is list or a.__class__ is tuple:
-            for e in a:
-                if isinstance(e, torch.Tensor):
-                    yield e
-
-
-def _refuse_plain_cpu_tensors(spec, args, kwargs) -> None:
-    """A SimTensor's op with a plain CPU tensor (not a scalar) among its arguments fails, as
-    a CUDA tensor's does (nested tensors are let through, as for TensorRefs)."""
-    for a in tensor_args(args, kwargs):
-        if (not isinstance(a, SimTensor) and a.device.type == "cpu" and a.dim() > 0 and not a.is_nested):
-            refuse_cpu_tensor(spec, _registered)
-            return
 
 
 def _attributes(t: SimTensor) -> dict:

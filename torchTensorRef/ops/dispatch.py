@@ -142,24 +142,45 @@ def _compute_kwargs(kwargs, backend):
     return kwargs
 
 
+#: ops whose accelerator kernels accept CPU tensors of any size among their arguments
+_TAKES_CPU_TENSORS = frozenset({
+    "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "_unsafe_index", "index_put",
+    "index_put_", "_index_put_impl_", "_unsafe_index_put", "_pack_padded_sequence", "_pad_packed_sequence",
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "set_", "lift_fresh", "lift_fresh_copy",
+})
+
+
 def _check_devices(spec, args, kwargs, declared, blocks) -> None:
     """On the strict ``"sim"``: refuse a CPU TensorRef beside accelerator ones, as CUDA kernels do.
 
     A 0-dim CPU tensor is a scalar, which accelerator kernels accept (Note [Strict sim] in
-    ``sim_device.py``); so do the copies and indexing ops ``sim_device.refuse_cpu_tensor``
-    lets through. Plain CPU tensors are let through: on the simulated device the results
-    of ops the manager does not page (nested tensors, and what is computed from them) are
-    plain CPU tensors that are the device's on a GPU.
+    ``sim_device.py``); so do the copies and indexing ops of ``_TAKES_CPU_TENSORS``. Plain
+    CPU tensors are let through: on the simulated device the results of ops the manager
+    does not page (nested tensors, and what is computed from them) are plain CPU tensors
+    that are the device's on a GPU.
     """
     for b in blocks:  # (``blocks``: those of the TensorRef arguments)
         if b.host_only:
             break
     else:
         return  # no CPU TensorRef: nothing to look for
-    for a in sim_device.tensor_args(args, kwargs):
+    for a in _tensor_args(args, kwargs):
         if a.__class__ is TensorRef and a._tr_block.host_only and a.dim() > 0:
-            sim_device.refuse_cpu_tensor(spec, declared)
-            return
+            if spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
+                return
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, "
+                f"{declared} and cpu! (when checking the arguments of {spec.name})")
+
+
+def _tensor_args(args, kwargs):
+    for a in list(args) + (list(kwargs.values()) if kwargs else []):
+        if isinstance(a, _Tensor):
+            yield a
+        elif a.__class__ is list or a.__class__ is tuple:
+            for e in a:
+                if isinstance(e, _Tensor):
+                    yield e
 
 
 _NO_KWARGS: dict = {}
