@@ -190,3 +190,68 @@ def test_a_checkpoint_changed_under_a_loaded_model_is_a_clear_error(saved, tmp_p
     header = json.loads(copy.read_bytes()[8:8 + int.from_bytes(copy.read_bytes()[:8], "little")])
     assert "transformer.wte.weight" in header
     assert to_plain(torch.ones(2)).tolist() == [1.0, 1.0]  # the manager still works
+
+
+# -- torch.load(..., mmap=True) ----------------------------------------------------------------
+
+def test_torch_load_with_mmap_reads_nothing_and_generates_within_a_host_budget(saved, tmp_path):
+    folder, plain = saved
+    path = tmp_path / "state.pt"
+    with plain_torch():
+        torch.save(plain.state_dict(), path)
+    before = (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+    start = tensorsManager.stats()
+    state = torch.load(path, mmap=True, weights_only=True)
+    stats = tensorsManager.stats()
+    assert stats["bytes_from_disk"] == start["bytes_from_disk"] and stats["host_bytes"] == start["host_bytes"]
+    assert all(type(v) is TensorRef and v._tr_block.host is None and v._tr_block.disk is not None
+               for v in state.values())
+    # tied weights: one storage in the file, one block here
+    assert state["lm_head.weight"].proxyInfo.block_id == state["transformer.wte.weight"].proxyInfo.block_id
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(_config())
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    del state
+    model.eval()
+    weights = _tight(model)
+    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
+    with plain_torch():
+        expected = plain.eval().generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
+    assert_identical(expected, tokens, "tokens")
+    stats = tensorsManager.stats()
+    assert stats["peak_host_bytes"] <= tensorsManager.host_budget and stats["peak_device_bytes"] <= weights // 10
+    # clean weights leave host memory by being dropped (read again), never written to disk
+    assert stats["bytes_from_disk"] >= 6 * (weights - weights // 3 - weights // 10) and stats["bytes_to_disk"] == 0
+    assert (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns) == before
+
+
+def test_torch_load_with_mmap_keeps_views_parameters_and_writes_apart_from_the_file(tmp_path):
+    path = tmp_path / "mixed.pt"
+    with plain_torch():
+        base = torch.arange(3000.0)
+        weight = torch.nn.Parameter(torch.randn(16, 16))
+        weight.tag = "kept"
+        saved = {"base": base, "tail": base[10:20], "t": base.view(30, 100).t(), "w": weight,
+                 "ints": [torch.ones(7, dtype=torch.int64), 3]}
+        torch.save(saved, path)
+        before = path.read_bytes()
+    loaded = torch.load(path, mmap=True, weights_only=True)
+    assert loaded["tail"].proxyInfo.block_id == loaded["base"].proxyInfo.block_id
+    assert isinstance(loaded["w"], torch.nn.Parameter) and loaded["w"].requires_grad and loaded["w"].tag == "kept"
+    assert_identical(saved, loaded)
+    loaded["base"][12] = -1.0  # a write: the loaded tensor changes, the file does not
+    assert loaded["tail"][2].item() == -1.0 and path.read_bytes() == before
+    assert loaded["base"]._tr_block.disk is None  # (its range no longer holds its bytes)
+
+
+def test_torch_load_with_mmap_of_a_pickled_module_adopts_it(tmp_path):
+    path = tmp_path / "module.pt"
+    with plain_torch():
+        torch.manual_seed(0)
+        module = torch.nn.Linear(4, 3)
+        torch.save(module, path)
+        expected = module(torch.ones(2, 4))
+    loaded = torch.load(path, mmap=True, weights_only=False)  # (a module: read into memory, as before)
+    assert type(loaded.weight) is TensorRef
+    assert_identical(expected, loaded(torch.ones(2, 4)))

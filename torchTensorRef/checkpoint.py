@@ -8,14 +8,17 @@ reads it, and under a host budget its host copy is dropped for free and read aga
 
 ``load_checkpoint(model, path)`` installs such TensorRefs in a model (one built on
 ``meta`` costs no memory at all); ``from_pretrained`` of transformers does the same for
-local safetensors checkpoints (``transformers_loading``).
+local safetensors checkpoints (``transformers_loading``), and ``torch.load(path, mmap=True)``
+for the storages of a file ``torch.save`` wrote (:func:`tie_mmapped`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
+import sys
 import threading
 from typing import Dict, List, NamedTuple, Tuple
 
@@ -94,21 +97,146 @@ def file_backed(header: Header, name: str, parameter: bool = False, requires_gra
     ``detach`` (an op, which would read the bytes).
     """
     from .manager import tensorsManager as mgr
-    from .tensor_ref import make_ref
 
     entry = header.entries[name]
     with mgr._lock:
         mgr._drain()
-        block = mgr._new_block(entry.nbytes)
-        mgr._set_disk(block, FileRange(header.path, entry.offset, entry.nbytes, identity=header.identity))
-        # (a geometry without bytes: the block has no copy in memory yet)
+        block = _file_block(FileRange(header.path, entry.offset, entry.nbytes, identity=header.identity))
         like = raw.empty(entry.shape, dtype=entry.dtype, device="meta")
-        ref = make_ref(block, like, mgr._declared, requires_grad=requires_grad)
-        ref._tr_gen = -1  # the meta view is never a copy to run on
-        if parameter:
-            ref._is_param = True
-        mgr._strategy.on_adopt(block)
+        return _file_ref(block, like, parameter, requires_grad)
+
+
+def _file_block(range_: FileRange):
+    """A new block whose only copy is ``range_`` (the caller holds the manager's lock)."""
+    from .manager import tensorsManager as mgr
+
+    block = mgr._new_block(range_.nbytes)
+    mgr._set_disk(block, range_)
+    mgr._strategy.on_adopt(block)
+    return block
+
+
+def _file_ref(block, like: torch.Tensor, parameter: bool, requires_grad: bool):
+    """A TensorRef of ``block`` with the geometry of ``like`` (the caller holds the lock)."""
+    from .manager import tensorsManager as mgr
+    from .tensor_ref import make_ref
+
+    ref = make_ref(block, like, mgr._declared, requires_grad=requires_grad)
+    ref._tr_gen = -1  # (a geometry without bytes: ``like`` is never a copy to run on)
+    if parameter:
+        ref._is_param = True
+    return ref
+
+
+# -- torch.load(..., mmap=True) -------------------------------------------------------------------
+
+def tie_mmapped(result, path):
+    """``torch.load(path, mmap=True)``'s ``result`` with its tensors TensorRefs whose only copy
+    is their range of the file, as :func:`file_backed` makes them; ``None`` when that cannot
+    be done (the caller adopts ``result`` as usual, reading its bytes into host memory).
+
+    PyTorch maps the whole file and gives each stored storage the slice at its record's
+    offset; a storage is tied to a record when the one mapping's base puts every storage at
+    a record of its size, and the first bytes of each match the file (what was loaded
+    is what the file holds: a byte-swapped or converted storage is not tied).
+    """
+    from .manager import tensorsManager as mgr
+
+    tensors = []
+    if not _plain_tensors(result, tensors) or not tensors:
+        return None
+    path = os.path.abspath(os.fspath(path))
+    ranges = _storage_ranges(path, tensors)
+    if ranges is None:
+        return None
+    identity = file_identity(path)
+    with mgr._lock:
+        mgr._drain()
+        blocks, refs = {}, {}
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            if key not in blocks:
+                offset, nbytes = ranges[key]
+                blocks[key] = _file_block(FileRange(path, offset, nbytes, identity=identity))
+            like = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+            ref = _file_ref(blocks[key], like, False, False)
+            if t.storage_offset():  # (the wrapper's geometry is the view's: empty_strided has none)
+                raw.set_geometry(ref, like.as_strided(t.size(), t.stride(), t.storage_offset()))
+            refs[id(t)] = ref
+    return _rebuilt(result, refs)
+
+
+def _plain_tensors(obj, out: list) -> bool:
+    """Collect the tensors of ``obj`` (dicts, lists, tuples of them); ``False`` if it holds
+    anything else that holds tensors (a module, a subclass, a tensor off the CPU)."""
+    if isinstance(obj, torch.Tensor):
+        if (type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout is not torch.strided
+                or not obj.is_cpu or obj.is_conj() or obj.is_neg()):
+            return False
+        out.append(obj)
+        return True
+    if isinstance(obj, dict):
+        return all(_plain_tensors(v, out) for v in obj.values())
+    if type(obj) in (list, tuple):
+        return all(_plain_tensors(v, out) for v in obj)
+    return not isinstance(obj, torch.nn.Module)
+
+
+def _storage_ranges(path: str, tensors: list):
+    """{storage data_ptr: (file offset, nbytes)} for the tensors' storages, or ``None``."""
+    try:
+        reader = torch._C.PyTorchFileReader(path)
+        records = [n for n in reader.get_all_records() if n.startswith("data/")]
+        found = [(reader.get_record_offset(n), reader.get_record_size(n)) for n in records]
+        order = reader.get_record("byteorder") if reader.has_record("byteorder") else b"little"
+    except (RuntimeError, OSError):
+        return None  # (not a zip archive: the legacy format is read, not mapped)
+    if bytes(order).decode() != sys.byteorder:
+        return None
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    by_offset = dict(found)
+    first_ptr = min(storages)
+    for offset, _size in found:  # the base the first storage's record would give
+        base = first_ptr - offset
+        ranges = {ptr: (ptr - base, n) for ptr, n in storages.items()}
+        if all(by_offset.get(o) == n for o, n in ranges.values()) and _same_bytes(path, ranges):
+            return ranges
+    return None
+
+
+def _same_bytes(path: str, ranges: dict) -> bool:
+    """Whether each storage's first bytes are its range's in the file."""
+    with open(path, "rb") as f:
+        for ptr, (offset, nbytes) in ranges.items():
+            n = min(nbytes, 4096)
+            f.seek(offset)
+            on_disk = f.read(n)
+            loaded = bytes((ctypes.c_char * n).from_address(ptr)) if n else b""
+            if on_disk != loaded:
+                return False
+    return True
+
+
+def _rebuilt(obj, refs: dict):
+    """``obj`` with each tensor replaced by its TensorRef (a Parameter stays one)."""
+    if isinstance(obj, torch.Tensor):
+        ref = refs[id(obj)]
+        if isinstance(obj, torch.nn.Parameter):
+            ref._is_param = True  # (as ``file_backed`` makes parameters: no detach, which would read)
+        if obj.requires_grad:
+            ref.requires_grad_(True)
+        if obj.__dict__:
+            ref.__dict__.update(obj.__dict__)  # attributes users set (transformers marks parameters)
         return ref
+    if isinstance(obj, dict):
+        new = type(obj)()
+        new.update((k, _rebuilt(v, refs)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            new._metadata = obj._metadata  # state dicts carry version metadata
+        return new
+    if type(obj) in (list, tuple):
+        return type(obj)(_rebuilt(v, refs) for v in obj)
+    return obj
 
 
 def checkpoint_files(path) -> List[str]:

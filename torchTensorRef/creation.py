@@ -24,6 +24,8 @@ empties the allocator's cache and is tried once more.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import patching  # (a module: patching imports this one)
@@ -60,7 +62,15 @@ def create(fn, args, kwargs):
             return _adopt(fn(*args, **kwargs))  # another device: left alone (see _adopt)
     if name == "load":
         args, kwargs = _load_on_host(mgr, args, kwargs)
-        return _adopt(fn(*args, **kwargs))
+        result = fn(*args, **kwargs)
+        source = args[0] if args else kwargs.get("f")
+        if kwargs.get("mmap") and isinstance(source, (str, os.PathLike)) and not mgr._backend.passthrough:
+            from .checkpoint import tie_mmapped
+
+            tied = tie_mmapped(result, source)  # the bytes stay in the file until used
+            if tied is not None:
+                return tied
+        return _adopt(result)
     if mgr._backend.passthrough:
         return _adopt(fn(*args, **kwargs))
     if (name in FACTORIES and "out" not in kwargs and kwargs.get("layout") in (None, torch.strided)
