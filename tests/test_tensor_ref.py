@@ -337,3 +337,31 @@ def test_resize_of_a_tensor_numpy_shares_is_refused_like_torch():
     with pytest.raises(RuntimeError, match="not resizable"):
         x.resize_(10)
     assert array.__array_interface__["data"][0] == x.data_ptr()
+
+
+def test_inference_mode_gives_what_plain_torch_gives(paging):
+    # Fixed: a view made in inference mode of a tensor made before it raised "Cannot set
+    # version_counter for inference tensor" (BertEmbeddings slices its position_ids buffer so).
+    def run():
+        buffer = torch.arange(10).expand((1, -1))
+        x = torch.arange(10.0)
+        with torch.inference_mode():
+            made = torch.zeros(3)
+            read = x[2:5].tolist()  # (reads x in inference mode)
+            outs = [buffer[:, 2:5], x[2:5], x.view(2, 5), x.t(), x + 1, made]
+            inference = [t.is_inference() for t in outs]
+            values = [t.clone() for t in outs]
+        refused = []
+        for t in (outs[1], made):  # in place outside inference mode: refused for inference tensors only
+            try:
+                t.add_(1)
+                refused.append(None)
+            except RuntimeError as e:
+                refused.append(str(e).split(".")[0])
+        return values, outs, inference, refused, read
+
+    plain, managed = run_both(run)
+    assert_identical(plain[0], managed[0])
+    assert_identical(plain[1], managed[1])  # (after the in-place add on the normal view)
+    assert managed[2:] == plain[2:]
+    assert managed[2] == [False, False, False, False, True, True]

@@ -140,6 +140,11 @@ class SimTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, requires_grad: bool = False):
+        inference = data.is_inference()
+        if inference is not torch.is_inference_mode_enabled():
+            # (a view made in inference mode of a normal tensor is normal: as the bytes, the wrapper)
+            with torch.inference_mode(inference):
+                return SimTensor.__new__(cls, data, requires_grad)
         if data.layout is torch.strided:
             t = torch.Tensor._make_wrapper_subclass(
                 cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,

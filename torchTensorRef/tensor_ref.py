@@ -272,6 +272,12 @@ def _called_by_torch_save() -> bool:
 
 
 _CPU = torch.device("cpu")
+_inference_mode = torch.is_inference_mode_enabled
+
+
+def _wrapper_like(view: torch.Tensor, device: torch.device, requires_grad) -> TensorRef:
+    return _make_wrapper(TensorRef, view.size(), strides=view.stride(), storage_offset=view.storage_offset(),
+                         dtype=view.dtype, device=device, requires_grad=requires_grad)
 
 
 def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_grad=False) -> TensorRef:
@@ -279,10 +285,16 @@ def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_
 
     ``declared``: the device an accelerator TensorRef reports; a host-only block reports ``cpu``.
     """
-    ref = _make_wrapper(
-        TensorRef, view.size(), strides=view.stride(), storage_offset=view.storage_offset(),
-        dtype=view.dtype, device=_CPU if block.host_only else declared, requires_grad=requires_grad,
-    )
+    device = _CPU if block.host_only else declared
+    inference = view.is_inference()
+    if inference is _inference_mode():
+        ref = _wrapper_like(view, device, requires_grad)
+    else:
+        # A view made in inference mode of a normal tensor is a normal tensor, which autograd
+        # gives its base's version counter (an inference tensor has none): the wrapper is
+        # what the plain result is.
+        with torch.inference_mode(inference):
+            ref = _wrapper_like(view, device, requires_grad)
     if view.is_conj():
         torch._C._set_conj(ref, True)  # conj() and neg views are lazy: the bit is the value
     if view.is_neg():
@@ -307,10 +319,24 @@ def compute_view(ref: TensorRef) -> torch.Tensor:
     block = ref._tr_block
     if ref._tr_gen == block.gen:
         return ref._tr_view
-    storage = block.dev if block.dev is not None else block.host
-    view = with_math_bits(raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset()), ref)
+    view = _view_of(ref, block.dev if block.dev is not None else block.host)
     ref._tr_view, ref._tr_gen = view, block.gen
     return view
+
+
+def _view_of(ref: TensorRef, storage: torch.UntypedStorage) -> torch.Tensor:
+    """Plain view of ``ref``'s geometry on ``storage``, an inference tensor where ``ref`` is one.
+
+    (Made in inference mode for a TensorRef made before it, a view would be an inference
+    tensor: a view op on it would give an inference result, where plain torch gives a normal one.)
+    """
+    inference = ref.is_inference()
+    if inference is _inference_mode():
+        view = raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
+    else:
+        with torch.inference_mode(inference):
+            view = raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
+    return with_math_bits(view, ref)
 
 
 def with_math_bits(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -324,8 +350,7 @@ def with_math_bits(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def host_view(ref: TensorRef) -> torch.Tensor:
     """Plain view of ``ref`` on the host copy; the caller made that copy valid."""
-    block = ref._tr_block
-    return with_math_bits(raw.typed_view(block.host, ref.dtype, ref.size(), ref.stride(), ref.storage_offset()), ref)
+    return _view_of(ref, ref._tr_block.host)
 
 
 def host_copy(ref: TensorRef, share: bool = False) -> torch.Tensor:
