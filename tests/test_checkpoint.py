@@ -255,3 +255,26 @@ def test_torch_load_with_mmap_of_a_pickled_module_adopts_it(tmp_path):
     loaded = torch.load(path, mmap=True, weights_only=False)  # (a module: read into memory, as before)
     assert type(loaded.weight) is TensorRef
     assert_identical(expected, loaded(torch.ones(2, 4)))
+
+
+def test_from_pretrained_of_a_pytorch_model_bin_folder_loads_lazily(saved, tmp_path):
+    # transformers reads a pytorch_model.bin with torch.load(..., mmap=True)
+    folder, plain = saved
+    bin_folder = tmp_path / "bin"
+    bin_folder.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        (bin_folder / name).write_bytes((folder / name).read_bytes())
+    with plain_torch():
+        torch.save(plain.state_dict(), bin_folder / "pytorch_model.bin")
+    weights = sum(p.nbytes for p in plain.parameters())
+    start = tensorsManager.stats()
+    model = transformers.AutoModelForCausalLM.from_pretrained(bin_folder).eval()
+    stats = tensorsManager.stats()
+    assert stats["bytes_from_disk"] - start["bytes_from_disk"] < weights // 20  # (it reads a few small ones)
+    assert model.transformer.h[3].attn.c_attn.weight._tr_block.disk is not None
+    _tight(model)
+    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
+    with plain_torch():
+        expected = plain.eval().generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
+    assert_identical(expected, tokens, "tokens")
+    assert tensorsManager.stats()["bytes_to_disk"] == 0
