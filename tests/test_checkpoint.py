@@ -69,6 +69,18 @@ def _tight(model) -> int:
     return weights
 
 
+def _generates_as_plain_within_budgets(model, plain, new_tokens: int) -> dict:
+    """Greedy tokens of ``model`` under :func:`_tight` budgets equal ``plain``'s; the stats."""
+    weights = _tight(model)
+    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=new_tokens, do_sample=False)
+    with plain_torch():
+        expected = plain.eval().generate(torch.tensor(PROMPT), max_new_tokens=new_tokens, do_sample=False)
+    assert_identical(expected, tokens, "tokens")
+    stats = tensorsManager.stats()
+    assert stats["peak_host_bytes"] <= tensorsManager.host_budget and stats["peak_device_bytes"] <= weights // 10
+    return dict(stats, weights=weights)
+
+
 def test_loading_reads_nothing_and_keeps_ties(saved):
     folder, _ = saved
     before = tensorsManager.stats()
@@ -89,14 +101,8 @@ def test_generate_from_a_checkpoint_three_times_the_host_budget(saved, strategy)
     before = _digest(folder)
     tensorsManager.strategy = strategy
     model, _ = _lazy_model(folder)
-    model.eval()
-    weights = _tight(model)
-    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
-    with plain_torch():
-        expected = plain.eval().generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
-    assert_identical(expected, tokens, "tokens")
-    stats = tensorsManager.stats()
-    assert stats["peak_host_bytes"] <= tensorsManager.host_budget and stats["peak_device_bytes"] <= weights // 10
+    stats = _generates_as_plain_within_budgets(model.eval(), plain, 6)
+    weights = stats["weights"]
     assert stats["bytes_from_disk"] >= 6 * (weights - weights // 3 - weights // 10)  # (read again every token)
     assert _digest(folder) == before  # the checkpoint is never written
 
@@ -139,11 +145,7 @@ def test_from_pretrained_of_a_local_folder_loads_lazily(saved):
     stats = tensorsManager.stats()
     assert stats["bytes_from_disk"] == 0 and stats["host_bytes"] == host_before
     assert model.transformer.h[3].attn.c_attn.weight._tr_block.disk is not None
-    _tight(model)
-    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
-    with plain_torch():
-        expected = plain.eval().generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
-    assert_identical(expected, tokens, "tokens")
+    _generates_as_plain_within_budgets(model, plain, 4)
 
 
 def test_a_sharded_folder_is_read_through_its_index(saved, tmp_path):
@@ -213,14 +215,8 @@ def test_torch_load_with_mmap_reads_nothing_and_generates_within_a_host_budget(s
     model.load_state_dict(state, assign=True)
     model.tie_weights()
     del state
-    model.eval()
-    weights = _tight(model)
-    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
-    with plain_torch():
-        expected = plain.eval().generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
-    assert_identical(expected, tokens, "tokens")
-    stats = tensorsManager.stats()
-    assert stats["peak_host_bytes"] <= tensorsManager.host_budget and stats["peak_device_bytes"] <= weights // 10
+    stats = _generates_as_plain_within_budgets(model.eval(), plain, 6)
+    weights = stats["weights"]
     # clean weights leave host memory by being dropped (read again), never written to disk
     assert stats["bytes_from_disk"] >= 6 * (weights - weights // 3 - weights // 10) and stats["bytes_to_disk"] == 0
     assert (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns) == before
@@ -272,9 +268,4 @@ def test_from_pretrained_of_a_pytorch_model_bin_folder_loads_lazily(saved, tmp_p
     stats = tensorsManager.stats()
     assert stats["bytes_from_disk"] - start["bytes_from_disk"] < weights // 20  # (it reads a few small ones)
     assert model.transformer.h[3].attn.c_attn.weight._tr_block.disk is not None
-    _tight(model)
-    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
-    with plain_torch():
-        expected = plain.eval().generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
-    assert_identical(expected, tokens, "tokens")
-    assert tensorsManager.stats()["bytes_to_disk"] == 0
+    assert _generates_as_plain_within_budgets(model, plain, 4)["bytes_to_disk"] == 0
