@@ -269,3 +269,15 @@ def test_from_pretrained_of_a_pytorch_model_bin_folder_loads_lazily(saved, tmp_p
     assert stats["bytes_from_disk"] - start["bytes_from_disk"] < weights // 20  # (it reads a few small ones)
     assert model.transformer.h[3].attn.c_attn.weight._tr_block.disk is not None
     assert _generates_as_plain_within_budgets(model, plain, 4)["bytes_to_disk"] == 0
+
+
+def test_init_empty_weights_then_load_checkpoint(saved):
+    accelerate = pytest.importorskip("accelerate")
+    folder, plain = saved
+    with accelerate.init_empty_weights():  # (it rebuilds each parameter on meta by its class)
+        model = transformers.GPT2LMHeadModel(_config())
+    assert model.transformer.h[0].mlp.c_fc.weight.is_meta
+    torchTensorRef.load_checkpoint(model, folder, strict=False)
+    model.tie_weights()
+    assert isinstance(model.transformer.h[0].mlp.c_fc.weight, TensorRef)
+    _generates_as_plain_within_budgets(model.eval(), plain, 4)

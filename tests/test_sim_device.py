@@ -98,6 +98,22 @@ def test_mixing_a_cpu_tensor_with_a_sim_tensor_is_refused_as_on_cuda(op):
     assert torch.equal(c.target, before) and _host_only(c)
 
 
+def test_factories_with_per_backend_kernels_only_are_made_on_sim(paging):
+    # Fixed: no kernel of the device ran them ("Could not run 'aten::tril_indices' with
+    # arguments from the 'sim' backend"; kaiser_window failed an internal assert).
+    def make():
+        out = [torch.tril_indices(4, 4), torch.triu_indices(3, 5, 1), torch.kaiser_window(8),
+               torch.kaiser_window(7, periodic=False), torch.kaiser_window(6, True, 5.0, dtype=torch.float64)]
+        return out, [t.device for t in out]
+
+    plain, managed = run_both(make)
+    assert_identical(plain, managed)
+    assert managed[1] == [SIM] * 5
+    with torchTensorRef.disabled():  # the values: the CPU's kernels
+        assert torch.equal(managed[0][0].cpu().target, torch.tril_indices(4, 4))
+        assert torch.equal(managed[0][2].cpu().target, torch.kaiser_window(8))
+
+
 def test_a_0dim_cpu_tensor_is_a_scalar_beside_sim_tensors():
     def with_scalar():
         x = torch.rand(3, 3)

@@ -365,3 +365,19 @@ def test_inference_mode_gives_what_plain_torch_gives(paging):
     assert_identical(plain[1], managed[1])  # (after the in-place add on the normal view)
     assert managed[2:] == plain[2:]
     assert managed[2] == [False, False, False, False, True, True]
+
+
+def test_a_parameter_rebuilt_from_its_class_and_dict_is_a_parameter(paging):
+    # accelerate's init_empty_weights and loaders rebuild parameters as
+    # ``type(p)(data, requires_grad=..., **p.__dict__)``; it raised "TensorRef.__new__() got an
+    # unexpected keyword argument '_is_param'".
+    p = torch.nn.Linear(3, 2).weight
+    on_meta = type(p)(p.to("meta"), requires_grad=p.requires_grad, **p.__dict__)
+    assert isinstance(on_meta, torch.nn.Parameter) and on_meta.is_meta and on_meta.shape == p.shape
+    p.tag = "kept"
+    frozen = type(p)(p.detach(), requires_grad=False, **p.__dict__)
+    assert type(frozen) is TensorRef and isinstance(frozen, torch.nn.Parameter) and frozen.tag == "kept"
+    assert not frozen.requires_grad and frozen.proxyInfo.block_id == p.proxyInfo.block_id
+    assert torch.equal(frozen, p)
+    with pytest.raises(TypeError, match="needs a torch.Tensor"):
+        type(p)([1.0, 2.0], **p.__dict__)

@@ -400,11 +400,29 @@ def _register_factories() -> None:
         return _empty(size, None, dtype, None).zero_()  # (a plain zero tensor: the same values)
 
     lib.impl("_efficientzerotensor", efficient_zero_tensor, "PrivateUse1")
+    # Factories whose only kernels are per backend (no composite of ops the device has):
+    # made by the CPU's kernel and copied to the device, as their CUDA kernels make them there.
+    for name in _CPU_MADE_FACTORIES:
+        packet, _, overload = name.partition(".")
+        lib.impl(name, _made_on_cpu(getattr(getattr(torch.ops.aten, packet), overload or "default")), "PrivateUse1")
     lib.impl("empty.memory_format", empty_memory_format, "PrivateUse1")
     lib.impl("empty_strided", empty_strided, "PrivateUse1")
     lib.impl("_copy_from", copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
     _libraries.append(lib)
+
+
+#: factories with no kernel the simulated device can run (per-backend kernels only)
+_CPU_MADE_FACTORIES = ("tril_indices", "triu_indices", "kaiser_window", "kaiser_window.periodic",
+                       "kaiser_window.beta")
+
+
+def _made_on_cpu(op):
+    def kernel(*args, **kwargs):
+        made = op(*args, **dict(kwargs, device=torch.device("cpu")))
+        return _empty(made.size(), made.stride(), made.dtype, None).copy_(made)
+
+    return kernel
 
 
 def _bytes_of(t: torch.Tensor, written: bool) -> torch.Tensor:

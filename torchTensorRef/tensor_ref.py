@@ -55,10 +55,23 @@ class TensorRef(torch.Tensor):
     __slots__ = ("_tr_block", "_tr_view", "_tr_gen", "_tr_wr")
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    def __new__(cls, data: torch.Tensor, requires_grad: bool | None = None):
+    def __new__(cls, data: torch.Tensor, requires_grad: bool | None = None, **attributes):
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"TensorRef(data) needs a torch.Tensor (got: {type(data).__name__})")
-        return _manager().manage_tensor(data, requires_grad=requires_grad)
+        # ``type(p)(data, requires_grad=..., **p.__dict__)`` rebuilds a parameter (accelerate's
+        # ``init_empty_weights``, loaders): a managed parameter is a TensorRef marked
+        # ``_is_param``, so this call must do what ``Parameter(data, requires_grad)`` does.
+        if attributes.pop("_is_param", False):
+            keep = True if requires_grad is None else requires_grad
+            if data.is_meta or data.layout is not torch.strided:
+                out = torch.nn.Parameter(data, keep)  # (not managed, as such tensors are anywhere)
+            else:
+                out = torch.nn.Parameter(_manager().manage_tensor(data), keep)
+        else:
+            out = _manager().manage_tensor(data, requires_grad=requires_grad)
+        if attributes:
+            out.__dict__.update(attributes)  # (what the rebuilt parameter carried)
+        return out
 
     def __init__(self, *args, **kwargs):
         pass
