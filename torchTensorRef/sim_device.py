@@ -6,7 +6,11 @@ not ``cpu``: ``.device``, ``is_cpu``, ``.cpu()``, device-mismatch errors and eve
 PyTorch makes by device type (autocast, attention kernels) behave as for a separate
 accelerator. The ops still compute with CPU kernels, on plain views of the blocks' copies
 (the backend's ``compute`` device is the CPU), so values are bit-identical to plain torch
-on the CPU. The other half of the strictness (asynchronous copies whose destination is
+on the same device (``SimTensor``, below), and to plain torch on the CPU wherever PyTorch
+picks the kernel by op and not by device type. Where it picks by device type, ``"sim"``
+gets an accelerator's choice: ``scaled_dot_product_attention`` runs its math form there
+(as on an accelerator without a fused kernel), not the CPU's fused kernel, and differs
+from plain CPU torch in the last bits (about 5e-7 on unit-scale attention). The other half of the strictness (asynchronous copies whose destination is
 unusable until waited on, pinned host memory, a finite capacity with out-of-memory errors)
 lives in ``devices.py``.
 
