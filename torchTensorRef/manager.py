@@ -65,6 +65,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
 
     def __init__(self):
         self._lock = threading.RLock()
+        self._forked = False  # a child of the process that made this manager (Note [Forked workers])
         self._sim_capacity = SIM_CAPACITY_BYTES
         self._pinned_limit = default_limit()
         self._backend: Backend = PassthroughBackend()

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .. import raw, sim_device
+from .. import raw, sim_device, workers
 from ..manager import tensorsManager as _mgr
 from ..residency import is_out_of_memory
 from ..sim_device import SimTensor
@@ -192,6 +192,8 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     if kwargs is None:
         kwargs = _NO_KWARGS
     spec = _SPECS.get(id(func)) or spec_of(func)
+    if _mgr._forked and workers.in_worker():
+        return workers.run_in_worker(func, args, kwargs)  # Note [Forked workers]
     try:
         if spec.handler is not None:
             return spec.handler(func, args, kwargs, spec)

@@ -1,0 +1,47 @@
+"""DataLoader workers forked from the manager's process (Note [Forked workers] in ``workers.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchTensorRef
+from torchTensorRef import tensorsManager
+
+from paired import assert_identical
+
+CPU = torch.device("cpu")
+
+
+def _worker_batches(data):
+    loader = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7),
+                        num_workers=2, timeout=120)  # (a hung worker fails the test)
+    return [batch for _epoch in range(2) for batch in loader]
+
+
+@pytest.mark.parametrize("where", ["device", "host", "disk"])
+def test_dataloader_workers_index_a_dataset_of_tensor_refs(where, tmp_path):
+    # Fixed: a worker indexing a dataset built after the import (TensorRefs on "sim") crashed
+    # with a segmentation fault: collate asked for shared memory on the accelerator.
+    tensorsManager.strategy = "flow"
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    x = data.tensors[0]
+    if where != "device":
+        tensorsManager.evict_all()
+    if where == "disk":
+        tensorsManager.offload_dir = tmp_path
+        tensorsManager.host_budget = sum(b.nbytes for b in tensorsManager._hosted.values()) - x.nbytes
+        tensorsManager.synchronize()
+        assert x._tr_block.host is None and x._tr_block.disk is not None
+    else:
+        assert (x._tr_block.dev is not None) is (where == "device")
+    managed = _worker_batches(data)
+    tensorsManager.host_budget = None
+    with torchTensorRef.disabled():  # plain torch: a dataset of CPU tensors gives CPU batches
+        torch.manual_seed(0)
+        expected = _worker_batches(TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,))))
+    assert all(type(t) is torch.Tensor and t.device == CPU for batch in managed for t in batch)
+    assert_identical(expected, managed)
+    assert_identical(torch.cat([batch[0] for batch in managed[:4]]).sort(0).values, x.cpu().target.sort(0).values)
