@@ -9,8 +9,9 @@ accelerator. The ops still compute with CPU kernels, on plain views of the block
 on the same device (``SimTensor``, below), and to plain torch on the CPU wherever PyTorch
 picks the kernel by op and not by device type. Where it picks by device type, ``"sim"``
 gets an accelerator's choice: ``scaled_dot_product_attention`` runs its math form there
-(as on an accelerator without a fused kernel), not the CPU's fused kernel, and differs
-from plain CPU torch in the last bits (about 5e-7 on unit-scale attention). The other half of the strictness (asynchronous copies whose destination is
+(as on an accelerator without a fused kernel), not the CPU's fused kernel, and ``silu``'s
+backward its generic formula; both differ from plain CPU torch in the last bits (up to
+about 1e-6 at unit scale). The other half of the strictness (asynchronous copies whose destination is
 unusable until waited on, pinned host memory, a finite capacity with out-of-memory errors)
 lives in ``devices.py``.
 
