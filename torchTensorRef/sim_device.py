@@ -11,9 +11,9 @@ picks the kernel by op and not by device type. Where it picks by device type, ``
 gets an accelerator's choice: ``scaled_dot_product_attention`` runs its math form there
 (as on an accelerator without a fused kernel), not the CPU's fused kernel, and ``silu``'s
 backward its generic formula; both differ from plain CPU torch in the last bits (up to
-about 1e-6 at unit scale). The other half of the strictness (asynchronous copies whose destination is
-unusable until waited on, pinned host memory, a finite capacity with out-of-memory errors)
-lives in ``devices.py``.
+about 1e-6 at unit scale). The other half of the strictness (asynchronous copies whose
+destination is unusable until waited on, pinned host memory, a finite capacity with
+out-of-memory errors) lives in ``devices.py``.
 
 This module registers the device with PyTorch once, the first time ``"sim"`` is chosen:
 

@@ -332,12 +332,12 @@ def compute_view(ref: TensorRef) -> torch.Tensor:
     block = ref._tr_block
     if ref._tr_gen == block.gen:
         return ref._tr_view
-    view = _view_of(ref, block.dev if block.dev is not None else block.host)
+    view = view_on(ref, block.dev if block.dev is not None else block.host)
     ref._tr_view, ref._tr_gen = view, block.gen
     return view
 
 
-def _view_of(ref: TensorRef, storage: torch.UntypedStorage) -> torch.Tensor:
+def view_on(ref: TensorRef, storage: torch.UntypedStorage) -> torch.Tensor:
     """Plain view of ``ref``'s geometry on ``storage``, an inference tensor where ``ref`` is one.
 
     (Made in inference mode for a TensorRef made before it, a view would be an inference
@@ -363,7 +363,7 @@ def with_math_bits(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def host_view(ref: TensorRef) -> torch.Tensor:
     """Plain view of ``ref`` on the host copy; the caller made that copy valid."""
-    return _view_of(ref, ref._tr_block.host)
+    return view_on(ref, ref._tr_block.host)
 
 
 def host_copy(ref: TensorRef, share: bool = False) -> torch.Tensor:

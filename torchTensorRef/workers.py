@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from . import raw
 from .manager import tensorsManager as _mgr
-from .tensor_ref import TensorRef, with_math_bits
+from .tensor_ref import TensorRef, view_on
 
 
 def in_worker() -> bool:
@@ -64,8 +64,7 @@ def readable_bytes(ref: TensorRef) -> torch.Tensor:
         buffer = raw.empty(block.nbytes, dtype=raw.UINT8)
         block.disk.read_into(buffer)  # (not through the manager: its disk thread is the parent's)
         storage = buffer.untyped_storage()
-    view = raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
-    return with_math_bits(view, ref)
+    return view_on(ref, storage)
 
 
 def _after_fork_in_child() -> None:
