@@ -288,26 +288,22 @@ _CPU = torch.device("cpu")
 _inference_mode = torch.is_inference_mode_enabled
 
 
-def _wrapper_like(view: torch.Tensor, device: torch.device, requires_grad) -> TensorRef:
-    return _make_wrapper(TensorRef, view.size(), strides=view.stride(), storage_offset=view.storage_offset(),
-                         dtype=view.dtype, device=device, requires_grad=requires_grad)
-
-
 def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_grad=False) -> TensorRef:
     """Wrap the plain ``view`` (a view of ``block``'s current copy) in a new TensorRef.
 
     ``declared``: the device an accelerator TensorRef reports; a host-only block reports ``cpu``.
     """
-    device = _CPU if block.host_only else declared
     inference = view.is_inference()
-    if inference is _inference_mode():
-        ref = _wrapper_like(view, device, requires_grad)
-    else:
+    if inference is not _inference_mode():
         # A view made in inference mode of a normal tensor is a normal tensor, which autograd
         # gives its base's version counter (an inference tensor has none): the wrapper is
         # what the plain result is.
         with torch.inference_mode(inference):
-            ref = _wrapper_like(view, device, requires_grad)
+            return make_ref(block, view, declared, requires_grad)
+    ref = _make_wrapper(
+        TensorRef, view.size(), strides=view.stride(), storage_offset=view.storage_offset(),
+        dtype=view.dtype, device=_CPU if block.host_only else declared, requires_grad=requires_grad,
+    )
     if view.is_conj():
         torch._C._set_conj(ref, True)  # conj() and neg views are lazy: the bit is the value
     if view.is_neg():
@@ -344,12 +340,10 @@ def view_on(ref: TensorRef, storage: torch.UntypedStorage) -> torch.Tensor:
     tensor: a view op on it would give an inference result, where plain torch gives a normal one.)
     """
     inference = ref.is_inference()
-    if inference is _inference_mode():
-        view = raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
-    else:
+    if inference is not _inference_mode():
         with torch.inference_mode(inference):
-            view = raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
-    return with_math_bits(view, ref)
+            return view_on(ref, storage)
+    return with_math_bits(raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset()), ref)
 
 
 def with_math_bits(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
