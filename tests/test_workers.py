@@ -45,3 +45,28 @@ def test_dataloader_workers_index_a_dataset_of_tensor_refs(where, tmp_path):
     assert all(type(t) is torch.Tensor and t.device == CPU for batch in managed for t in batch)
     assert_identical(expected, managed)
     assert_identical(torch.cat([batch[0] for batch in managed[:4]]).sort(0).values, x.cpu().target.sort(0).values)
+
+
+class _Stored(torch.utils.data.Dataset):
+    """Returns the tensors it holds as they are (no op runs in the worker)."""
+
+    def __init__(self):
+        self.items = [torch.full((3,), float(i)) for i in range(8)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+@pytest.mark.parametrize("batch_size", [4, None], ids=["collated", "unbatched"])
+def test_dataloader_workers_return_the_tensor_refs_a_dataset_holds(batch_size):
+    # Fixed: collating them crashed the worker as above (an op-free dataset is collated apart).
+    def load():
+        return [b for b in DataLoader(_Stored(), batch_size=batch_size, num_workers=2, timeout=120)]
+
+    managed = load()
+    with torchTensorRef.disabled():
+        expected = load()
+    assert_identical(expected, [b.cpu().target if isinstance(b, torchTensorRef.TensorRef) else b for b in managed])

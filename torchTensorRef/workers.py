@@ -8,9 +8,10 @@ and die with it, and what it returns travels to the main process through shared 
 which only plain CPU tensors have. So in a worker an op on TensorRefs runs on their
 current bytes where the process can read them (the host copy; on ``"sim"`` the device
 copy, which is host memory; a disk copy, read into a private buffer) and returns plain CPU
-tensors, as the same dataset of CPU tensors gives in plain torch. Bytes only in CUDA
-memory cannot be read there: the error says to build the dataset with ``device="cpu"`` or
-inside ``torchTensorRef.disabled()``. Creation functions in a worker already make plain
+tensors, as the same dataset of CPU tensors gives in plain torch; a dataset that returns
+its TensorRefs as they are is collated from their bytes the same way
+(``collate_tensor_refs``). Bytes only in CUDA memory cannot be read there: the error says
+to build the dataset with ``device="cpu"`` or inside ``torchTensorRef.disabled()``. Creation functions in a worker already make plain
 tensors (``patching._is_disabled``).
 
 After a fork the child also gets a new manager lock: a thread of the parent (the disk
@@ -24,6 +25,7 @@ import threading
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.data._utils import collate as _collate
 
 from . import raw
 from .manager import tensorsManager as _mgr
@@ -67,9 +69,19 @@ def readable_bytes(ref: TensorRef) -> torch.Tensor:
     return view_on(ref, storage)
 
 
+def collate_tensor_refs(batch, *, collate_fn_map=None):
+    """``default_collate`` for TensorRefs: in a worker, of their plain bytes (the default asks
+    for shared memory on the tensors' device, the accelerator); elsewhere, as for any tensor."""
+    if in_worker():
+        batch = [readable_bytes(t) if isinstance(t, TensorRef) else t for t in batch]
+    return _collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+
+
 def _after_fork_in_child() -> None:
     _mgr._forked = True
     _mgr._lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+# (the map is how torch.utils.data lets a tensor type have its own collate)
+_collate.default_collate_fn_map[TensorRef] = collate_tensor_refs
