@@ -243,3 +243,22 @@ def test_a_gpt2_with_compiled_decoder_layers_matches_plain_compiled_torch():
     managed = forward(compile_region, True)
     assert_identical(plain, managed)
     assert tensorsManager.stats()["peak_device_bytes"] <= tensorsManager.budget
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["weights on the device", "weights in host memory"])
+def test_torch_export_of_a_managed_model_runs_like_eager(resident):
+    # Fixed: with the weights resident, export's fake tensors took the copy to host memory
+    # that reading a TensorRef's storage makes ("Attempted to set the storage of a tensor on
+    # device meta to a storage on different device cpu").
+    tensorsManager.strategy = "flow"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)).eval()
+    x = torch.randn(3, 32)
+    if resident:
+        model(x)  # (the weights are fetched and stay)
+        assert model[0].weight.proxyInfo.on_device
+    else:
+        tensorsManager.evict_all()
+    eager = model(x)
+    exported = torch.export.export(model, (x,))
+    assert_identical(eager, exported.module()(x))

@@ -19,6 +19,7 @@ import threading
 import weakref
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import raw
 from .blocks import Block
@@ -141,7 +142,9 @@ class TensorRef(torch.Tensor):
         return host_copy(self).tolist()
 
     def untyped_storage(self) -> torch.UntypedStorage:
-        _manager().move_to_host(self)
+        # (a dispatch mode around the caller, torch.export's fake tensors, must not take the copy)
+        with _disable_current_modes():
+            _manager().move_to_host(self)
         return self._tr_block.host
 
     def data_ptr(self) -> int:
