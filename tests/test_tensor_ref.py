@@ -381,3 +381,36 @@ def test_a_parameter_rebuilt_from_its_class_and_dict_is_a_parameter(paging):
     assert torch.equal(frozen, p)
     with pytest.raises(TypeError, match="needs a torch.Tensor"):
         type(p)([1.0, 2.0], **p.__dict__)
+
+
+def test_reading_a_tensor_ref_under_a_dispatch_mode_shows_the_mode_no_op(paging):
+    # Fixed: the manager's copies for tolist(), .target, untyped_storage() ... ran under the
+    # caller's dispatch mode, which saw a dozen ops plain torch never runs (and torch.export's
+    # fake-tensor mode took them over and failed).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def run():
+        x = torch.randn(64) * 2  # (a result: on the device under Flow, written)
+        log = Log()
+        with log:
+            values = x.tolist()
+            x.untyped_storage()
+            x.data_ptr()
+            pickle.dumps(x)
+            on_host = x.cpu()  # (an op: both logs have it)
+            array = on_host.numpy().copy()
+        return values, array.tolist(), log.ops
+
+    plain, managed = run_both(run)
+    assert managed[:2] == plain[:2]
+    # (plain torch on "sim" detaches where a SimTensor pickles or leaves for numpy: its own wrapper's doing)
+    assert [op for op in plain[2] if op != "aten.detach.default"] == managed[2] == ["aten._to_copy.default"]

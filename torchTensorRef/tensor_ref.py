@@ -14,6 +14,7 @@ here to read the host copy.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -34,6 +35,24 @@ def _manager():
     from .manager import tensorsManager
 
     return tensorsManager
+
+
+def _apart_from_modes(method):
+    """``method`` of a TensorRef, with the manager's own copies kept from the caller's dispatch
+    modes: plain torch runs no op there, so a mode must see none (torch.export's fake tensors
+    would take the copies over and fail)."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if _dispatch_modes():
+            with _disable_current_modes():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return run
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 class TensorRef(torch.Tensor):
@@ -89,6 +108,7 @@ class TensorRef(torch.Tensor):
     # -- the proxy API -------------------------------------------------------------------
 
     @property
+    @_apart_from_modes
     def target(self) -> torch.Tensor:
         """The plain tensor holding this TensorRef's data right now (copies in flight waited on)."""
         mgr = _manager()
@@ -109,11 +129,13 @@ class TensorRef(torch.Tensor):
 
         return ProxyInfo(self)
 
+    @_apart_from_modes
     def toGPU(self) -> "TensorRef":
         """Move the data to the accelerator now (within the budget); return ``self``."""
         _manager().move_to_device(self)
         return self
 
+    @_apart_from_modes
     def toCPU(self) -> "TensorRef":
         """Move the data to host memory now (writing back changes); return ``self``."""
         _manager().move_to_host(self)
@@ -121,6 +143,7 @@ class TensorRef(torch.Tensor):
 
     # -- Tensor methods that reach the bytes without an aten op -------------------------
 
+    @_apart_from_modes
     def numpy(self, *, force: bool = False):
         if self.requires_grad and not force:
             raise RuntimeError(
@@ -138,15 +161,16 @@ class TensorRef(torch.Tensor):
         weakref.finalize(array.base, mgr.unmark_external, block)
         return array
 
+    @_apart_from_modes
     def tolist(self):
         return host_copy(self).tolist()
 
+    @_apart_from_modes
     def untyped_storage(self) -> torch.UntypedStorage:
-        # (a dispatch mode around the caller, torch.export's fake tensors, must not take the copy)
-        with _disable_current_modes():
-            _manager().move_to_host(self)
+        _manager().move_to_host(self)
         return self._tr_block.host
 
+    @_apart_from_modes
     def data_ptr(self) -> int:
         """Address of the first element where ops read it: device memory for an accelerator
         tensor, host memory for a CPU one (as for a plain tensor of that device).
@@ -174,7 +198,8 @@ class TensorRef(torch.Tensor):
         return object.__format__(self, format_spec)
 
     def __reduce_ex__(self, protocol):
-        plain = host_copy(self, share=True)
+        # (not decorated: ``_called_by_torch_save`` counts the frames above this one)
+        plain = _apart_from_modes(host_copy)(self, share=True)
         plain.requires_grad_(self.requires_grad)  # torch pickles it for non-leaves too
         plain.__dict__.update(user_attributes(self))
         is_param = bool(getattr(self, "_is_param", False))
