@@ -12,6 +12,8 @@ from torchTensorRef.ops.output_size import _size_without_meta, estimate_output_b
 from torchTensorRef.ops.registry import spec_of
 from torchTensorRef.strategies import NAMES
 
+from paired import assert_identical, run_both
+
 aten = torch.ops.aten
 
 #: (op, arguments from a 1-d float tensor ``a`` and a boolean mask ``m`` of its shape)
@@ -179,3 +181,24 @@ def test_creation_sizes_are_cached_by_their_arguments_and_stay_right(fresh_manag
         assert torch.equal(x.cpu(), torch.arange(0, n, device="cpu"))
     big = torch.arange(0, 2**20)  # 8 MiB: past the budget, so made in host memory
     assert big.proxyInfo.device == "cpu" and tm.stats()["peak_device_bytes"] <= tm.budget
+
+
+@pytest.mark.parametrize("loss", ["mse_loss", "smooth_l1_loss", "soft_margin_loss", "binary_cross_entropy"])
+@pytest.mark.parametrize("pager", ["flow", "genoa"])
+def test_a_small_result_viewing_a_large_buffer_keeps_only_its_bytes(loss, pager):
+    # Fixed: these losses' CPU kernels return the mean as a 0-dim view of the unreduced loss;
+    # the block kept all 4000 bytes where 4 had been made room for: 3000 bytes past the budget.
+    fn = getattr(torch.nn.functional, loss)
+
+    def run():
+        a, b = torch.rand(1000), torch.rand(1000)
+        tensorsManager.budget = 9000  # a, b and a scalar
+        tensorsManager.reset_stats()
+        out = fn(a, b)
+        return out, out.untyped_storage().nbytes(), tensorsManager.stats()["peak_device_bytes"]
+
+    tensorsManager.strategy = pager
+    plain, managed = run_both(run)
+    tensorsManager.budget = None
+    assert_identical(plain[0], managed[0])
+    assert managed[1] == 4 and managed[2] <= 9000

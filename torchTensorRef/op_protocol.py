@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from . import raw
 from .blocks import Block
 from .errors import DeviceOutOfMemoryError, OutOfBudgetError
 from .residency import is_out_of_memory
@@ -158,6 +159,7 @@ class OpProtocol:
                         self._disk_stale(b)
 
     def _adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
+        t = tight_result(t, t.untyped_storage())
         block = self._result_block(t, ctx.index, ctx.on_host)
         if block.dev is not None and self._trace is not None:
             self._trace.resized(time.perf_counter_ns(), self._device_bytes)
@@ -230,3 +232,18 @@ class OpProtocol:
                     trace.accesses.append((index, b.id, b.nbytes, True))
                     trace.created.add(b.id)
             trace.op(index, ctx.name, getattr(ctx, "_start", 0), time.perf_counter_ns())
+
+
+def tight_result(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
+    """``t``, a new result on ``storage``, or a copy of it holding only the bytes it views.
+
+    A CPU kernel may hand back a small result viewing the larger buffer it computed in
+    (``mse_loss``'s mean is a 0-dim view of the unreduced loss), which a GPU kernel frees:
+    kept whole, the block would hold bytes nobody made room for, past the budget.
+    """
+    nbytes = storage.nbytes()
+    if nbytes <= t.numel() * t.element_size():
+        return t  # (the common case: one product per result)
+    if nbytes <= raw.storage_bytes(t.size(), t.stride(), t.dtype) + t.storage_offset() * t.element_size():
+        return t  # (strided over all of it)
+    return t.clone()

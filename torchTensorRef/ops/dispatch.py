@@ -25,6 +25,7 @@ import torch
 
 from .. import raw, sim_device, workers
 from ..manager import tensorsManager as _mgr
+from ..op_protocol import tight_result
 from ..residency import is_out_of_memory
 from ..sim_device import SimTensor
 from ..tensor_ref import TensorRef, compute_view, host_view, make_ref
@@ -369,6 +370,9 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
         ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
         ctx.index = index
         return _wrap_one(out, ctx, mgr), ctx.outputs  # a CPU result on CUDA (or another GPU's)
+    tight = tight_result(out, storage)
+    if tight is not out:
+        out, storage = tight, tight.untyped_storage()
     block = mgr._result_block(out, index, storage=storage)
     return make_ref(block, out, mgr._declared), (block,)
 
