@@ -159,7 +159,8 @@ class OpProtocol:
                         self._disk_stale(b)
 
     def _adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
-        t = tight_result(t, t.untyped_storage())
+        if getattr(ctx.spec, "one_tensor", False):  # (results of one op may share a new storage)
+            t = tight_result(t, t.untyped_storage())
         block = self._result_block(t, ctx.index, ctx.on_host)
         if block.dev is not None and self._trace is not None:
             self._trace.resized(time.perf_counter_ns(), self._device_bytes)

@@ -32,8 +32,8 @@ class OpSpec:
         handler: special-case handler, or ``None`` for the generic path.
     """
 
-    __slots__ = ("func", "name", "write_args", "return_args", "allocates", "restrides", "one_result", "call",
-                 "host_results", "handler")
+    __slots__ = ("func", "name", "write_args", "return_args", "allocates", "restrides", "one_result", "one_tensor",
+                 "call", "host_results", "handler")
 
     def __init__(self, func):
         self.func = func
@@ -71,6 +71,8 @@ class OpSpec:
         )
         #: whether it returns a single new tensor or view (not an argument it wrote)
         self.one_result: bool = len(self.return_args) == 1 and self.return_args[0] is None
+        #: whether that result is one tensor (not a list): no other result shares its storage
+        self.one_tensor: bool = self.one_result and isinstance(schema.returns[0].type, torch.TensorType)
         self.host_results: Tuple[int, ...] = _HOST_RESULTS.get(func.overloadpacket.__name__, ())
         self.handler: Optional[Handler] = _HANDLERS.get(func)
 
