@@ -328,3 +328,36 @@ def test_the_view_replay_limitation_is_pytorchs():
         with pytest.raises(RuntimeError, match="number of dimensions"):
             v.grad_fn
     assert tensorsManager.stats()["ops"] == 0
+
+
+_STEP_IN_BACKWARD = """
+import torch, torchTensorRef
+from torchTensorRef import OutOfBudgetError, tensorsManager as tm
+tm.device = "sim"; tm.strategy = "flow"
+m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+opts = {p: torch.optim.AdamW([p], lr=1e-2) for p in m.parameters()}
+def step(p):
+    opts[p].step()
+    opts[p].zero_grad()
+for p in m.parameters():
+    p.register_post_accumulate_grad_hook(step)
+x = torch.randn(8, 32)
+tm.budget = 8192  # forward and backward fit; AdamW on the 4 KiB weight (weight, grad, 2 states) does not
+try:
+    m(x).sum().backward()
+except OutOfBudgetError as e:
+    print("raised:", e.op)
+print("went on:", (m(x).sum() * 0).item())
+"""
+
+
+def test_an_optimizer_step_out_of_budget_in_a_gradient_hook_is_raised_by_backward():
+    # Fixed: on "sim" the in-place _foreach_ op that failed returned a placeholder where torch
+    # expects None; torch raised in the hook's Python code and the process aborted (5 runs in 6).
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-c", _STEP_IN_BACKWARD], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "raised: aten._foreach_" in run.stdout and "went on: 0.0" in run.stdout

@@ -190,7 +190,7 @@ class SimTensor(torch.Tensor):
             if not in_backward():
                 raise
             keep_for_backward(e)  # Note [Errors in backward on sim]
-            return FAILED
+            return failed_result(func)
         if on_host:
             return out
         spec = spec_of(func)
@@ -459,7 +459,7 @@ class PlainMode(torch.utils._python_dispatch.TorchDispatchMode):
             if not in_backward():
                 raise
             keep_for_backward(e)  # Note [Errors in backward on sim]
-            return FAILED
+            return failed_result(func)
         finally:
             _plain.depth -= 1
 
@@ -522,6 +522,13 @@ class _Failed:
 
 
 FAILED = _Failed()
+
+
+def failed_result(func):
+    """What backward op ``func`` returns when it failed: ``FAILED``, or ``None`` for an op that
+    returns nothing (an in-place ``_foreach_`` op, in an optimizer step run by a gradient hook),
+    for which torch would raise on anything else, in Python, and abort."""
+    return FAILED if func._schema.returns else None
 _kept_errors: list = []
 _kept_lock = threading.Lock()
 

@@ -208,7 +208,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     except Exception as e:
         if getattr(_mgr._backend, "strict", False) and sim_device.in_backward():
             sim_device.keep_for_backward(e)  # Note [Errors in backward on sim]
-            return sim_device.FAILED
+            return sim_device.failed_result(func)
         raise
 
 
