@@ -347,7 +347,7 @@ try:
     m(x).sum().backward()
 except OutOfBudgetError as e:
     print("raised:", e.op)
-print("went on:", (m(x).sum() * 0).item())
+print("went on:", tuple(m(x).shape))
 """
 
 
@@ -360,4 +360,4 @@ def test_an_optimizer_step_out_of_budget_in_a_gradient_hook_is_raised_by_backwar
     for _ in range(3):
         run = subprocess.run([sys.executable, "-c", _STEP_IN_BACKWARD], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
-        assert "raised: aten._foreach_" in run.stdout and "went on: 0.0" in run.stdout
+        assert "raised: aten._foreach_" in run.stdout and "went on: (8, 4)" in run.stdout
