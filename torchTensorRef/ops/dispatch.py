@@ -370,9 +370,12 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
         ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
         ctx.index = index
         return _wrap_one(out, ctx, mgr), ctx.outputs  # a CPU result on CUDA (or another GPU's)
-    tight = tight_result(out, storage)
-    if tight is not out:
-        out, storage = tight, tight.untyped_storage()
+    limit = mgr._limit
+    if limit is not None and storage.nbytes() + mgr._device_bytes + mgr._inflight_bytes > limit:
+        # (only where it would pass the budget: the check costs every op's result more than it saves)
+        tight = tight_result(out, storage)
+        if tight is not out:
+            out, storage = tight, tight.untyped_storage()
     block = mgr._result_block(out, index, storage=storage)
     return make_ref(block, out, mgr._declared), (block,)
 
