@@ -11,8 +11,8 @@ copy, which is host memory; a disk copy, read into a private buffer) and returns
 tensors, as the same dataset of CPU tensors gives in plain torch; a dataset that returns
 its TensorRefs as they are is collated from their bytes the same way
 (``collate_tensor_refs``). Bytes only in CUDA memory cannot be read there: the error says
-to build the dataset with ``device="cpu"`` or inside ``torchTensorRef.disabled()``. Creation functions in a worker already make plain
-tensors (``patching._is_disabled``).
+to build the dataset with ``device="cpu"`` or inside ``torchTensorRef.disabled()``.
+Creation functions in a worker already make plain tensors (``patching._is_disabled``).
 
 After a fork the child also gets a new manager lock: a thread of the parent (the disk
 thread, autograd's) may have held it, and that thread does not exist in the child.
