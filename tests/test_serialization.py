@@ -228,6 +228,34 @@ def test_load_with_mmap(tmp_path):
     assert_identical(plain, loaded)
 
 
+class _ReaderOfTorch211:
+    """``torch._C.PyTorchFileReader`` as torch 2.11 has it: no ``get_record_size``."""
+
+    def __init__(self, name):
+        self._reader = _REAL_READER(name)
+
+    def __getattr__(self, name):
+        if name == "get_record_size":
+            raise AttributeError(f"'torch._C.PyTorchFileReader' object has no attribute '{name}'")
+        return getattr(self._reader, name)
+
+
+_REAL_READER = torch._C.PyTorchFileReader
+
+
+def test_load_with_mmap_ties_the_file_without_get_record_size(tmp_path, monkeypatch):
+    # torch 2.11's reader has no get_record_size: torch.load(mmap=True) raised AttributeError
+    plain, managed = run_both(lambda: model().state_dict())
+    torch.save(managed, tmp_path / "m.pt")
+    monkeypatch.setattr(torch._C, "PyTorchFileReader", _ReaderOfTorch211)
+    before = tensorsManager.stats()["bytes_from_disk"]
+    loaded = torch.load(tmp_path / "m.pt", mmap=True, weights_only=True)
+    assert all(type(v) is TensorRef and v._tr_block.disk is not None and v._tr_block.host is None
+               for v in loaded.values())  # tied to the file's ranges, nothing read
+    assert tensorsManager.stats()["bytes_from_disk"] == before
+    assert_identical(plain, loaded)
+
+
 # -- state dicts --------------------------------------------------------------------------------
 
 def test_state_dict_load_state_dict_round_trip(paging, tmp_path):

@@ -20,6 +20,7 @@ import os
 import struct
 import sys
 import threading
+import zipfile
 from typing import Dict, List, NamedTuple, Tuple
 
 import torch
@@ -187,9 +188,9 @@ def _storage_ranges(path: str, tensors: list):
     try:
         reader = torch._C.PyTorchFileReader(path)
         records = [n for n in reader.get_all_records() if n.startswith("data/")]
-        found = [(reader.get_record_offset(n), reader.get_record_size(n)) for n in records]
+        found = list(zip((reader.get_record_offset(n) for n in records), _record_sizes(path, reader, records)))
         order = reader.get_record("byteorder") if reader.has_record("byteorder") else b"little"
-    except (RuntimeError, OSError):
+    except (RuntimeError, OSError, KeyError, zipfile.BadZipFile):
         return None  # (not a zip archive: the legacy format is read, not mapped)
     if bytes(order).decode() != sys.byteorder:
         return None
@@ -202,6 +203,20 @@ def _storage_ranges(path: str, tensors: list):
         if all(by_offset.get(o) == n for o, n in ranges.values()) and _same_bytes(path, ranges):
             return ranges
     return None
+
+
+def _record_sizes(path: str, reader, records: list) -> list:
+    """The sizes in bytes of ``records`` of the archive ``path``.
+
+    ``PyTorchFileReader.get_record_size`` is recent (torch 2.11 has none); without it the
+    sizes are the zip central directory's, where a record ``r`` is ``<archive folder>/r``.
+    """
+    size = getattr(reader, "get_record_size", None)
+    if size is not None:
+        return [size(n) for n in records]
+    with zipfile.ZipFile(path) as archive:
+        sizes = {info.filename.partition("/")[2]: info.file_size for info in archive.infolist()}
+    return [sizes[n] for n in records]
 
 
 def _same_bytes(path: str, ranges: dict) -> bool:
