@@ -3,6 +3,9 @@ never an error inside the compiler, and the same results as plain eager torch.""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch._dynamo
@@ -100,6 +103,65 @@ def test_patching_again_keeps_the_wrappers_out_of_graphs():
     torchTensorRef.patch()  # new wrappers
     out = torch.compile(lambda n: torch.zeros(n) + 1)(2)
     assert isinstance(out, TensorRef) and out.tolist() == [1.0, 1.0]
+
+
+def _refusing_disallow_in_graph(monkeypatch):
+    """Make ``torch._dynamo.disallow_in_graph`` refuse every function as torch 2.11 refuses one
+    it would not put in a graph anyway: with ``torch._dynamo.exc.IncorrectUsage``, an
+    ``Exception`` but no ``RuntimeError`` (torch 2.13 has no such class: one is put there)."""
+    incorrect_usage = getattr(torch._dynamo.exc, "IncorrectUsage", None)
+    if incorrect_usage is None:
+        incorrect_usage = type("IncorrectUsage", (Exception,), {})
+        monkeypatch.setattr(torch._dynamo.exc, "IncorrectUsage", incorrect_usage, raising=False)
+    assert not issubclass(incorrect_usage, RuntimeError)
+    refused = []
+
+    def disallow_in_graph(fn):
+        refused.append(fn)
+        raise incorrect_usage("disallow_in_graph is expected to be used on an already allowed callable")
+
+    monkeypatch.setattr(torch._dynamo, "disallow_in_graph", disallow_in_graph)
+    return refused
+
+
+def test_patch_with_the_compiler_loaded_survives_incorrect_usage_from_disallow_in_graph(monkeypatch):
+    # torch 2.11 raised IncorrectUsage, not RuntimeError, here: patch() (and so importing the
+    # package after torch._dynamo) failed
+    try:
+        with monkeypatch.context() as m:
+            refused = _refusing_disallow_in_graph(m)
+            torchTensorRef.unpatch()
+            torchTensorRef.patch()  # new wrappers, told to the loaded compiler
+            assert refused, "patch() did not ask the compiler to keep its wrappers out of graphs"
+    finally:
+        torchTensorRef.unpatch()
+        torchTensorRef.patch()  # wrappers the real disallow_in_graph has seen, for later tests
+    out = torch.compile(lambda n: torch.zeros(n) + 1)(2)
+    assert isinstance(out, TensorRef) and out.tolist() == [1.0, 1.0]
+
+
+def test_first_compile_survives_incorrect_usage_from_disallow_in_graph(monkeypatch):
+    # torch 2.11 raised IncorrectUsage, not RuntimeError, here: the first torch.compile failed
+    with plain_torch():
+        plain = with_creations(torch.ones(4))
+    with monkeypatch.context() as m:
+        m.setattr(torchTensorRef.compiler, "_breaks", {})  # as if no wrapper had been told yet
+        refused = _refusing_disallow_in_graph(m)
+        compiled = torch.compile(with_creations)
+        assert refused, "torch.compile did not ask the compiler to keep the wrappers out of graphs"
+    managed = compiled(torch.ones(4))
+    assert isinstance(managed, TensorRef)
+    assert_identical(plain, managed)
+
+
+def test_importing_the_package_after_the_compiler_works():
+    # torch 2.11: `import torch._dynamo; import torchTensorRef` raised IncorrectUsage at import
+    code = ("import torch, torch._dynamo, torchTensorRef\n"
+            "x = torch.compile(lambda n: torch.zeros(n) + 1)(2)\n"
+            "assert isinstance(x, torchTensorRef.TensorRef) and x.tolist() == [1.0, 1.0], x\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_static_cache_generate_with_a_compiled_forward_matches_plain_torch():
