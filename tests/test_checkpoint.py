@@ -148,6 +148,50 @@ def test_from_pretrained_of_a_local_folder_loads_lazily(saved):
     _generates_as_plain_within_budgets(model, plain, 4)
 
 
+@pytest.fixture
+def saved_llama(tmp_path_factory):
+    """A small plain Llama's checkpoint folder (tied embeddings), and the plain model (on the test device)."""
+    folder = tmp_path_factory.mktemp("llama")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                      max_position_embeddings=64, tie_word_embeddings=True,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    with plain_torch():
+        torch.manual_seed(0)
+        plain = transformers.LlamaForCausalLM(config)
+        plain.save_pretrained(folder)
+    return folder, plain
+
+
+@pytest.mark.parametrize("conversion", ["device", "cpu", "bfloat16", "half"])
+def test_from_pretrained_then_to_converts_as_plain_torch(saved_llama, conversion):
+    # model.to(device) after from_pretrained raised AttributeError: a weight whose bytes were
+    # only in the file had no copy for ``p.data = p`` to view
+    folder, plain = saved_llama
+    device = tensorsManager._declared
+    convert = {"device": lambda m: m.to(device.type), "cpu": lambda m: m.to("cpu"),
+               "bfloat16": lambda m: m.to(torch.bfloat16), "half": lambda m: m.half()}[conversion]
+    model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    start = tensorsManager.stats()["bytes_from_disk"]
+    assert convert(model) is model
+    weight = model.model.layers[1].mlp.up_proj.weight
+    assert isinstance(weight, TensorRef) and model.lm_head.weight is model.model.embed_tokens.weight
+    if conversion == "device":  # (already there: nothing is read)
+        assert tensorsManager.stats()["bytes_from_disk"] == start and weight._tr_block.disk is not None
+    ids = torch.tensor(PROMPT, device="cpu" if conversion == "cpu" else None)
+    logits = model(ids).logits
+    tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+    with plain_torch():
+        convert(plain.eval())
+        pids = torch.tensor(PROMPT, device="cpu" if conversion == "cpu" else None)
+        expected_logits = plain(pids).logits
+        expected = plain.generate(pids, max_new_tokens=4, do_sample=False)
+    assert (weight.device, weight.dtype) == (plain.model.layers[1].mlp.up_proj.weight.device,
+                                             plain.model.layers[1].mlp.up_proj.weight.dtype)
+    assert_identical(expected_logits, logits, "logits")
+    assert_identical(expected, tokens, "tokens")
+
+
 def test_a_sharded_folder_is_read_through_its_index(saved, tmp_path):
     _, plain = saved
     with plain_torch():

@@ -11,7 +11,7 @@ import torch
 
 from . import raw
 from .blocks import Block
-from .tensor_ref import TensorRef, compute_view, make_ref, user_attributes, with_math_bits
+from .tensor_ref import TensorRef, make_ref, user_attributes, with_math_bits
 
 
 #: host copies of at least this size are moved into pinned memory when a tensor is adopted
@@ -156,8 +156,10 @@ class Adoption:
             if old.refs == 0 and old.alive:
                 self._release(old)
             ref._tr_block = block
-            ref._tr_view = compute_view(new)
-            ref._tr_gen = block.gen
+            # ``new``'s view as it is, made afresh at the next use where stale: a block whose
+            # only copy is a checkpoint's range (``from_pretrained``, then ``model.to(device)``)
+            # has no copy to view yet.
+            ref._tr_view, ref._tr_gen = new._tr_view, new._tr_gen
             ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
             block.views.append(wr)
 
