@@ -20,7 +20,7 @@ from typing import Dict, Tuple
 import torch
 import wrapt
 
-from . import checkpoint, compiler, creation, distributed
+from . import checkpoint, compiler, creation, distributed, raw_kernels
 from .manager import tensorsManager as _mgr
 from .tensor_ref import TensorRef, saving
 
@@ -64,6 +64,10 @@ LAZY_LOAD_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
 #: functions that only warm an allocator up, by allocating as much as the model at once:
 #: pointless under the manager, which allocates within its budgets (and they would break them)
 WARMUP_FUNCTIONS: Tuple[Tuple[str, str], ...] = (("transformers.modeling_utils", "caching_allocator_warmup"),)
+#: raw entry points that launch kernels outside the dispatcher (CUDA's jiterator), which would
+#: read a TensorRef's empty wrapper: a launch on TensorRefs runs as a managed op on their
+#: device copies (Note [Raw kernels] in ``raw_kernels.py``; absent from CPU builds of torch)
+RAW_KERNEL_FUNCTIONS: Tuple[Tuple[str, str], ...] = raw_kernels.JITERATOR_FUNCTIONS
 #: inputs those functions copy or return as they are (tensors are managed on their own)
 _NOT_SHARED = (torch.Tensor, list, tuple, int, float, bool, complex)
 
@@ -299,6 +303,7 @@ def _targets():
     targets += [(owner, name, checkpoint.safe_open_wrapper) for owner, name in LAZY_LOAD_FUNCTIONS]
     targets += [(owner, name, _warmup_wrapper) for owner, name in WARMUP_FUNCTIONS]
     targets += [(owner, name, _apply_wrapper) for owner, name in MODULE_METHODS]
+    targets += [(owner, name, raw_kernels.jiterator_wrapper) for owner, name in RAW_KERNEL_FUNCTIONS]
     return targets
 
 
