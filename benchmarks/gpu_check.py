@@ -418,6 +418,8 @@ def main(argv=None) -> int:
     else:
         print(NEEDS_CUDA.format(torch=info.get("torch"), cuda=info.get("cuda_version")), file=sys.stderr)
         return 2
+    # every step: the cuda-marked tests too, whose fixtures would otherwise select "sim"
+    # (registering it in a CUDA process breaks CUDA backward)
     env["TORCHTENSORREF_TEST_DEVICE"] = device
     argv_of = commands(args, out, device, info)
     summary = {
@@ -435,6 +437,7 @@ def main(argv=None) -> int:
         "commit": git_commit(),
         "pytest_timeout": info.get("pytest_timeout"),
         "xdist": info.get("xdist"),
+        "step_env": {"TORCHTENSORREF_TEST_DEVICE": device, "MPLBACKEND": "Agg", "PYTHONPATH": ROOT},
         "total_limit_s": args.total_limit,
         "grace_s": args.grace,
         "finished": False,

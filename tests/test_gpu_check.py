@@ -126,6 +126,7 @@ def test_allow_cpu_writes_the_summary_kills_a_step_past_its_limit_and_runs_the_n
         assert field in summary, field
     assert summary["device"] == "sim" and summary["finished"] is True and summary["passed"] is False
     assert summary["torch"] and summary["commit"]
+    assert summary["step_env"]["TORCHTENSORREF_TEST_DEVICE"] == "sim"
     assert list(summary["steps"]) == ["suite", "cuda", "demo", "throughput"]
     for name, step in summary["steps"].items():
         for field in STEP_FIELDS:
