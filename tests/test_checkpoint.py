@@ -192,6 +192,23 @@ def test_from_pretrained_then_to_converts_as_plain_torch(saved_llama, conversion
     assert_identical(expected, tokens, "tokens")
 
 
+def test_from_pretrained_inside_disabled_is_plain_torch(saved_llama):
+    # transformers reads the checkpoint in a thread pool, where disabled() (one thread's) did
+    # not reach: the tensors safetensors made there were adopted, and the "plain" model was managed
+    from safetensors.torch import load_file
+
+    folder, _ = saved_llama
+    with torchTensorRef.disabled():
+        model = transformers.LlamaForCausalLM.from_pretrained(folder)
+        stored = load_file(folder / "model.safetensors")
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert all(type(b) is torch.Tensor for b in model.buffers())
+    state = model.state_dict()
+    assert stored and all(type(t) is torch.Tensor for t in stored.values())
+    for name, t in stored.items():
+        assert torch.equal(state[name], t), name
+
+
 def test_a_sharded_folder_is_read_through_its_index(saved, tmp_path):
     _, plain = saved
     with plain_torch():

@@ -399,8 +399,53 @@ class LazySlice:
         return getattr(self._file._handle.get_slice(self._name), name)
 
 
+class PlainFile:
+    """A ``safe_open`` handle opened inside ``disabled()``: its reads give plain tensors in
+    whichever thread makes them (transformers reads from a thread pool, where the opening
+    thread's ``disabled()`` does not reach, and the tensors safetensors makes there were adopted)."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def get_tensor(self, name):
+        from .patching import disabled
+
+        with disabled():
+            return self._handle.get_tensor(name)
+
+    def get_slice(self, name):
+        return PlainSlice(self._handle.get_slice(name))
+
+    def __enter__(self):
+        self._handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._handle.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+class PlainSlice:
+    """``get_slice(name)`` of a :class:`PlainFile`: indexing it gives a plain tensor."""
+
+    def __init__(self, handle_slice):
+        self._slice = handle_slice
+
+    def __getitem__(self, index):
+        from .patching import disabled
+
+        with disabled():
+            return self._slice[index]
+
+    def __getattr__(self, name):
+        return getattr(self._slice, name)
+
+
 def safe_open_wrapper(wrapped, instance, args, kwargs):
-    """The patched ``safe_open``: lazy for PyTorch tensors of a managed accelerator's host."""
+    """The patched ``safe_open``: lazy for PyTorch tensors of a managed accelerator's host,
+    plain in every thread when opened inside ``disabled()``."""
     from .manager import tensorsManager as mgr
     from .patching import _is_disabled
 
@@ -408,7 +453,10 @@ def safe_open_wrapper(wrapped, instance, args, kwargs):
     framework = kwargs.get("framework", args[1] if len(args) > 1 else None)
     device = kwargs.get("device", args[2] if len(args) > 2 else "cpu")
     path = kwargs.get("filename", args[0] if args else None)
-    if (framework not in ("pt", "torch") or str(device) != "cpu" or path is None or _is_disabled()
-            or mgr._backend.passthrough):
+    if framework not in ("pt", "torch"):
+        return handle
+    if _is_disabled():
+        return PlainFile(handle)
+    if str(device) != "cpu" or path is None or mgr._backend.passthrough:
         return handle
     return LazyFile(handle, path)
