@@ -51,7 +51,7 @@ def test_sim_moves_bytes_and_keeps_values():
     before = tensorsManager.stats()
     x.toGPU()
     assert x.proxyInfo.device == "sim" and x.proxyInfo.on_device
-    assert x.device == tensorsManager._declared  # the declared device, where ops run: sim:0 (strict)
+    assert x.device == tensorsManager.torch_device  # the declared device, where ops run: sim:0 (strict)
     assert tensorsManager.stats()["device_bytes"] == before["device_bytes"] + x.proxyInfo.nbytes
     tensorsManager.pin(x)  # Genoa would send it back right after the next op
     x.mul_(2)

@@ -34,7 +34,7 @@ def test_packed_sequences_match_plain_torch(paging, cell, lengths_made):
     assert_identical(plain, managed)
     padded, out_lengths, batch_sizes = managed[:3]
     assert out_lengths.device.type == batch_sizes.device.type == "cpu"  # as CUDA gives them
-    assert padded.device == paging._declared
+    assert padded.device == paging.torch_device
 
 
 def test_unsorted_lengths_sort_on_the_host(paging):

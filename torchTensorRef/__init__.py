@@ -37,6 +37,7 @@ __all__ = [
 
 ENVIRONMENT = {
     "TORCHTENSORREF_DEVICE": "device",
+    "TORCHTENSORREF_SIM_WORKSPACE": "sim_workspace",  # (before the budget, which covers it)
     "TORCHTENSORREF_STRATEGY": "strategy",
     "TORCHTENSORREF_BUDGET": "budget",
     "TORCHTENSORREF_HOST_BUDGET": "host_budget",
@@ -45,8 +46,8 @@ ENVIRONMENT = {
 
 
 def configure_from_environment(environ=None) -> None:
-    """Apply ``TORCHTENSORREF_DEVICE``, ``_STRATEGY``, ``_BUDGET``, ``_HOST_BUDGET`` and
-    ``_OFFLOAD_DIR`` to the manager.
+    """Apply ``TORCHTENSORREF_DEVICE``, ``_STRATEGY``, ``_BUDGET``, ``_HOST_BUDGET``,
+    ``_OFFLOAD_DIR`` and ``_SIM_WORKSPACE`` to the manager.
 
     Raises:
         ValueError: naming the variable and what it accepts.

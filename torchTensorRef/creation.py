@@ -135,7 +135,9 @@ def _on_device(mgr, fn, args, kwargs, nbytes: int, what: str):
     kwargs = dict(kwargs)
     with mgr._lock:
         mgr._drain()
-        kwargs["device"] = mgr._declared
+        # (torch_device resolves "cuda" first: the first tensor after ``device = "cuda"`` was
+        # made on the CPU, from the CPU's generator)
+        kwargs["device"] = mgr.torch_device
         mgr._make_room(nbytes, (), what)
         for attempt in (0, 1):
             try:

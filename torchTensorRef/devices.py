@@ -17,6 +17,7 @@ reports ``cpu``.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Optional
 
@@ -61,6 +62,16 @@ class Backend:
     def in_use_elsewhere(self, managed_bytes: int) -> int:
         """Device bytes allocated beside the manager's blocks (workspaces, plain tensors)."""
         return 0
+
+    def warm_up(self, backward: bool = True) -> None:
+        """Make the libraries allocate the device memory they keep for the life of the
+        process (cuBLAS workspaces) for this thread and, with ``backward``, for autograd's
+        device thread, so that the budget is checked against it before a kernel makes it
+        (Note [Budget on CUDA])."""
+
+    def note_kernel(self) -> None:
+        """A kernel is about to run on the device on this thread (the simulated device's
+        workspaces are made here)."""
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 buffer of ``nbytes`` on the device (may raise ``torch.OutOfMemoryError``)."""
@@ -110,7 +121,8 @@ class SimBackend(Backend):
     name = "sim"
     simulated = True
 
-    def __init__(self, capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None):
+    def __init__(self, capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,
+                 workspace: int = 0):
         device = sim_device.register()
         super().__init__(CPU, device if device is not None else CPU)
         self.strict = device is not None
@@ -118,9 +130,31 @@ class SimBackend(Backend):
         self.streams = SimStreams()
         self.pinned = PinnedMemory(emulated=True, limit=pinned_limit)
         self.pool = BufferPool(0)
+        #: bytes each thread's first kernel leaves allocated for good, as cuBLAS's workspace
+        #: does on CUDA (``tensorsManager.sim_workspace``; 0: none)
+        self.workspace = workspace
+        self._workspace_keys: set = set()
 
     def capacity(self) -> Optional[int]:
         return self._capacity
+
+    def in_use_elsewhere(self, managed_bytes: int) -> int:
+        return self.workspace * len(self._workspace_keys)
+
+    def set_workspace(self, nbytes: int) -> None:
+        """Emulate workspaces of ``nbytes`` from now on (none made yet)."""
+        self.workspace = nbytes
+        self._workspace_keys.clear()
+
+    def warm_up(self, backward: bool = True) -> None:
+        if self.workspace:
+            self._workspace_keys.add(workspace_key())
+            if backward:
+                self._workspace_keys.add("backward")
+
+    def note_kernel(self) -> None:
+        if self.workspace:
+            self._workspace_keys.add(workspace_key())
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         kept = self.pool.take(nbytes)
@@ -140,6 +174,12 @@ class SimBackend(Backend):
         return True
 
 
+def workspace_key():
+    """Whose workspace a kernel uses: on CUDA one per thread's cuBLAS handle, and autograd
+    runs every backward kernel of a device on that device's own thread."""
+    return "backward" if torch._C._current_graph_task_id() >= 0 else threading.get_ident()
+
+
 class CudaBackend(Backend):
     """``"cuda"`` / ``"cuda:N"``: a real GPU.
 
@@ -157,14 +197,19 @@ class CudaBackend(Backend):
         if index is not None:
             self.resolve()
 
+    def target_index(self) -> int:
+        """The index this backend uses or would use if resolved now (``LOCAL_RANK`` if set,
+        else the current device)."""
+        if self.index is not None:
+            return self.index
+        local = os.environ.get("LOCAL_RANK")
+        return int(local) % torch.cuda.device_count() if local and local.isdigit() else torch.cuda.current_device()
+
     def resolve(self) -> None:
         """Fix the device index (``LOCAL_RANK`` if set, else the current device)."""
         if self.resolved:
             return
-        index = self.index
-        if index is None:
-            local = os.environ.get("LOCAL_RANK")
-            index = int(local) % torch.cuda.device_count() if local and local.isdigit() else torch.cuda.current_device()
+        index = self.target_index()
         self.index = index
         self.compute = self.declared = torch.device("cuda", index)
         self.streams = CudaStreams(self.compute)
@@ -178,6 +223,18 @@ class CudaBackend(Backend):
     def in_use_elsewhere(self, managed_bytes: int) -> int:
         return max(torch.cuda.memory_allocated(self.compute) - managed_bytes, 0)
 
+    def warm_up(self, backward: bool = True) -> None:
+        # One small product, in plain torch: cuBLAS (and cuBLASLt, for a product with a
+        # bias) allocate their workspace for this thread's handle and keep it; its backward
+        # does the same on autograd's device thread, where every backward kernel runs.
+        # (plain tensors from the unwrapped constructor: nothing here is managed)
+        with torch.enable_grad():
+            a = raw.empty(8, 8, device=self.compute).fill_(1.0).requires_grad_(backward)
+            out = torch.addmm(a[0], a, a)
+            if backward:
+                out.sum().backward()
+        torch.cuda.synchronize(self.compute)
+
     def release_cached(self) -> None:
         torch.cuda.empty_cache()
 
@@ -185,7 +242,8 @@ class CudaBackend(Backend):
         return torch.cuda.is_current_stream_capturing()
 
 
-def make_backend(spec, sim_capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None) -> Backend:
+def make_backend(spec, sim_capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,
+                 sim_workspace: int = 0) -> Backend:
     """Build the backend for a ``tensorsManager.device`` value.
 
     Raises:
@@ -199,7 +257,7 @@ def make_backend(spec, sim_capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Opt
     if text == "cpu":
         return PassthroughBackend()
     if text == "sim":
-        backend = SimBackend(sim_capacity, pinned_limit)
+        backend = SimBackend(sim_capacity, pinned_limit, sim_workspace)
         if not backend.strict:
             warnings.warn(f'device "sim" runs in its lenient form: {sim_device.unavailable_reason()}',
                           stacklevel=3)

@@ -108,7 +108,7 @@ def data_parallel_wrapper(wrapped, instance, args, kwargs):
         count = len(device_ids) if device_ids is not None else torch.cuda.device_count()
         managed = _has_refs(module.parameters()) or _has_refs(module.buffers())
         if managed and count > 1:
-            device = tensorsManager._declared
+            device = tensorsManager.torch_device
             raise RuntimeError(DATA_PARALLEL_ERROR.format(n=count, device=device, index=device.index or 0))
     return wrapped(*args, **kwargs)
 

@@ -25,8 +25,8 @@ from . import streams
 from .adoption import Adoption
 from .blocks import Block
 from .callbacks import Callbacks, OpCallback
-from .devices import Backend, PassthroughBackend, SIM_CAPACITY_BYTES, default_device, make_backend
-from .errors import OutOfBudgetError
+from .devices import Backend, PassthroughBackend, SIM_CAPACITY_BYTES, default_device, make_backend, workspace_key
+from .errors import BudgetBelowFloorError, OutOfBudgetError
 from .disk import check_offload_dir
 from .host_memory import HostMemoryWatch
 from .host_tier import HostTier, return_freed_host_memory
@@ -67,6 +67,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         self._lock = threading.RLock()
         self._forked = False  # a child of the process that made this manager (Note [Forked workers])
         self._sim_capacity = SIM_CAPACITY_BYTES
+        self._sim_workspace = 0
         self._pinned_limit = default_limit()
         self._backend: Backend = PassthroughBackend()
         self._declared = self._backend.declared
@@ -90,6 +91,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         self._inflight: list = []  # (Pending, nbytes) of write-backs still running
         self._inflight_bytes = 0
         self._elsewhere_bytes = 0  # last reading of Backend.in_use_elsewhere (CUDA)
+        self._warmed: set = set()  # workspace_key()s whose workspaces the device has made
         self._room_checks = 0
         self._peak = 0
         self._overshoot = 0  # most bytes ever in use above the budget (should stay 0)
@@ -119,7 +121,9 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         # generic path, telling it of them through its fast_op hooks.
         self._fast_watch = strategy if watching and strategy.follows_fast_ops() else None
         self._fast = (not self._callbacks and self._trace is None and self._fault_injector is None
-                      and not self._capturing and (not watching or self._fast_watch is not None))
+                      and not self._capturing and (not watching or self._fast_watch is not None)
+                      # (emulated workspaces are made on the generic path: OpProtocol._before_kernel)
+                      and not getattr(self._backend, "workspace", 0))
 
     def hooks_changed(self) -> None:
         """The strategy's ``needs_every_op()`` or ``follows_fast_ops()`` changed its answer."""
@@ -170,18 +174,22 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
             current = self._backend
             if isinstance(value, str) and value.strip().lower() == self.device and current.name != "cuda":
                 return  # (no new backend: "sim" would register nothing new, but keep its state)
-            backend = make_backend(value, self._sim_capacity, self._pinned_limit)  # ValueError: nothing changed
+            backend = make_backend(value, self._sim_capacity, self._pinned_limit,
+                                   self._sim_workspace)  # ValueError: nothing changed
             self._drain()
-            if current.name == backend.name and current.compute == backend.compute and (
-                    backend.name != "cuda" or backend.resolved):
-                return
+            if current.name == backend.name and (
+                    current.compute == backend.compute if backend.name != "cuda"
+                    else current.target_index() == backend.target_index()):
+                return  # the same device ("cuda" again, resolved or not): keep every block where it is
             self._retire_inflight(wait=True)
             for block in list(self._resident.values()):
                 self._evict(block)
             self._retire_inflight(wait=True)
             old_declared = self._declared
             self._backend = backend
-            self._elsewhere = backend.name == "cuda"
+            self._elsewhere = backend.name == "cuda" or bool(getattr(backend, "workspace", 0))
+            self._elsewhere_bytes = 0  # (a reading of the old device)
+            self._warmed = set()  # workspace_key()s whose workspaces the device has made
             self._unresolved = backend.name == "cuda" and not backend.resolved
             self._declared = backend.declared
             live = [b for b in self._blocks.values() if not b.host_only]
@@ -197,6 +205,14 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
             self._count_host_copies()
             self._strategy.device_changed()
             self._refresh_fast()
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The ``torch.device`` managed tensors report and their ops run for: ``cuda:N``
+        (``"cuda"`` is resolved here if it was not yet), ``sim:0``, or ``cpu``."""
+        if self._unresolved:
+            self._resolve_device()
+        return self._declared
 
     def _resolve_device(self) -> None:
         """Fix ``"cuda"``'s index at first use (Note [Declared device])."""
@@ -231,13 +247,14 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
 
     @property
     def budget(self) -> Optional[int]:
-        """Accelerator bytes the manager may use: int, ``"512MiB"``, ``"6GB"``, or ``None``.
+        """Accelerator bytes the process may have allocated: int, ``"512MiB"``, ``"6GB"``, or ``None``.
 
         ``None`` means what the device has: on ``"sim"`` its ``sim_capacity``; on CUDA the
         memory this process can use (free memory plus what its allocator holds), less
         ``CUDA_RESERVE_BYTES``, read again after each out-of-memory recovery. The budget
-        covers every allocation the device sees: the manager's blocks, copies still in
-        flight and, on CUDA, tensors and workspaces allocated beside them.
+        covers every allocation the device sees (Note [Budget on CUDA]): the manager's
+        blocks, copies in flight and, on CUDA, tensors and library workspaces allocated
+        beside them. A budget at or below what is allocated outside the manager is refused.
         """
         return self._budget
 
@@ -245,6 +262,15 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
     def budget(self, value) -> None:
         nbytes = parse_size(value, "budget")
         with self._lock:
+            backend = self._backend
+            if nbytes is not None and not backend.passthrough:
+                if self._unresolved:
+                    self._resolve_device()
+                backend.warm_up()  # (what libraries keep allocated is known before it is checked)
+                self._warmed.update((workspace_key(), "backward"))
+                outside = self._read_outside()
+                if outside and outside >= nbytes:
+                    raise BudgetBelowFloorError(nbytes, outside, str(backend.declared))
             old = (self._budget, self._limit)
             self._budget = nbytes
             self._limit = self._compute_limit(nbytes)
@@ -255,6 +281,26 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
                 raise
             finally:
                 self._pressured = False
+                self._refresh_fast()
+
+    @property
+    def sim_workspace(self) -> int:
+        """Bytes the simulated device (``"sim"``) keeps allocated for each thread that ran a
+        kernel on it (and once for autograd's backward), as cuBLAS's workspaces do on CUDA;
+        default 0, or ``TORCHTENSORREF_SIM_WORKSPACE``. They count against the budget as
+        CUDA's do (Note [Budget on CUDA]), so that a CPU machine shows what a GPU would."""
+        return self._sim_workspace
+
+    @sim_workspace.setter
+    def sim_workspace(self, value) -> None:
+        nbytes = parse_size(value, "sim_workspace", none=False)
+        with self._lock:
+            self._sim_workspace = nbytes
+            if self._backend.simulated:
+                self._backend.set_workspace(nbytes)
+                self._elsewhere = bool(nbytes)
+                self._warmed = set()
+                self._read_outside()
                 self._refresh_fast()
 
     def _compute_limit(self, budget: Optional[int]) -> Optional[int]:
@@ -350,6 +396,19 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         """Whether room had to be made by evicting since the budget or device was set."""
         return self._pressured
 
+    def outside_bytes(self) -> int:
+        """Device bytes allocated now outside the manager's blocks: library workspaces (made
+        first, as the budget setter does), the program's own device tensors. The budget
+        covers them (Note [Budget on CUDA]): a budget must be larger. 0 on ``"cpu"``."""
+        with self._lock:
+            if self._backend.passthrough:
+                return 0
+            if self._unresolved:
+                self._resolve_device()
+            self._backend.warm_up()
+            self._warmed.update((workspace_key(), "backward"))
+            return self._read_outside()
+
     def room(self) -> Optional[int]:
         """Accelerator bytes that still fit under the budget now; ``None`` when unlimited.
 
@@ -358,7 +417,9 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         """
         with self._lock:
             limit = self._limit
-            return None if limit is None else max(limit - self._device_bytes - self._inflight_bytes, 0)
+            if limit is None:
+                return None
+            return max(limit - self._device_bytes - self._inflight_bytes - self._elsewhere_bytes, 0)
 
     # -- statistics and tracing -------------------------------------------------------------
 
@@ -372,7 +433,8 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
         ``tensors`` (live TensorRefs), ``tensors_on_device``, ``blocks``,
         ``blocks_on_device``, ``host_bytes`` (host copies of paged blocks, CPU tensors
         not counted), ``peak_host_bytes``, ``host_budget``, ``bytes_from_disk``,
-        ``bytes_to_disk``, ``pinned_bytes``; on CUDA also
+        ``bytes_to_disk``, ``pinned_bytes``, ``outside_bytes`` (device bytes allocated
+        outside the manager at the last reading: Note [Budget on CUDA]); on CUDA also
         ``max_memory_allocated`` and ``max_memory_reserved`` (torch.cuda's, since the
         last ``reset_stats()``).
         """
@@ -395,6 +457,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
             out["host_budget"] = self._host_limit
             pinned = self._backend.pinned
             out["pinned_bytes"] = pinned.used if pinned is not None else 0
+            out["outside_bytes"] = self._read_outside() if not self._backend.passthrough and not self._unresolved else 0
             if self._backend.name == "cuda" and self._backend.resolved:
                 out["max_memory_allocated"] = torch.cuda.max_memory_allocated(self._backend.compute)
                 out["max_memory_reserved"] = torch.cuda.max_memory_reserved(self._backend.compute)

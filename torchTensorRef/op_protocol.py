@@ -56,8 +56,10 @@ class OpProtocol:
             for b in blocks:
                 if not b.host_only:
                     need += b.nbytes
-            if need > limit:
-                raise OutOfBudgetError(ctx.name, need, limit)
+            if need + self._elsewhere_bytes > limit:
+                outside = self._read_outside()  # (a reading of the device, not a stale one)
+                if need + outside > limit:
+                    raise OutOfBudgetError(ctx.name, need + outside, limit, outside=outside)
         if self._callbacks:
             self._run_callbacks("before", ctx)  # may veto: nothing has changed yet
         ctx.index = self._op_count
@@ -134,7 +136,9 @@ class OpProtocol:
         """Fault injection, and the simulated device's allocation of the op's results."""
         if self._fault_injector is not None:
             self._inject("op", ctx.output_estimate(), ctx)
-        if self._backend.simulated:
+        backend = self._backend
+        if backend.simulated:
+            backend.note_kernel()
             self._check_capacity(ctx.output_estimate())
 
     def _recover_from_oom(self, ctx, func, args, kwargs):
@@ -191,8 +195,8 @@ class OpProtocol:
             if total + self._inflight_bytes > self._peak:
                 self._peak = total + self._inflight_bytes
             limit = self._limit
-            if limit is not None and total + self._inflight_bytes - limit > self._overshoot:
-                self._overshoot = total + self._inflight_bytes - limit
+            if limit is not None and total + self._inflight_bytes + self._elsewhere_bytes - limit > self._overshoot:
+                self._overshoot = total + self._inflight_bytes + self._elsewhere_bytes - limit
             block.last_use = index
         return block
 
@@ -219,7 +223,7 @@ class OpProtocol:
             for b in ctx.blocks:
                 if b.external and b.dev is not None:
                     self.evict(b)  # even if pinned: Note [External bytes]
-        if self._limit is not None and self._device_bytes + self._inflight_bytes > self._limit:
+        if self._limit is not None and self._device_bytes + self._inflight_bytes + self._elsewhere_bytes > self._limit:
             self._make_room(0, (), ctx.name)  # the op's results were larger than estimated
         trace = self._trace
         if trace is not None:

@@ -32,6 +32,7 @@ import torch
 
 from . import raw
 from .blocks import Block
+from .devices import workspace_key
 from .errors import DeviceOutOfMemoryError, OutOfBudgetError
 from .sim_memory import MIN_BYTES as KEPT_MIN_BYTES
 from .sizes import format_size
@@ -58,8 +59,8 @@ class Residency:
         if used > self._peak:
             self._peak = used
         limit = self._limit
-        if limit is not None and used - limit > self._overshoot:
-            self._overshoot = used - limit
+        if limit is not None and used + self._elsewhere_bytes - limit > self._overshoot:
+            self._overshoot = used + self._elsewhere_bytes - limit  # (the budget covers both)
 
     def in_use(self) -> int:
         """Device bytes counted against the budget now: resident blocks, copies being written
@@ -70,6 +71,11 @@ class Residency:
         """Device bytes that count against the budget now (asking the device what else it holds)."""
         self._elsewhere_bytes = self._backend.in_use_elsewhere(self._device_bytes + self._inflight_bytes)
         return self._device_bytes + self._inflight_bytes + self._elsewhere_bytes
+
+    def _read_outside(self) -> int:
+        """Device bytes allocated outside the manager, asked of the device now (and remembered)."""
+        self._used_bytes()
+        return self._elsewhere_bytes
 
     def _retire_inflight(self, wait: bool = False) -> None:
         """Forget the write-backs that ended (on ``"sim"``: finish them); with ``wait``, all of them."""
@@ -95,7 +101,16 @@ class Residency:
         limit = self._limit
         if limit is None:
             return
+        if self._unresolved:
+            self._resolve_device()
         self._room_checks += 1
+        if self._elsewhere:
+            key = workspace_key()
+            if key not in self._warmed:
+                # A thread's first op: its workspaces are made (and counted) before its kernels.
+                self._warmed.add(key)
+                self._backend.warm_up(backward=False)
+                self._used_bytes()
         if (self._device_bytes + self._inflight_bytes + self._elsewhere_bytes + nbytes <= limit
                 and (not self._elsewhere or self._room_checks % 64)):
             return  # the common case: without asking the device (CUDA) what else it holds
@@ -116,6 +131,7 @@ class Residency:
             raise OutOfBudgetError(
                 op_name, self._used_bytes() + nbytes, limit,
                 f"{format_size(pinned)} is pinned and the rest is in use by this op",
+                outside=self._elsewhere_bytes,
             )
 
     def _recover_memory(self, protect) -> None:
@@ -149,7 +165,7 @@ class Residency:
     def _check_capacity(self, nbytes: int) -> None:
         """The simulated device's allocator: refuse what does not fit in its capacity."""
         capacity = self._backend.capacity()
-        in_use = self._device_bytes + self._inflight_bytes
+        in_use = self._device_bytes + self._inflight_bytes + self._elsewhere_bytes
         if capacity is not None and in_use + nbytes > capacity:
             raise torch.OutOfMemoryError(
                 f"sim: out of memory: tried to allocate {format_size(nbytes)}; the device has "
@@ -274,8 +290,8 @@ class Residency:
         eighth of the device's capacity without one), so that the simulated device's host
         memory stays within twice what the budget promises; none under a host budget, where
         freed memory must leave the process."""
-        if self._host_limit:
-            return 0
+        if self._host_limit or not self._backend.simulated:
+            return 0  # (CUDA's allocators keep freed memory themselves)
         return self._budget or (self._backend.capacity() or 0) // 8
 
     def _write_back(self, block: Block) -> None:

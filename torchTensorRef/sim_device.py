@@ -87,6 +87,12 @@ def unavailable_reason() -> Optional[str]:
     if acc is None or not hasattr(acc, "register_python_privateuseone_device_guard"):
         return (f"torch {torch.__version__} cannot register a Python device (torch >= 2.9 can): "
                 f'"sim" TensorRefs report device cpu')
+    if torch.cuda.is_available():
+        # Registered, the private-use device becomes the process's accelerator
+        # (at::getAccelerator()), and from torch 2.8 on every CUDA backward then fails an
+        # assertion in autograd's engine (opt_ready_stream && opt_parent_stream).
+        return ('CUDA is available: registering the "sim" device would break CUDA\'s backward; '
+                '"sim" TensorRefs report device cpu')
     name = torch._C._get_privateuse1_backend_name()
     if name not in ("privateuseone", NAME):
         return (f"the private-use device is already taken by {name!r}: "

@@ -157,6 +157,9 @@ def run_in_slices(func, args, kwargs, spec: OpSpec):
     if limit is None or mgr._backend.passthrough or not isinstance(first, (list, tuple)) or len(first) < 2:
         return run_generic(func, args, kwargs, spec)
     n = len(first)
+    with mgr._lock:
+        # What the device holds outside the manager (workspaces) is no room for slices.
+        limit -= mgr._read_outside()
     need = _refs_bytes(list(args) + list(kwargs.values()), set())
     if spec.allocates:
         need += estimate_output_bytes(spec, args, kwargs)
