@@ -192,6 +192,33 @@ def test_from_pretrained_then_to_converts_as_plain_torch(saved_llama, conversion
     assert_identical(expected, tokens, "tokens")
 
 
+def test_from_pretrained_without_accelerate_loads_to_the_managed_device(saved_llama, monkeypatch):
+    # without accelerate, from_pretrained raised ValueError ("... requires accelerate"):
+    # transformers' probe torch.tensor([]) lands on the managed device, which it took for a
+    # torch.device context asking for a device map
+    import transformers.integrations.accelerate as hf_accelerate
+    import transformers.modeling_utils as modeling_utils
+
+    folder, plain = saved_llama
+    for module in (hf_accelerate, modeling_utils):  # (as transformers finds it with accelerate absent)
+        monkeypatch.setattr(module, "is_accelerate_available", lambda *a, **k: False)
+    start = tensorsManager.stats()["bytes_from_disk"]
+    model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    assert tensorsManager.stats()["bytes_from_disk"] == start  # still loaded lazily
+    weight = model.model.layers[1].mlp.up_proj.weight
+    assert isinstance(weight, TensorRef) and weight._tr_block.disk is not None
+    assert weight.device == plain.model.layers[1].mlp.up_proj.weight.device  # the managed device
+    logits = model(torch.tensor(PROMPT)).logits
+    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
+    with plain_torch():
+        expected_logits = plain.eval()(torch.tensor(PROMPT)).logits
+        expected = plain.generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
+    assert_identical(expected_logits, logits, "logits")
+    assert_identical(expected, tokens, "tokens")
+    with torchTensorRef.disabled(), pytest.raises(ValueError, match="requires `accelerate`"):
+        transformers.LlamaForCausalLM.from_pretrained(folder, device_map="cpu")  # (a map asked for: transformers' rule)
+
+
 def test_from_pretrained_inside_disabled_is_plain_torch(saved_llama):
     # transformers reads the checkpoint in a thread pool, where disabled() (one thread's) did
     # not reach: the tensors safetensors made there were adopted, and the "plain" model was managed

@@ -460,3 +460,28 @@ def safe_open_wrapper(wrapped, instance, args, kwargs):
     if str(device) != "cpu" or path is None or mgr._backend.passthrough:
         return handle
     return LazyFile(handle, path)
+
+
+def device_map_wrapper(wrapped, instance, args, kwargs):
+    """The patched ``check_and_set_device_map`` of transformers (``from_pretrained``).
+
+    Given no ``device_map``, transformers probes where ``torch.tensor([])`` lands. Under an
+    accelerator manager that is the managed device, not ``torch.get_default_device()``, so
+    transformers takes it for a ``torch.device`` context, loads the model there with a
+    one-device map, and refuses to without accelerate (a one-device map uses nothing of it).
+    Here that map is given without asking for accelerate, so the model loads to the managed
+    device whether accelerate is installed or not; a device the caller set (a map, a context,
+    ``set_default_device``) keeps transformers' own rules.
+    """
+    from .manager import tensorsManager as mgr
+    from .patching import _is_disabled
+
+    device_map = kwargs.get("device_map", args[0] if args else None)
+    zero3 = getattr(wrapped, "__globals__", {}).get("is_deepspeed_zero3_enabled", lambda: False)
+    if (device_map is not None or _is_disabled() or mgr._backend.passthrough or zero3()
+            or torch.get_default_device().type != "cpu"):
+        return wrapped(*args, **kwargs)
+    probe = torch.tensor([]).device  # (transformers' probe: the managed device when the manager put it there)
+    if not mgr.is_accelerator(probe):
+        return wrapped(*args, **kwargs)
+    return {"": probe}
