@@ -213,14 +213,17 @@ def predicted(dev: Device, run: Callable, workload: str, size: dict, gpu, scenar
 
 
 def run_config(dev: Device, plain, ids: dict, size: dict, config: str, fraction: Optional[float],
-               wbytes: int, gpu=None, baseline: Optional[dict] = None) -> dict:
+               wbytes: int, gpu=None, baseline: Optional[dict] = None, outside: int = 0) -> dict:
     """Both workloads of one configuration: "resident", "accelerate", or a strategy at a budget.
 
     With ``gpu``, each workload has its prediction on that GPU beside the measured figures
     (``"predicted"``): a strategy's from a recording of the same run; "resident" and
-    "accelerate" from ``baseline`` (:func:`baseline_predictions`)."""
-    row = {"config": config, "budget_fraction": fraction,
-           "budget": None if fraction is None else int(wbytes * fraction)}
+    "accelerate" from ``baseline`` (:func:`baseline_predictions`).
+
+    The budget is ``fraction`` of the weights on top of ``outside``, what the device holds
+    outside the manager (cuBLAS's workspaces: the budget covers them, Note [Budget on CUDA])."""
+    row = {"config": config, "budget_fraction": fraction, "outside_bytes": outside,
+           "budget": None if fraction is None else outside + int(wbytes * fraction)}
     for workload in ("generate", "train"):
         if config == "accelerate" and workload == "train":
             row[workload] = {"skipped": ACCELERATE_TRAINING}
@@ -456,9 +459,10 @@ def main(argv=None) -> dict:
     rows = []
     try:
         tm.device = dev.name
+        outside = tm.outside_bytes()
         baseline = baseline_predictions(dev, plain, ids, size, gpu)
         for config, fraction in configs:
-            rows.append(run_config(dev, plain, ids, size, config, fraction, wbytes, gpu, baseline))
+            rows.append(run_config(dev, plain, ids, size, config, fraction, wbytes, gpu, baseline, outside))
             # one line per configuration as it ends: a run cut short still says something
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("generate", "train")}
                              | {w: {k: v for k, v in rows[-1].get(w, {}).items() if k != "tokens"}
@@ -488,6 +492,10 @@ def main(argv=None) -> dict:
     return result
 
 
+def failed(result: dict) -> bool:
+    """Whether a configuration raised (its figures are missing)."""
+    return any("error" in r.get(w, {}) for r in result.get("rows", ()) for w in ("generate", "train"))
+
+
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    sys.exit(1 if failed(main()) else 0)

@@ -14,7 +14,7 @@ import torch
 from . import raw  # noqa: F401  (first: keeps the unpatched constructors)
 from .checkpoint import load_checkpoint
 from .disk import CheckpointChangedError, DiskError
-from .errors import DeviceOutOfMemoryError, OpVetoedError, OutOfBudgetError
+from .errors import BudgetBelowFloorError, DeviceOutOfMemoryError, OpVetoedError, OutOfBudgetError
 from .host_memory import HostMemoryError
 from .host_tier import HostBudgetError
 from .manage import manage
@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TensorRef", "ProxyInfo", "TensorsManager", "tensorsManager", "manage",
     "patch", "unpatch", "is_patched", "disabled", "strategies", "compile_region",
-    "OutOfBudgetError", "DeviceOutOfMemoryError", "OpVetoedError", "HostMemoryError",
+    "OutOfBudgetError", "BudgetBelowFloorError", "DeviceOutOfMemoryError", "OpVetoedError", "HostMemoryError",
     "HostBudgetError", "DiskError", "CheckpointChangedError", "load_checkpoint",
     "configure_from_environment",
 ]

@@ -18,6 +18,18 @@ ends). Both count against the budget, and so does what else the device has alloc
 made the host wait for the device: a copy to or from pageable memory, or a wait on a
 pending write-back that had not finished.
 
+Note [Budget on CUDA]: the budget bounds what the device has allocated, the manager's
+blocks and what it holds beside them (``_elsewhere_bytes``: libraries' workspaces, the
+program's plain device tensors). cuBLAS keeps a workspace per thread's handle for the life
+of the process (33 MiB on an H100), made at a thread's first product: so the budget setter
+makes them first (``Backend.warm_up``: this thread and autograd's device thread) and refuses
+a budget at or below them, and ``_make_room`` makes a new thread's before its first kernel,
+then reads the device. Otherwise the device is read when an estimate does not fit and every
+64th check (a reading costs more than an op). The op check, ``room()``, the slices of
+multi-tensor ops and the overshoot count those bytes; what a kernel allocates and frees
+inside one call, and the allocator's cache, are not counted (docs/concepts.md says what is
+promised). ``"sim"`` emulates the workspaces (``SimBackend.workspace``).
+
 An out-of-memory error from an allocation (a real one on CUDA, the capacity check on
 ``"sim"``) evicts every unpinned block the current op does not use, returns cached memory
 to the driver and tries once more; a second failure raises ``DeviceOutOfMemoryError``.
