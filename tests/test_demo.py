@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -13,9 +14,9 @@ import torchTensorRef
 from torchTensorRef import demo, strategies
 
 
-def _demo(*args, cwd):
+def _demo(*args, cwd, env=None):
     return subprocess.run([sys.executable, "-m", "torchTensorRef", "demo", "--device", "sim", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=600)
+                          cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_quick_demo_matches_plain_and_writes_its_files(tmp_path):
@@ -69,3 +70,17 @@ def test_compare():
     managed = torch.tensor([1.0, 2.0, 3.0])
     assert type(managed) is torchTensorRef.TensorRef
     assert demo._compare(managed, a) == "identical"
+
+
+def test_demo_default_budget_holds_beside_a_gpus_workspaces(tmp_path):
+    # On an H100 the demo failed at its first ops: "aten.view.default needs 33.0 MiB" (cuBLAS's
+    # workspaces, counted against a budget of half the weights). "sim" emulates them here.
+    env = {**os.environ, "TORCHTENSORREF_SIM_WORKSPACE": "33MiB"}
+    done = _demo("--quick", "--layers", "1", "--tokens", "2", "--out", str(tmp_path), cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "66.0 MiB of it allocated outside the manager" in done.stderr
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.strip()}
+    for name in strategies.NAMES:
+        assert rows[name][1:3] == ["identical", "identical"], done.stdout
+        peak_percent = int(rows[name][5].strip("()%"))
+        assert peak_percent <= 100, done.stdout

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='"cuda", "cuda:N" or "sim"; default: TORCHTENSORREF_DEVICE, else cuda '
                              'when available, else sim')
     parser.add_argument("--budget", metavar="B", default=None,
-                        help='accelerator budget such as "8MiB"; default: half the parameter bytes')
+                        help='accelerator budget such as "8MiB"; default: what the device holds outside the manager '
+                             '(library workspaces) plus half the parameter bytes')
     parser.add_argument("--out", metavar="DIR", default="torchTensorRef-demo",
                         help="folder for the plot and the traces (default: ./torchTensorRef-demo)")
     parser.add_argument("--layers", metavar="N", type=_positive_int, default=None,
