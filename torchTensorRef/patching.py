@@ -64,6 +64,9 @@ LAZY_LOAD_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
 #: functions that only warm an allocator up, by allocating as much as the model at once:
 #: pointless under the manager, which allocates within its budgets (and they would break them)
 WARMUP_FUNCTIONS: Tuple[Tuple[str, str], ...] = (("transformers.modeling_utils", "caching_allocator_warmup"),)
+#: where transformers' from_pretrained chooses a device map: the managed device's own, which
+#: needs no accelerate (``checkpoint.device_map_wrapper``)
+DEVICE_MAP_FUNCTIONS: Tuple[Tuple[str, str], ...] = (("transformers.modeling_utils", "check_and_set_device_map"),)
 #: raw entry points that launch kernels outside the dispatcher (CUDA's jiterator), which would
 #: read a TensorRef's empty wrapper: a launch on TensorRefs runs as a managed op on their
 #: device copies (Note [Raw kernels] in ``raw_kernels.py``; absent from CPU builds of torch)
@@ -301,6 +304,7 @@ def _targets():
     targets += [(owner, name, _capture_wrapper) for owner, name in CAPTURE_METHODS]
     targets += [(owner, name, distributed.wrapper_for(owner, name)) for owner, name in distributed.FUNCTIONS]
     targets += [(owner, name, checkpoint.safe_open_wrapper) for owner, name in LAZY_LOAD_FUNCTIONS]
+    targets += [(owner, name, checkpoint.device_map_wrapper) for owner, name in DEVICE_MAP_FUNCTIONS]
     targets += [(owner, name, _warmup_wrapper) for owner, name in WARMUP_FUNCTIONS]
     targets += [(owner, name, _apply_wrapper) for owner, name in MODULE_METHODS]
     targets += [(owner, name, raw_kernels.jiterator_wrapper) for owner, name in RAW_KERNEL_FUNCTIONS]
