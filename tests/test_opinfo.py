@@ -8,7 +8,8 @@ tensors are evicted and fetched back). The function and in-place variants run fo
 backward (the gradients of a fixed random weighting of the outputs; in place on a clone of
 the input); ``out=`` (into empty tensors the op must resize) runs forward. Results, the
 inputs afterwards (ops may write them) and gradients must match plain torch bit for bit;
-where plain torch raises, the managed run must raise the same exception type.
+where plain torch raises, the managed run must raise an exception of the very same type
+(never one of the package's own errors, such as ``OutOfBudgetError``, a ``RuntimeError``).
 
 An op whose own working set does not fit raises ``OutOfBudgetError``, which is correct
 behaviour: the managed run is then repeated from fresh inputs with a larger budget.
@@ -24,6 +25,7 @@ the match rate.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -35,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 pytest.importorskip("expecttest")  # op_db needs it
 
 import torchTensorRef  # noqa: E402
-from torchTensorRef import TensorRef, OutOfBudgetError, raw, tensorsManager  # noqa: E402
+from torchTensorRef import TensorRef, OutOfBudgetError, errors, raw, tensorsManager  # noqa: E402
 from torchTensorRef.strategies import NAMES  # noqa: E402
 from torchTensorRef.sim_device import SimTensor  # noqa: E402
 from torchTensorRef.tensor_ref import with_math_bits  # noqa: E402
@@ -62,6 +64,18 @@ BUDGET_RETRIES = 12
 
 SWEPT = [op for op in op_db if torch.float32 in op.supported_dtypes("cpu")]
 
+#: the suite's device (tests/conftest.py): "sim" unless TORCHTENSORREF_TEST_DEVICE says otherwise
+TEST_DEVICE = os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim")
+#: why the jiterator entries are not swept on CUDA
+JITERATOR_ON_CUDA = (
+    "jiterator_* launch a raw CUDA kernel (torch._C._cuda_jiterator_compile_and_launch_kernel) that no "
+    "tensor subclass sees; on TensorRefs it read the wrappers' empty storage (an illegal memory access "
+    "that kills the process's CUDA context): tested with its guard in tests/test_jiterator.py"
+)
+#: the package's own errors: never "the same exception" as one plain torch raised
+OWN_ERRORS = tuple(c for c in vars(errors).values()
+                   if inspect.isclass(c) and issubclass(c, BaseException) and c.__module__ == errors.__name__)
+
 #: each strategy under a tight budget, then the two modes in which nothing moves
 MODES = NAMES + ("resident", "pass-through")
 _mode = {"tight_budget": True, "bring_in": False, "reference_on_device": True}
@@ -83,6 +97,8 @@ def _params():
             by_mode = PASS_THROUGH_XFAILS if mode == "pass-through" else ACCELERATOR_XFAILS
             reason = XFAILS.get(op_key(op)) or by_mode.get(op_key(op))
             marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            if op.name.startswith("jiterator_") and TEST_DEVICE.startswith("cuda"):
+                marks = [pytest.mark.skip(reason=JITERATOR_ON_CUDA)]
             params.append(pytest.param(op, mode, id=f"{op_id(op)}-{mode}", marks=marks))
     return params
 
@@ -153,15 +169,23 @@ def _copy(tree, managed: bool, grad: bool = True, on_device: bool = False):
     return tree_map(one, tree)
 
 
+def _test_device() -> torch.device:
+    """The device managed tensors report: read from the public setting for CUDA, where the
+    manager's own record is a placeholder (the CPU) until its first tensor resolves "cuda"."""
+    name = tensorsManager.device
+    return torch.device(name) if name.startswith("cuda") else tensorsManager._declared
+
+
 def _on_test_device(t):
     """A plain CPU tensor as a plain tensor of the test device (its bytes, its strides)."""
-    device = tensorsManager._declared if _mode["reference_on_device"] else torch.device("cpu")
+    device = _test_device() if _mode["reference_on_device"] else torch.device("cpu")
     if device.type == "sim":
         return SimTensor(t)
     if device.type == "cuda":
         if t.layout != torch.strided:
             return t.to(device)
-        storage = t.untyped_storage().to(device)
+        # (keyword only: ``UntypedStorage.to(device)`` is a TypeError on every torch)
+        storage = t.untyped_storage().to(device=device)
         return with_math_bits(raw.typed_view(storage, t.dtype, t.size(), t.stride(), t.storage_offset()), t)
     return t
 
@@ -301,7 +325,11 @@ def _managed_run(op, sample, pristine, variant):
             del tree
             tensorsManager.budget = None
             budget = max(2 * budget, e.needed)
-    raise AssertionError(f"still out of budget at {budget} bytes")
+    raise _StillOutOfBudget(f"still out of budget at {budget} bytes")
+
+
+class _StillOutOfBudget(AssertionError):
+    """The managed run did not fit even the last budget tried (never plain torch's exception)."""
 
 
 class _SubclassPath(TorchDispatchMode):
@@ -349,15 +377,20 @@ def check_variant(op, sample, pristine, variant: str):
     """
     expected = _reference(op, sample, pristine, variant)
     if isinstance(expected, Exception):  # plain torch rejects the sample: so must we
-        with pytest.raises(type(expected)):
+        try:
             _managed_run(op, sample, pristine, variant)
+        except Exception as e:
+            assert_same_exception(e, expected, variant)
+        else:
+            raise AssertionError(f"{variant}: plain torch raised {type(expected).__name__} ({expected}); "
+                                 f"the managed run did not raise")
         return expected
     got = _managed_run(op, sample, pristine, variant)
     _check_managed(got[0], f"{variant}: result")
     _check_managed(got[2], f"{variant}: gradient or returned objects", zeros_may_escape=True)
     got = _plain(got)
     values = op.name not in UNINITIALIZED and not (variant == "out" and op.name in UNINITIALIZED_OUT
-                                                     and tensorsManager._declared.type != "cpu")
+                                                     and _test_device().type != "cpu")
     try:
         _compare_all(got, expected, values)
     except AssertionError:
@@ -374,6 +407,14 @@ def check_variant(op, sample, pristine, variant: str):
         except AssertionError:
             _compare_all(got, expected, values)  # report the difference from plain torch
     return expected
+
+
+def assert_same_exception(got: BaseException, expected: BaseException, what: str) -> None:
+    """``got`` has the very type of ``expected``, plain torch's exception (not a subclass: an
+    ``OutOfBudgetError`` is a ``RuntimeError``), and is none of the package's own errors."""
+    if type(got) is not type(expected) or isinstance(got, OWN_ERRORS):
+        raise AssertionError(f"{what}: plain torch raised {type(expected).__name__} ({expected}); "
+                             f"the managed run raised {type(got).__name__} ({got})") from got
 
 
 def _reproducible(op, sample, pristine, variant, expected) -> bool:
@@ -453,6 +494,52 @@ def test_op_matches_plain_torch(op, mode):
     assert samples, f"{op_id(op)} has no float32 sample inputs"
     for sample in samples:
         check_sample(op, sample)
+
+
+# -- the sweep's own checks ----------------------------------------------------------------------
+
+def test_a_package_error_is_not_the_exception_plain_torch_raised(fresh_manager):
+    # Where plain torch raised a RuntimeError, any RuntimeError of the managed run passed as
+    # "the same exception": OutOfBudgetError (from the budget setter, on CUDA) gave false passes.
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    mm = next(op for op in SWEPT if op_key(op) == ("mm", ""))
+    with torchTensorRef.disabled():
+        sample = SampleInput(torch.randn(2, 3), args=(torch.randn(4, 5),))  # shapes mm refuses
+        pristine = _copy((sample.input, sample.args, sample.kwargs), managed=False)
+    check_variant(mm, sample, pristine, "function")  # the managed mm refuses them as plain torch does
+    handle = fresh_manager.add_callback(before=lambda op: False)  # each managed op: OpVetoedError
+    try:
+        with pytest.raises(AssertionError, match="the managed run raised OpVetoedError"):
+            check_variant(mm, sample, pristine, "function")
+    finally:
+        handle.remove()
+    with pytest.raises(AssertionError, match="the managed run raised OutOfBudgetError"):
+        assert_same_exception(OutOfBudgetError("aten.mm.default", 8, 4), RuntimeError("mm"), "function")
+    with pytest.raises(AssertionError, match="the managed run raised _StillOutOfBudget"):
+        assert_same_exception(_StillOutOfBudget("4 bytes"), AssertionError("op's own"), "function")
+    assert_same_exception(RuntimeError("one message"), RuntimeError("another"), "function")  # same type
+
+
+def test_a_cuda_reference_copies_storages_with_device_as_a_keyword(monkeypatch):
+    # _on_test_device called untyped_storage().to(device): the argument is keyword-only on
+    # every torch, so each reference on CUDA raised TypeError before plain torch ran.
+    real_to = torch.UntypedStorage.to
+    assert inspect.signature(real_to).parameters["device"].kind is inspect.Parameter.KEYWORD_ONLY
+    asked = []
+
+    def to(self, *, device, non_blocking=False):  # torch's signature; the bytes stay on the CPU here
+        asked.append(torch.device(device))
+        return real_to(self, device="cpu", non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.UntypedStorage, "to", to)
+    monkeypatch.setitem(globals(), "_test_device", lambda: torch.device("cuda", 0))
+    with torchTensorRef.disabled():
+        t = torch.arange(24.0).view(4, 6).t()[1:]  # strided, at an offset
+        got = _on_test_device(t)
+        assert asked == [torch.device("cuda", 0)]
+        assert (got.shape, got.stride(), got.storage_offset()) == (t.shape, t.stride(), t.storage_offset())
+        assert torch.equal(got, t)
 
 
 # -- the rate and the table ---------------------------------------------------------------------
