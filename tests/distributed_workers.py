@@ -85,7 +85,12 @@ def ddp_worker(rank: int, world: int, init_file: str, device: str, runs: list, b
     """
     setup(rank, world, init_file, device, backend)
     if device == "cuda":
-        assert tensorsManager._declared == torch.device("cuda", rank), tensorsManager._declared
+        # Read once a tensor exists, through the public setting: "cuda" is resolved to the
+        # rank's GPU at the first tensor (the manager's own record was the CPU until then).
+        probe = torch.zeros(1)
+        assert tensorsManager.device == f"cuda:{rank}", tensorsManager.device
+        assert probe.device == torch.device("cuda", rank), probe.device
+        del probe
     for strategy, budget_fraction, options in runs:
         ddp_run(rank, world, strategy, budget_fraction, dict(options))
     dist.destroy_process_group()
