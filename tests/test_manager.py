@@ -3,17 +3,44 @@
 from __future__ import annotations
 
 import gc
-
+import os
 import threading
 
 import pytest
 import torch
 
 import torchTensorRef
+from paired import plain_torch, values
 from torchTensorRef import OutOfBudgetError, TensorRef, strategies, tensorsManager
+from torchTensorRef.manager import CUDA_RESERVE_BYTES
 from torchTensorRef.strategies import Genoa, Strategy
 
 STAT_KEYS = {"bytes_to_device", "bytes_to_host", "peak_device_bytes", "device_bytes", "ops", "evictions"}
+#: the suite's device (tests/conftest.py)
+TEST_DEVICE = os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim")
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a plain CPU tensor (a TensorRef's bytes may be on the device or the host)."""
+    return values(t).cpu()
+
+
+def _on_test_device(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of the test device (plain torch's) holding ``t``'s values."""
+    with plain_torch():
+        return torch.empty(t.shape, dtype=t.dtype).copy_(values(t))
+
+
+def _is_what_the_device_has(nbytes) -> bool:
+    """Whether ``nbytes`` is what no budget allows: on "sim" its ``sim_capacity``; on CUDA the
+    memory the process can use less ``CUDA_RESERVE_BYTES``, which moves with other processes'
+    allocations: more than nothing and at most the card's memory less the reserve."""
+    kind = tensorsManager.device_kind
+    assert kind in ("sim", "cuda"), f"no device capacity on {kind}"
+    if kind == "sim":
+        return nbytes == tensorsManager.sim_capacity
+    total = torch.cuda.get_device_properties(torch.device(tensorsManager.device)).total_memory
+    return nbytes is not None and 0 < nbytes <= total - CUDA_RESERVE_BYTES
 
 
 def _state():
@@ -60,11 +87,11 @@ def test_device_change_keeps_values():
     y = x * 2
     tensorsManager.device = "cpu"
     z = y + x
-    tensorsManager.device = "sim"
+    tensorsManager.device = TEST_DEVICE  # (not "sim": registering it in a CUDA process breaks CUDA's autograd)
     w = z + 1
     with torchTensorRef.disabled():
         expected = torch.arange(10.0) * 3 + 1
-    assert torch.equal(w.target, expected)
+    assert torch.equal(_host(w), expected)
 
 
 # -- strategy ------------------------------------------------------------------------------
@@ -114,10 +141,16 @@ def test_strategy_class_instead_of_instance_says_how_to_fix():
     (4096, 4096), (0, 0), (None, None),
 ])
 def test_budget_accepts(value, expected):
+    torch.ones(1)  # (a tensor: "cuda" knows its GPU, and so what it has)
     tensorsManager.budget = value
     assert tensorsManager.budget == expected
-    # the budget in force: no budget means what the device has (on "sim", its capacity)
-    assert tensorsManager.stats()["budget"] == (expected if expected is not None else tensorsManager.sim_capacity)
+    # the budget in force: no budget means what the device has (on "sim", its capacity; it
+    # was compared with sim_capacity on CUDA too)
+    in_force = tensorsManager.stats()["budget"]
+    if expected is None:
+        assert _is_what_the_device_has(in_force), in_force
+    else:
+        assert in_force == expected
 
 
 @pytest.mark.parametrize("value", [-1, "-5MiB", "6 gigs", "MiB", "", 1.5, True, [1], "1e9"])
@@ -139,9 +172,8 @@ def test_lowering_the_budget_evicts_down_to_it():
     assert tensorsManager.stats()["device_bytes"] == 8000
     tensorsManager.budget = 4000
     assert tensorsManager.stats()["device_bytes"] <= 4000
-    with torchTensorRef.disabled():
-        expected = x.target.clone() + 1
-    assert torch.equal(y.target, expected)
+    expected = _on_test_device(x) + 1  # (plain torch on the CPU: other kernels on CUDA)
+    assert torch.equal(_host(y), _host(expected))
 
 
 def test_budget_below_pinned_bytes_raises_and_keeps_the_old_budget():
@@ -240,10 +272,10 @@ def test_backward_on_several_threads_gives_the_grads_of_plain_torch(strategy, bu
     torch.manual_seed(0)
     model = _mlp()
     inputs = [torch.randn(8, 16) for _ in range(4)]
-    with torchTensorRef.disabled():
+    with plain_torch():  # (the reference ran on the CPU: on CUDA, beside CUDA results)
         reference = _mlp()
-        reference.load_state_dict({k: v.target.clone() for k, v in model.state_dict().items()})
-        plain_inputs = [x.target.clone() for x in inputs]
+        reference.load_state_dict({k: _on_test_device(v) for k, v in model.state_dict().items()})
+        plain_inputs = [_on_test_device(x) for x in inputs]
         expected = [torch.autograd.grad(reference(x).square().sum(), list(reference.parameters()))
                     for x in plain_inputs]
     tensorsManager.budget = budget
@@ -269,7 +301,7 @@ def test_backward_on_several_threads_gives_the_grads_of_plain_torch(strategy, bu
     for got, want in zip(results, expected):
         for g, w in zip(got, want):
             assert type(g) is TensorRef
-            torch.testing.assert_close(g.target, w)
+            torch.testing.assert_close(_host(g), _host(w))
     if budget is not None:
         assert tensorsManager.stats()["peak_device_bytes"] <= budget
 
@@ -281,8 +313,7 @@ def test_backward_on_several_threads_gives_the_grads_of_plain_torch(strategy, bu
 def test_op_larger_than_budget_raises_and_changes_nothing(strategy):
     tensorsManager.strategy = strategy
     x = torch.rand(1000)
-    with torchTensorRef.disabled():
-        expected = x.target.clone()
+    expected = _host(x).clone()
     tensorsManager.budget = 6000  # x alone fits; x + 1 needs x and its result: 8000 bytes
     tensorsManager.reset_stats()
     before = _state()
@@ -296,9 +327,9 @@ def test_op_larger_than_budget_raises_and_changes_nothing(strategy):
     message = str(e)
     assert "aten.add.Tensor" in message and "8000 bytes" in message and "6000 bytes" in message
     assert _state() == before
-    assert torch.equal(x.target, expected)
+    assert torch.equal(_host(x), expected)
     tensorsManager.budget = 8000
-    torch.testing.assert_close((x + 1).target, expected + 1)
+    assert torch.equal(_host(x + 1), _host(_on_test_device(x) + 1))
 
 
 def test_out_of_budget_in_backward_names_the_op():
@@ -324,7 +355,9 @@ def test_evict_all_sends_unpinned_blocks_home_and_keeps_values():
         assert tm.stats()["device_bytes"] == pinned.proxyInfo.nbytes
     finally:
         tm.unpin(pinned)
-    assert torch.equal(b.toCPU().target, torch.full((64,), 3.0))
+    with torchTensorRef.disabled():
+        expected = torch.full((64,), 3.0)  # (was a TensorRef: compared with b's plain CPU bytes)
+    assert torch.equal(_host(b.toCPU()), expected)
 
 
 # -- dead tensors ---------------------------------------------------------------------------
@@ -393,7 +426,8 @@ def test_a_tensor_dying_while_another_thread_holds_the_lock_is_released_later(fr
 
 
 def test_room_is_the_budget_less_the_resident_bytes(fresh_manager):
-    assert fresh_manager.room() == fresh_manager.sim_capacity  # no budget: what the device has
+    torch.ones(1)  # (a tensor: "cuda" knows its GPU)
+    assert _is_what_the_device_has(fresh_manager.room())  # no budget: what the device has
     fresh_manager.strategy = "flow"
     fresh_manager.budget = 10_000
     assert fresh_manager.room() == 10_000
