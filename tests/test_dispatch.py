@@ -120,3 +120,38 @@ def test_in_place_op_that_resizes_its_argument(strategy, fresh_manager):
     assert _same(rx, x)
     assert _same(rx + 1, x + 1)
 
+
+@pytest.mark.parametrize("op", [
+    lambda host, b: torch.equal(host, b),
+    lambda host, b: host + b,
+    lambda host, b: b * host,
+    lambda host, b: torch.cat([b, host]),
+    lambda host, b: b.add_(host),
+], ids=["equal", "add", "mul", "cat", "add_"])
+def test_a_view_of_a_host_copy_beside_a_tensorref_is_refused_as_on_cuda(strategy, op):
+    # On "sim" a tensor's .target on the host (a plain CPU tensor) was let through beside
+    # device TensorRefs, which CUDA refuses: tests compared them and failed only on a GPU.
+    a, b = torch.ones(64), torch.full((64,), 2.0)
+    host = a.toCPU().target  # a plain view of a's host copy
+    assert host.device.type == "cpu"
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        op(host, b)
+    assert _same(b, torch.full((64,), 2.0))
+
+
+def test_what_accelerators_take_from_the_host_still_runs_beside_a_tensorref(strategy):
+    # (the refusal above must leave alone what CUDA kernels accept: a 0-dim CPU tensor, a
+    # copy from the host, CPU indices)
+    with torchTensorRef.disabled():
+        scalar, index = torch.tensor(3.0), torch.tensor([2, 0])
+    src = torch.arange(4.0)
+    host = src.toCPU().target  # (src kept: a view of a live block's host copy)
+
+    def run(make):
+        b = make()
+        return [b * scalar, torch.empty(4).copy_(host) + b, b[index]]
+
+    with plain_torch():
+        expected = run(lambda: torch.full((4,), 2.0))
+    got = run(lambda: torch.full((4,), 2.0))
+    assert all(_same(g, e) for g, e in zip(got, expected))

@@ -152,26 +152,38 @@ _TAKES_CPU_TENSORS = frozenset({
 
 
 def _check_devices(spec, args, kwargs, declared, blocks) -> None:
-    """On the strict ``"sim"``: refuse a CPU TensorRef beside accelerator ones, as CUDA kernels do.
+    """On the strict ``"sim"``: refuse CPU tensors beside accelerator TensorRefs where CUDA kernels do.
 
-    A 0-dim CPU tensor is a scalar, which accelerator kernels accept (Note [Strict sim] in
-    ``sim_device.py``); so do the copies and indexing ops of ``_TAKES_CPU_TENSORS``. Plain
-    CPU tensors are let through: on the simulated device the results of ops the manager
-    does not page (nested tensors, and what is computed from them) are plain CPU tensors
-    that are the device's on a GPU.
+    Refused: a CPU TensorRef, and a plain view of a block's host copy (what ``.target`` gives
+    for a tensor that is on the host): on CUDA both are CPU tensors, and ``cuda_t + cpu_t``
+    raises. A 0-dim CPU tensor is a scalar, which accelerator kernels accept (Note [Strict
+    sim] in ``sim_device.py``); so do the copies and indexing ops of ``_TAKES_CPU_TENSORS``.
+    Other plain CPU tensors are let through: on the simulated device the results of ops the
+    manager does not page (nested tensors, and the dense tensors computed from them, as in
+    ``TransformerEncoder``'s eval fast path) are plain CPU tensors that are the device's on a
+    GPU, and nothing tells them apart from a program's own CPU tensors.
     """
-    for b in blocks:  # (``blocks``: those of the TensorRef arguments)
-        if b.host_only:
-            break
-    else:
-        return  # no CPU TensorRef: nothing to look for
+    hosted = None
     for a in _tensor_args(args, kwargs):
-        if a.__class__ is TensorRef and a._tr_block.host_only and a.dim() > 0:
-            if spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
-                return
-            raise RuntimeError(
-                f"Expected all tensors to be on the same device, but found at least two devices, "
-                f"{declared} and cpu! (when checking the arguments of {spec.name})")
+        if a.dim() == 0:
+            continue
+        cls = a.__class__
+        if cls is TensorRef:
+            if not a._tr_block.host_only:
+                continue
+        elif (cls is SimTensor or isinstance(a, (TensorRef, SimTensor)) or a.layout is not _strided
+              or a.is_nested or a.device.type != "cpu"):
+            continue  # (a managed Parameter, a sim Parameter: the device's; sparse: no host copy's view)
+        else:
+            if hosted is None:  # (only for a plain CPU argument: rare, and the blocks are many)
+                hosted = {b.host._cdata for b in _mgr._hosted.values() if b.host is not None}
+            if a.untyped_storage()._cdata not in hosted:
+                continue
+        if spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
+            return
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, "
+            f"{declared} and cpu! (when checking the arguments of {spec.name})")
 
 
 def _tensor_args(args, kwargs):
