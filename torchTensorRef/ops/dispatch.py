@@ -151,7 +151,7 @@ _TAKES_CPU_TENSORS = frozenset({
 })
 
 
-def _check_devices(spec, args, kwargs, declared, blocks) -> None:
+def _check_devices(spec, args, kwargs, declared) -> None:
     """On the strict ``"sim"``: refuse CPU tensors beside accelerator TensorRefs where CUDA kernels do.
 
     Refused: a CPU TensorRef, and a plain view of a block's host copy (what ``.target`` gives
@@ -409,7 +409,7 @@ def run_generic(func, args, kwargs, spec: OpSpec):
         on_host = False if backend.passthrough else _placement(kwargs, blocks, backend)
         ctx = OpContext(spec, blocks, written, args, kwargs, on_host)
         if getattr(backend, "strict", False) and not on_host:
-            _check_devices(spec, args, kwargs, backend.declared, blocks)
+            _check_devices(spec, args, kwargs, backend.declared)
         mgr._prepare(ctx)
         if on_host:
             for b in blocks:
