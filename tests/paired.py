@@ -17,7 +17,9 @@ import torch
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.sim_device import SimTensor
+from torchTensorRef.sizes import parse_size
 from torchTensorRef.strategies import NAMES
+
 
 def outside_floor() -> int:
     """Device bytes the test device holds outside the manager once libraries made their
@@ -34,23 +36,50 @@ def outside_floor() -> int:
         tm.device = previous
 
 
-#: what the test device holds outside the manager (budgets are counted above it)
+#: what the test device holds outside the manager at the start (0 on plain "sim")
 OUTSIDE = outside_floor()
-#: a budget under which any of the tests' models pages its weights
-TINY_BUDGET = OUTSIDE + 2048
-SETTINGS = list(itertools.product(NAMES, (None, TINY_BUDGET)))
+#: one thread's workspaces: a thread that runs its first op adds them (the floor is two
+#: such sets, this thread's and autograd's device thread's)
+THREAD_WORKSPACE = OUTSIDE // 2
+#: whether "sim" emulates workspaces (TORCHTENSORREF_SIM_WORKSPACE): every op then takes
+#: the generic path, as on CUDA
+EMULATED_WORKSPACES = tensorsManager.sim_workspace > 0
+#: bytes the ``paging`` fixture's small budget gives the manager: any of the tests' models pages its weights
+TINY = 2048
+#: that budget, as the suite's process starts
+TINY_BUDGET = OUTSIDE + TINY
+
+
+def outside() -> int:
+    """What the manager's device holds outside it now. It only grows: each thread that ran
+    an op keeps its workspaces (on CUDA, cuBLAS keeps one per handle the process made), so
+    a budget is counted from a reading taken when it is set, not from ``OUTSIDE``."""
+    return tensorsManager.outside_bytes()
+
+
+def budget(nbytes, threads: int = 0) -> int:
+    """A budget giving the manager ``nbytes`` (an int or ``"96KiB"``) above what the device
+    holds outside it now, with room for the workspaces of ``threads`` threads yet to run ops."""
+    return outside() + threads * THREAD_WORKSPACE + parse_size(nbytes, none=False)
+
+
+#: for tests of the fast path (or of "sim" without workspaces), which emulated workspaces turn off
+needs_fast_path = pytest.mark.skipif(
+    EMULATED_WORKSPACES, reason="emulated workspaces send every op down the generic path (no fast path)")
+SETTINGS = list(itertools.product(NAMES, (None, TINY)))
 
 
 @pytest.fixture(params=SETTINGS, ids=[f"{s}-{b or 'unlimited'}" for s, b in SETTINGS])
 def paging(request):
     """The manager under one strategy and budget (``"sim"``, from the autouse fixture)."""
-    strategy, budget = request.param
+    strategy, managed = request.param
     tensorsManager.strategy = strategy
-    tensorsManager.budget = budget
+    limit = None if managed is None else budget(managed)
+    tensorsManager.budget = limit
     tensorsManager.reset_stats()
     yield tensorsManager
-    if budget is not None:
-        assert tensorsManager.stats()["peak_device_bytes"] <= budget
+    if managed is not None:
+        assert tensorsManager.stats()["peak_device_bytes"] <= managed
 
 
 def device_type() -> str:

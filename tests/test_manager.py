@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import torchTensorRef
-from paired import plain_torch, values
-from torchTensorRef import OutOfBudgetError, TensorRef, strategies, tensorsManager
+from paired import budget, outside, plain_torch, values
+from torchTensorRef import BudgetBelowFloorError, OutOfBudgetError, TensorRef, strategies, tensorsManager
 from torchTensorRef.manager import CUDA_RESERVE_BYTES
 from torchTensorRef.strategies import Genoa, Strategy
 
@@ -142,6 +142,14 @@ def test_strategy_class_instead_of_instance_says_how_to_fix():
 ])
 def test_budget_accepts(value, expected):
     torch.ones(1)  # (a tensor: "cuda" knows its GPU, and so what it has)
+    floor = outside()
+    if floor and expected is not None and expected <= floor:
+        # parsed, and refused: at or below what the device holds outside the manager (a GPU's
+        # workspaces) nothing managed fits (Note [Budget on CUDA])
+        with pytest.raises(BudgetBelowFloorError, match=f"more than .*{floor} bytes"):
+            tensorsManager.budget = value
+        assert tensorsManager.budget is None
+        return
     tensorsManager.budget = value
     assert tensorsManager.budget == expected
     # the budget in force: no budget means what the device has (on "sim", its capacity; it
@@ -155,7 +163,7 @@ def test_budget_accepts(value, expected):
 
 @pytest.mark.parametrize("value", [-1, "-5MiB", "6 gigs", "MiB", "", 1.5, True, [1], "1e9"])
 def test_bad_budget_raises_naming_accepted_values(value):
-    tensorsManager.budget = "1MiB"
+    tensorsManager.budget = budget("1MiB")
     before = _state()
     with pytest.raises(ValueError) as info:
         tensorsManager.budget = value
@@ -170,7 +178,7 @@ def test_lowering_the_budget_evicts_down_to_it():
     tensorsManager.strategy = _KeepEverything()
     y = x + 1
     assert tensorsManager.stats()["device_bytes"] == 8000
-    tensorsManager.budget = 4000
+    tensorsManager.budget = budget(4000)
     assert tensorsManager.stats()["device_bytes"] <= 4000
     expected = _on_test_device(x) + 1  # (plain torch on the CPU: other kernels on CUDA)
     assert torch.equal(_host(y), _host(expected))
@@ -178,12 +186,12 @@ def test_lowering_the_budget_evicts_down_to_it():
 
 def test_budget_below_pinned_bytes_raises_and_keeps_the_old_budget():
     x = torch.rand(1000)
-    tensorsManager.budget = 10_000
+    tensorsManager.budget = budget(10_000)
     tensorsManager.pin(x)
     try:
         before = _state()
         with pytest.raises(OutOfBudgetError):
-            tensorsManager.budget = 1000
+            tensorsManager.budget = budget(1000)
         assert _state() == before
     finally:
         tensorsManager.unpin(x)
@@ -265,9 +273,9 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
-@pytest.mark.parametrize("budget", [None, 6000])
+@pytest.mark.parametrize("managed_bytes", [None, 6000])
 @pytest.mark.parametrize("strategy", strategies.NAMES)
-def test_backward_on_several_threads_gives_the_grads_of_plain_torch(strategy, budget):
+def test_backward_on_several_threads_gives_the_grads_of_plain_torch(strategy, managed_bytes):
     tensorsManager.strategy = strategy
     torch.manual_seed(0)
     model = _mlp()
@@ -278,7 +286,10 @@ def test_backward_on_several_threads_gives_the_grads_of_plain_torch(strategy, bu
         plain_inputs = [_on_test_device(x) for x in inputs]
         expected = [torch.autograd.grad(reference(x).square().sum(), list(reference.parameters()))
                     for x in plain_inputs]
-    tensorsManager.budget = budget
+    # (each thread makes its own workspaces: the budget leaves room for them)
+    floor = outside()
+    limit = None if managed_bytes is None else budget(managed_bytes, threads=len(inputs))
+    tensorsManager.budget = limit
     params = list(model.parameters())
     assert all(isinstance(p, torch.nn.Parameter) and isinstance(p, TensorRef) for p in params)
     results, errors = [None] * len(inputs), []
@@ -302,8 +313,10 @@ def test_backward_on_several_threads_gives_the_grads_of_plain_torch(strategy, bu
         for g, w in zip(got, want):
             assert type(g) is TensorRef
             torch.testing.assert_close(_host(g), _host(w))
-    if budget is not None:
-        assert tensorsManager.stats()["peak_device_bytes"] <= budget
+    if limit is not None:
+        # (the threads' room is the manager's while their workspaces do not exist yet; the
+        # fixture checks that nothing went past the budget beside them)
+        assert tensorsManager.stats()["peak_device_bytes"] <= limit - floor
 
 
 # -- an op larger than the budget ----------------------------------------------------------
@@ -314,7 +327,8 @@ def test_op_larger_than_budget_raises_and_changes_nothing(strategy):
     tensorsManager.strategy = strategy
     x = torch.rand(1000)
     expected = _host(x).clone()
-    tensorsManager.budget = 6000  # x alone fits; x + 1 needs x and its result: 8000 bytes
+    floor = outside()
+    tensorsManager.budget = floor + 6000  # x alone fits; x + 1 needs x and its result: 8000 bytes
     tensorsManager.reset_stats()
     before = _state()
     with pytest.raises(OutOfBudgetError) as info:
@@ -323,12 +337,14 @@ def test_op_larger_than_budget_raises_and_changes_nothing(strategy):
     # The traceback holds this frame: a cycle that would keep x alive, and resident, after the test.
     e.__traceback__ = None
     del info
-    assert (e.op, e.needed, e.budget) == ("aten.add.Tensor", 8000, 6000)
+    # (what it needed counts what the device holds outside the manager, as the budget does)
+    assert (e.op, e.needed, e.budget, e.outside) == ("aten.add.Tensor", 8000 + floor, 6000 + floor, floor)
     message = str(e)
-    assert "aten.add.Tensor" in message and "8000 bytes" in message and "6000 bytes" in message
+    assert "aten.add.Tensor" in message and f"{8000 + floor} bytes" in message
+    assert f"{6000 + floor} bytes" in message
     assert _state() == before
     assert torch.equal(_host(x), expected)
-    tensorsManager.budget = 8000
+    tensorsManager.budget = budget(8000)
     assert torch.equal(_host(x + 1), _host(_on_test_device(x) + 1))
 
 
@@ -336,7 +352,7 @@ def test_out_of_budget_in_backward_names_the_op():
     torch.manual_seed(0)
     w = torch.randn(100, 100, requires_grad=True)
     loss = (w * 2).sum()
-    tensorsManager.budget = 100 * 100 * 4
+    tensorsManager.budget = budget(100 * 100 * 4)
     with pytest.raises(OutOfBudgetError, match=r"op aten\.\w+"):
         loss.backward()
     assert w.grad is None
@@ -427,9 +443,10 @@ def test_a_tensor_dying_while_another_thread_holds_the_lock_is_released_later(fr
 
 def test_room_is_the_budget_less_the_resident_bytes(fresh_manager):
     torch.ones(1)  # (a tensor: "cuda" knows its GPU)
-    assert _is_what_the_device_has(fresh_manager.room())  # no budget: what the device has
+    # no budget: what the device has, less what it holds outside the manager
+    assert _is_what_the_device_has(fresh_manager.room() + outside())
     fresh_manager.strategy = "flow"
-    fresh_manager.budget = 10_000
+    fresh_manager.budget = budget(10_000)  # (room leaves out what is outside the manager)
     assert fresh_manager.room() == 10_000
     x = torch.ones(500)  # 2000 bytes, made on the device (it fits)
     assert fresh_manager.room() == 8_000
@@ -441,5 +458,5 @@ def test_room_is_the_budget_less_the_resident_bytes(fresh_manager):
     assert fresh_manager.room() == 6_000
     del y
     assert fresh_manager.room() == 8_000
-    fresh_manager.budget = 2_000  # exactly x: nothing else fits
+    fresh_manager.budget = budget(2_000)  # exactly x: nothing else fits
     assert fresh_manager.room() == 0
