@@ -110,7 +110,8 @@ def ddp_run(rank: int, world: int, strategy: str, budget_fraction, options: dict
     budget = None if budget_fraction is None else int(budget_fraction * param_bytes(plain))
     tensorsManager.budget = None
     tensorsManager.strategy = strategy
-    tensorsManager.budget = budget
+    # (above what the device holds outside the manager: a GPU's workspaces, the plain model)
+    tensorsManager.budget = None if budget is None else tensorsManager.outside_bytes() + budget
     tensorsManager.reset_stats()
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -213,7 +214,8 @@ def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -
     budget = None if budget_fraction is None else int(budget_fraction * param_bytes(plain))
     tensorsManager.budget = None
     tensorsManager.strategy = strategy
-    tensorsManager.budget = budget
+    # (above what the device holds outside the manager: a GPU's workspaces, the plain model)
+    tensorsManager.budget = None if budget is None else tensorsManager.outside_bytes() + budget
     host_budget = None if host_fraction is None else int(host_fraction * param_bytes(plain))
     tensorsManager.host_budget = host_budget
     tensorsManager.reset_stats()
@@ -304,7 +306,7 @@ def collectives_worker(rank: int, world: int, init_file: str, device: str) -> No
     """torch.distributed's collectives on TensorRefs under Genoa and a small budget, against plain."""
     setup(rank, world, init_file, device)
     tensorsManager.strategy = "genoa"
-    tensorsManager.budget = 4096  # Genoa sends every tensor back after each op: all are paged
+    tensorsManager.budget = tensorsManager.outside_bytes() + 4096  # Genoa sends every tensor back after each op: all are paged
 
     def both(fn):
         with torchTensorRef.disabled():

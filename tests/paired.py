@@ -63,9 +63,15 @@ def budget(nbytes, threads: int = 0) -> int:
     return outside() + threads * THREAD_WORKSPACE + parse_size(nbytes, none=False)
 
 
-#: for tests of the fast path (or of "sim" without workspaces), which emulated workspaces turn off
-needs_fast_path = pytest.mark.skipif(
-    EMULATED_WORKSPACES, reason="emulated workspaces send every op down the generic path (no fast path)")
+def without_emulated_workspaces(reason: str):
+    """Skip a test about "sim" itself where it emulates workspaces (``reason`` says why)."""
+    return pytest.mark.skipif(EMULATED_WORKSPACES, reason=f"emulated workspaces: {reason}")
+
+
+#: for tests that assert the fast path is taken
+needs_fast_path = without_emulated_workspaces("every op takes the generic path (no fast path)")
+#: for tests that give "sim" a capacity of a few KiB
+small_sim_capacity = without_emulated_workspaces("a sim_capacity of a few KiB is below the workspaces themselves")
 SETTINGS = list(itertools.product(NAMES, (None, TINY)))
 
 

@@ -342,7 +342,7 @@ def step(p):
 for p in m.parameters():
     p.register_post_accumulate_grad_hook(step)
 x = torch.randn(8, 32)
-tm.budget = 8192  # forward and backward fit; AdamW on the 4 KiB weight (weight, grad, 2 states) does not
+tm.budget = tm.outside_bytes() + 8192  # (beside the workspaces) forward and backward fit; AdamW on the 4 KiB weight (weight, grad, 2 states) does not
 try:
     m(x).sum().backward()
 except OutOfBudgetError as e:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchTensorRef
-from paired import assert_identical, plain_torch, to_plain
+from paired import assert_identical, budget, plain_torch, to_plain
 from torchTensorRef import CheckpointChangedError, TensorRef, tensorsManager
 
 transformers = pytest.importorskip("transformers")
@@ -63,7 +63,7 @@ def _tight(model) -> int:
     weights = _weight_bytes(model)
     gc.collect()
     held = sum(b.nbytes for b in tensorsManager._hosted.values() if b.host_shared or b.external)
-    tensorsManager.budget = weights // 10
+    tensorsManager.budget = budget(weights // 10)
     tensorsManager.host_budget = held + weights // 3
     tensorsManager.reset_stats()
     return weights

@@ -15,7 +15,7 @@ import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, compile_region, tensorsManager
 from torchTensorRef.compiler import FullGraphError
 
-from paired import assert_identical, plain_torch
+from paired import assert_identical, budget, plain_torch
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +76,7 @@ def test_a_compiled_module_trains_like_eager_torch(device, how):
         layer.compile()
         compiled = layer
     tensorsManager.strategy = "flow"
-    tensorsManager.budget = None if device.type == "cpu" else 16 * 1024  # smaller than the layer
+    tensorsManager.budget = None if device.type == "cpu" else budget(16 * 1024)  # smaller than the layer
     assert_identical(plain, train_step(layer, compiled))
 
 
@@ -180,7 +180,7 @@ def test_static_cache_generate_with_a_compiled_forward_matches_plain_torch():
     with plain_torch():
         plain = generate(False)
     tensorsManager.strategy = "flow"
-    tensorsManager.budget = 24 * 1024  # below the weights: they page while it decodes
+    tensorsManager.budget = budget(24 * 1024)  # below the weights: they page while it decodes
     assert_identical(plain, generate(True))
 
 
@@ -233,7 +233,7 @@ def test_compiled_region_layers_keep_the_budget_and_match_plain_compiled_torch(s
     for layer in model:
         assert compile_region(layer, fullgraph=True) is layer  # a region is one graph
     tensorsManager.strategy = strategy
-    tensorsManager.budget = weight_bytes(model) // 2  # the layers page, one region at a time
+    tensorsManager.budget = budget(weight_bytes(model) // 2)  # the layers page, one region at a time
     tensorsManager.reset_stats()
     with torch.no_grad():
         managed = [model(TensorRef(x.clone())) for _ in range(3)]
@@ -269,7 +269,7 @@ def test_a_region_writing_its_inputs_and_buffers_in_place_keeps_the_writes():
 def test_a_region_larger_than_the_budget_is_refused_naming_it():
     model = mlp(n=1)
     compile_region(model)
-    tensorsManager.budget = weight_bytes(model) // 2
+    tensorsManager.budget = budget(weight_bytes(model) // 2)
     with torch.no_grad(), pytest.raises(OutOfBudgetError, match="compiled region Sequential"):
         model(torch.randn(2, 64))
 
@@ -300,7 +300,7 @@ def test_a_gpt2_with_compiled_decoder_layers_matches_plain_compiled_torch():
     with torchTensorRef.disabled():
         plain = forward(torch.compile, False)
     tensorsManager.strategy = "flow"
-    tensorsManager.budget = 200 * 1024  # below the weights (about 330 KiB)
+    tensorsManager.budget = budget(200 * 1024)  # below the weights (about 330 KiB)
     tensorsManager.reset_stats()
     managed = forward(compile_region, True)
     assert_identical(plain, managed)

@@ -9,6 +9,7 @@ import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.ops import dispatch
 from torchTensorRef.ops.registry import spec_of
+from paired import EMULATED_WORKSPACES, budget, needs_fast_path
 
 aten = torch.ops.aten
 
@@ -18,6 +19,8 @@ FAST_DEVICES = ("sim", "cpu")
 
 @pytest.fixture
 def fast(fresh_manager, request):
+    if request.param == "sim" and EMULATED_WORKSPACES:
+        pytest.skip("emulated workspaces: every op on \"sim\" takes the generic path (no fast path)")
     fresh_manager.strategy = "flow"
     fresh_manager.device = request.param
     assert fresh_manager._fast
@@ -128,6 +131,7 @@ def test_callbacks_and_recording_still_see_every_op(fast):
         assert [name for _i, name, *_ in trace.ops] == ["aten.mul.Tensor"]
 
 
+@needs_fast_path
 def test_a_block_that_must_be_fetched_takes_the_generic_path(fresh_manager, counted):
     fresh_manager.strategy = "flow"
     x = torch.ones(4, 4)  # created on the device (it fits): send it to the host
@@ -141,11 +145,12 @@ def test_a_block_that_must_be_fetched_takes_the_generic_path(fresh_manager, coun
     assert counted == {"fast": 1, "generic": 1}
 
 
+@needs_fast_path
 def test_genoa_and_a_flow_budget_under_pressure_need_every_op(fresh_manager):
     assert not fresh_manager._fast  # conftest: Genoa on "sim"
     fresh_manager.strategy = "flow"
     assert fresh_manager._fast
-    fresh_manager.budget = 7168  # everything fits so far: nothing to learn yet
+    fresh_manager.budget = budget(7168)  # everything fits so far: nothing to learn yet
     assert fresh_manager._fast
     a, b = torch.ones(512), torch.ones(512)  # 2 KiB each
     c = a + b  # 6 KiB resident
@@ -175,14 +180,15 @@ def test_flow_keeps_the_budget_after_running_without_one(fresh_manager):
         for w in ws:
             expected = (expected @ w.target.clone()).tanh()
     assert torch.equal(forward(x).toCPU().target, expected)
-    budget = 3 * ws[0].proxyInfo.nbytes
-    fresh_manager.budget = budget
+    managed = 3 * ws[0].proxyInfo.nbytes
+    fresh_manager.budget = budget(managed)
     fresh_manager.reset_stats()
     for _ in range(3):
         assert torch.equal(forward(x).toCPU().target, expected)
-    assert fresh_manager.stats()["peak_device_bytes"] <= budget
+    assert fresh_manager.stats()["peak_device_bytes"] <= managed
 
 
+@needs_fast_path
 def test_out_of_memory_on_the_fast_path_evicts_and_retries(fresh_manager, monkeypatch):
     fresh_manager.strategy = "flow"
     other = torch.ones(256)
@@ -207,6 +213,7 @@ def test_out_of_memory_on_the_fast_path_evicts_and_retries(fresh_manager, monkey
         assert torch.equal(y.toCPU().target, torch.full((4, 4), 2.0))
 
 
+@needs_fast_path
 def test_an_op_on_a_prefetched_block_takes_the_fast_path(fresh_manager, counted):
     """Under Flow's plan, a block a prefetch brought in is waited for and counted as a hit
     on the fast path: only ops with a block to fetch take the generic path."""
@@ -220,7 +227,7 @@ def test_an_op_on_a_prefetched_block_takes_the_fast_path(fresh_manager, counted)
         expected = x.target.clone()
         for w in ws:
             expected = (expected @ w.target.clone()).tanh()
-    fresh_manager.budget = 4 * ws[0].proxyInfo.nbytes
+    fresh_manager.budget = budget(4 * ws[0].proxyInfo.nbytes)
 
     def forward():
         h = x

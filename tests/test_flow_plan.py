@@ -9,6 +9,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import tensorsManager as tm
 from torchTensorRef.strategies import Flow
+from paired import budget, needs_fast_path, to_plain
 
 
 
@@ -36,7 +37,7 @@ def _run(strategy, fraction, steps=8):
     tm.strategy = strategy
     model = _mlp()
     x = torch.rand(8, 64, generator=torch.Generator().manual_seed(1))
-    tm.budget = int(sum(p.numel() * 4 for p in model.parameters()) * fraction)
+    tm.budget = budget(int(sum(p.numel() * 4 for p in model.parameters()) * fraction))
     per_step, plans = [], []
 
     def after_step(_i):
@@ -78,7 +79,7 @@ def test_a_program_that_stops_following_the_plan_drops_it_and_learns_again(fresh
     flow = Flow()
     tm.strategy = flow
     a, b, c = (torch.zeros(256) for _ in range(3))  # 1 KiB each
-    tm.budget = 2 * 1024 + 512  # two of the three fit
+    tm.budget = budget(2 * 1024 + 512)  # two of the three fit
     for _ in range(12):
         a.add_(1), b.add_(1), c.add_(1)
     assert flow.plan is not None and flow.period == 3
@@ -87,9 +88,9 @@ def test_a_program_that_stops_following_the_plan_drops_it_and_learns_again(fresh
     for _ in range(12):
         a.sub_(1), c.sub_(1)  # a new loop, period 2
     assert flow.period == 2 and flow.plan is not None and flow.plan.period == 2
-    assert torch.equal(a.toCPU().target, torch.zeros(256))
-    assert torch.equal(b.toCPU().target, torch.full((256,), 12.0))
-    assert torch.equal(c.toCPU().target, torch.full((256,), 12.0))
+    assert torch.equal(to_plain(a), to_plain(torch.zeros(256)))
+    assert torch.equal(to_plain(b), to_plain(torch.full((256,), 12.0)))
+    assert torch.equal(to_plain(c), to_plain(torch.full((256,), 12.0)))
 
 
 def test_the_plan_predicts_the_block_used_farthest_in_the_future(fresh_manager):
@@ -97,7 +98,7 @@ def test_the_plan_predicts_the_block_used_farthest_in_the_future(fresh_manager):
     flow = Flow(lookahead=0)
     tm.strategy = flow
     a, b, c = (torch.zeros(256) for _ in range(3))
-    tm.budget = 2 * 1024
+    tm.budget = budget(2 * 1024)
     for _ in range(8):
         a.add_(1), b.add_(1), c.add_(1)
     assert flow.plan is not None
@@ -106,7 +107,7 @@ def test_the_plan_predicts_the_block_used_farthest_in_the_future(fresh_manager):
         a.add_(1), b.add_(1), c.add_(1)
     assert tm.stats()["fetches"] == 3
     assert flow.plan is not None  # followed throughout
-    assert torch.equal(b.toCPU().target, torch.full((256,), 10.0))
+    assert torch.equal(to_plain(b), to_plain(torch.full((256,), 10.0)))
 
 
 def test_decoding_under_the_plan_gives_plain_torchs_tokens(fresh_manager):
@@ -124,7 +125,7 @@ def test_decoding_under_the_plan_gives_plain_torchs_tokens(fresh_manager):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     model.load_state_dict(state)
-    tm.budget = sum(p.numel() * 4 for p in model.parameters()) // 2
+    tm.budget = budget(sum(p.numel() * 4 for p in model.parameters()) // 2)
     managed_ids = torch.tensor(ids.tolist())
     followed = []
     for _ in range(4):
@@ -151,12 +152,13 @@ class _Counting(Flow):
         return taken
 
 
+@needs_fast_path
 def test_ops_that_move_nothing_take_the_fast_path_while_the_plan_is_followed(fresh_manager):
     flow = _Counting()
     tm.strategy = flow
     model = _mlp()
     x = torch.rand(8, 64, generator=torch.Generator().manual_seed(1))
-    tm.budget = sum(p.numel() * 4 for p in model.parameters()) // 2
+    tm.budget = budget(sum(p.numel() * 4 for p in model.parameters()) // 2)
     seen = []
 
     def after_step(i):
@@ -177,6 +179,7 @@ def test_ops_that_move_nothing_take_the_fast_path_while_the_plan_is_followed(fre
     assert losses == plain_losses
 
 
+@needs_fast_path
 def test_a_strategy_refusing_fast_ops_sees_every_op_in_its_hooks(fresh_manager):
     class Refuses(_Counting):
         def follows_fast_ops(self):
@@ -189,7 +192,7 @@ def test_a_strategy_refusing_fast_ops_sees_every_op_in_its_hooks(fresh_manager):
     flow = Refuses()
     tm.strategy = flow
     tensors = [torch.zeros(256) for _ in range(3)]  # 1 KiB each, room for two
-    tm.budget = 2 * 1024
+    tm.budget = budget(2 * 1024)
     for _ in range(4):
         for t in tensors:
             t.add_(1)
@@ -201,4 +204,4 @@ def test_a_strategy_refusing_fast_ops_sees_every_op_in_its_hooks(fresh_manager):
             t.add_(1)
     assert flow.generic == tm.stats()["ops"] == 12
     assert flow.fast > 0  # resident ones were offered, and refused
-    assert all(torch.equal(t.toCPU().target, torch.full((256,), 8.0)) for t in tensors)
+    assert all(torch.equal(to_plain(t), to_plain(torch.full((256,), 8.0))) for t in tensors)

@@ -7,6 +7,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, strategies, tensorsManager
+from paired import budget
 
 aten = torch.ops.aten
 N, SIZE = 10, 256  # ten tensors of 1 KiB each
@@ -33,7 +34,7 @@ def _same(managed, plain):
 @pytest.fixture(params=strategies.NAMES)
 def budgeted(request, fresh_manager):
     fresh_manager.strategy = request.param
-    fresh_manager.budget = BUDGET
+    fresh_manager.budget = budget(BUDGET)
     fresh_manager.reset_stats()
     yield fresh_manager
     assert fresh_manager.stats()["peak_device_bytes"] <= BUDGET
@@ -118,7 +119,7 @@ def test_optimizer_steps(budgeted, optimizer, options):
 
 def test_fits_whole_runs_as_one_op(fresh_manager):
     (xs, ys), _ = _lists(2)
-    fresh_manager.budget = 2 * N * SIZE * 4
+    fresh_manager.budget = budget(2 * N * SIZE * 4)
     fresh_manager.reset_stats()
     aten._foreach_add_.List(xs, ys)
     assert fresh_manager.stats()["ops"] == 1
@@ -128,7 +129,7 @@ def test_position_too_large_fails_before_writing(fresh_manager):
     (xs, ys), (pxs, _pys) = _lists(2)
     big = torch.ones(4 * SIZE)
     xs[-1], ys[-1] = big, torch.ones(4 * SIZE)
-    fresh_manager.budget = BUDGET  # every position fits but the last (8 KiB)
+    fresh_manager.budget = budget(BUDGET)  # every position fits but the last (8 KiB)
     with pytest.raises(OutOfBudgetError, match="_foreach_add_"):
         aten._foreach_add_.List(xs, ys)
     _same(xs[:-1], pxs[:-1])  # no slice ran

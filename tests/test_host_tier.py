@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchTensorRef
-from paired import plain_torch, values
+from paired import budget, plain_torch, values
 from torchTensorRef import DiskError, HostBudgetError, tensorsManager
 
 N = 64 * 64 * 4  # bytes of one weight
@@ -50,7 +50,7 @@ def test_host_copies_past_the_host_budget_go_to_disk_and_values_match(strategy):
     with plain_torch():
         want = _chain(*_weights())
     tm.strategy = strategy
-    tm.budget = 3 * N + 4096
+    tm.budget = budget(3 * N + 4096)
     ws, x = _weights()
     tm.evict_all()  # every weight now has a host copy: 12 of them
     base = held()
@@ -76,7 +76,7 @@ def _plain_weights():
 def test_a_written_block_leaves_its_disk_copy_and_is_spilled_again():
     tm = tensorsManager
     tm.strategy = "genoa"
-    tm.budget = 2 * N
+    tm.budget = budget(2 * N)
     a, b, c = (torch.ones(64, 64) * i for i in (1, 2, 3))
     tm.evict_all()
     tm.host_budget = held() + N
@@ -105,7 +105,7 @@ def test_host_only_readers_get_bytes_from_disk():
 
 def test_a_host_budget_too_small_for_one_op_names_the_setting_and_loses_nothing():
     tm = tensorsManager
-    tm.budget = 4 * N
+    tm.budget = budget(4 * N)
     t = torch.full((64, 64), 5.0)
     tm.evict_all()
     tm.host_budget = held() + 0
@@ -174,7 +174,7 @@ def test_a_full_disk_raises_and_keeps_the_host_copy(monkeypatch, tmp_path):
 
 def test_the_trace_has_a_disk_lane():
     tm = tensorsManager
-    tm.budget = 2 * N
+    tm.budget = budget(2 * N)
     ws, x = _weights(4)
     tm.evict_all()
     with tm.recording() as trace:

@@ -18,7 +18,7 @@ import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, tensorsManager
 from torchTensorRef.raw_kernels import output_bytes
 
-from paired import plain_torch, values
+from paired import budget, plain_torch, values
 
 ENTRY = "_cuda_jiterator_compile_and_launch_kernel"
 ADD = "template <typename T> T add_kernel(T x, T y) { return x + y; }"
@@ -80,10 +80,10 @@ def test_jiterator_on_tensorrefs_runs_on_their_device_copies_within_the_budget(e
     tm = tensorsManager
     tm.strategy = strategy
     kernel = jit(ADD)
-    budget = 3 * 1024  # the two inputs and the result, 1 KiB each
+    managed = 3 * 1024  # the two inputs and the result, 1 KiB each
     plain, (a, b, other) = both(lambda: (torch.randn(256), torch.randn(256), torch.randn(256)))
     expected = kernel(plain[0], plain[1])  # (no TensorRef: the kernel is called as it is)
-    tm.budget = budget
+    tm.budget = budget(managed)
     other.toGPU()  # resident: the launch must evict it to fit its inputs and its result
     tm.reset_stats()
     out = kernel(a, b)
@@ -91,7 +91,7 @@ def test_jiterator_on_tensorrefs_runs_on_their_device_copies_within_the_budget(e
     assert torch.equal(values(out), values(expected))
     stats = tm.stats()
     assert stats["ops"] == 1 and stats["evictions"] >= 1
-    assert stats["worst_overshoot_bytes"] == 0 and stats["peak_device_bytes"] <= budget
+    assert stats["worst_overshoot_bytes"] == 0 and stats["peak_device_bytes"] <= managed
     assert launches == ["add_kernel", "add_kernel"]
     for _ in range(3):  # a result is an input like any, and a launch repeats as one op would
         out, expected = kernel(out, a), kernel(expected, plain[0])
@@ -104,7 +104,7 @@ def test_multi_output_jiterator_gives_each_result_as_a_tensorref(entry):
     kernel = jit(SUM_AND_PRODUCT, num_outputs=2)
     plain, (a, b) = both(lambda: (torch.randn(3, 5), torch.randn(5)))
     expected = kernel(*plain)
-    tensorsManager.budget = 4096
+    tensorsManager.budget = budget(4096)
     out = kernel(a, b)
     assert isinstance(out, tuple) and len(out) == 2
     for got, want in zip(out, expected):
@@ -120,11 +120,11 @@ def test_a_launch_that_cannot_fit_the_budget_raises_before_the_kernel_runs(entry
     kernel = jit(ADD)
     plain, (a, b) = both(lambda: (torch.randn(4, 1), torch.randn(1, 8, dtype=torch.float64)))
     assert output_bytes((a, b), 1) == 256
-    tensorsManager.budget = 16 + 64 + 256 - 1
+    tensorsManager.budget = budget(16 + 64 + 256 - 1)
     with pytest.raises(OutOfBudgetError, match="jiterator.add_kernel"):
         kernel(a, b)
     assert launches == []
-    tensorsManager.budget = 16 + 64 + 256
+    tensorsManager.budget = budget(16 + 64 + 256)
     out = kernel(a, b)
     assert out.dtype == torch.float64 and torch.equal(values(out), values(kernel(*plain)))
     assert tensorsManager.stats()["worst_overshoot_bytes"] == 0

@@ -11,7 +11,7 @@ import torchTensorRef
 from torchTensorRef.adoption import PIN_AT_ADOPTION_BYTES
 from torchTensorRef import TensorRef, manage
 
-from paired import assert_identical, device_type, paging, plain_torch  # noqa: F401  (paging is a fixture)
+from paired import assert_identical, budget, device_type, paging, plain_torch  # noqa: F401  (paging is a fixture)
 
 
 def plain_model(tied=True):
@@ -178,7 +178,7 @@ def test_a_managed_module_s_tensors_nobody_else_holds_become_the_managers_own(fr
     assert not any(p._tr_block.host_shared for p in model.parameters())
     assert other.weight._tr_block.host_shared and not other.bias._tr_block.host_shared
     tm.strategy = "flow"
-    tm.budget = "40KiB"  # fetched and evicted around every op: asynchronous copies only
+    tm.budget = budget("40KiB")  # fetched and evicted around every op: asynchronous copies only
     xr = torch.empty(4, 64)
     xr.copy_(x)
     tm.reset_stats()

@@ -7,6 +7,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import OpVetoedError, tensorsManager as tm
+from paired import budget
 
 
 @pytest.mark.parametrize("device", ["sim", "cpu"])
@@ -42,7 +43,7 @@ def test_a_before_callback_can_veto_an_op_and_nothing_changes(fresh_manager):
 
 def test_a_callback_can_hint_moves(fresh_manager):
     w = torch.ones(256)
-    tm.budget = 4096
+    tm.budget = budget(4096)
     handle = tm.add_callback(after=lambda op: tm.move_to_device(w))
     try:
         (torch.zeros(4) + 1).sum()

@@ -8,6 +8,7 @@ import pytest
 
 from torchTensorRef.errors import OutOfBudgetError
 from torchTensorRef.offline import reference_disk_moves, reference_moves
+from paired import budget
 
 
 def reads(*blocks, size=10):
@@ -88,7 +89,8 @@ def test_the_disk_reference_bounds_what_flow_reads():
 
     tm.strategy = "flow"
     n = 64 * 64 * 4
-    tm.budget = 3 * n + 4096
+    managed = 3 * n + 4096
+    tm.budget = budget(managed)
     torch.manual_seed(0)
     ws = [torch.randn(64, 64) for _ in range(12)]
     x = torch.randn(2, 64)
@@ -108,5 +110,5 @@ def test_the_disk_reference_bounds_what_flow_reads():
     with tm.recording() as trace:
         step()
     measured = tm.stats()["bytes_from_disk"]
-    reference = reference_disk_moves(trace, tm.budget, tm.host_budget)["bytes_from_disk"]
+    reference = reference_disk_moves(trace, managed, tm.host_budget)["bytes_from_disk"]
     assert 0 < reference <= measured

@@ -46,7 +46,7 @@ from torch.testing._internal.common_methods_invocations import op_db  # noqa: E4
 
 sys.path.insert(0, os.path.dirname(__file__))
 from opinfo_xfails import ACCELERATOR_XFAILS, PASS_THROUGH_XFAILS, XFAILS  # noqa: E402
-from paired import plain_torch, values  # noqa: E402
+from paired import budget, plain_torch, values  # noqa: E402
 
 #: sample inputs per op (op_db's first ones are the typical shapes; more only costs time)
 SAMPLES_PER_OP = 2
@@ -315,17 +315,17 @@ def _managed_run(op, sample, pristine, variant):
                 if isinstance(t, TensorRef):
                     t.toGPU()
         return _run(op, sample, tree, variant, managed=True)
-    budget = max(2 * _sample_bytes(pristine), 64)
+    managed = max(2 * _sample_bytes(pristine), 64)  # (above what the device holds outside the manager)
     for _ in range(BUDGET_RETRIES):
         tree = _copy(pristine, managed=True, grad=_grad_enabled(op, variant))
-        tensorsManager.budget = budget
+        tensorsManager.budget = budget(managed)
         try:
             return _run(op, sample, tree, variant, managed=True)
         except OutOfBudgetError as e:
             del tree
             tensorsManager.budget = None
-            budget = max(2 * budget, e.needed)
-    raise _StillOutOfBudget(f"still out of budget at {budget} bytes")
+            managed = max(2 * managed, e.needed - e.outside)
+    raise _StillOutOfBudget(f"still out of budget at {managed} bytes beside what is outside the manager")
 
 
 class _StillOutOfBudget(AssertionError):

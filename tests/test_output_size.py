@@ -12,7 +12,7 @@ from torchTensorRef.ops.output_size import _size_without_meta, estimate_output_b
 from torchTensorRef.ops.registry import spec_of
 from torchTensorRef.strategies import NAMES
 
-from paired import assert_identical, run_both
+from paired import assert_identical, budget, run_both
 
 aten = torch.ops.aten
 
@@ -56,7 +56,7 @@ def test_data_dependent_results_stay_within_the_budget(strategy, select):
     # used to be made room for only after it ran, 20% over the budget.
     tm = tensorsManager
     tm.strategy = strategy
-    tm.budget = 80 * 1024
+    tm.budget = budget(80 * 1024)
     a, b = torch.randn(8192), torch.randn(8192)
     mask = a > 0
     for _ in range(10):
@@ -82,7 +82,7 @@ def test_results_sized_by_their_values_get_room_before_they_run(strategy, select
     # the bound reads them (as the kernels do) instead of making room after the op.
     tm = tensorsManager
     tm.strategy = strategy
-    tm.budget = 96 * 1024
+    tm.budget = budget(96 * 1024)
     a, b = torch.randn(8192), torch.randn(8192)  # 32 KiB each
     counts = torch.randint(100, 120, (64,), generator=torch.Generator().manual_seed(0))
     for _ in range(10):
@@ -100,7 +100,7 @@ def test_results_sized_by_their_values_get_room_before_they_run(strategy, select
 def test_a_result_sized_by_its_values_past_the_budget_is_refused_before_it_runs():
     tm = tensorsManager
     tm.strategy = "flow"
-    tm.budget = 4096
+    tm.budget = budget(4096)
     x = torch.tensor([2000])
     tm.reset_stats()
     with pytest.raises(torchTensorRef.OutOfBudgetError, match="aten.bincount"):
@@ -120,7 +120,7 @@ def test_a_result_larger_than_its_meta_kernel_said_is_recorded_as_an_overshoot()
     lib.impl("grow", lambda x, n: x.new_empty(1), "Meta")
     tm = tensorsManager
     tm.strategy = "genoa"
-    tm.budget = 4096
+    tm.budget = budget(4096)
     x = torch.zeros(4)
     tm.reset_stats()
     grown = torch.ops.torchTensorRef_test_sizes.grow(x, 2000)  # 8000 bytes
@@ -174,7 +174,7 @@ def test_an_out_variant_s_growth_follows_its_written_tensor_on_every_call():
 def test_creation_sizes_are_cached_by_their_arguments_and_stay_right(fresh_manager):
     tm = fresh_manager
     tm.strategy = "flow"
-    tm.budget = "1MiB"
+    tm.budget = budget("1MiB")
     for n in (24, 24, 25, 1000, 24):
         x = torch.arange(0, n)
         assert x.proxyInfo.device == "sim" and x.numel() == n and x.untyped_storage().nbytes() == 8 * n
@@ -192,7 +192,7 @@ def test_a_small_result_viewing_a_large_buffer_keeps_only_its_bytes(loss, pager)
 
     def run():
         a, b = torch.rand(1000), torch.rand(1000)
-        tensorsManager.budget = 9000  # a, b and a scalar
+        tensorsManager.budget = budget(9000)  # a, b and a scalar
         tensorsManager.reset_stats()
         out = fn(a, b)
         return out, out.untyped_storage().nbytes(), tensorsManager.stats()["peak_device_bytes"]

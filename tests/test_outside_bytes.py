@@ -28,12 +28,13 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def workspaces():
-    """The test device with an emulated 1 MiB workspace per thread; none afterwards."""
+    """The test device with an emulated 1 MiB workspace per thread; the previous setting afterwards."""
     tm = tensorsManager
+    previous = tm.sim_workspace  # (TORCHTENSORREF_SIM_WORKSPACE runs the whole suite with workspaces)
     tm.sim_workspace = WORKSPACE  # (no thread has made its workspace yet)
     yield tm
     tm.budget = None
-    tm.sim_workspace = 0
+    tm.sim_workspace = previous
 
 
 def test_workspaces_are_made_for_this_thread_and_the_backward_and_counted(workspaces):

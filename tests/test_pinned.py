@@ -11,6 +11,7 @@ import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager as tm
 from torchTensorRef.pinned import PinnedMemory, rounded
 from torchTensorRef.strategies import Flow
+from paired import budget
 
 KIB = 1024
 
@@ -104,7 +105,7 @@ def test_the_limit_applies_to_prefetches_too(limit):
     start = _pinned()
     tm.pinned_limit = start
     tensors = [torch.full((256,), float(i)) for i in range(4)]
-    tm.budget = 3 * KIB
+    tm.budget = budget(3 * KIB)
 
     def cycle():
         for _ in range(12):
@@ -188,7 +189,7 @@ def test_a_users_tensor_keeps_its_memory_while_flow_pins_and_prefetches_others(l
     plains = [_user_tensor() for _ in range(3)]
     refs = [TensorRef(p) for p in plains]
     others = [torch.full((2048,), float(i)) for i in range(3)]
-    tm.budget = 3 * 8 * KIB
+    tm.budget = budget(3 * 8 * KIB)
     for _ in range(8):
         for t in refs + others:
             t.sum()

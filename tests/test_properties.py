@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.strategies import NAMES
+from paired import budget
 
 MAX_POOL = 10
 MAX_DIM = 4
@@ -499,13 +500,13 @@ def test_programs_match_plain_torch(strategy, data):
     del managed
 
     floor = data.draw(st.sampled_from([0, 512, 1024, 2048, 4096]), label="budget")
-    budget = max(floor, largest)
-    tm.budget = budget
+    room = max(floor, largest)
+    tm.budget = budget(room)
     tm.reset_stats()
     managed, log = replay(steps)
     assert log == plain_log
     assert_same_pool(plain, managed)
-    assert tm.stats()["peak_device_bytes"] <= budget
+    assert tm.stats()["peak_device_bytes"] <= room
 
 
 # -- found by these programs: growth of a tensor an op writes --------------------------------
@@ -517,7 +518,7 @@ def test_resize_growth_stays_within_the_budget():
     x = torch.zeros(2, dtype=torch.float64)
     y = torch.ones(2, dtype=torch.float64)
     y.toGPU()
-    tm.budget = 720
+    tm.budget = budget(720)
     tm.reset_stats()
     x.resize_(90)  # 720 bytes, all the budget
     assert tm.stats()["peak_device_bytes"] <= 720
@@ -531,7 +532,7 @@ def test_out_growth_stays_within_the_budget():
     b = a.clone()
     a.toGPU()
     b.toGPU()
-    tm.budget = 576
+    tm.budget = budget(576)
     tm.reset_stats()
     torch.mul(a, a, out=torch.empty(0, dtype=torch.int64))
     assert tm.stats()["peak_device_bytes"] <= 576

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from paired import assert_identical, paging, plain_torch, run_both  # noqa: F401 (a fixture)
+from paired import (assert_identical, budget, needs_fast_path, paging, plain_torch, run_both,  # noqa: F401 (a fixture)
+                    small_sim_capacity)
 from torchTensorRef import DeviceOutOfMemoryError, HostMemoryError, tensorsManager as tm
 from torchTensorRef.residency import is_out_of_memory
 from torchTensorRef.strategies import Flow
@@ -169,7 +170,7 @@ def test_a_fetch_that_fails_twice_inside_a_paged_loop_leaves_it_able_to_go_on(in
     tm.strategy = "flow"
     torch.manual_seed(0)
     weights = [torch.randn(256) for _ in range(4)]
-    tm.budget = 3 * KIB
+    tm.budget = budget(3 * KIB)
 
     def step(acc):
         for w in weights:
@@ -268,7 +269,7 @@ def test_an_out_of_memory_in_a_prefetch_drops_it_and_keeps_the_ops_inputs(inject
     # of the op it runs beside.
     tm.strategy = Flow(lookahead=2, prefetch_evicts=True)
     tensors = [torch.full((256,), float(i)) for i in range(4)]  # 1 KiB each
-    tm.budget = 3 * KIB
+    tm.budget = budget(3 * KIB)
     _read_cycle(12, tensors)
     assert tm.stats()["prefetches"] > 0  # the loop prefetches when nothing fails
     tm.reset_stats()
@@ -362,6 +363,7 @@ def test_results_sharing_one_new_storage_have_the_values_of_plain_torch(paging):
 
 
 @sim_only
+@small_sim_capacity
 @pytest.mark.parametrize("strategy", ["genoa", "flow"])
 def test_no_budget_on_sim_pages_within_the_devices_capacity(capacity, strategy):
     # Fixed: with no budget nothing was evicted, and the device ran out of memory.
@@ -382,6 +384,7 @@ def test_no_budget_on_sim_pages_within_the_devices_capacity(capacity, strategy):
 
 
 @sim_only
+@small_sim_capacity
 def test_changing_sim_capacity_moves_the_limit_when_there_is_no_budget(capacity):
     tm.sim_capacity = "64KiB"
     assert tm.sim_capacity == 64 * KIB and tm.limit == 64 * KIB
@@ -393,6 +396,7 @@ def test_changing_sim_capacity_moves_the_limit_when_there_is_no_budget(capacity)
 
 
 @sim_only
+@small_sim_capacity
 @pytest.mark.parametrize("value", [None, -1, "lots", 1.5, True])
 def test_bad_sim_capacity_raises_naming_what_is_accepted_and_changes_nothing(capacity, value):
     tm.sim_capacity = "1MiB"
@@ -403,6 +407,7 @@ def test_bad_sim_capacity_raises_naming_what_is_accepted_and_changes_nothing(cap
 
 
 @sim_only
+@small_sim_capacity
 def test_sim_capacity_below_the_bytes_on_the_device_raises_and_changes_nothing(capacity):
     tm.strategy = "flow"
     tm.sim_capacity = "1MiB"
@@ -415,6 +420,7 @@ def test_sim_capacity_below_the_bytes_on_the_device_raises_and_changes_nothing(c
 
 
 @sim_only
+@small_sim_capacity
 def test_an_out_of_memory_from_the_sim_capacity_is_recovered_by_evicting(capacity):
     # A budget above what the device has: the allocations, not the budget, fail.
     tm.strategy = "genoa"  # (every op takes the path that allocates through the device)
@@ -515,7 +521,8 @@ def test_flow_makes_no_host_waits_in_steady_state(work, fraction):
     # asynchronous: once the loop is paged, a step waits for the device nowhere.
     tm.strategy = "flow"
     model, step = _workload(work)
-    tm.budget = int(fraction * _weights(model))
+    managed = int(fraction * _weights(model))
+    tm.budget = budget(managed)
     for _ in range(2):
         step()
     tm.reset_stats()
@@ -524,14 +531,14 @@ def test_flow_makes_no_host_waits_in_steady_state(work, fraction):
     stats = tm.stats()
     assert stats["evictions"] > 0  # the loop is paged
     assert stats["host_syncs"] == 0, stats
-    assert stats["peak_device_bytes"] <= tm.budget
+    assert stats["peak_device_bytes"] <= managed
 
 
 @pytest.mark.parametrize("work", ["mlp-adam", "lm-greedy"])
 def test_genoa_waits_at_most_once_per_op(work):
     tm.strategy = "genoa"
     model, step = _workload(work)
-    tm.budget = _weights(model) // 2
+    tm.budget = budget(_weights(model) // 2)
     for _ in range(2):
         step()
     tm.reset_stats()
@@ -559,6 +566,7 @@ _fast_lib.impl("double", _double, "CPU")
 _fast_lib.impl("double", torch.empty_like, "Meta")
 
 
+@needs_fast_path
 def test_the_fast_path_recovers_a_cublas_out_of_memory():
     # Defect: the fast path caught only torch.OutOfMemoryError.
     tm.strategy = "flow"  # no budget: the fast path
@@ -570,6 +578,7 @@ def test_the_fast_path_recovers_a_cublas_out_of_memory():
     assert not _fast_failures
 
 
+@needs_fast_path
 def test_the_fast_path_never_passes_the_simulated_capacity():
     # Defect: only the budget was checked there, so "sim" ran past its capacity unnoticed.
     if tm._backend.name != "sim":

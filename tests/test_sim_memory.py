@@ -11,6 +11,7 @@ import torchTensorRef
 from torchTensorRef import raw
 from torchTensorRef.host_memory import HostMemoryError, HostMemoryWatch
 from torchTensorRef.sim_memory import MIN_BYTES, BufferPool
+from paired import budget
 
 MIB = 2**20
 sim_only = pytest.mark.skipif(os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim") != "sim",
@@ -82,7 +83,7 @@ def test_paging_on_sim_reuses_device_buffers_and_keeps_every_value(fresh_manager
     with torchTensorRef.disabled():
         plain = [torch.randn(512, 1024) for _ in range(4)]  # 2 MiB each
     weights = [torchTensorRef.manage(p.clone()) for p in plain]
-    tm.budget = "5MiB"  # two of them at a time
+    tm.budget = budget("5MiB")  # two of them at a time
     pool = tm._backend.pool
     hits = pool.hits
     for _ in range(3):
@@ -101,7 +102,7 @@ def test_a_buffer_a_queued_write_back_still_reads_is_not_reused(fresh_manager):
     with torchTensorRef.disabled():
         plain = [torch.full((512, 1024), float(i)) for i in range(3)]  # 2 MiB each
     tensors = [torchTensorRef.manage(p.clone()) for p in plain]
-    tm.budget = "5MiB"  # two of them at a time
+    tm.budget = budget("5MiB")  # two of them at a time
     for _ in range(3):
         for t, p in zip(tensors, plain):
             t.add_(1)  # dirty: each eviction queues a write-back reading the device buffer
@@ -159,7 +160,7 @@ def test_sim_reuses_freed_buffers_except_under_a_host_budget(fresh_manager):
     kept = tm._backend.pinned.kept
     with torchTensorRef.disabled():
         plain = [torch.randn(512, 1024) for _ in range(3)]  # 2 MiB each
-    tm.budget = "5MiB"
+    tm.budget = budget("5MiB")
     for _ in range(2):
         results = [torchTensorRef.manage(p.clone()) * 2 for p in plain]  # made on the device
         for r in results:

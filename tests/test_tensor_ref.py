@@ -14,7 +14,7 @@ import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, tensorsManager
 from torchTensorRef.strategies import NAMES
 
-from paired import assert_identical, paging, run_both  # noqa: F401  (paging is a fixture)
+from paired import assert_identical, budget, paging, run_both  # noqa: F401  (paging is a fixture)
 
 
 # -- construction and the proxy API ----------------------------------------------------
@@ -110,7 +110,7 @@ def test_a_write_through_a_view_is_seen_by_the_base_and_every_view(where, paging
 
 def test_to_gpu_over_the_budget_raises_and_moves_nothing():
     tm = tensorsManager
-    tm.budget = 64
+    tm.budget = budget(64)
     x = torch.zeros(32)  # 128 bytes
     with pytest.raises(OutOfBudgetError):
         x.toGPU()
@@ -119,7 +119,7 @@ def test_to_gpu_over_the_budget_raises_and_moves_nothing():
 
 def test_to_gpu_evicts_others_to_stay_within_the_budget():
     tm = tensorsManager
-    tm.budget = 256
+    tm.budget = budget(256)
     a, b = torch.zeros(48), torch.ones(48)  # 192 bytes each
     a.toGPU()
     b.toGPU()

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from torchTensorRef import gpus, tensorsManager, timeline
+from paired import budget
 
 
-def _train(steps=2, budget="96KiB", strategy="flow"):
+def _train(steps=2, managed="96KiB", strategy="flow"):
     tensorsManager.strategy = strategy
-    tensorsManager.budget = budget
+    tensorsManager.budget = budget(managed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
     x = torch.rand(16, 64)
     model(x).square().mean().backward()  # warm-up: the first step pins and allocates
@@ -167,7 +168,7 @@ def test_item_makes_the_host_wait():
 
 
 def test_chrome_trace_has_the_four_lanes(tmp_path):
-    trace = _train(budget="96KiB", strategy="genoa")
+    trace = _train(managed="96KiB", strategy="genoa")
     p = timeline.predict(trace, "a100-sxm")
     path = p.save(tmp_path / "predicted.json")
     events = json.load(open(path))["traceEvents"]
@@ -238,7 +239,7 @@ def test_all_resident_leaves_out_the_proxy_entry_cost():
 
 
 def test_deferred_simulated_copies_are_not_host_time():
-    trace = _train(steps=3, budget="96KiB", strategy="flow")
+    trace = _train(steps=3, managed="96KiB", strategy="flow")
     assert "async" in trace.move_modes  # Flow prefetched
     assert trace.hidden_copies  # ... and "sim" ran those copies when they were waited on
     for start, end in trace.hidden_copies:
@@ -259,7 +260,7 @@ def test_host_scale_scales_the_measured_host_time():
 
 
 def test_host_scale_zero_leaves_the_schedule_of_kernels_and_copies():
-    trace = _train(steps=3, budget="96KiB", strategy="flow")
+    trace = _train(steps=3, managed="96KiB", strategy="flow")
     p = timeline.predict(trace, "h100-pcie")
     q = timeline.predict(trace, "h100-pcie", host_scale=0)
     assert q.host_ours_seconds == q.host_program_seconds == 0

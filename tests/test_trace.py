@@ -10,6 +10,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import strategies, tensorsManager
 from torchTensorRef.trace import Trace
+from paired import budget
 
 
 def _bid(t):
@@ -49,7 +50,7 @@ def test_accesses_list_each_block_once_per_op():
 
 
 def test_moves_and_resident_bytes_match_the_stats():
-    tensorsManager.budget = "1MiB"
+    limit = tensorsManager.budget = budget("1MiB")
     model = torch.nn.Linear(32, 32)
     x = torch.rand(8, 32)
     tensorsManager.reset_stats()
@@ -59,7 +60,7 @@ def test_moves_and_resident_bytes_match_the_stats():
     assert trace.bytes_moved() == {"to_device": stats["bytes_to_device"], "to_host": stats["bytes_to_host"]}
     assert max(nbytes for _t, nbytes in trace.resident) == stats["peak_device_bytes"]
     assert len(trace.ops) == stats["ops"]
-    assert trace.budget == 2**20 and trace.device == "sim"
+    assert trace.budget == limit and trace.device == "sim"
 
 
 def test_nothing_is_recorded_outside_and_recordings_nest():
