@@ -45,7 +45,10 @@ REPORT = textwrap.dedent("""
 
 def _python(*args, cwd, env=None):
     full_env = dict(os.environ)
-    for var in ("TORCHTENSORREF_DEVICE", "TORCHTENSORREF_STRATEGY", "TORCHTENSORREF_BUDGET"):
+    # (the runs name their device and budget: the suite's settings, emulated workspaces
+    # included, are not the runner's)
+    for var in ("TORCHTENSORREF_DEVICE", "TORCHTENSORREF_STRATEGY", "TORCHTENSORREF_BUDGET",
+                "TORCHTENSORREF_SIM_WORKSPACE"):
         full_env.pop(var, None)
     full_env.update(env or {})
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,

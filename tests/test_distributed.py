@@ -123,6 +123,7 @@ def test_ddp_on_gpus_with_nccl_is_plain_ddp():
 def _torchrun(*args, out, port):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env.pop("TORCHTENSORREF_SIM_WORKSPACE", None)  # (the runner's run names "sim" and a 5 KiB budget)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                "127.0.0.1", "--master-port", str(port), *args, out]
     done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S, env=env)
