@@ -150,3 +150,14 @@ def test_the_environment_sets_the_emulated_workspace():
         tm.sim_workspace = 0
     with pytest.raises(ValueError, match="TORCHTENSORREF_SIM_WORKSPACE"):
         torchTensorRef.configure_from_environment({"TORCHTENSORREF_SIM_WORKSPACE": "lots"})
+
+
+def test_to_gpu_of_a_block_that_fits_the_budget_but_not_beside_the_workspaces_says_so(workspaces):
+    # It was checked against the whole budget, and refused later by the room-making.
+    tm = workspaces
+    tm.budget = 2 * WORKSPACE + 64 * 1024
+    x = torch.ones(32 * 1024)  # 128 KiB
+    with pytest.raises(OutOfBudgetError, match="outside the manager") as info:
+        x.toGPU()
+    assert info.value.outside == 2 * WORKSPACE
+    assert not x.proxyInfo.on_device

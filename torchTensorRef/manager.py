@@ -512,8 +512,10 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
             block = ref._tr_block
             if self._backend.passthrough or block.dev is not None or block.external or block.host_only:
                 return  # (an external block stays on the host: Note [External bytes])
-            if self._limit is not None and block.nbytes > self._limit:
-                raise OutOfBudgetError("toGPU", block.nbytes, self._limit)
+            if self._limit is not None and block.nbytes + self._elsewhere_bytes > self._limit:
+                outside = self._read_outside()  # (a reading of the device, not a stale one)
+                if block.nbytes + outside > self._limit:
+                    raise OutOfBudgetError("toGPU", block.nbytes + outside, self._limit, outside=outside)
             self._make_room(block.nbytes, (block.id,), "toGPU")
             self.fetch(block, (block.id,))
             block.last_use = self._op_count
