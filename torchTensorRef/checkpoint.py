@@ -354,19 +354,12 @@ def _slots(model: torch.nn.Module) -> Dict[tuple, List[str]]:
 
 # -- safetensors.safe_open, as transformers' from_pretrained uses it --------------------------
 
-class LazyFile:
-    """A ``safe_open`` handle whose whole-tensor reads (``get_tensor(k)``, ``get_slice(k)[...]``)
-    give file-backed TensorRefs; anything else (partial slices, metadata) is the real handle's."""
+class _FileWrapper:
+    """A ``safe_open`` handle wrapped: a context manager as the handle is, and what is not
+    overridden is the handle's."""
 
-    def __init__(self, handle, path):
+    def __init__(self, handle):
         self._handle = handle
-        self._header = read_header(path)
-
-    def get_tensor(self, name):
-        return file_backed(self._header, name)
-
-    def get_slice(self, name):
-        return LazySlice(self, name)
 
     def __enter__(self):
         self._handle.__enter__()
@@ -377,6 +370,21 @@ class LazyFile:
 
     def __getattr__(self, name):
         return getattr(self._handle, name)
+
+
+class LazyFile(_FileWrapper):
+    """A ``safe_open`` handle whose whole-tensor reads (``get_tensor(k)``, ``get_slice(k)[...]``)
+    give file-backed TensorRefs; anything else (partial slices, metadata) is the real handle's."""
+
+    def __init__(self, handle, path):
+        super().__init__(handle)
+        self._header = read_header(path)
+
+    def get_tensor(self, name):
+        return file_backed(self._header, name)
+
+    def get_slice(self, name):
+        return LazySlice(self, name)
 
 
 class LazySlice:
@@ -399,13 +407,10 @@ class LazySlice:
         return getattr(self._file._handle.get_slice(self._name), name)
 
 
-class PlainFile:
+class PlainFile(_FileWrapper):
     """A ``safe_open`` handle opened inside ``disabled()``: its reads give plain tensors in
     whichever thread makes them (transformers reads from a thread pool, where the opening
     thread's ``disabled()`` does not reach, and the tensors safetensors makes there were adopted)."""
-
-    def __init__(self, handle):
-        self._handle = handle
 
     def get_tensor(self, name):
         from .patching import disabled
@@ -415,16 +420,6 @@ class PlainFile:
 
     def get_slice(self, name):
         return PlainSlice(self._handle.get_slice(name))
-
-    def __enter__(self):
-        self._handle.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._handle.__exit__(*exc)
-
-    def __getattr__(self, name):
-        return getattr(self._handle, name)
 
 
 class PlainSlice:
