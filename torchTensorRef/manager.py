@@ -25,7 +25,7 @@ from . import streams
 from .adoption import Adoption
 from .blocks import Block
 from .callbacks import Callbacks, OpCallback
-from .devices import Backend, PassthroughBackend, SIM_CAPACITY_BYTES, default_device, make_backend, workspace_key
+from .devices import Backend, PassthroughBackend, SIM_CAPACITY_BYTES, default_device, make_backend
 from .errors import BudgetBelowFloorError, OutOfBudgetError
 from .disk import check_offload_dir
 from .host_memory import HostMemoryWatch
@@ -266,9 +266,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
             if nbytes is not None and not backend.passthrough:
                 if self._unresolved:
                     self._resolve_device()
-                backend.warm_up()  # (what libraries keep allocated is known before it is checked)
-                self._warmed.update((workspace_key(), "backward"))
-                outside = self._read_outside()
+                outside = self._warm_up()  # (what libraries keep allocated, known before it is checked)
                 if outside and outside >= nbytes:
                     raise BudgetBelowFloorError(nbytes, outside, str(backend.declared))
             old = (self._budget, self._limit)
@@ -405,9 +403,7 @@ class TensorsManager(Residency, HostTier, OpProtocol, Adoption, Callbacks):
                 return 0
             if self._unresolved:
                 self._resolve_device()
-            self._backend.warm_up()
-            self._warmed.update((workspace_key(), "backward"))
-            return self._read_outside()
+            return self._warm_up()
 
     def room(self) -> Optional[int]:
         """Accelerator bytes that still fit under the budget now; ``None`` when unlimited.

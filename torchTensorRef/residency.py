@@ -84,6 +84,13 @@ class Residency:
         self._elsewhere_bytes = self._backend.in_use_elsewhere(self._device_bytes + self._inflight_bytes)
         return self._device_bytes + self._inflight_bytes + self._elsewhere_bytes
 
+    def _warm_up(self) -> int:
+        """Have the device make the workspaces of this thread and of the backward, then
+        read what it holds outside the manager (Note [Budget on CUDA])."""
+        self._backend.warm_up()
+        self._warmed.update((workspace_key(), "backward"))
+        return self._read_outside()
+
     def _read_outside(self) -> int:
         """Device bytes allocated outside the manager, asked of the device now (and remembered)."""
         self._used_bytes()
