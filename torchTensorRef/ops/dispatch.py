@@ -151,7 +151,21 @@ _TAKES_CPU_TENSORS = frozenset({
 })
 
 
-def _check_devices(spec, args, kwargs, declared) -> None:
+def _plain_tensor_in(values) -> bool:
+    """Whether ``values`` (arguments, one level of lists) hold a tensor that is not a TensorRef."""
+    for a in values:
+        if isinstance(a, TensorRef):
+            continue
+        if a.__class__ is list or a.__class__ is tuple:
+            for e in a:
+                if isinstance(e, _Tensor) and not isinstance(e, TensorRef):
+                    return True
+        elif isinstance(a, _Tensor):
+            return True
+    return False
+
+
+def _check_devices(spec, args, kwargs, declared, blocks) -> None:
     """On the strict ``"sim"``: refuse CPU tensors beside accelerator TensorRefs where CUDA kernels do.
 
     Refused: a CPU TensorRef, and a plain view of a block's host copy (what ``.target`` gives
@@ -163,6 +177,12 @@ def _check_devices(spec, args, kwargs, declared) -> None:
     ``TransformerEncoder``'s eval fast path) are plain CPU tensors that are the device's on a
     GPU, and nothing tells them apart from a program's own CPU tensors.
     """
+    for b in blocks:  # (``blocks``: those of the TensorRef arguments)
+        if b.host_only:
+            break
+    else:
+        if not _plain_tensor_in(args) and not (kwargs and _plain_tensor_in(kwargs.values())):
+            return  # the common case: only TensorRefs on the device, nothing to look for
     hosted = None
     for a in _tensor_args(args, kwargs):
         if a.dim() == 0:
@@ -409,7 +429,7 @@ def run_generic(func, args, kwargs, spec: OpSpec):
         on_host = False if backend.passthrough else _placement(kwargs, blocks, backend)
         ctx = OpContext(spec, blocks, written, args, kwargs, on_host)
         if getattr(backend, "strict", False) and not on_host:
-            _check_devices(spec, args, kwargs, backend.declared)
+            _check_devices(spec, args, kwargs, backend.declared, blocks)
         mgr._prepare(ctx)
         if on_host:
             for b in blocks:
