@@ -21,6 +21,10 @@ from torchTensorRef import OutOfBudgetError, creation, sim_device, tensorsManage
 from torchTensorRef.devices import CudaBackend
 from torchTensorRef.errors import BudgetBelowFloorError
 
+# (on a GPU the real backend is already resolved and its memory real: the tests there are the
+# suite itself on CUDA, and these CPU stand-ins would only measure their own mocks)
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="emulates torch.cuda where there is none")
+
 MiB = 2**20
 WORKSPACE = 32 * MiB + MiB  # cuBLAS's and cuBLASLt's on an H100, per handle
 
