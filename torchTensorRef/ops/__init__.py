@@ -1,6 +1,13 @@
-"""Op interception: what happens to each aten op that reaches a TensorRef."""
+"""Op interception: what happens to each aten op that reaches a TensorRef.
 
+May import core, strategies, analysis and memory. Importing this package installs
+:func:`.dispatch.torch_dispatch` as ``TensorRef.__torch_dispatch__`` and registers the
+special-case handlers in ``core.op_specs``.
+"""
+
+from . import dispatch  # noqa: F401  (installs the dispatch function into the core)
 from . import foreach  # noqa: F401,E402  (registers the handlers of list ops)
 from . import host_arguments  # noqa: F401,E402  (registers _pack_padded_sequence)
 from . import metadata_only  # noqa: F401,E402  (registers empty_like, new_zeros ...)
 from . import collectives  # noqa: F401,E402  (registers torch.distributed's c10d ops)
+from . import split  # noqa: F401,E402  (registers embedding, mm and elementwise ops larger than the budget)

@@ -5,7 +5,9 @@ and ``GradScaler.unscale_`` update every parameter in one op whose lists hold al
 parameters, gradients and optimizer states: more than the budget whenever the model is.
 These ops treat each list position independently (the CPU kernels even loop over the
 positions), so running them on consecutive slices of their lists gives the same result,
-bit for bit. When the whole op fits the budget it takes the generic path unchanged.
+bit for bit. When the whole op fits the budget it takes the generic path unchanged; a
+position whose tensors do not fit even alone runs in chunks of its elements
+(``split.run_chunked``: elementwise positions exactly, norms and maxima combined).
 """
 
 from __future__ import annotations
@@ -14,13 +16,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import raw
-from ..errors import OutOfBudgetError
-from ..manager import tensorsManager as mgr
-from ..tensor_ref import TensorRef
+from ..core import raw
+from ..core.tensor_ref import TensorRef
+from . import split
 from .dispatch import run_generic
 from .output_size import estimate_output_bytes
-from .registry import OpSpec, implements
+from ..core.op_specs import OpSpec, implements
 
 #: list ops outside the ``_foreach_`` family: fused optimizer steps (lists of parameters,
 #: gradients and states) and AMP's unscale (the gradients, one shared ``found_inf``)
@@ -116,13 +117,10 @@ def _meta_slice(value, start, stop):
     return raw.empty_strided((stop - start,), (1,), dtype=value.dtype, device="meta")
 
 
-def _slices(spec, layout, n, args, kwargs, limit) -> List[Tuple[int, int]]:
-    """Consecutive position ranges, each as long as fits within ``limit`` together with the
-    op's shared arguments.
-
-    Raises:
-        OutOfBudgetError: before anything runs, when one position does not fit alone.
-    """
+def _slices(spec, layout, n, args, kwargs, limit) -> List[Tuple[int, int, bool]]:
+    """Consecutive position ranges ``(start, stop, alone)``, each as long as fits within
+    ``limit`` together with the op's shared arguments; ``alone``: one position that does
+    not fit by itself, to run in chunks of its tensors (``split.run_chunked``)."""
     per_position = []
     for index, name in layout.lists:
         value = _get(args, kwargs, index, name)
@@ -137,29 +135,31 @@ def _slices(spec, layout, n, args, kwargs, limit) -> List[Tuple[int, int]]:
         cost = _refs_bytes([value[i] for value in per_position], set(shared_seen))
         if spec.allocates:
             cost += estimate_output_bytes(spec, *_sliced(layout, n, args, kwargs, i, i + 1, _meta_slice))
-        if shared + cost > limit:  # no slice can hold it: fail before any slice has written
-            raise OutOfBudgetError(spec.name, shared + cost, limit)
+        if shared + cost > limit:  # no slice can hold it: its tensors go in chunks
+            if i > start:
+                slices.append((start, i, False))
+            slices.append((i, i + 1, True))
+            start, used = i + 1, shared
+            continue
         if i > start and used + cost > limit:
-            slices.append((start, i))
+            slices.append((start, i, False))
             start, used = i, shared
         used += cost
-    slices.append((start, n))
+    if start < n:
+        slices.append((start, n, False))
     return slices
 
 
 def run_in_slices(func, args, kwargs, spec: OpSpec):
     """The op on consecutive slices of its lists when all of it would exceed the budget."""
-    limit = mgr._limit
+    limit = split.room()
     layout = _layouts.get(func)
     if layout is None:
         layout = _layouts[func] = _Layout(func)
     first = _get(args, kwargs, *layout.lists[0]) if layout.lists else None
-    if limit is None or mgr._backend.passthrough or not isinstance(first, (list, tuple)) or len(first) < 2:
+    if limit is None or not isinstance(first, (list, tuple)) or len(first) < 2:
         return run_generic(func, args, kwargs, spec)
     n = len(first)
-    with mgr._lock:
-        # What the device holds outside the manager (workspaces) is no room for slices.
-        limit -= mgr._read_outside()
     need = _refs_bytes(list(args) + list(kwargs.values()), set())
     if spec.allocates:
         need += estimate_output_bytes(spec, args, kwargs)
@@ -167,9 +167,18 @@ def run_in_slices(func, args, kwargs, spec: OpSpec):
         return run_generic(func, args, kwargs, spec)
 
     results = []
-    for start, stop in _slices(spec, layout, n, args, kwargs, limit):
+    slices = _slices(spec, layout, n, args, kwargs, limit)
+    if any(alone for _start, _stop, alone in slices):
+        # Refused before any slice has written: a position that cannot be chunked.
+        for start, stop, alone in slices:
+            if alone:
+                split.check_chunkable(func, *_sliced(layout, n, args, kwargs, start, stop, _meta_slice), spec, limit)
+    for start, stop, alone in slices:
         slice_args, slice_kwargs = _sliced(layout, n, args, kwargs, start, stop, lambda v, a, b: v[a:b])
-        results.append(run_generic(func, slice_args, slice_kwargs, spec))
+        if alone:
+            results.append(split.run_chunked(func, slice_args, slice_kwargs, spec, limit))
+        else:
+            results.append(run_generic(func, slice_args, slice_kwargs, spec))
     if layout.returns_lists == 0:
         return None
     if layout.returns_lists == 1:

@@ -1,0 +1,493 @@
+"""Ops larger than the budget, split where the math allows.
+
+An op whose own tensors do not fit the budget together cannot run as one kernel. Some can
+run as several kernels on *pieces* of their tensors, each piece small enough:
+
+- elementwise ops (and each position of a list op): consecutive chunks of the flattened
+  tensors; every element is computed by the same kernel from the same inputs, so the bits
+  are those of one call;
+- reductions (``_foreach_norm``, ``_foreach_max``): one result per chunk, then combined
+  (max and min exactly; a 2-norm as the norm of the chunks' norms: equal up to rounding,
+  not bit for bit, since one kernel sums in another order);
+- ``embedding``: only the rows the indices name are read; its backward
+  (``embedding_dense_backward``) computes the gradient of those rows and places them in a
+  full-size gradient kept in host memory;
+- ``mm``: tiles of the output's columns (or rows), each reading the matching columns of
+  the second operand (rows of the first); every output element is one dot product as in
+  one call.
+
+Note [Pieces]: a piece is a TensorRef of its own, with a block of its own, so the manager
+moves it, counts it and keeps it within the budget as any tensor. A big tensor is first
+*settled* (its device copy written back and dropped): its host copy is then the only one
+and holds its current bytes. A piece read from it aliases a range of that host copy (no
+copy; a ``from_dlpack`` view whose storage is exactly that range) or, for rows and columns
+that are not one range, gathers them; a piece written in place aliases its range, and its
+write-back (synchronous: the block shares its bytes) lands in the big tensor's host copy.
+A big result is made in host memory and filled from the pieces' results.
+
+What cannot be split (a matrix product whose two operands are both too large, a
+reduction of other kinds, a non-contiguous big tensor) raises ``OutOfBudgetError`` naming
+the op and the smallest budget that works.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..core import raw
+from ..core.errors import OutOfBudgetError
+from ..core.op_specs import OpSpec, implements, spec_of
+from ..core.tensor_ref import TensorRef, host_view
+from ..memory.manager import tensorsManager as mgr
+from .dispatch import _NOT_FAST, run_fast, run_generic, view_on_disk
+from .output_size import estimate_output_bytes
+
+aten = torch.ops.aten
+
+#: chunks are multiples of this many elements (and start at such multiples): the kernels'
+#: vector loops then split every chunk as they split the whole tensor
+ALIGN = 4096
+#: the smallest chunk when room is short (still a multiple of any vector width)
+MIN_ALIGN = 64
+
+
+# -- room and sizes ----------------------------------------------------------------------
+
+def room() -> Optional[int]:
+    """Bytes one op may hold on the device now: the budget less what the device holds
+    outside the manager and the blocks pinned there; ``None`` without a budget."""
+    limit = mgr._limit
+    if limit is None or mgr._backend.passthrough:
+        return None
+    with mgr._lock:
+        pinned = sum(b.nbytes for b in mgr._resident.values() if b.pins)
+        return limit - mgr._read_outside() - pinned
+
+
+def refs_bytes(values, seen=None) -> int:
+    """Bytes of the distinct blocks of the TensorRefs among ``values`` (one level of lists),
+    host-only blocks excepted; ``seen`` (block ids) is updated."""
+    seen = set() if seen is None else seen
+    total = 0
+    for v in values:
+        if isinstance(v, TensorRef):
+            b = v._tr_block
+            if b.id not in seen and not b.host_only:
+                seen.add(b.id)
+                total += b.nbytes
+        elif isinstance(v, (list, tuple)):
+            total += refs_bytes(v, seen)
+    return total
+
+
+def op_bytes(spec: OpSpec, args, kwargs) -> int:
+    """What the op needs resident at once: its TensorRefs' blocks and its new results."""
+    need = refs_bytes(list(args) + list(kwargs.values()))
+    if spec.allocates:
+        need += estimate_output_bytes(spec, args, kwargs)
+    return need
+
+
+def refuse(name: str, smallest: int, left: int):
+    """``OutOfBudgetError`` for an op that needs ``smallest`` bytes of room where ``left`` is left."""
+    outside = mgr._limit - left
+    return OutOfBudgetError(name, smallest + outside, mgr._limit,
+                            f"it cannot be split into smaller pieces; a budget of "
+                            f"{smallest + outside} bytes runs it", outside=outside)
+
+
+def default(func, args, kwargs, spec: OpSpec):
+    """The dispatcher's own path for an op that fits (the fast path where it can)."""
+    if mgr._fast and not spec.restrides:
+        out = run_fast(func, args, kwargs, spec)
+        if out is not _NOT_FAST:
+            return out
+    return run_generic(func, args, kwargs, spec)
+
+
+def fits(spec: OpSpec, args, kwargs) -> Optional[int]:
+    """``None`` when the op fits (or there is no budget), else the room left."""
+    left = room()
+    if left is None or op_bytes(spec, args, kwargs) <= left:
+        return None
+    return left
+
+
+# -- pieces (Note [Pieces]) --------------------------------------------------------------
+
+def settle(refs: Sequence[TensorRef]) -> None:
+    """Give each of ``refs``' blocks a current host copy and no device copy."""
+    with mgr._lock:
+        for ref in refs:
+            block = ref._tr_block
+            if block.host_only:
+                continue
+            if block.pins and block.dev is not None:
+                raise OutOfBudgetError(f"a pinned tensor of {block.nbytes} bytes", block.nbytes, mgr._limit,
+                                       "unpin it to let ops larger than the budget run in pieces")
+            mgr.evict(block)
+            mgr.sync_host(block)
+
+
+def _plain_alias(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor over exactly the bytes of contiguous ``t`` (its storage is that range)."""
+    from_dlpack = getattr(torch.from_dlpack, "__wrapped__", torch.from_dlpack)  # (creation is patched)
+    return from_dlpack(t.detach())
+
+
+def _manage(plain: torch.Tensor) -> TensorRef:
+    return mgr.manage_tensor(plain, requires_grad=False, shared=True)
+
+
+def flat_host(ref: TensorRef) -> torch.Tensor:
+    """The settled, contiguous ``ref`` as a flat plain view of its host copy."""
+    return host_view(ref).detach().view(-1)
+
+
+def alias_piece(ref: TensorRef, start: int, stop: int) -> TensorRef:
+    """A piece over elements ``start:stop`` of settled contiguous ``ref`` (aliasing its host bytes)."""
+    return _manage(_plain_alias(flat_host(ref)[start:stop]))
+
+
+def gathered_piece(plain: torch.Tensor) -> TensorRef:
+    """A piece holding ``plain`` (host values gathered from a settled tensor)."""
+    return _manage(plain)
+
+
+def write_back(pieces) -> None:
+    """Written pieces' bytes go to the host copies they alias; their device copies go."""
+    with mgr._lock:
+        for p in pieces:
+            if isinstance(p, TensorRef):
+                mgr.evict(p._tr_block)
+
+
+def to_host(result: TensorRef) -> torch.Tensor:
+    """The values of a piece's result as a plain view of its (current) host copy."""
+    with mgr._lock:
+        mgr.sync_host(result._tr_block)
+        return host_view(result).detach()
+
+
+def host_result(size, dtype, zero: bool = False) -> TensorRef:
+    """A new contiguous TensorRef whose only copy is in host memory (a big result)."""
+    plain = raw.empty(tuple(size), dtype=dtype)
+    if zero:
+        plain.zero_()
+    ref = mgr.manage_tensor(plain, requires_grad=False, shared=False)
+    return ref
+
+
+def chunk_elements(per_element: int, fixed: int, left: int, numel: int, name: str) -> int:
+    """Elements per chunk so that ``fixed + chunk * per_element`` fits in ``left``."""
+    n = (left - fixed) // max(per_element, 1)
+    for align in (ALIGN, MIN_ALIGN):
+        if n >= align or n >= numel:
+            return min(numel, max(n // align * align, align) if n < numel else numel)
+    raise refuse(name, fixed + MIN_ALIGN * per_element, left)
+
+
+# -- elementwise ops and list positions ----------------------------------------------------
+
+#: list ops that reduce each position to one value: how chunk results combine
+_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
+
+
+def _tensors(values):
+    for v in values:
+        if isinstance(v, TensorRef):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            for e in v:
+                if isinstance(e, TensorRef):
+                    yield e
+
+
+def _plan(func, args, kwargs, spec: OpSpec, left: int):
+    """How ``run_chunked`` splits the op; raises ``OutOfBudgetError`` where it cannot."""
+    name = spec.name
+    tensors = list(_tensors(list(args) + list(kwargs.values())))
+    numel = max((t.numel() for t in tensors), default=0)
+    big = [t for t in tensors if t.numel() == numel]
+    if not big or numel == 0:
+        raise refuse(name, op_bytes(spec, args, kwargs), left)
+    shape = big[0].shape
+    if any(t.shape != shape or not t.is_contiguous() for t in big):
+        raise refuse(name, op_bytes(spec, args, kwargs), left)
+    seen: set = set()
+    refs_bytes(big, seen)
+    fixed = refs_bytes([t for t in tensors if t._tr_block.id not in seen])
+    per_element = sum(t.element_size() for t in {id(t._tr_block): t for t in big}.values())
+    reduction = func.overloadpacket.__name__ in _REDUCTIONS
+    out_meta = None
+    if spec.allocates and not reduction:
+        out_meta = _out_dtypes(func, args, kwargs)
+        per_element += sum(d.itemsize for d in out_meta)
+    chunk = chunk_elements(per_element, fixed, left, numel, name)
+    return big, numel, shape, chunk, reduction, out_meta
+
+
+def check_chunkable(func, args, kwargs, spec: OpSpec, left: int) -> None:
+    """Raise ``OutOfBudgetError`` now if ``run_chunked`` could not run the op (``args`` may
+    hold meta stand-ins for per-position scalar tensors)."""
+    _plan(func, args, kwargs, spec, left)
+
+
+def run_chunked(func, args, kwargs, spec: OpSpec, left: int):
+    """``func`` (elementwise, or a list op over one position) in chunks of its big tensors.
+
+    The big tensors are those with the most elements (the op's shape); tensors with fewer
+    (0-dim scalars, a step count, ``found_inf``) are passed whole to every chunk.
+    """
+    big, numel, shape, chunk, reduction, out_meta = _plan(func, args, kwargs, spec, left)
+    settle(big)
+    written = {id(b) for b in _written(spec, args, kwargs)}
+    packet = func.overloadpacket.__name__
+    outs = None
+    if out_meta is not None:
+        outs = [host_result(shape, d) for d in out_meta]
+    partial: List = []
+    for start in range(0, numel, chunk):
+        stop = min(start + chunk, numel)
+        pieces = {}
+
+        def swap(v):
+            if isinstance(v, TensorRef) and v.numel() == numel:
+                key = (id(v._tr_block), v.storage_offset())
+                if key not in pieces:
+                    pieces[key] = (alias_piece(v, start, stop), id(v) in written)
+                return pieces[key][0]
+            if isinstance(v, (list, tuple)):
+                return v.__class__(swap(e) for e in v)
+            return v
+
+        cargs = [swap(a) for a in args]
+        ckwargs = {k: swap(v) for k, v in kwargs.items()}
+        result = run_generic(func, cargs, ckwargs, spec)
+        write_back([p for p, w in pieces.values() if w])
+        if reduction:
+            partial.append(result)
+        elif outs is not None:
+            results = _flat_results(result)
+            for out, r in zip(outs, results):
+                flat_host(out)[start:stop].copy_(to_host(r).reshape(-1))
+        del pieces, cargs, ckwargs, result
+    if reduction:
+        return _combine(packet, args, kwargs, partial)
+    if outs is None:
+        return _in_place_result(spec, args, kwargs)
+    return _shape_results(func, outs)
+
+
+def _written(spec, args, kwargs):
+    out = []
+    for i, name in spec.write_args:
+        a = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(a, TensorRef):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(e for e in a if isinstance(e, TensorRef))
+    return out
+
+
+def _out_dtypes(func, args, kwargs) -> List[torch.dtype]:
+    """dtypes of the op's new results, from a run on meta tensors of one element."""
+    def meta(v):
+        if isinstance(v, torch.Tensor):
+            return raw.empty((1,) if v.dim() else (), dtype=v.dtype, device="meta")
+        if isinstance(v, (list, tuple)):
+            return v.__class__(meta(e) for e in v)
+        return v
+    out = func(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+    return [t.dtype for t in _flat_results(out)]
+
+
+def _flat_results(result) -> list:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    flat = []
+    for r in result:
+        flat.extend(_flat_results(r))
+    return flat
+
+
+def _shape_results(func, outs):
+    returns = func._schema.returns
+    if len(returns) == 1 and isinstance(returns[0].type, torch._C.ListType):
+        return outs
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _in_place_result(spec, args, kwargs):
+    results = []
+    for index in spec.return_args:
+        if index is None:
+            continue
+        name = spec.func._schema.arguments[index].name
+        results.append(args[index] if index < len(args) else kwargs[name])
+    if not results:
+        return None
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _combine(packet, args, kwargs, partial):
+    """One position's reduction from its chunks' results (each a one-element list)."""
+    values = torch.stack([p[0] for p in partial])
+    if packet == "_foreach_max":
+        return [values.amax()]
+    ord_ = kwargs.get("ord", args[1] if len(args) > 1 else 2)
+    ord_ = float(ord_)
+    if ord_ == float("inf"):
+        return [values.amax()]
+    if ord_ == float("-inf"):
+        return [values.amin()]
+    if ord_ == 0:
+        return [values.sum()]
+    return [torch.linalg.vector_norm(values, ord_)]
+
+
+# -- embedding ------------------------------------------------------------------------------
+
+def _host_values(ref) -> torch.Tensor:
+    if not isinstance(ref, TensorRef):
+        return ref.detach().clone()
+    with mgr._lock:
+        mgr.sync_host(ref._tr_block)
+        return host_view(ref).detach().clone()
+
+
+def _remapped(indices):
+    """(the distinct rows the indices name, the indices renumbered into them, as a piece)."""
+    values = _host_values(indices)
+    rows, inverse = torch.unique(values, sorted=True, return_inverse=True)
+    return rows, gathered_piece(inverse.to(values.dtype).reshape(values.shape))
+
+
+@implements(aten.embedding.default)
+def embedding(func, args, kwargs, spec: OpSpec):
+    """The rows the indices name, read alone when the table does not fit."""
+    left = fits(spec, args, kwargs)
+    weight = args[0]
+    if left is None or not isinstance(weight, TensorRef) or kwargs or weight.dim() != 2:
+        return default(func, args, kwargs, spec)
+    rows, local = _remapped(args[1])
+    settle([weight])
+    need = rows.numel() * weight.shape[1] * weight.element_size() + local._tr_block.nbytes
+    need += estimate_output_bytes(spec, args, kwargs)
+    if need > left:
+        raise refuse(spec.name, need, left)
+    table = gathered_piece(host_view(weight).detach().index_select(0, rows))
+    # padding_idx changes only the backward: the forward is a gather
+    return run_generic(func, [table, local] + [-1] + list(args[3:]), {}, spec)
+
+
+@implements(aten.embedding_dense_backward.default)
+def embedding_dense_backward(func, args, kwargs, spec: OpSpec):
+    """The gradient of the rows the indices name, placed in a full-size host gradient."""
+    left = fits(spec, args, kwargs)
+    if left is None or kwargs:
+        return default(func, args, kwargs, spec)
+    grad, indices, num_weights, padding_idx, scale = args
+    rows, local = _remapped(indices)
+    hits = (rows == padding_idx).nonzero()
+    local_padding = int(hits[0, 0]) if padding_idx >= 0 and hits.numel() else -1
+    part = run_generic(func, [grad, local, rows.numel(), local_padding, scale], {}, spec)
+    out = host_result((num_weights, grad.shape[-1]), grad.dtype, zero=True)
+    host_view(out).index_copy_(0, rows, to_host(part))
+    return out
+
+
+# -- matrix products ------------------------------------------------------------------------
+
+def _columns(plain: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Columns ``start:stop`` of a plain host matrix as a new tensor, dense in the same order."""
+    return plain[:, start:stop].clone(memory_format=torch.preserve_format)
+
+
+@implements(aten.mm.default)
+def mm(func, args, kwargs, spec: OpSpec):
+    """``a @ b`` in tiles of the output's columns (or rows) when it does not fit."""
+    left = fits(spec, args, kwargs)
+    if left is None or kwargs:
+        return default(func, args, kwargs, spec)
+    a, b = args
+    if not (isinstance(a, TensorRef) and isinstance(b, TensorRef)):
+        return default(func, args, kwargs, spec)
+    a_bytes, b_bytes = refs_bytes([a]), refs_bytes([b])
+    m, k = a.shape
+    n = b.shape[1]
+    out_size = a.element_size()
+    if a_bytes <= b_bytes:
+        # Tiles of columns: all of a, then b[:, j:j+w] and out[:, j:j+w] per tile.
+        per_column = k * b.element_size() + m * out_size
+        width = chunk_elements(per_column, a_bytes, left, n, spec.name)
+        return _tiles(func, a, b, width, n, columns=True)
+    per_row = k * a.element_size() + n * out_size
+    height = chunk_elements(per_row, b_bytes, left, m, spec.name)
+    return _tiles(func, a, b, height, m, columns=False)
+
+
+def _tiles(func, a, b, step, count, columns: bool):
+    spec = spec_of(func)
+    tiled = b if columns else a
+    settle([tiled])
+    whole = host_view(tiled).detach()
+    out = host_result((a.shape[0], b.shape[1]), a.dtype)  # (mm takes one dtype)
+    out_host = host_view(out)
+    for start in range(0, count, step):
+        stop = min(start + step, count)
+        if columns:
+            piece = gathered_piece(_columns(whole, start, stop))
+            result = run_generic(func, [a, piece], {}, spec)
+            out_host[:, start:stop].copy_(to_host(result))
+        else:
+            piece = gathered_piece(whole[start:stop].clone(memory_format=torch.preserve_format))
+            result = run_generic(func, [piece, b], {}, spec)
+            out_host[start:stop].copy_(to_host(result))
+        del piece, result
+    return out
+
+
+# -- elementwise ops a training step runs on whole parameters -------------------------------
+
+#: in-place and out-of-place elementwise ops that meet tensors as large as a parameter
+#: (gradient accumulation, ``zero_grad(set_to_none=False)``, manual updates)
+POINTWISE = [
+    aten.add_.Tensor, aten.add.Tensor, aten.mul_.Tensor, aten.mul_.Scalar, aten.mul.Tensor,
+    aten.div_.Tensor, aten.zero_.default, aten.fill_.Scalar, aten.lerp_.Scalar,
+]
+
+
+@implements(POINTWISE)
+def pointwise(func, args, kwargs, spec: OpSpec):
+    """An elementwise op in chunks when its tensors do not fit together."""
+    left = fits(spec, args, kwargs)
+    if left is None:
+        return default(func, args, kwargs, spec)
+    tensors = list(_tensors(list(args) + list(kwargs.values())))
+    numel = max(t.numel() for t in tensors)
+    if any(t.numel() not in (numel, 1) or (t.numel() == 1 and t.dim() and numel > 1) for t in tensors):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)  # broadcasting: not chunked
+    return run_chunked(func, args, kwargs, spec, left)
+
+
+# -- views of tensors larger than the budget -------------------------------------------------
+
+#: view ops a training step applies to whole parameters (``linear`` transposes its weight)
+VIEWS = [
+    aten.t.default, aten.transpose.int, aten.view.default, aten.detach.default, aten.alias.default,
+    aten.permute.default, aten.unsqueeze.default, aten.expand.default,
+]
+
+
+@implements(VIEWS)
+def view(func, args, kwargs, spec: OpSpec):
+    """A view of a tensor that does not fit: its geometry, with no bytes moved (the
+    dispatcher's view of a block on disk, which reads nothing)."""
+    base = args[0] if args else None
+    left = room() if isinstance(base, TensorRef) else None
+    if left is None or base._tr_block.nbytes <= left or base._tr_block.dev is not None:
+        return default(func, args, kwargs, spec)
+    return view_on_disk(func, args, kwargs)
