@@ -192,7 +192,7 @@ def chunk_elements(per_element: int, fixed: int, left: int, numel: int, name: st
 # -- elementwise ops and list positions ----------------------------------------------------
 
 #: list ops that reduce each position to one value: how chunk results combine
-_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
+_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max", "linalg_vector_norm"})
 
 
 def _tensors(values):
@@ -333,7 +333,10 @@ def _in_place_result(spec, args, kwargs):
 
 
 def _combine(packet, args, kwargs, partial):
-    """One position's reduction from its chunks' results (each a one-element list)."""
+    """One position's reduction from its chunks' results (each a one-element list; one
+    tensor for ``linalg_vector_norm``)."""
+    if packet == "linalg_vector_norm":
+        return _combine("_foreach_norm", args, kwargs, [[p] for p in partial])[0]
     values = torch.stack([p[0] for p in partial])
     if packet == "_foreach_max":
         return [values.amax()]
@@ -491,3 +494,14 @@ def view(func, args, kwargs, spec: OpSpec):
     if left is None or base._tr_block.nbytes <= left or base._tr_block.dev is not None:
         return default(func, args, kwargs, spec)
     return view_on_disk(func, args, kwargs)
+
+
+@implements(aten.linalg_vector_norm.default)
+def vector_norm(func, args, kwargs, spec: OpSpec):
+    """The norm of a whole tensor that does not fit: the norm of its chunks' norms."""
+    left = fits(spec, args, kwargs)
+    whole = (len(args) < 3 or args[2] is None) and kwargs.get("dim") is None
+    keepdim = (len(args) > 3 and args[3]) or kwargs.get("keepdim", False)
+    if left is None or not whole or keepdim:
+        return default(func, args, kwargs, spec)
+    return run_chunked(func, args, kwargs, spec, left)

@@ -1,0 +1,146 @@
+"""Training under budgets below the weights: a 4-layer Llama, AdamW, clipping, a scheduler.
+
+Trains a ``transformers`` Llama (random weights, hidden 256) on "sim" for a few steps at
+budgets of 100%, 50%, 25% and 10% of its weight bytes (on top of what the device holds
+outside the manager), under Flow and Genoa, and prints per budget and strategy: ok or the
+error, the largest |parameter difference| from plain torch on "sim", the peak device bytes
+over the budget, and the bytes one recorded step moved over the offline reference on that
+step's trace (``torchTensorRef.analysis.offline.reference_moves``).
+
+    python benchmarks/train_budget.py [--vocab 4096] [--steps 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import torchTensorRef  # noqa: E402
+from torchTensorRef import tensorsManager as tm  # noqa: E402
+from torchTensorRef.analysis.offline import reference_moves  # noqa: E402
+
+
+def build(vocab: int, intermediate: int, seed: int = 0) -> torch.nn.Module:
+    """The plain Llama: 4 layers, hidden 256, random weights."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    config = LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=intermediate, vocab_size=vocab,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    with torchTensorRef.disabled():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def train(model, ids, steps: int, record_last: bool = False):
+    """``steps`` AdamW steps (default foreach), clipping to norm 1 and a decaying LR; the
+    trace of the last step when ``record_last``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    trace = None
+    for i in range(steps):
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model(ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+        if record_last and i == steps - 1:
+            tm.reset_stats()
+            with tm.recording() as trace:
+                step()
+        else:
+            step()
+    return trace
+
+
+def as_plain(t):
+    if isinstance(t, torchTensorRef.TensorRef):
+        t = t.target
+    with torchTensorRef.disabled():
+        return t.detach().cpu().clone()
+
+
+def run(plain, ids, reference, strategy: str, fraction: float, steps: int) -> dict:
+    tm.budget = None
+    tm.device = "sim"
+    tm.strategy = strategy
+    with torchTensorRef.disabled():
+        model = copy.deepcopy(plain)
+    model = torchTensorRef.manage(model)
+    wbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    tm.budget = tm.outside_bytes() + int(fraction * wbytes)
+    row = {"strategy": strategy, "fraction": fraction, "budget": tm.budget}
+    try:
+        trace = train(model, torchTensorRef.manage(ids.clone()), steps, record_last=True)
+        stats = tm.stats()
+        ref = reference_moves(trace.accesses, tm.budget, trace.initial, trace.created)
+        moved = stats["bytes_to_device"] + stats["bytes_to_host"]
+        ref_moved = ref["bytes_to_device"] + ref["bytes_to_host"]
+        row.update(ok=True, max_diff=max((as_plain(p) - r).abs().max().item()
+                                         for p, r in zip(model.parameters(), reference)),
+                   peak=stats["peak_device_bytes"], peak_to_budget=stats["peak_device_bytes"] / tm.budget,
+                   moved=moved, reference=ref_moved, to_reference=moved / ref_moved if ref_moved else None)
+    except Exception as e:  # a row that fails is reported, the others still run
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+    del model
+    tm.budget = None
+    return row
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.1])
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--regions", action="store_true",
+                        help="leave module regions on (off by default: this measures the per-op path)")
+    args = parser.parse_args(argv)
+    regions = getattr(torchTensorRef, "regions", None)
+    if regions is not None and not args.regions:
+        regions.enabled = False
+    plain = build(args.vocab, args.intermediate)
+    with torchTensorRef.disabled():
+        ids = torch.randint(2, args.vocab, (2, args.seq), generator=torch.Generator().manual_seed(1))
+    with torchTensorRef.disabled("sim"):
+        model = copy.deepcopy(plain).to("sim")
+        train(model, ids.to("sim"), args.steps)
+        reference = [p.detach().cpu() for p in model.parameters()]
+    del model
+    wbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    print(f"Llama 4 layers, hidden 256, vocab {args.vocab}: {wbytes / 2**20:.1f} MiB of weights; "
+          f"{args.steps} AdamW steps (clip 1.0, LambdaLR), batch 2x{args.seq}, 'sim', torch {torch.__version__}")
+    print(f"{'budget':>7} {'strategy':>8} {'result':>6} {'max|diff|':>10} {'peak/budget':>11} {'moved/ref':>9}  error")
+    rows = []
+    for fraction in args.fractions:
+        for strategy in ("flow", "genoa"):
+            r = run(plain, ids, reference, strategy, fraction, args.steps)
+            rows.append(r)
+            if r["ok"]:
+                ratio = "-" if r["to_reference"] is None else f"{r['to_reference']:.3f}"
+                print(f"{fraction:>7.0%} {strategy:>8} {'ok':>6} {r['max_diff']:>10.2e} "
+                      f"{r['peak_to_budget']:>11.4f} {ratio:>9}", flush=True)
+            else:
+                print(f"{fraction:>7.0%} {strategy:>8} {'error':>6} {'':>10} {'':>11} {'':>9}  {r['error']}", flush=True)
+    result = {"torch": torch.__version__, "device": "sim", "vocab": args.vocab, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
