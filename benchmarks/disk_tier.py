@@ -120,8 +120,9 @@ def measure(folder: str, tokens: int, device_fraction: float, host_fraction: flo
     import transformers
 
     import torchTensorRef
-    from torchTensorRef import disk, tensorsManager as tm
-    from torchTensorRef.offline import reference_disk_moves
+    from torchTensorRef.memory import disk
+    from torchTensorRef import tensorsManager as tm
+    from torchTensorRef.analysis.offline import reference_disk_moves
 
     files = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors")]
     for path in files:  # (the writer left them in the page cache: start from the disk)

@@ -3,7 +3,7 @@
 Trains a small GPT-2 (transformers, random init) on the simulated accelerator for a few
 steps at budgets of 50% and 25% of its parameter bytes, records one steady-state step and
 prints the bytes Flow moved beside the offline reference computed on that same trace
-(``torchTensorRef.offline.reference_moves``) and beside Genoa.
+(``torchTensorRef.analysis.offline.reference_moves``) and beside Genoa.
 
     python benchmarks/flow_vs_reference.py [--layers 6] [--steps 4] [--json out.json]
 """
@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 import torchTensorRef  # noqa: E402
 from torchTensorRef import tensorsManager as tm  # noqa: E402
-from torchTensorRef.offline import reference_moves  # noqa: E402
+from torchTensorRef.analysis.offline import reference_moves  # noqa: E402
 
 
 def build(layers: int, seed: int = 0):

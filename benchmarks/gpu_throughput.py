@@ -18,8 +18,8 @@ budget, at 100% budget at least 0.95x all-resident, and a real peak within the b
     python benchmarks/gpu_throughput.py [--gpu NAME] [--json out.json]
     python benchmarks/gpu_throughput.py --device sim --tiny   # the same harness, no GPU
 
-Each run is also predicted (``torchTensorRef.timeline``) on the row of
-``torchTensorRef/data/gpus.json`` that ``torch.cuda.get_device_name()`` names (``--gpu``
+Each run is also predicted (``torchTensorRef.analysis.timeline``) on the row of
+``torchTensorRef/analysis/data/gpus.json`` that ``torch.cuda.get_device_name()`` names (``--gpu``
 for another): a strategy's from a recording of one more call or of as many steps more of
 the same run, all-resident and accelerate's from a run managed without a budget. The
 prediction stands beside the measurement in each row (``"predicted"``,
@@ -49,8 +49,9 @@ import torch  # noqa: E402
 import torchTensorRef  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import MIB, tm  # noqa: E402
-from torchTensorRef import gpus, predict_run, timeline  # noqa: E402
-from torchTensorRef.sizes import format_size  # noqa: E402
+from torchTensorRef.analysis import gpus, timeline
+from torchTensorRef import predict_run  # noqa: E402
+from torchTensorRef.core.sizes import format_size  # noqa: E402
 
 SIZES = {
     # TinyLlama-1.1B's shape
@@ -191,7 +192,7 @@ def predicted(dev: Device, run: Callable, workload: str, size: dict, gpu, scenar
     steps = size["tokens"] if workload == "generate" else size["steps"]
     calls = 1 if workload == "generate" else steps
     timing = {} if dev.cuda else dict(timed=(steps, 2 * steps))
-    entry = timeline.proxy_entry_ns()
+    entry = predict_run.proxy_entry_ns()
     recorder = predict_run.StepRecorder(0, steps, step_on="forward" if workload == "generate" else "optimizer",
                                         progress=open(os.devnull, "w"), **timing)
     with recorder:
@@ -420,7 +421,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--gpu", metavar="NAME", default=None,
-                        help="the row of torchTensorRef/data/gpus.json (or a .json file of numbers) to predict "
+                        help="the row of torchTensorRef/analysis/data/gpus.json (or a .json file of numbers) to predict "
                              "each run on, beside its measurement; default: the one torch.cuda.get_device_name() "
                              "names, h100-pcie on sim")
     parser.add_argument("--json", help="write the results to this file")
@@ -478,7 +479,7 @@ def main(argv=None) -> dict:
         "weight_bytes": wbytes, "sizes": size_name, "size": size,
         "bandwidth": bandwidth, "targets": TARGETS, "rows": rows, "checks": checks,
         "predicted_on": gpu.name,
-        "predicted_note": "predicted: torchTensorRef.timeline on a recording of the same run (docs/timeline.md), "
+        "predicted_note": "predicted: torchTensorRef.analysis.timeline on a recording of the same run (docs/timeline.md), "
                           "not measured",
     }
     if not dev.cuda:

@@ -25,7 +25,7 @@ Rows: the run under Flow and Genoa at 25%, 50% and 100% of the weights' bytes, a
 the no-budget run the same steps predicted all-resident (no moves, none of our host time)
 and, for decoding, with accelerate's ``cpu_offload`` hooks (every module's weights copied
 from pageable memory before its forward). Each row is predicted on the H100 PCIe and
-RTX 4090 rows of ``torchTensorRef/data/gpus.json`` (``--gpus``).
+RTX 4090 rows of ``torchTensorRef/analysis/data/gpus.json`` (``--gpus``).
 
 These are predictions of a model (``docs/timeline.md``), never measurements. A CPU
 without fast bf16 records in fp32 and the prediction halves every byte and uses the 16-bit
@@ -53,7 +53,8 @@ import torch  # noqa: E402
 import torchTensorRef  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import tm  # noqa: E402
-from torchTensorRef import predict_run, timeline  # noqa: E402
+from torchTensorRef import predict_run
+from torchTensorRef.analysis import timeline  # noqa: E402
 
 #: TinyLlama-1.1B's shapes; ``layers`` is set per work
 SHAPES = dict(hidden=2048, intermediate=5632, vocab=32000, heads=32, kv_heads=4)
@@ -115,7 +116,7 @@ def record(model, kind: str, ids, strategy: str, budget, pairs: int = 0):
     each followed by the same steps timed unrecorded (:func:`steps_of`). The traces, the
     peak and whether Flow followed its plan at the end."""
     managed = common.managed_copy(model, "sim", strategy)
-    entry = timeline.proxy_entry_ns()
+    entry = predict_run.proxy_entry_ns()
     inputs = torchTensorRef.manage(ids.clone())
     tm.budget = budget
     recorded, timed, runs, runs_untimed = steps_of(kind)
@@ -335,7 +336,7 @@ def main(argv=None) -> dict:
     result.update(predicted=True, bf16_recorded=half, shapes=shapes, decode_tokens_per_call=TOKENS,
                   warmup={k: {"least": a, "most": b} for k, (a, b) in WARMUP.items()}, recorded_steps=RECORDED,
                   host_time_pairs=PAIRS, host_time_narrower=NARROW,
-                  note="predicted by torchTensorRef.timeline from runs on sim; not measured on a GPU", works=[])
+                  note="predicted by torchTensorRef.analysis.timeline from runs on sim; not measured on a GPU", works=[])
     for work in args.works:
         layers = args.layers if work == "decode" else args.train_layers
         print(f"== {work}, {layers} layers", flush=True)

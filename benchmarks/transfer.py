@@ -5,7 +5,7 @@ accelerator, at budgets of 25%, 50% and 100% of their parameter bytes. For each 
 and budget a fresh copy of the model runs a few AdamW steps (or greedy ``generate()``
 calls) to warm up; one steady-state step (call) is recorded, and the bytes the strategy
 moved are printed beside what the offline reference (Belady with write-back costs,
-``torchTensorRef.offline.reference_moves``) moves for that same trace.
+``torchTensorRef.analysis.offline.reference_moves``) moves for that same trace.
 
 The reference is a yardstick rather than a reachable target: it drops a block the step
 created, once the trace does not use it again, for free, even while the program still holds
@@ -35,8 +35,8 @@ import torch  # noqa: E402
 import torchTensorRef  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import MIB, tm  # noqa: E402
-from torchTensorRef.errors import OutOfBudgetError  # noqa: E402
-from torchTensorRef.offline import reference_moves  # noqa: E402
+from torchTensorRef.core.errors import OutOfBudgetError  # noqa: E402
+from torchTensorRef.analysis.offline import reference_moves  # noqa: E402
 
 #: model and workload sizes; ``quick`` checks the harness in seconds. Of ``steps`` training
 #: steps (``calls`` generate() calls) the last is recorded: Flow learns the period in the

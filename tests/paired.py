@@ -16,8 +16,8 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager
-from torchTensorRef.sim_device import SimTensor
-from torchTensorRef.sizes import parse_size
+from torchTensorRef.memory.sim.device import SimTensor
+from torchTensorRef.core.sizes import parse_size
 from torchTensorRef.strategies import NAMES
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchTensorRef
-from torchTensorRef import timeline
+from torchTensorRef.analysis import timeline
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

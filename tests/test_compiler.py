@@ -13,7 +13,7 @@ import torch._dynamo.testing
 
 import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, compile_region, tensorsManager
-from torchTensorRef.compiler import FullGraphError
+from torchTensorRef.integrations.compiler import FullGraphError
 
 from paired import assert_identical, budget, plain_torch
 
@@ -145,7 +145,7 @@ def test_first_compile_survives_incorrect_usage_from_disallow_in_graph(monkeypat
     with plain_torch():
         plain = with_creations(torch.ones(4))
     with monkeypatch.context() as m:
-        m.setattr(torchTensorRef.compiler, "_breaks", {})  # as if no wrapper had been told yet
+        m.setattr(torchTensorRef.integrations.compiler, "_breaks", {})  # as if no wrapper had been told yet
         refused = _refusing_disallow_in_graph(m)
         compiled = torch.compile(with_creations)
         assert refused, "torch.compile did not ask the compiler to keep the wrappers out of graphs"

@@ -17,9 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchTensorRef import OutOfBudgetError, creation, sim_device, tensorsManager
-from torchTensorRef.devices import CudaBackend
-from torchTensorRef.errors import BudgetBelowFloorError
+from torchTensorRef import OutOfBudgetError, tensorsManager
+from torchTensorRef.integrations import creation
+from torchTensorRef.memory.sim import device as sim_device
+from torchTensorRef.memory.devices import CudaBackend
+from torchTensorRef.core.errors import BudgetBelowFloorError
 
 # (on a GPU the real backend is already resolved and its memory real: the tests there are the
 # suite itself on CUDA, and these CPU stand-ins would only measure their own mocks)

@@ -7,7 +7,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager
-from torchTensorRef.devices import CudaBackend, PassthroughBackend, SimBackend, make_backend
+from torchTensorRef.memory.devices import CudaBackend, PassthroughBackend, SimBackend, make_backend
 
 
 @pytest.mark.parametrize("spec, kind", [("cpu", PassthroughBackend), ("CPU", PassthroughBackend),
@@ -99,7 +99,7 @@ def test_cuda_device_index_out_of_range():
 
 def test_default_device_is_cuda_where_cuda_is_available(monkeypatch):
     # Defect: the default was pass-through, so model.cuda() gave TensorRefs reporting cpu.
-    from torchTensorRef.devices import default_device
+    from torchTensorRef.memory.devices import default_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_device() == "cuda"

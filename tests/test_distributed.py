@@ -210,7 +210,7 @@ def test_fsdp2_functions_are_wrapped_when_imported_and_restored_by_unpatch():
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
     import torchTensorRef
-    from torchTensorRef.patching import _FunctionWrapper
+    from torchTensorRef.integrations.patching import _FunctionWrapper
 
     places = [(fsdp, "fully_shard"), (fsdp._fully_shard, "fully_shard"), (_fsdp_param, "alloc_storage"),
               (_fsdp_param, "free_storage"), (_fsdp_param_group, "alloc_storage")]

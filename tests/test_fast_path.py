@@ -8,7 +8,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.ops import dispatch
-from torchTensorRef.ops.registry import spec_of
+from torchTensorRef.core.op_specs import spec_of
 from paired import EMULATED_WORKSPACES, budget, needs_fast_path
 
 aten = torch.ops.aten

@@ -7,7 +7,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import DeviceOutOfMemoryError, OutOfBudgetError, tensorsManager as tm
-from torchTensorRef.offline import reference_moves
+from torchTensorRef.analysis.offline import reference_moves
 from torchTensorRef.strategies import Flow, Strategy
 from paired import budget, to_plain
 

@@ -8,7 +8,7 @@ import torch
 import torchTensorRef
 from paired import values
 from torchTensorRef import HostMemoryError, tensorsManager as tm
-from torchTensorRef.host_memory import HostMemoryWatch
+from torchTensorRef.memory.host_memory import HostMemoryWatch
 
 
 def test_watch_raises_when_a_copy_would_eat_into_the_reserve():

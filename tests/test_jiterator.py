@@ -16,7 +16,7 @@ import torch.cuda.jiterator as jiterator
 
 import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, tensorsManager
-from torchTensorRef.raw_kernels import output_bytes
+from torchTensorRef.ops.raw_kernels import output_bytes
 
 from paired import budget, plain_torch, values
 

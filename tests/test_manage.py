@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import torchTensorRef
-from torchTensorRef.adoption import PIN_AT_ADOPTION_BYTES
-from torchTensorRef import TensorRef, manage
+from torchTensorRef.memory.adoption import PIN_AT_ADOPTION_BYTES
+from torchTensorRef import TensorRef
+from torchTensorRef import manage
 
 from paired import assert_identical, budget, device_type, paging, plain_torch  # noqa: F401  (paging is a fixture)
 

@@ -6,8 +6,8 @@ import gc
 
 import pytest
 
-from torchTensorRef.errors import OutOfBudgetError
-from torchTensorRef.offline import reference_disk_moves, reference_moves
+from torchTensorRef.core.errors import OutOfBudgetError
+from torchTensorRef.analysis.offline import reference_disk_moves, reference_moves
 from paired import budget
 
 

@@ -37,10 +37,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 pytest.importorskip("expecttest")  # op_db needs it
 
 import torchTensorRef  # noqa: E402
-from torchTensorRef import TensorRef, OutOfBudgetError, errors, raw, tensorsManager  # noqa: E402
+from torchTensorRef import TensorRef, OutOfBudgetError, tensorsManager
+from torchTensorRef.core import errors, raw  # noqa: E402
 from torchTensorRef.strategies import NAMES  # noqa: E402
-from torchTensorRef.sim_device import SimTensor  # noqa: E402
-from torchTensorRef.tensor_ref import with_math_bits  # noqa: E402
+from torchTensorRef.memory.sim.device import SimTensor  # noqa: E402
+from torchTensorRef.core.tensor_ref import with_math_bits  # noqa: E402
 
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
 

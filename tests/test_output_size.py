@@ -9,7 +9,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.ops.output_size import _size_without_meta, estimate_output_bytes
-from torchTensorRef.ops.registry import spec_of
+from torchTensorRef.core.op_specs import spec_of
 from torchTensorRef.strategies import NAMES
 
 from paired import assert_identical, budget, run_both

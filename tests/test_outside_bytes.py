@@ -15,7 +15,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import OutOfBudgetError, tensorsManager
-from torchTensorRef.errors import BudgetBelowFloorError
+from torchTensorRef.core.errors import BudgetBelowFloorError
 
 from paired import assert_identical, plain_torch
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import torchTensorRef
-from torchTensorRef import TensorRef, patching
+from torchTensorRef import TensorRef
+from torchTensorRef.integrations import patching
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.range is deprecated")
 

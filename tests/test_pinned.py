@@ -9,7 +9,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager as tm
-from torchTensorRef.pinned import PinnedMemory, rounded
+from torchTensorRef.memory.pinned import PinnedMemory, rounded
 from torchTensorRef.strategies import Flow
 from paired import budget
 

@@ -12,7 +12,7 @@ import torch
 from paired import (assert_identical, budget, needs_fast_path, paging, plain_torch, run_both,  # noqa: F401 (a fixture)
                     small_sim_capacity)
 from torchTensorRef import DeviceOutOfMemoryError, HostMemoryError, tensorsManager as tm
-from torchTensorRef.residency import is_out_of_memory
+from torchTensorRef.memory.residency import is_out_of_memory
 from torchTensorRef.strategies import Flow
 
 KIB = 1024

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import torchTensorRef
-from torchTensorRef import raw
-from torchTensorRef.host_memory import HostMemoryError, HostMemoryWatch
-from torchTensorRef.sim_memory import MIN_BYTES, BufferPool
+from torchTensorRef.core import raw
+from torchTensorRef.memory.host_memory import HostMemoryError, HostMemoryWatch
+from torchTensorRef.memory.sim.pool import MIN_BYTES, BufferPool
 from paired import budget
 
 MIB = 2**20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from torchTensorRef.sizes import format_size, parse_size
+from torchTensorRef.core.sizes import format_size, parse_size
 
 FACTORS = {
     "": 1, "B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

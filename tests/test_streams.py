@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import torchTensorRef
-from torchTensorRef import raw, tensorsManager as tm
-from torchTensorRef.streams import POISON, SimStreams
+from torchTensorRef.core import raw
+from torchTensorRef import tensorsManager as tm
+from torchTensorRef.memory.streams import POISON, SimStreams
 from paired import outside
 
 pytestmark = pytest.mark.skipif(

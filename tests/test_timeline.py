@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from torchTensorRef import gpus, tensorsManager, timeline
+from torchTensorRef import predict_run
+from torchTensorRef.analysis import gpus, timeline
+from torchTensorRef import tensorsManager
 from paired import budget
 
 
@@ -229,7 +231,7 @@ def test_all_resident_leaves_out_the_proxy_entry_cost():
     trace = _train(steps=1)
     assert timeline.predict(trace, scenario="resident").host_program_seconds == pytest.approx(
         timeline.predict(trace).host_program_seconds)
-    entry = timeline.proxy_entry_ns()
+    entry = predict_run.proxy_entry_ns()
     assert entry > 0  # a Python tensor subclass costs host time per op
     trace.entry_ns = entry
     recorded = timeline.predict(trace)
@@ -275,8 +277,8 @@ def test_host_scale_zero_leaves_the_schedule_of_kernels_and_copies():
 def _hand_trace():
     """One op on "sim": entered at 1 µs, kernel 3-7 µs (of which 1 µs measuring it), exits at
     8 µs; then an ordered copy in from 8 to 9 µs; the recording stops at 10 µs."""
-    from torchTensorRef.op_cost import Kernel
-    from torchTensorRef.trace import Trace
+    from torchTensorRef.analysis.op_cost import Kernel
+    from torchTensorRef.analysis.trace import Trace
 
     trace = Trace("sim", None)
     trace.t0 = 0

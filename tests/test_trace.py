@@ -9,7 +9,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import strategies, tensorsManager
-from torchTensorRef.trace import Trace
+from torchTensorRef.analysis.trace import Trace
 from paired import budget
 
 

@@ -11,25 +11,27 @@ import os
 
 import torch
 
-from . import raw  # noqa: F401  (first: keeps the unpatched constructors)
-from .checkpoint import load_checkpoint
-from .disk import CheckpointChangedError, DiskError
-from .errors import BudgetBelowFloorError, DeviceOutOfMemoryError, OpVetoedError, OutOfBudgetError
-from .host_memory import HostMemoryError
-from .host_tier import HostBudgetError
-from .manage import manage
-from .manager import TensorsManager, tensorsManager
-from .patching import disabled, is_patched, patch, unpatch
-from .proxy_info import ProxyInfo
-from .tensor_ref import TensorRef
-from .compiled_region import compile_region
+from .core import raw  # noqa: F401  (first: keeps the unpatched constructors)
+from .integrations.checkpoint import load_checkpoint
+from .memory.disk import CheckpointChangedError, DiskError
+from .core.errors import BudgetBelowFloorError, DeviceOutOfMemoryError, OpVetoedError, OutOfBudgetError
+from .memory.host_memory import HostMemoryError
+from .memory.host_tier import HostBudgetError
+from .integrations.manage import manage
+from .memory.manager import TensorsManager, tensorsManager
+from .integrations.patching import is_patched, patch, unpatch
+from .integrations.plain import disabled
+from .core.proxy_info import ProxyInfo
+from .core.tensor_ref import TensorRef
+from .integrations.compiled_region import compile_region
+from .regions import no_region, region  # (wraps nn.Module.__call__: Note [Module regions])
 from . import strategies
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TensorRef", "ProxyInfo", "TensorsManager", "tensorsManager", "manage",
-    "patch", "unpatch", "is_patched", "disabled", "strategies", "compile_region",
+    "patch", "unpatch", "is_patched", "disabled", "strategies", "compile_region", "region", "no_region",
     "OutOfBudgetError", "BudgetBelowFloorError", "DeviceOutOfMemoryError", "OpVetoedError", "HostMemoryError",
     "HostBudgetError", "DiskError", "CheckpointChangedError", "load_checkpoint",
     "configure_from_environment",
@@ -69,7 +71,7 @@ def configure_from_environment(environ=None) -> None:
 # queue, and every later backward on it would fail inside the engine. So it is registered
 # here, before user code can run a backward; with CUDA present the queues exist anyway.
 if not torch.cuda.is_available():
-    from . import sim_device
+    from .memory.sim import device as sim_device
 
     sim_device.register()
 

@@ -19,11 +19,11 @@ from typing import Dict, List, Optional
 import torch
 
 from . import strategies
-from .errors import OutOfBudgetError
-from .manage import manage
-from .manager import tensorsManager
-from .patching import disabled
-from .sizes import format_size, parse_size
+from .core.errors import OutOfBudgetError
+from .integrations.manage import manage
+from .memory.manager import tensorsManager
+from .integrations.patching import disabled
+from .core.sizes import format_size, parse_size
 
 #: model and run sizes: the default, and ``--quick`` (a smoke test in seconds)
 SIZES = {
@@ -130,7 +130,7 @@ def _run(model, ids, tokens: int, progress: _Progress, device: torch.device):
 
 
 def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
-    from .tensor_ref import TensorRef
+    from .core.tensor_ref import TensorRef
 
     if isinstance(t, TensorRef):
         with disabled():
@@ -196,7 +196,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error('the demo needs the transformers package: pip install "torchTensorRef[demo]" '
                      "(or pip install transformers)")
     transformers.logging.set_verbosity_error()
-    from .cli import default_device
+    from .running import default_device
 
     device_name = args.device or default_device()
     if device_name.strip().lower() == "cpu":

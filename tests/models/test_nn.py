@@ -186,7 +186,7 @@ def test_lstm_workspace_of_the_cpu_kernel_is_estimated():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from torchTensorRef.ops.output_size import estimate_output_bytes
-    from torchTensorRef.ops.registry import spec_of
+    from torchTensorRef.core.op_specs import spec_of
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

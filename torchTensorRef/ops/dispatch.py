@@ -23,14 +23,16 @@ import time
 
 import torch
 
-from .. import raw, sim_device, workers
-from ..manager import tensorsManager as _mgr
-from ..op_protocol import tight_result
-from ..residency import is_out_of_memory
-from ..sim_device import SimTensor
-from ..tensor_ref import TensorRef, compute_view, host_view, make_ref
+from ..core import raw
+from ..memory.sim import device as sim_device
+from . import workers
+from ..memory.manager import tensorsManager as _mgr
+from ..memory.op_protocol import tight_result
+from ..memory.residency import is_out_of_memory
+from ..memory.sim.device import SimTensor
+from ..core.tensor_ref import TensorRef, compute_view, host_view, make_ref
 from .output_size import estimate_output_bytes
-from .registry import OpSpec, specs, spec_of
+from ..core.op_specs import OpSpec, specs, spec_of
 
 _SPECS = specs()
 
@@ -43,7 +45,7 @@ class OpContext:
 
     Attributes:
         index: position of the op in the manager's op count.
-        spec: the op's :class:`~torchTensorRef.ops.registry.OpSpec`.
+        spec: the op's :class:`~torchTensorRef.core.op_specs.OpSpec`.
         blocks: distinct blocks of the TensorRef arguments, in argument order.
         written: the blocks the op writes in place.
         outputs: new blocks the op created (filled in after it runs).
@@ -538,3 +540,8 @@ def _wrap_one(t, ctx, mgr):
         if b.dev_key == key:
             return make_ref(b, t, mgr._declared)  # shares the storage of another of its results
     return mgr._adopt_output(t, ctx)
+
+
+# Every op on a TensorRef enters here directly (bound on the class: one Python frame less
+# than a method that forwards; the core does not import this layer).
+TensorRef.__torch_dispatch__ = classmethod(torch_dispatch)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import raw
-from ..tensor_ref import TensorRef
+from ..core import raw
+from ..core.tensor_ref import TensorRef
 from .dispatch import run_generic
-from .registry import aten, implements
+from ..core.op_specs import aten, implements
 
 _META = torch.device("meta")
 

@@ -19,9 +19,9 @@ from typing import Callable, Dict, Hashable, Optional
 
 import torch
 
-from .. import raw
-from ..sim_device import SimTensor
-from .registry import OpSpec
+from ..core import raw
+from ..memory.sim.device import SimTensor
+from ..core.op_specs import OpSpec
 
 _cache: Dict[Hashable, int] = {}
 _Tensor = torch.Tensor
@@ -77,7 +77,7 @@ def _new_bytes(out, spec: OpSpec) -> int:
 
 
 def _storage_nbytes(value) -> int:
-    from ..tensor_ref import TensorRef
+    from ..core.tensor_ref import TensorRef
 
     if isinstance(value, TensorRef):
         return value._tr_block.nbytes
@@ -164,7 +164,7 @@ def _bound_ctc_loss(args, kwargs) -> int:
 
 def _values(t: torch.Tensor) -> torch.Tensor:
     """The current values of ``t`` as a plain tensor (waiting for copies in flight)."""
-    from ..tensor_ref import TensorRef
+    from ..core.tensor_ref import TensorRef
 
     if isinstance(t, TensorRef):
         return t.target

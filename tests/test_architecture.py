@@ -1,0 +1,138 @@
+"""The package's layers (docs/architecture.md): imports run downward only, no circles, no
+module longer than 500 lines.
+
+Every ``import`` and ``from ... import`` in the package counts, the ones inside functions
+too: a lazy import is still a dependency, only a hidden one.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from typing import Dict, List, Set
+
+import pytest
+
+import torchTensorRef
+
+ROOT = pathlib.Path(torchTensorRef.__file__).parent
+PACKAGE = "torchTensorRef"
+
+#: bottom to top; a module may import its own layer's modules and the layers below
+LAYERS = ("core", "strategies", "analysis", "memory", "ops", "regions", "integrations", "")
+MAX_LINES = 500
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = (PACKAGE,) + path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> Dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imports(name: str, path: pathlib.Path, modules) -> Set[str]:
+    """The package's modules that ``name`` imports, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                if f"{source}.{alias.name}" in modules:
+                    found.add(f"{source}.{alias.name}")  # a module imported from its package
+                elif source in modules:
+                    found.add(source)
+    found.discard(name)
+    return {m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")}
+
+
+def _layer(name: str) -> int:
+    parts = name.split(".")
+    top = parts[1] if len(parts) > 1 and parts[1] in LAYERS else ""
+    return LAYERS.index(top)
+
+
+GRAPH = {name: _imports(name, path, _modules()) for name, path in _modules().items()}
+
+
+def _cycles(graph) -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_is_in_a_layer():
+    for name in GRAPH:
+        parts = name.split(".")
+        assert len(parts) <= 2 or parts[1] in LAYERS, f"{name} is in no layer of {LAYERS}"
+
+
+def test_no_import_circles():
+    assert _cycles(GRAPH) == []
+
+
+def test_the_cycle_check_finds_a_circle():
+    # (the check itself: a graph with a circle a -> b -> c -> a and a tail d -> a)
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_imports_run_downward_only():
+    upward = [f"{name} ({LAYERS[_layer(name)] or 'top'}) imports {other} ({LAYERS[_layer(other)] or 'top'})"
+              for name, imported in sorted(GRAPH.items()) for other in sorted(imported)
+              if _layer(other) > _layer(name)]
+    assert upward == []
+
+
+def test_the_graph_sees_lazy_imports():
+    # ops.dispatch binds itself on TensorRef; the core must not import it, even inside a function
+    assert "torchTensorRef.core.tensor_ref" in GRAPH["torchTensorRef.ops.dispatch"]
+    assert "torchTensorRef.memory.sim.device" in GRAPH["torchTensorRef.integrations.plain"]
+
+
+@pytest.mark.parametrize("name", sorted(GRAPH))
+def test_no_module_is_longer_than_500_lines(name):
+    lines = len(_modules()[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines"
+
+
+def test_the_public_names_are_importable_from_the_package():
+    for name in torchTensorRef.__all__:
+        assert getattr(torchTensorRef, name) is not None, name
+    from torchTensorRef.strategies import DEFAULT, NAMES, Flow, Genoa, Strategy, by_name  # noqa: F401

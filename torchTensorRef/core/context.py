@@ -1,0 +1,58 @@
+"""The one seam between the core and the layers above it.
+
+The core (``TensorRef``, ``proxyInfo``) and the simulated device need two things they must
+not import: the global manager that owns every block, and whether this thread is inside
+``disabled()``. The layers that own them set them here: ``memory.manager`` installs the
+manager when it is made, and ``integrations.plain.disabled`` enters and leaves the
+plain-torch state through :func:`enter_plain` / :func:`exit_plain`. (The third thing, the
+function that runs an op, ``ops.dispatch`` binds as ``TensorRef.__torch_dispatch__`` itself.)
+Nothing else is registered here.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+_manager = None
+_local = threading.local()
+
+
+def install_manager(manager) -> None:
+    """Make ``manager`` the one TensorRefs report to (``memory.manager`` does, at import)."""
+    global _manager
+    _manager = manager
+
+
+def manager():
+    """The global manager (``torchTensorRef.tensorsManager``)."""
+    if _manager is None:
+        raise RuntimeError("no tensorsManager installed: import torchTensorRef, not one of its modules alone")
+    return _manager
+
+
+# -- disabled(): plain torch in this thread -------------------------------------------------
+def is_disabled() -> bool:
+    """Whether creation functions make plain tensors here: inside ``disabled()``, or in a
+    DataLoader worker (its tensors cross a process boundary, as plain tensors)."""
+    return getattr(_local, "depth", 0) > 0 or torch.utils.data.get_worker_info() is not None
+
+
+def plain_device() -> Optional[torch.device]:
+    """The device the innermost ``disabled(device)`` asked creation functions to default to."""
+    return getattr(_local, "device", None)
+
+
+def enter_plain(device: Optional[torch.device]):
+    """Start a ``disabled()`` scope; returns what :func:`exit_plain` restores."""
+    previous = getattr(_local, "device", None)
+    _local.depth = getattr(_local, "depth", 0) + 1
+    _local.device = device
+    return previous
+
+
+def exit_plain(previous) -> None:
+    _local.depth -= 1
+    _local.device = previous

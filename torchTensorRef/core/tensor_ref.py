@@ -1,0 +1,406 @@
+"""``TensorRef``: a real ``torch.Tensor`` whose bytes the tensorsManager moves.
+
+A TensorRef is a wrapper subclass: it has the metadata of a tensor (shape, dtype,
+requires_grad, autograd history) but no bytes of its own. Its bytes live in a storage
+block (Note [Blocks and coherence], ``blocks.py``) that may be in host memory, in
+accelerator memory or both. Every aten op on it reaches ``__torch_dispatch__`` *below*
+autograd, so autograd, ``nn.Module``, ``nn.Parameter`` and optimizers work unmodified and
+the tensors autograd saves for backward are TensorRefs too.
+
+A few Tensor methods reach the bytes without an aten op (``numpy``, ``tolist``,
+``data_ptr``, ``untyped_storage``, pickling, ``deepcopy``, ``repr``); they are overridden
+here to read the host copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from . import context, raw
+from .blocks import Block
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_saving = threading.local()
+
+
+
+
+_manager = context.manager
+
+
+def _apart_from_modes(method):
+    """``method`` of a TensorRef, with the manager's own copies kept from the caller's dispatch
+    modes: plain torch runs no op there, so a mode must see none (torch.export's fake tensors
+    would take the copies over and fail)."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if _dispatch_modes():
+            with _disable_current_modes():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return run
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+class TensorRef(torch.Tensor):
+    """A tensor whose data the global ``tensorsManager`` keeps in RAM or VRAM.
+
+    ``TensorRef(t)`` manages an existing plain tensor ``t`` (sharing its bytes). Tensors
+    made by torch's creation functions after ``import torchTensorRef`` are TensorRefs
+    already, and so is every result of an op on a TensorRef.
+
+    Attributes:
+        target: the plain tensor holding the data right now (read it, do not write it).
+        proxyInfo: a :class:`~torchTensorRef.core.proxy_info.ProxyInfo`.
+    """
+
+    # Internals, all prefixed to stay clear of torch.Tensor's own attributes:
+    #   _tr_block: the Block; _tr_view: cached plain view of its current copy;
+    #   _tr_gen: the block generation the view was made for; _tr_wr: liveness weakref.
+    # Slots, not the instance dict: every op's result sets them, and users' attributes
+    # (``__dict__``) then hold only what users set.
+    __slots__ = ("_tr_block", "_tr_view", "_tr_gen", "_tr_wr")
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool | None = None, **attributes):
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"TensorRef(data) needs a torch.Tensor (got: {type(data).__name__})")
+        # ``type(p)(data, requires_grad=..., **p.__dict__)`` rebuilds a parameter (accelerate's
+        # ``init_empty_weights``, loaders): a managed parameter is a TensorRef marked
+        # ``_is_param``, so this call must do what ``Parameter(data, requires_grad)`` does.
+        if attributes.pop("_is_param", False):
+            keep = True if requires_grad is None else requires_grad
+            if data.is_meta or data.layout is not torch.strided:
+                out = torch.nn.Parameter(data, keep)  # (not managed, as such tensors are anywhere)
+            else:
+                out = torch.nn.Parameter(_manager().manage_tensor(data), keep)
+        else:
+            out = _manager().manage_tensor(data, requires_grad=requires_grad)
+        if attributes:
+            out.__dict__.update(attributes)  # (what the rebuilt parameter carried)
+        return out
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Replaced by ``ops.dispatch.torch_dispatch`` when the ops layer is imported
+        # (bound there at import): the core does not know how ops run.
+        raise RuntimeError(f"{func} on a TensorRef before the ops layer was installed: import torchTensorRef")
+
+    # -- the proxy API -------------------------------------------------------------------
+
+    @property
+    @_apart_from_modes
+    def target(self) -> torch.Tensor:
+        """The plain tensor holding this TensorRef's data right now (copies in flight waited on)."""
+        mgr = _manager()
+        with mgr._lock:
+            block = self._tr_block
+            if block.dev_pending is not None:
+                block.dev_pending.wait_compute()  # a prefetch may still be writing it
+                block.dev_pending = None
+                block.prefetched = False
+            if block.dev is None:
+                mgr.sync_host(block)  # a write-back may still be writing the host copy
+            return compute_view(self)
+
+    @property
+    def proxyInfo(self):
+        """Where the data is and what the manager tracks (a ``ProxyInfo``)."""
+        from .proxy_info import ProxyInfo
+
+        return ProxyInfo(self)
+
+    @_apart_from_modes
+    def toGPU(self) -> "TensorRef":
+        """Move the data to the accelerator now (within the budget); return ``self``."""
+        _manager().move_to_device(self)
+        return self
+
+    @_apart_from_modes
+    def toCPU(self) -> "TensorRef":
+        """Move the data to host memory now (writing back changes); return ``self``."""
+        _manager().move_to_host(self)
+        return self
+
+    # -- Tensor methods that reach the bytes without an aten op -------------------------
+
+    @_apart_from_modes
+    def numpy(self, *, force: bool = False):
+        if self.requires_grad and not force:
+            raise RuntimeError(
+                "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
+            )
+        # The array shares the host copy: from now on the block must not hide its writes
+        # behind an accelerator copy (Note [External bytes]).
+        mgr = _manager()
+        block = self._tr_block
+        with mgr._lock:
+            mgr.mark_external(block)  # writes back and drops the accelerator copy
+            array = host_view(self).numpy()
+        # Every numpy view of the array keeps its base (a tensor) alive: when the last one
+        # dies, nothing outside writes the block any more.
+        weakref.finalize(array.base, mgr.unmark_external, block)
+        return array
+
+    @_apart_from_modes
+    def tolist(self):
+        return host_copy(self).tolist()
+
+    @_apart_from_modes
+    def untyped_storage(self) -> torch.UntypedStorage:
+        _manager().move_to_host(self)
+        return self._tr_block.host
+
+    @_apart_from_modes
+    def data_ptr(self) -> int:
+        """Address of the first element where ops read it: device memory for an accelerator
+        tensor, host memory for a CPU one (as for a plain tensor of that device).
+
+        The block is brought in, counted as written (the address may be handed to a kernel
+        that writes it) and kept resident until the manager needs the room; to keep the
+        address longer, ``tensorsManager.pin`` the tensor.
+        """
+        mgr = _manager()
+        if self._tr_block.host_only or mgr._backend.passthrough:
+            storage = self.untyped_storage()
+            return storage.data_ptr() + self.storage_offset() * self.element_size()
+        return mgr.expose(self).data_ptr()
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        text = tensor_text(self, tensor_contents)
+        if getattr(self, "_is_param", False):
+            text = "Parameter containing:\n" + text
+        return text
+
+    def __format__(self, format_spec: str) -> str:
+        # as torch: 0-dim plain tensors format as their value, Parameters never do
+        if self.dim() == 0 and not getattr(self, "_is_param", False):
+            return self.detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
+    def __reduce_ex__(self, protocol):
+        # (not decorated: ``_called_by_torch_save`` counts the frames above this one)
+        plain = _apart_from_modes(host_copy)(self, share=True)
+        plain.requires_grad_(self.requires_grad)  # torch pickles it for non-leaves too
+        plain.__dict__.update(user_attributes(self))
+        is_param = bool(getattr(self, "_is_param", False))
+        if getattr(_saving, "active", False) or _called_by_torch_save():
+            # torch.save: write plain tensors and Parameters, readable with
+            # weights_only=True and without torchTensorRef.
+            if is_param:
+                param = torch.nn.Parameter(plain, requires_grad=self.requires_grad)
+                param.__dict__.update(plain.__dict__)
+                plain = param
+            return plain.__reduce_ex__(protocol)
+        return (_rebuild, (plain, is_param))
+
+    def __deepcopy__(self, memo):
+        if not self.is_leaf:
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the "
+                "deepcopy protocol at the moment."
+            )
+        if id(self) in memo:
+            return memo[id(self)]
+        new = _manager().clone_ref(self, memo)
+        memo[id(self)] = new
+        return new
+
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        # ``p.data = t`` copies t's metadata into p's C++ tensor but not our block: rebind it.
+        if not isinstance(new, TensorRef):
+            new = _manager().manage_tensor(new)
+        torch._C.TensorBase.data.__set__(self, new)
+        _manager().rebind(self, new)
+
+
+def tensor_text(ref: TensorRef, tensor_contents=None) -> str:
+    """``repr`` of a plain tensor with ``ref``'s values, metadata and autograd state.
+
+    Mirrors ``torch._tensor_str._str`` for dense tensors: the suffixes (device, dtype,
+    grad_fn ...) must be known before the text is laid out, because a long one moves to a
+    line of its own, so appending them to the repr of a host copy wraps lines differently.
+    """
+    from torch._tensor_str import PRINT_OPTS, _add_suffixes, _tensor_str
+
+    plain = host_copy(ref)
+    prefix = "tensor("
+    indent = len(prefix)
+    suffixes = []
+    device = ref.device
+    if device.type != torch._C._get_default_device() or (
+        device.type == "cuda" and torch.cuda.current_device() != device.index
+    ):
+        suffixes.append(f"device='{device}'")
+    default = torch.get_default_dtype()
+    complex_default = torch.cdouble if default == torch.double else torch.cfloat
+    empty = plain.numel() == 0
+    if empty:
+        if plain.dim() != 1:
+            suffixes.append(f"size={tuple(plain.shape)}")
+        if plain.dtype != default:
+            suffixes.append(f"dtype={plain.dtype}")
+    else:
+        if not PRINT_OPTS.edgeitems:
+            suffixes.append(f"size={tuple(plain.shape)}")
+        if plain.dtype not in (default, complex_default, torch.int64, torch.bool):
+            suffixes.append(f"dtype={plain.dtype}")
+    if tensor_contents is not None:
+        text = tensor_contents
+    elif empty:
+        text = "[]"
+    else:
+        with torch.no_grad():
+            text = _tensor_str(plain, indent)
+    try:
+        grad_fn = ref.grad_fn
+        name = None if grad_fn is None else type(grad_fn).__name__
+        if name == "CppFunction":
+            name = grad_fn.name().rsplit("::", 1)[-1]
+    except RuntimeError:  # a view made and written in place under no_grad (pytorch#99968)
+        name = "Invalid"
+    if name is not None:
+        suffixes.append(f"grad_fn=<{name}>")
+    elif ref.requires_grad:
+        suffixes.append("requires_grad=True")
+    return _add_suffixes(prefix + text, suffixes, indent, force_newline=False)
+
+
+def _rebuild(plain: torch.Tensor, is_param: bool):
+    ref = _manager().manage_tensor(plain)  # with plain's attributes
+    if is_param:
+        ref = torch.nn.Parameter(ref, requires_grad=plain.requires_grad)
+        ref.__dict__.update(plain.__dict__)
+    return ref
+
+
+def user_attributes(ref: TensorRef) -> dict:
+    """Attributes set on ``ref`` by its users (torchTensorRef's own are slots; not ``_is_param``)."""
+    return {k: v for k, v in ref.__dict__.items() if k != "_is_param"}
+
+
+def _called_by_torch_save() -> bool:
+    # torch.serialization pickles from its own frame (the C pickler adds none): this catches
+    # torch.save bound before torchTensorRef patched it, and torch.serialization.save.
+    try:
+        return sys._getframe(2).f_globals.get("__name__") == "torch.serialization"
+    except ValueError:  # no such frame
+        return False
+
+
+_CPU = torch.device("cpu")
+_inference_mode = torch.is_inference_mode_enabled
+
+
+def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_grad=False) -> TensorRef:
+    """Wrap the plain ``view`` (a view of ``block``'s current copy) in a new TensorRef.
+
+    ``declared``: the device an accelerator TensorRef reports; a host-only block reports ``cpu``.
+    """
+    inference = view.is_inference()
+    if inference is not _inference_mode():
+        # A view made in inference mode of a normal tensor is a normal tensor, which autograd
+        # gives its base's version counter (an inference tensor has none): the wrapper is
+        # what the plain result is.
+        with torch.inference_mode(inference):
+            return make_ref(block, view, declared, requires_grad)
+    ref = _make_wrapper(
+        TensorRef, view.size(), strides=view.stride(), storage_offset=view.storage_offset(),
+        dtype=view.dtype, device=_CPU if block.host_only else declared, requires_grad=requires_grad,
+    )
+    if view.is_conj():
+        torch._C._set_conj(ref, True)  # conj() and neg views are lazy: the bit is the value
+    if view.is_neg():
+        torch._C._set_neg(ref, True)
+    ref._tr_block = block
+    ref._tr_view = view
+    ref._tr_gen = block.gen
+    block.refs += 1
+    ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
+    views = block.views
+    views.append(wr)
+    if len(views) > 2 * block.refs + 8:  # (views that died since: a weight's list would grow forever)
+        block.views = [v for v in views if v() is not None]
+    return ref
+
+
+def compute_view(ref: TensorRef) -> torch.Tensor:
+    """Plain view of ``ref`` on its block's current copy (the accelerator copy if valid).
+
+    The caller holds the manager's lock and, for an op, has made the block resident.
+    """
+    block = ref._tr_block
+    if ref._tr_gen == block.gen:
+        return ref._tr_view
+    view = view_on(ref, block.dev if block.dev is not None else block.host)
+    ref._tr_view, ref._tr_gen = view, block.gen
+    return view
+
+
+def view_on(ref: TensorRef, storage: torch.UntypedStorage) -> torch.Tensor:
+    """Plain view of ``ref``'s geometry on ``storage``, an inference tensor where ``ref`` is one.
+
+    (Made in inference mode for a TensorRef made before it, a view would be an inference
+    tensor: a view op on it would give an inference result, where plain torch gives a normal one.)
+    """
+    inference = ref.is_inference()
+    if inference is not _inference_mode():
+        with torch.inference_mode(inference):
+            return view_on(ref, storage)
+    return with_math_bits(raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset()), ref)
+
+
+def with_math_bits(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``view`` with the conjugate and negative bits of ``like`` (a fresh view has neither)."""
+    if like.is_conj():
+        torch._C._set_conj(view, True)
+    if like.is_neg():
+        torch._C._set_neg(view, True)
+    return view
+
+
+def host_view(ref: TensorRef) -> torch.Tensor:
+    """Plain view of ``ref`` on the host copy; the caller made that copy valid."""
+    return view_on(ref, ref._tr_block.host)
+
+
+def host_copy(ref: TensorRef, share: bool = False) -> torch.Tensor:
+    """A plain host tensor with ``ref``'s values.
+
+    With ``share`` it views the block's host copy (views of one block then share storage,
+    which ``torch.save`` preserves); otherwise it is an independent copy.
+    """
+    mgr = _manager()
+    with mgr._lock:
+        mgr.sync_host(ref._tr_block)
+        view = host_view(ref)
+        return view if share else view.clone()
+
+
+class saving:
+    """Context in which pickling a TensorRef writes a plain tensor (used by ``torch.save``)."""
+
+    def __enter__(self):
+        self._before = getattr(_saving, "active", False)
+        _saving.active = True
+
+    def __exit__(self, *exc):
+        _saving.active = self._before

@@ -1,0 +1,172 @@
+"""Where a tensor made from nothing goes: ``torch.zeros``, ``torch.randn``, ``torch.tensor``, ``torch.load``.
+
+The creation functions patched by ``patching.py`` land here. Under an accelerator manager,
+torch behaves as if the accelerator were the default device, with the budget kept:
+
+- ``device="cpu"`` gives a CPU tensor (a host-only block), another device than the
+  manager's is left alone, and no device (or the manager's) gives an accelerator tensor;
+- a *factory* (``zeros``, ``arange``, ``randn`` ...) makes its tensor directly on the
+  device when it fits in the budget's free room (and the strategy keeps new tensors there,
+  or ``device`` names the accelerator); random ones always do, after room is made for them,
+  so that their numbers come from the device's generator, as they would under
+  ``torch.set_default_device`` (and as the in-place initialisers of ``nn.Module`` do,
+  since they are ops on the device), unless one is larger than the whole budget: that one
+  is drawn in host memory, from the CPU's generator (on ``"sim"`` the same numbers). Other
+  factories are made in host memory and brought in when used;
+- tensors made from data (``tensor``, ``as_tensor``, ``from_numpy`` ...) and
+  ``torch.load`` are made in host memory and brought in when an op needs them, even when
+  ``device`` or ``map_location`` names the accelerator: nothing reaches the device without
+  room made for it first.
+
+A device allocation that fails with an out-of-memory error evicts every unpinned block,
+empties the allocator's cache and is tried once more.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .manage import adopt
+from ..core.errors import DeviceOutOfMemoryError
+from ..memory.manager import tensorsManager as mgr
+from ..core.tensor_ref import TensorRef
+from ..memory.residency import is_out_of_memory
+
+#: creation functions whose result depends only on their (non-tensor) arguments
+FACTORIES = frozenset({
+    "rand", "randn", "randint", "randperm", "normal", "zeros", "ones", "empty", "empty_strided",
+    "empty_permuted", "full", "arange", "range", "linspace", "logspace", "eye", "scalar_tensor",
+    "tril_indices", "triu_indices", "bartlett_window", "blackman_window", "hamming_window",
+    "hann_window", "kaiser_window",
+})
+#: factories that draw random numbers: made on the device, with the device's generator
+RANDOM = frozenset({"rand", "randn", "randint", "randperm", "normal"})
+
+
+def create(fn, args, kwargs):
+    """Call the creation function ``fn`` as torch would with the accelerator as default device."""
+    _adopt = adopt
+    name = getattr(fn, "__name__", "")
+    device = kwargs.get("device")
+    if device is None:
+        default = _get_default_device()  # ``with torch.device("meta"):``, ``set_default_device``
+        if default.type != "cpu":
+            device = default
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cpu":
+            return _adopt(fn(*args, **kwargs), host_only=True)
+        if device.type == "meta" or not mgr.is_accelerator(device):
+            return _adopt(fn(*args, **kwargs))  # another device: left alone (see _adopt)
+    if name == "load":
+        args, kwargs = _load_on_host(mgr, args, kwargs)
+        result = fn(*args, **kwargs)
+        source = args[0] if args else kwargs.get("f")
+        if kwargs.get("mmap") and isinstance(source, (str, os.PathLike)) and not mgr._backend.passthrough:
+            from .checkpoint import tie_mmapped
+
+            tied = tie_mmapped(result, source)  # the bytes stay in the file until used
+            if tied is not None:
+                return tied
+        return _adopt(result)
+    if mgr._backend.passthrough:
+        return _adopt(fn(*args, **kwargs))
+    if (name in FACTORIES and "out" not in kwargs and kwargs.get("layout") in (None, torch.strided)
+            and not _tensor_arguments(args, kwargs)):
+        generator = kwargs.get("generator")
+        if generator is None or mgr.is_accelerator(generator.device):
+            nbytes = _bytes_of(fn, args, kwargs)
+            limit = mgr.limit
+            if ((name in RANDOM and (limit is None or nbytes <= limit))
+                    or ((device is not None or mgr._strategy.new_tensors_on_device) and mgr.fits(nbytes))):
+                return _on_device(mgr, fn, args, kwargs, nbytes, f"torch.{name}")
+    if device is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k != "device"}  # made on the host, fetched when used
+    return _adopt(fn(*args, **kwargs))
+
+
+def _get_default_device() -> torch.device:
+    """The device creation functions use when none is named (``torch.get_default_device``
+    without its probe tensor, which would come back here)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return torch.device(mode.device)
+    return _CPU
+
+
+_CPU = torch.device("cpu")
+
+
+def _tensor_arguments(args, kwargs) -> bool:
+    return any(isinstance(a, torch.Tensor) for a in list(args) + list(kwargs.values()))
+
+
+def _bytes_of(fn, args, kwargs) -> int:
+    """Bytes the call will allocate, from the same call on ``meta`` (no data, no work),
+    cached by its arguments (``torch.arange`` on meta runs a Python decomposition: about
+    100 µs a call, for calls a decode loop repeats with the same values)."""
+    meta = {k: v for k, v in kwargs.items() if k not in ("generator", "pin_memory", "requires_grad")}
+    try:
+        key = (fn, args, tuple(meta.items()))
+        nbytes = _bytes_cache.get(key)  # (hashing raises for unhashable arguments: a list)
+    except TypeError:
+        key = nbytes = None
+    if nbytes is None:
+        meta["device"] = "meta"
+        nbytes = fn(*args, **meta).untyped_storage().nbytes()
+        if key is not None:
+            if len(_bytes_cache) >= _BYTES_CACHE_SIZE:
+                _bytes_cache.clear()
+            _bytes_cache[key] = nbytes
+    return nbytes
+
+
+_bytes_cache: dict = {}
+_BYTES_CACHE_SIZE = 10_000
+
+
+def _on_device(mgr, fn, args, kwargs, nbytes: int, what: str):
+    _adopt = adopt
+    kwargs = dict(kwargs)
+    with mgr._lock:
+        mgr._drain()
+        # (torch_device resolves "cuda" first: the first tensor after ``device = "cuda"`` was
+        # made on the CPU, from the CPU's generator)
+        kwargs["device"] = mgr.torch_device
+        mgr._make_room(nbytes, (), what)
+        for attempt in (0, 1):
+            try:
+                if not mgr._backend.simulated:
+                    mgr._inject("create", nbytes)  # (on "sim" the device's empty kernel does)
+                result = fn(*args, **kwargs)
+                if isinstance(result, TensorRef):  # made by the sim device's empty kernel
+                    mgr._strategy.on_adopt(result._tr_block)
+                    return result
+                return _adopt(result)
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                if attempt:
+                    raise DeviceOutOfMemoryError(what, nbytes, mgr._free_estimate()) from e
+                mgr._recover_memory(())
+    raise AssertionError("unreachable")
+
+
+def _load_on_host(mgr, args, kwargs):
+    """``torch.load``'s arguments with no ``map_location``, or the accelerator's, made the CPU."""
+    if mgr._backend.passthrough:
+        return args, kwargs
+    positional = len(args) > 1
+    location = args[1] if positional else kwargs.get("map_location")
+    if location is None or isinstance(location, (str, torch.device)) and mgr.is_accelerator(torch.device(location)):
+        if positional:
+            args = (args[0], "cpu") + tuple(args[2:])
+        else:
+            kwargs = dict(kwargs)
+            kwargs["map_location"] = "cpu"
+    return args, kwargs

@@ -1,0 +1,292 @@
+"""Backends: what differs between CUDA, the simulated accelerator and the CPU pass-through.
+
+A backend says where ops compute (``compute``), which device a TensorRef reports
+(``declared``, see Note [Declared device]), how big the device is, how to allocate on it,
+and which streams (``streams.py``) and pinned host memory (``pinned.py``) its copies use.
+The copy protocol itself (``residency.py``) is the same code for every backend, so what
+runs in CI on ``"sim"`` is what runs on a GPU.
+
+Note [Declared device]: a TensorRef reports the device where its ops will run, not where
+its bytes are now. Composite ops (scaled dot-product attention, autocast) pick kernels by
+the reported device, and those kernels must match where the compute happens.
+``proxyInfo.device`` tells where the bytes are. A block that lives only in host memory
+(``Block.host_only``: a tensor made with ``device="cpu"``, the result of ``.cpu()``)
+reports ``cpu``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Optional
+
+import torch
+
+from ..core import raw
+from .sim import device as sim_device
+from .pinned import PinnedMemory
+from .sim.pool import BufferPool
+from ..core.sizes import format_size
+from .streams import CudaStreams, SimStreams
+
+ACCEPTED_DEVICES = '"cpu" (pass-through), "sim" (simulated accelerator), "cuda" or "cuda:N"'
+CPU = torch.device("cpu")
+#: capacity of the simulated accelerator unless ``tensorsManager.sim_capacity`` says otherwise
+SIM_CAPACITY_BYTES = 16 * 2**30
+
+
+class Backend:
+    """The device-specific half of the copy protocol (``residency.py`` is the other half)."""
+
+    name: str = "base"
+    #: ops run on host copies and nothing ever moves
+    passthrough: bool = False
+    #: allocations are checked against ``capacity()`` here (the simulated device), not by a driver
+    simulated: bool = False
+
+    def __init__(self, compute: torch.device, declared: torch.device):
+        self.compute = compute
+        self.declared = declared
+        self.streams = None
+        self.pinned: Optional[PinnedMemory] = None
+
+    @property
+    def kind(self) -> str:
+        """``"cpu"``, ``"sim"`` or ``"cuda"``: what strategies may specialise on."""
+        return self.name
+
+    def capacity(self) -> Optional[int]:
+        """Bytes of the device usable by this process (``None``: unbounded)."""
+        return None
+
+    def in_use_elsewhere(self, managed_bytes: int) -> int:
+        """Device bytes allocated beside the manager's blocks (workspaces, plain tensors)."""
+        return 0
+
+    def warm_up(self, backward: bool = True) -> None:
+        """Make the libraries allocate the device memory they keep for the life of the
+        process (cuBLAS workspaces) for this thread and, with ``backward``, for autograd's
+        device thread, so that the budget is checked against it before a kernel makes it
+        (Note [Budget on CUDA])."""
+
+    def note_kernel(self) -> None:
+        """A kernel is about to run on the device on this thread (the simulated device's
+        workspaces are made here)."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 buffer of ``nbytes`` on the device (may raise ``torch.OutOfMemoryError``)."""
+        return raw.empty(nbytes, dtype=raw.UINT8, device=self.compute)
+
+    def release_cached(self) -> None:
+        """Return cached free device memory to the driver (after an out-of-memory)."""
+
+    def recycle(self, storage: torch.UntypedStorage, limit: int) -> bool:
+        """The manager dropped ``storage``, a device copy: a device without a caching
+        allocator of its own may keep it for reuse, up to ``limit`` bytes kept; whether it
+        did. CUDA's allocator does this itself."""
+        return False
+
+    def is_device_output(self, t: torch.Tensor) -> bool:
+        """Whether the kernel output ``t`` lives on this device (else: host, or another device)."""
+        return t.device == self.compute
+
+    def capturing(self) -> bool:
+        """Whether a CUDA graph is being captured on the current stream."""
+        return False
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class PassthroughBackend(Backend):
+    """``"cpu"``: TensorRefs are proxies over host tensors; nothing moves."""
+
+    name = "cpu"
+    passthrough = True
+
+    def __init__(self):
+        super().__init__(CPU, CPU)
+
+
+class SimBackend(Backend):
+    """``"sim"``: a separate accelerator simulated in host memory (Note [Strict sim]).
+
+    Its blocks' device copies are host buffers, its kernels the CPU's, its copies deferred
+    until waited on (Note [Pending copies]), its pinned memory emulated, and its memory
+    ``capacity`` bytes, past which allocations raise ``torch.OutOfMemoryError``. Where
+    PyTorch cannot register a device (torch < 2.9), TensorRefs report ``cpu`` (``strict``
+    is ``False``) and the rest is unchanged.
+    """
+
+    name = "sim"
+    simulated = True
+
+    def __init__(self, capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,
+                 workspace: int = 0):
+        device = sim_device.register()
+        super().__init__(CPU, device if device is not None else CPU)
+        self.strict = device is not None
+        self._capacity = capacity
+        self.streams = SimStreams()
+        self.pinned = PinnedMemory(emulated=True, limit=pinned_limit)
+        self.pool = BufferPool(0)
+        #: bytes each thread's first kernel leaves allocated for good, as cuBLAS's workspace
+        #: does on CUDA (``tensorsManager.sim_workspace``; 0: none)
+        self.workspace = workspace
+        self._workspace_keys: set = set()
+
+    def capacity(self) -> Optional[int]:
+        return self._capacity
+
+    def in_use_elsewhere(self, managed_bytes: int) -> int:
+        return self.workspace * len(self._workspace_keys)
+
+    def set_workspace(self, nbytes: int) -> None:
+        """Emulate workspaces of ``nbytes`` from now on (none made yet)."""
+        self.workspace = nbytes
+        self._workspace_keys.clear()
+
+    def warm_up(self, backward: bool = True) -> None:
+        if self.workspace:
+            self._workspace_keys.add(workspace_key())
+            if backward:
+                self._workspace_keys.add("backward")
+
+    def note_kernel(self) -> None:
+        if self.workspace:
+            self._workspace_keys.add(workspace_key())
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        kept = self.pool.take(nbytes)
+        return kept if kept is not None else super().allocate(nbytes)
+
+    def recycle(self, storage: torch.UntypedStorage, limit: int) -> bool:
+        self.pool.limit = limit
+        return self.pool.give(storage)
+
+    def release_cached(self) -> None:
+        self.pool.clear()
+        self.pinned.kept.clear()
+
+    def is_device_output(self, t: torch.Tensor) -> bool:
+        # The kernels are the CPU's: which outputs are the device's is decided by the op
+        # (``OpContext.on_host``), not by the tensor.
+        return True
+
+
+def workspace_key():
+    """Whose workspace a kernel uses: on CUDA one per thread's cuBLAS handle, and autograd
+    runs every backward kernel of a device on that device's own thread."""
+    return "backward" if torch._C._current_graph_task_id() >= 0 else threading.get_ident()
+
+
+class CudaBackend(Backend):
+    """``"cuda"`` / ``"cuda:N"``: a real GPU.
+
+    ``"cuda"`` without an index is resolved at first use (``resolve()``), so that a script's
+    ``torch.cuda.set_device(local_rank)``, or torchrun's ``LOCAL_RANK``, is honoured.
+    """
+
+    name = "cuda"
+
+    def __init__(self, index: Optional[int], pinned_limit: Optional[int] = None):
+        super().__init__(CPU, CPU)  # placeholders until resolve()
+        self.index = index
+        self.resolved = False
+        self.pinned = PinnedMemory(emulated=False, limit=pinned_limit)
+        if index is not None:
+            self.resolve()
+
+    def target_index(self) -> int:
+        """The index this backend uses or would use if resolved now (``LOCAL_RANK`` if set,
+        else the current device)."""
+        if self.index is not None:
+            return self.index
+        local = os.environ.get("LOCAL_RANK")
+        return int(local) % torch.cuda.device_count() if local and local.isdigit() else torch.cuda.current_device()
+
+    def resolve(self) -> None:
+        """Fix the device index (``LOCAL_RANK`` if set, else the current device)."""
+        if self.resolved:
+            return
+        index = self.target_index()
+        self.index = index
+        self.compute = self.declared = torch.device("cuda", index)
+        self.streams = CudaStreams(self.compute)
+        self.resolved = True
+
+    def capacity(self) -> Optional[int]:
+        # What this process may use: the free memory plus what its allocator holds already.
+        free, _total = torch.cuda.mem_get_info(self.compute)
+        return int(free) + torch.cuda.memory_reserved(self.compute)
+
+    def in_use_elsewhere(self, managed_bytes: int) -> int:
+        return max(torch.cuda.memory_allocated(self.compute) - managed_bytes, 0)
+
+    def warm_up(self, backward: bool = True) -> None:
+        # One small product, in plain torch: cuBLAS (and cuBLASLt, for a product with a
+        # bias) allocate their workspace for this thread's handle and keep it; its backward
+        # does the same on autograd's device thread, where every backward kernel runs.
+        # (plain tensors from the unwrapped constructor: nothing here is managed)
+        with torch.enable_grad():
+            a = raw.empty(8, 8, device=self.compute).fill_(1.0).requires_grad_(backward)
+            out = torch.addmm(a[0], a, a)
+            if backward:
+                out.sum().backward()
+        torch.cuda.synchronize(self.compute)
+
+    def release_cached(self) -> None:
+        torch.cuda.empty_cache()
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+
+def make_backend(spec, sim_capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,
+                 sim_workspace: int = 0) -> Backend:
+    """Build the backend for a ``tensorsManager.device`` value.
+
+    Raises:
+        ValueError: for an unknown device, or CUDA asked for where there is none.
+    """
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    if not isinstance(spec, str):
+        raise ValueError(f"device must be one of {ACCEPTED_DEVICES} (got: {spec!r})")
+    text = spec.strip().lower()
+    if text == "cpu":
+        return PassthroughBackend()
+    if text == "sim":
+        backend = SimBackend(sim_capacity, pinned_limit, sim_workspace)
+        if not backend.strict:
+            warnings.warn(f'device "sim" runs in its lenient form: {sim_device.unavailable_reason()}',
+                          stacklevel=3)
+        return backend
+    if text == "cuda" or text.startswith("cuda:"):
+        try:
+            dev = torch.device(text)
+        except RuntimeError as e:
+            raise ValueError(f"device must be one of {ACCEPTED_DEVICES} (got: {spec!r})") from e
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {spec!r} needs CUDA, which is not available here; "
+                f'use "sim" to simulate an accelerator, or "cpu" (accepted: {ACCEPTED_DEVICES})'
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {spec!r} does not exist: this machine has {torch.cuda.device_count()} "
+                f"CUDA device(s) (accepted: {ACCEPTED_DEVICES})"
+            )
+        return CudaBackend(dev.index, pinned_limit)
+    raise ValueError(f"device must be one of {ACCEPTED_DEVICES} (got: {spec!r})")
+
+
+def default_device() -> str:
+    """``"cuda"`` where CUDA is available, else ``"cpu"`` (pass-through)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def describe_capacity(backend: Backend) -> str:
+    cap = backend.capacity()
+    return "unbounded" if cap is None else format_size(cap)

@@ -1,0 +1,83 @@
+"""Pinned (page-locked) host memory: what lets copies to and from the accelerator be asynchronous.
+
+A copy between the accelerator and pageable host memory makes the host wait; from pinned
+memory it does not. Host copies of blocks are therefore allocated pinned, up to
+``limit`` bytes (``tensorsManager.pinned_limit``): page-locked memory cannot be swapped,
+and too much of it starves the rest of the system. Beyond the limit host copies are
+pageable and their copies synchronous (``stats()["host_syncs"]`` counts them).
+
+Accounting follows PyTorch's pinned allocator, which rounds every allocation up to a power
+of two; only the buffers allocated here are counted (a tensor the user pinned is not).
+On ``"sim"`` (no CUDA) pinning is emulated: the buffers are ordinary, and this registry is
+what says they are pinned, with the same limit and accounting.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import psutil
+import torch
+
+from ..core import raw
+from .sim.pool import BufferPool
+
+
+def default_limit() -> int:
+    """A quarter of the machine's RAM."""
+    return psutil.virtual_memory().total // 4
+
+
+def rounded(nbytes: int) -> int:
+    """Bytes the pinned allocator takes for ``nbytes`` (the next power of two)."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
+
+
+class PinnedMemory:
+    """Allocates pinned host buffers within a limit and knows which storages are pinned.
+
+    Args:
+        emulated: pin nothing for real (``"sim"``, or a machine without CUDA).
+        limit: most bytes pinned at once (rounded sizes); ``None``: :func:`default_limit`.
+    """
+
+    def __init__(self, emulated: bool, limit: Optional[int] = None):
+        self.emulated = emulated
+        self.limit = default_limit() if limit is None else limit
+        self.used = 0
+        self._sizes: Dict[int, int] = {}  # storage key -> rounded bytes, for the buffers allocated here
+        #: emulated: freed buffers kept for reuse (PyTorch's pinned allocator keeps its own)
+        self.kept = BufferPool(0)
+
+    def allocate(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A flat uint8 pinned buffer of ``nbytes``, or ``None`` past the limit (or if pinning fails)."""
+        size = rounded(nbytes)
+        if self.used + size > self.limit:
+            return None
+        if self.emulated:
+            buffer = self.kept.take(nbytes)
+            if buffer is None:
+                buffer = raw.empty(nbytes, dtype=raw.UINT8)
+        else:
+            try:
+                buffer = raw.empty(nbytes, dtype=raw.UINT8, pin_memory=True)
+            except RuntimeError:
+                return None  # locked-memory limits: pageable memory still works
+        self._sizes[buffer.untyped_storage()._cdata] = size
+        self.used += size
+        return buffer
+
+    def is_pinned(self, storage: torch.UntypedStorage) -> bool:
+        if storage._cdata in self._sizes:
+            return True
+        return not self.emulated and storage.device.type == "cpu" and storage.is_pinned()
+
+    def freed(self, storage: torch.UntypedStorage, keep: int = 0) -> None:
+        """``storage`` is no longer used by a block (it is freed when its last view dies);
+        emulated, it may be kept for reuse, up to ``keep`` bytes kept."""
+        size = self._sizes.pop(storage._cdata, None)
+        if size is not None:
+            self.used -= size
+            if self.emulated:
+                self.kept.limit = keep
+                self.kept.give(storage)
