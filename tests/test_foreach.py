@@ -125,10 +125,25 @@ def test_fits_whole_runs_as_one_op(fresh_manager):
     assert fresh_manager.stats()["ops"] == 1
 
 
-def test_position_too_large_fails_before_writing(fresh_manager):
+def test_position_too_large_runs_in_chunks(fresh_manager):
+    # The last position alone (8 KiB of two lists) is larger than the budget: it runs in
+    # chunks of its elements, with the bits of one call.
+    (xs, ys), (pxs, pys) = _lists(2)
+    xs[-1], ys[-1] = torch.rand(4 * SIZE), torch.rand(4 * SIZE)
+    with torchTensorRef.disabled():
+        pxs[-1], pys[-1] = xs[-1].target.clone(), ys[-1].target.clone()
+    fresh_manager.budget = budget(BUDGET)
+    fresh_manager.reset_stats()
+    aten._foreach_addcmul_.Scalar(xs, ys, ys, value=0.5)
+    with torchTensorRef.disabled():
+        aten._foreach_addcmul_.Scalar(pxs, pys, pys, value=0.5)
+    _same(xs, pxs)
+    assert fresh_manager.stats()["peak_device_bytes"] <= BUDGET
+
+
+def test_position_that_cannot_be_chunked_fails_before_writing(fresh_manager):
     (xs, ys), (pxs, _pys) = _lists(2)
-    big = torch.ones(4 * SIZE)
-    xs[-1], ys[-1] = big, torch.ones(4 * SIZE)
+    xs[-1], ys[-1] = torch.ones(2 * SIZE, 2).t(), torch.ones(2, 2 * SIZE)  # not contiguous: no flat chunks
     fresh_manager.budget = budget(BUDGET)  # every position fits but the last (8 KiB)
     with pytest.raises(OutOfBudgetError, match="_foreach_add_"):
         aten._foreach_add_.List(xs, ys)

@@ -157,7 +157,7 @@ def run_in_slices(func, args, kwargs, spec: OpSpec):
     if layout is None:
         layout = _layouts[func] = _Layout(func)
     first = _get(args, kwargs, *layout.lists[0]) if layout.lists else None
-    if limit is None or not isinstance(first, (list, tuple)) or len(first) < 2:
+    if limit is None or not isinstance(first, (list, tuple)) or not first:
         return run_generic(func, args, kwargs, spec)
     n = len(first)
     need = _refs_bytes(list(args) + list(kwargs.values()), set())

@@ -41,7 +41,8 @@ from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements, spec_of
 from ..core.tensor_ref import TensorRef, host_view
 from ..memory.manager import tensorsManager as mgr
-from .dispatch import _NOT_FAST, run_fast, run_generic, view_on_disk
+from . import dispatch
+from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
 
 aten = torch.ops.aten
@@ -101,16 +102,22 @@ def refuse(name: str, smallest: int, left: int):
 def default(func, args, kwargs, spec: OpSpec):
     """The dispatcher's own path for an op that fits (the fast path where it can)."""
     if mgr._fast and not spec.restrides:
-        out = run_fast(func, args, kwargs, spec)
-        if out is not _NOT_FAST:
+        out = dispatch.run_fast(func, args, kwargs, spec)  # (looked up per call: tests count them)
+        if out is not dispatch._NOT_FAST:
             return out
-    return run_generic(func, args, kwargs, spec)
+    return dispatch.run_generic(func, args, kwargs, spec)
 
 
 def fits(spec: OpSpec, args, kwargs) -> Optional[int]:
     """``None`` when the op fits (or there is no budget), else the room left."""
+    limit = mgr._limit
+    if limit is None or mgr._backend.passthrough:
+        return None
+    need = op_bytes(spec, args, kwargs)
+    if need + mgr._elsewhere_bytes <= limit:
+        return None  # the common case, without reading the device or the pins
     left = room()
-    if left is None or op_bytes(spec, args, kwargs) <= left:
+    if left is None or need <= left:
         return None
     return left
 
@@ -180,13 +187,15 @@ def host_result(size, dtype, zero: bool = False) -> TensorRef:
     return ref
 
 
-def chunk_elements(per_element: int, fixed: int, left: int, numel: int, name: str) -> int:
-    """Elements per chunk so that ``fixed + chunk * per_element`` fits in ``left``."""
+def chunk_elements(per_element: int, fixed: int, left: int, numel: int, name: str,
+                   aligns=(ALIGN, MIN_ALIGN)) -> int:
+    """Elements per chunk so that ``fixed + chunk * per_element`` fits in ``left``, a
+    multiple of the first of ``aligns`` that fits."""
     n = (left - fixed) // max(per_element, 1)
-    for align in (ALIGN, MIN_ALIGN):
+    for align in aligns:
         if n >= align or n >= numel:
             return min(numel, max(n // align * align, align) if n < numel else numel)
-    raise refuse(name, fixed + MIN_ALIGN * per_element, left)
+    raise refuse(name, fixed + aligns[-1] * per_element, left)
 
 
 # -- elementwise ops and list positions ----------------------------------------------------
@@ -225,6 +234,8 @@ def _plan(func, args, kwargs, spec: OpSpec, left: int):
     if spec.allocates and not reduction:
         out_meta = _out_dtypes(func, args, kwargs)
         per_element += sum(d.itemsize for d in out_meta)
+    if reduction:
+        fixed += 512  # each chunk's result (one value, allocation-rounded)
     chunk = chunk_elements(per_element, fixed, left, numel, name)
     return big, numel, shape, chunk, reduction, out_meta
 
@@ -335,7 +346,7 @@ def _in_place_result(spec, args, kwargs):
 def _combine(packet, args, kwargs, partial):
     """One position's reduction from its chunks' results (each a one-element list; one
     tensor for ``linalg_vector_norm``)."""
-    if packet == "linalg_vector_norm":
+    if packet == "linalg_vector_norm":  # (one tensor, not a list)
         return _combine("_foreach_norm", args, kwargs, [[p] for p in partial])[0]
     values = torch.stack([p[0] for p in partial])
     if packet == "_foreach_max":
@@ -409,6 +420,11 @@ def _columns(plain: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return plain[:, start:stop].clone(memory_format=torch.preserve_format)
 
 
+#: tile widths: each output element is one dot product whatever the tile, so any width
+#: gives the bits of one call; wide tiles are cheaper
+_TILE_ALIGNS = (64, 8, 1)
+
+
 @implements(aten.mm.default)
 def mm(func, args, kwargs, spec: OpSpec):
     """``a @ b`` in tiles of the output's columns (or rows) when it does not fit."""
@@ -425,10 +441,10 @@ def mm(func, args, kwargs, spec: OpSpec):
     if a_bytes <= b_bytes:
         # Tiles of columns: all of a, then b[:, j:j+w] and out[:, j:j+w] per tile.
         per_column = k * b.element_size() + m * out_size
-        width = chunk_elements(per_column, a_bytes, left, n, spec.name)
+        width = chunk_elements(per_column, a_bytes, left, n, spec.name, _TILE_ALIGNS)
         return _tiles(func, a, b, width, n, columns=True)
     per_row = k * a.element_size() + n * out_size
-    height = chunk_elements(per_row, b_bytes, left, m, spec.name)
+    height = chunk_elements(per_row, b_bytes, left, m, spec.name, _TILE_ALIGNS)
     return _tiles(func, a, b, height, m, columns=False)
 
 
