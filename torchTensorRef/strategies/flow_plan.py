@@ -1,6 +1,6 @@
 """Flow's plan: one period of the program, compiled so that following it costs little per op.
 
-While Flow learns (``flow.py``) it records every op, checks every op against the op one
+While Flow learns (``flow_learn.py``) it records every op, checks every op against the op one
 period earlier and ranks every block it touches: tens of microseconds per op. Once the
 sequence has repeated for a whole period, none of that tells it anything new. It compiles
 the last period into a :class:`Plan` and from then on only checks that each op follows it:
@@ -15,7 +15,7 @@ the last period into a :class:`Plan` and from then on only checks that each op f
 
 An op that does not follow the plan drops it: Flow records the ops it skipped as it would
 have while learning, and goes on learning from there (Note [Leaving the plan] in
-``flow.py``).
+``flow_learn.py``).
 """
 
 from __future__ import annotations
