@@ -16,7 +16,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager
-from torchTensorRef.memory.sim.device import SimTensor
+from torchTensorRef.memory.sim.tensor import SimTensor
 from torchTensorRef.core.sizes import parse_size
 from torchTensorRef.strategies import NAMES
 

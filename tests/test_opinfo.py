@@ -40,7 +40,7 @@ import torchTensorRef  # noqa: E402
 from torchTensorRef import TensorRef, OutOfBudgetError, tensorsManager
 from torchTensorRef.core import errors, raw  # noqa: E402
 from torchTensorRef.strategies import NAMES  # noqa: E402
-from torchTensorRef.memory.sim.device import SimTensor  # noqa: E402
+from torchTensorRef.memory.sim.tensor import SimTensor  # noqa: E402
 from torchTensorRef.core.tensor_ref import with_math_bits  # noqa: E402
 
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402

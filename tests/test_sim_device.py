@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.memory.sim import device as sim_device
-from torchTensorRef.memory.sim.device import SimTensor
+from torchTensorRef.memory.sim.tensor import SimTensor
 
 from paired import assert_identical, device_type, paging, plain_torch, run_both  # noqa: F401  (paging is a fixture)
 

@@ -11,7 +11,9 @@ import contextlib
 import torch
 
 from ..core import context
-from ..memory.sim.device import NAME, PlainMode, register
+from ..memory.sim.allocation import PlainMode
+from ..memory.sim.device import register
+from ..memory.sim.tensor import NAME
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Hashable, Optional
 import torch
 
 from ..core import raw
-from ..memory.sim.device import SimTensor
+from ..memory.sim.tensor import SimTensor
 from ..core.op_specs import OpSpec
 
 _cache: Dict[Hashable, int] = {}

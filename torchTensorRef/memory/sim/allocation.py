@@ -1,0 +1,128 @@
+"""The simulated device's allocations: its factory kernels and the plain mode.
+
+``torch.empty(..., device="sim")`` (and every allocation PyTorch's own C++ code makes on the
+device) reaches the kernels registered here: a new resident block of the manager within its
+budget, or, where torchTensorRef is disabled or inside :class:`PlainMode`, a plain
+``SimTensor`` (as plain torch makes plain CUDA tensors). Registered once, by ``register()``
+(``device.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ...core import context, raw
+from .backward_errors import FAILED, failed_result, in_backward, keep_for_backward
+from .tensor import NAME, SimTensor
+
+_libraries = []  # torch.library registrations live as long as these objects
+
+
+def _register_factories() -> None:
+    # The device's allocations: a new resident block of the manager, within its budget; where
+    # torchTensorRef is disabled, a plain SimTensor (as plain torch makes plain CUDA tensors).
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kernels for a device, not new ops)
+
+    def empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None,
+                            memory_format=None):
+        return _empty(size, None, dtype, memory_format)
+
+    def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+        return _empty(size, stride, dtype, None)
+
+    def copy_from(src, dst, non_blocking=False):
+        # Reached where PyTorch bypasses tensor subclasses (``torch.tensor(data, device="sim")``
+        # converts its data with Python dispatch off): copy between the CPU bytes directly.
+        _bytes_of(dst, written=True).copy_(_bytes_of(src, written=False))
+        return dst
+
+    def copy_from_and_resize(src, dst):
+        if dst.shape != src.shape:
+            raise RuntimeError(f"_copy_from_and_resize to a sim tensor of another shape ({tuple(dst.shape)} "
+                               f"from {tuple(src.shape)}) is not supported")
+        return copy_from(src, dst)
+
+    def efficient_zero_tensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+        return _empty(size, None, dtype, None).zero_()  # (a plain zero tensor: the same values)
+
+    lib.impl("_efficientzerotensor", efficient_zero_tensor, "PrivateUse1")
+    # Factories whose only kernels are per backend (no composite of ops the device has):
+    # made by the CPU's kernel and copied to the device, as their CUDA kernels make them there.
+    for name in _CPU_MADE_FACTORIES:
+        packet, _, overload = name.partition(".")
+        lib.impl(name, _made_on_cpu(getattr(getattr(torch.ops.aten, packet), overload or "default")), "PrivateUse1")
+    lib.impl("empty.memory_format", empty_memory_format, "PrivateUse1")
+    lib.impl("empty_strided", empty_strided, "PrivateUse1")
+    lib.impl("_copy_from", copy_from, "PrivateUse1")
+    lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
+    _libraries.append(lib)
+
+
+#: factories with no kernel the simulated device can run (per-backend kernels only)
+_CPU_MADE_FACTORIES = ("tril_indices", "triu_indices", "kaiser_window", "kaiser_window.periodic",
+                       "kaiser_window.beta")
+
+
+def _made_on_cpu(op):
+    def kernel(*args, **kwargs):
+        made = op(*args, **dict(kwargs, device=torch.device("cpu")))
+        return _empty(made.size(), made.stride(), made.dtype, None).copy_(made)
+
+    return kernel
+
+
+def _bytes_of(t: torch.Tensor, written: bool) -> torch.Tensor:
+    """The plain CPU tensor holding ``t``'s values (a TensorRef's device copy, brought in)."""
+    from ...core.tensor_ref import TensorRef
+
+    if isinstance(t, SimTensor):
+        return t.data_
+    if isinstance(t, TensorRef):
+        tensorsManager = context.manager()
+
+        return tensorsManager.write_view(t) if written else t.target
+    return t
+
+
+class PlainMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Marks the ops run inside ``torchTensorRef.disabled(device="sim")``, on every thread.
+
+    The device's ``empty`` kernel must know whether a new tensor is plain (a SimTensor) or
+    managed, and backward runs on an autograd thread where ``disabled()``'s thread-local
+    flag is not set; dispatch modes are carried to those threads.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _plain.depth = getattr(_plain, "depth", 0) + 1
+        try:
+            return func(*args, **(kwargs or {}))
+        except Exception as e:
+            if not in_backward():
+                raise
+            keep_for_backward(e)  # Note [Errors in backward on sim]
+            return failed_result(func)
+        finally:
+            _plain.depth -= 1
+
+
+_plain = threading.local()
+
+
+def _empty(size, stride, dtype, memory_format):
+    tensorsManager = context.manager()
+
+    if context.is_disabled() or getattr(_plain, "depth", 0) or tensorsManager._backend.name != NAME:
+        if stride is None:
+            plain = raw.empty(size, dtype=dtype, memory_format=memory_format or torch.contiguous_format)
+        else:
+            plain = raw.empty_strided(size, stride, dtype=dtype)
+        return SimTensor(plain)
+    try:
+        return tensorsManager.new_device_tensor(size, stride, dtype, memory_format)
+    except Exception as e:
+        if not in_backward():
+            raise
+        keep_for_backward(e)  # Note [Errors in backward on sim]
+        return FAILED
