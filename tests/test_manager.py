@@ -12,7 +12,7 @@ import torch
 import torchTensorRef
 from paired import budget, outside, plain_torch, values
 from torchTensorRef import BudgetBelowFloorError, OutOfBudgetError, TensorRef, strategies, tensorsManager
-from torchTensorRef.memory.manager import CUDA_RESERVE_BYTES
+from torchTensorRef.memory.settings import CUDA_RESERVE_BYTES
 from torchTensorRef.strategies import Genoa, Strategy
 
 STAT_KEYS = {"bytes_to_device", "bytes_to_host", "peak_device_bytes", "device_bytes", "ops", "evictions"}

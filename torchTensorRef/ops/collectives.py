@@ -94,7 +94,7 @@ def _wait(out):
 @implements(_c10d_ops())
 def collective(func, args, kwargs, spec):
     """Run a c10d op on the accelerator copies of its TensorRefs (Note [Collectives])."""
-    from .dispatch import OpContext, _blocks_of
+    from .op_context import OpContext, _blocks_of
 
     mgr = _mgr
     with mgr._lock:

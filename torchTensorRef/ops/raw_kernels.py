@@ -27,7 +27,7 @@ import torch
 
 from . import workers
 from ..memory.manager import tensorsManager as _mgr
-from .dispatch import OpContext, _blocks_of, _swap, _wrap_nested
+from .op_context import OpContext, _blocks_of, _swap, _wrap_nested
 from ..core.tensor_ref import TensorRef
 
 #: the entry points wrapped: ``(owner, name)``, as in ``patching``'s tables

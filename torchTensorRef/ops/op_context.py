@@ -1,0 +1,211 @@
+"""What the generic path knows about one op while it runs (``OpContext``), and the steps it
+shares with the fast path, multi-tensor ops, collectives and raw kernels: finding the
+blocks among the arguments, swapping TensorRefs for their plain device views, and wrapping
+the results again (a view joins its input's block, a written argument follows its new
+geometry, anything else is a new block).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import raw
+from ..core.op_specs import OpSpec
+from ..core.tensor_ref import TensorRef, compute_view, host_view, make_ref
+from ..memory.sim.device import SimTensor
+from .output_size import estimate_output_bytes
+
+_Tensor = torch.Tensor
+_strided = torch.strided
+
+
+class OpContext:
+    """One op in flight, as the manager and the strategy see it.
+
+    Attributes:
+        index: position of the op in the manager's op count.
+        spec: the op's :class:`~torchTensorRef.core.op_specs.OpSpec`.
+        blocks: distinct blocks of the TensorRef arguments, in argument order.
+        written: the blocks the op writes in place.
+        outputs: new blocks the op created (filled in after it runs).
+        on_host: the op runs on host copies and makes host-only results (Note [Declared
+            device] in ``devices.py``).
+    """
+
+    __slots__ = ("index", "spec", "blocks", "written", "outputs", "args", "kwargs", "on_host", "_estimate",
+                 "_start")
+
+    def __init__(self, spec, blocks, written, args, kwargs, on_host=False):
+        self.index = -1
+        self.on_host = on_host
+        self._start = 0  # set by the manager while recording
+        self.spec = spec
+        self.blocks = blocks
+        self.written = written
+        self.outputs = []
+        self.args = args
+        self.kwargs = kwargs
+        self._estimate = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def output_estimate(self) -> int:
+        """Bytes of new tensors the op will allocate (see ``output_size.py``)."""
+        if self._estimate is None:
+            self._estimate = estimate_output_bytes(self.spec, self.args, self.kwargs)
+        return self._estimate
+
+
+def _collect(values, refs):
+    for a in values:
+        if isinstance(a, TensorRef):
+            refs.append(a)
+        elif a.__class__ is list or a.__class__ is tuple:
+            for e in a:
+                if isinstance(e, TensorRef):
+                    refs.append(e)
+
+
+def _blocks_of(refs):
+    if len(refs) == 1:
+        return [refs[0]._tr_block]
+    return _blocks_of_list([r._tr_block for r in refs])
+
+
+def _blocks_of_list(blocks):
+    """``blocks`` without repeats, in order."""
+    if len(blocks) < 2:
+        return blocks
+    return list(dict.fromkeys(blocks))  # (a block hashes by identity: one per id)
+
+
+def _written_blocks(spec: OpSpec, args, kwargs):
+    written = []
+    for i, name in spec.write_args:
+        a = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(a, TensorRef):
+            written.append(a._tr_block)
+        elif isinstance(a, (list, tuple)):
+            written.extend(e._tr_block for e in a if isinstance(e, TensorRef))
+    return written
+
+
+def _swap(a, on_host):
+    """``a`` with TensorRefs replaced by plain views of the copies the op runs on (and the
+    plain tensors of the sim device by their bytes)."""
+    if isinstance(a, TensorRef):
+        return host_view(a) if on_host else compute_view(a)
+    if a.__class__ is list or a.__class__ is tuple:
+        return a.__class__(_swap(e, on_host) for e in a)
+    if a.__class__ is SimTensor:
+        return a.data_
+    return a
+
+
+def _placement(kwargs, blocks, backend) -> bool:
+    """Whether the op runs on the host: it was asked for a CPU result, or has only CPU tensors."""
+    target = kwargs.get("device") if kwargs else None
+    if target is not None:
+        return torch.device(target).type == "cpu"
+    for b in blocks:  # (a loop: no generator per op)
+        if not b.host_only:
+            return False
+    return bool(blocks)
+
+
+def _compute_kwargs(kwargs, backend):
+    """``kwargs`` with the declared device (``sim``) replaced by where the kernels run."""
+    target = kwargs.get("device")
+    if target is not None and torch.device(target).type == backend.declared.type != backend.compute.type:
+        kwargs = dict(kwargs)
+        kwargs["device"] = backend.compute
+    return kwargs
+
+
+def _follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
+    # resize_, set_, t_ ... changed the geometry (or the storage) of the plain view they
+    # wrote: give the TensorRef the same metadata, and its new storage a block.
+    for i, name in spec.write_args:
+        ref, view = (args[i], cargs[i]) if i < len(args) else (kwargs.get(name), ckwargs.get(name))
+        if isinstance(ref, TensorRef):
+            _follow_restride(ref, view, ctx, mgr)
+        elif isinstance(ref, (list, tuple)):
+            for r, v in zip(ref, view):
+                if isinstance(r, TensorRef):
+                    _follow_restride(r, v, ctx, mgr)
+
+
+def _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
+    # Some in-place ops resize their argument as an out= op would: x.addbmm_(b1, b2) turns
+    # a (1,) x into (n, m), on a larger storage. Only a changed shape needs the full check.
+    for i, name in spec.write_args:
+        ref, view = (args[i], cargs[i]) if i < len(args) else (kwargs.get(name), ckwargs.get(name))
+        if isinstance(ref, TensorRef) and ref.shape != view.shape:
+            _follow_restride(ref, view, ctx, mgr)
+
+
+def _follow_restride(ref, view, ctx, mgr):
+    storage = view.untyped_storage()
+    if storage._cdata != ref._tr_block.dev_key:
+        source = next((b for b in ctx.blocks if b.dev_key == storage._cdata), None)
+        new = make_ref(source, view, mgr._declared) if source is not None else mgr._adopt_output(view, ctx)
+        mgr.rebind(ref, new)
+    elif storage.nbytes() != ref._tr_block.nbytes:
+        mgr._resized(ref._tr_block, storage.nbytes())  # resize_ grew the storage in place
+    if ref.shape != view.shape or ref.stride() != view.stride() or ref.storage_offset() != view.storage_offset():
+        raw.set_geometry(ref, view)
+    ref._tr_view, ref._tr_gen = view, ref._tr_block.gen
+
+
+def _wrap_outputs(out, ctx, spec, args, kwargs, mgr):
+    if isinstance(out, _Tensor):
+        index = spec.return_args[0] if spec.return_args else None
+        if index is not None:
+            return args[index] if index < len(args) else kwargs[spec.func._schema.arguments[index].name]
+        return _wrap_one(out, ctx, mgr)
+    if isinstance(out, (list, tuple)):
+        if spec.return_args and len(spec.return_args) == len(out) and out.__class__ is tuple:
+            items = []
+            for i, (o, index) in enumerate(zip(out, spec.return_args)):
+                if index is not None:
+                    name = spec.func._schema.arguments[index].name
+                    items.append(args[index] if index < len(args) else kwargs[name])
+                elif i in spec.host_results:
+                    items.append(o)  # a plain CPU tensor, as CUDA makes it (registry._HOST_RESULTS)
+                else:
+                    items.append(_wrap_nested(o, ctx, mgr))
+            return tuple(items)
+        return _wrap_nested(out, ctx, mgr)
+    return out
+
+
+def _wrap_nested(out, ctx, mgr):
+    if isinstance(out, _Tensor):
+        return _wrap_one(out, ctx, mgr)
+    if isinstance(out, (list, tuple)):
+        return out.__class__(_wrap_nested(o, ctx, mgr) for o in out)
+    return out
+
+
+def _wrap_one(t, ctx, mgr):
+    if isinstance(t, TensorRef) or t.is_meta:  # (not ``t.device.type``: that costs a microsecond)
+        return t
+    if t.layout is not _strided or t.is_nested:
+        # No single storage to page (sparse, nested): a plain tensor of the device, unmanaged.
+        if t.layout is torch.sparse_coo and mgr._backend.declared.type == "sim" and not ctx.on_host:
+            return SimTensor(t)
+        return t
+    compute = mgr._backend.compute
+    if t.device != compute and not t.is_cpu:
+        return t  # explicitly sent to another device than the manager's: not managed
+    key = t.untyped_storage()._cdata
+    for b in ctx.blocks:
+        if b.dev_key == key:
+            return make_ref(b, t, mgr._declared)  # a view: shares the input's block
+    for b in ctx.outputs:
+        if b.dev_key == key:
+            return make_ref(b, t, mgr._declared)  # shares the storage of another of its results
+    return mgr._adopt_output(t, ctx)
+
