@@ -24,7 +24,7 @@ gradients and the optimizer's state are blocks like any other, paged under the b
 FSDP2's free becomes ``tensorsManager.discard``: the accelerator copy is dropped without
 being written back (its bytes are dead), and its give-back does nothing (the block keeps its
 size; the gather writes it). FSDP2's ``all_gather_copy_in`` writes the all-gather buffer
-without saying so in its schema: ``ops/registry.py`` marks it. The rest FSDP2 asks of the
+without saying so in its schema: ``core/op_specs.py`` marks it. The rest FSDP2 asks of the
 device is its streams, which ``"sim"`` provides as no-ops (Note [Streams of sim for PyTorch
 code] in ``streams.py``).
 Refused at ``fully_shard``, before it changes the module: CUDA (FSDP2's side streams and the

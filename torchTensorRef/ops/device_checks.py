@@ -12,7 +12,7 @@ import torch
 
 from ..core.tensor_ref import TensorRef
 from ..memory.manager import tensorsManager as _mgr
-from ..memory.sim.device import SimTensor
+from ..memory.sim.tensor import SimTensor
 
 _Tensor = torch.Tensor
 _strided = torch.strided
@@ -46,7 +46,7 @@ def _check_devices(spec, args, kwargs, declared, blocks) -> None:
     Refused: a CPU TensorRef, and a plain view of a block's host copy (what ``.target`` gives
     for a tensor that is on the host): on CUDA both are CPU tensors, and ``cuda_t + cpu_t``
     raises. A 0-dim CPU tensor is a scalar, which accelerator kernels accept (Note [Strict
-    sim] in ``sim_device.py``); so do the copies and indexing ops of ``_TAKES_CPU_TENSORS``.
+    sim] in ``memory/sim/device.py``); so do the copies and indexing ops of ``_TAKES_CPU_TENSORS``.
     Other plain CPU tensors are let through: on the simulated device the results of ops the
     manager does not page (nested tensors, and the dense tensors computed from them, as in
     ``TransformerEncoder``'s eval fast path) are plain CPU tensors that are the device's on a

@@ -24,7 +24,7 @@ import time
 import torch
 
 from ..core import raw
-from ..memory.sim import device as sim_device
+from ..memory.sim import backward_errors as sim_errors
 from . import workers
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.op_protocol import tight_result
@@ -64,9 +64,9 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
             return view_on_disk(func, args, kwargs)
         return run_generic(func, args, kwargs, spec)
     except Exception as e:
-        if getattr(_mgr._backend, "strict", False) and sim_device.in_backward():
-            sim_device.keep_for_backward(e)  # Note [Errors in backward on sim]
-            return sim_device.failed_result(func)
+        if getattr(_mgr._backend, "strict", False) and sim_errors.in_backward():
+            sim_errors.keep_for_backward(e)  # Note [Errors in backward on sim]
+            return sim_errors.failed_result(func)
         raise
 
 

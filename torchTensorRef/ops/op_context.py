@@ -12,7 +12,7 @@ import torch
 from ..core import raw
 from ..core.op_specs import OpSpec
 from ..core.tensor_ref import TensorRef, compute_view, host_view, make_ref
-from ..memory.sim.device import SimTensor
+from ..memory.sim.tensor import SimTensor
 from .output_size import estimate_output_bytes
 
 _Tensor = torch.Tensor
