@@ -113,6 +113,29 @@ def test_norm_of_a_tensor_larger_than_budget(tight):
     torch.testing.assert_close(_plain(whole), expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("make", ["zeros_like", "empty_like", "ones_like", "full_like", "new_zeros", "new_full"])
+def test_a_fill_larger_than_the_budget_is_made_on_the_host(tight, make):
+    # (AdamW's moments of a table larger than the budget: zeros_like was refused outright)
+    w, pw = _pair(ROWS, DIM)
+    calls = {"zeros_like": lambda t: torch.zeros_like(t), "empty_like": lambda t: torch.empty_like(t).fill_(3),
+             "ones_like": lambda t: torch.ones_like(t), "full_like": lambda t: torch.full_like(t, 2.5),
+             "new_zeros": lambda t: t.new_zeros(t.shape), "new_full": lambda t: t.new_full(t.shape, -1.0)}
+    made = calls[make](w)
+    assert isinstance(made, TensorRef) and made.device == w.device
+    assert made.shape == w.shape and made.stride() == w.stride() and made.dtype == w.dtype
+    made.add_(w)  # used as a moment is: in chunks that fit
+    with torchTensorRef.disabled("sim"):
+        expected = calls[make](pw).add_(pw).cpu()
+    assert torch.equal(_plain(made), expected)
+
+
+def test_a_random_fill_larger_than_the_budget_is_still_refused(tight):
+    # (its bits come from the device's generator, which a host copy would not reproduce)
+    w, _ = _pair(ROWS, DIM)
+    with pytest.raises(OutOfBudgetError, match="rand_like"):
+        torch.rand_like(w)
+
+
 def test_what_cannot_be_split_names_the_op_and_a_budget(fresh_manager):
     a, _ = _pair(ROWS, DIM)
     b, _ = _pair(DIM, ROWS, seed=1)

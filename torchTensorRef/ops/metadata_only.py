@@ -3,6 +3,11 @@
 The generic path would bring the input's bytes to the accelerator for nothing (and under a
 tight budget evict something for them). These run on a ``meta`` stand-in of the input with
 the device made explicit, so only the result takes accelerator memory.
+
+A filled result larger than the room the budget leaves (AdamW's moments of an embedding
+table at a tenth of the weights) is made in host memory instead, as a block whose only copy
+is on the host: it is paged in pieces by the ops that use it (``split.py``). Random fills
+are not: their bits come from the device's generator, which the host's would not reproduce.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import torch
 
 from ..core import raw
 from ..core.tensor_ref import TensorRef
+from ..memory.manager import tensorsManager as mgr
+from . import split
 from .dispatch import run_generic
 from ..core.op_specs import aten, implements
 
@@ -35,4 +42,30 @@ def metadata_only(func, args, kwargs, spec):
     kwargs = dict(kwargs)
     if kwargs.get("device") is None:
         kwargs["device"] = source.device  # the declared device: a CPU tensor's result stays on the CPU
+    if func in _FILLS and torch.device(kwargs["device"]) == mgr._declared:
+        big = _made_on_host(func, stand_in, args, kwargs)
+        if big is not None:
+            return big
     return run_generic(func, (stand_in,) + tuple(args[1:]), kwargs, spec)
+
+
+#: the deterministic fills: the same bits made on the host as on the device
+_FILLS = frozenset({
+    aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.new_empty.default, aten.new_empty_strided.default, aten.new_zeros.default,
+    aten.new_ones.default, aten.new_full.default,
+})
+
+
+def _made_on_host(func, stand_in, args, kwargs):
+    """The result made in host memory when it is larger than the room the budget leaves
+    (``None`` when it fits, or without a budget)."""
+    left = split.room()
+    if left is None:
+        return None
+    meta = func(stand_in, *args[1:], **dict(kwargs, device=_META))
+    if meta.untyped_storage().nbytes() <= left:
+        return None
+    host = func(raw.empty_strided(stand_in.size(), stand_in.stride(), dtype=stand_in.dtype),
+                *args[1:], **dict(kwargs, device="cpu"))
+    return mgr.manage_tensor(host, shared=False)
