@@ -1,0 +1,182 @@
+"""The ops that run in pieces when they are larger than the budget (Note [Pieces] in
+``split.py``, which holds the machinery): ``embedding`` and its backward by rows, ``mm`` by
+tiles of its output, the elementwise ops a training step runs on whole parameters by
+chunks, views of big tensors without moving bytes, and a whole tensor's norm by chunks.
+
+Each handler first checks whether the op fits, and then takes the dispatcher's own path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.op_specs import OpSpec, implements, spec_of
+from ..core.tensor_ref import TensorRef, host_view
+from ..memory.manager import tensorsManager as mgr
+from .dispatch import run_generic, view_on_disk
+from .output_size import estimate_output_bytes
+from .split import (_tensors, chunk_elements, default, fits, gathered_piece, host_result, op_bytes, refs_bytes,
+                    refuse, room, run_chunked, settle, to_host)
+
+aten = torch.ops.aten
+
+
+# -- embedding ------------------------------------------------------------------------------
+
+def _host_values(ref) -> torch.Tensor:
+    if not isinstance(ref, TensorRef):
+        return ref.detach().clone()
+    with mgr._lock:
+        mgr.sync_host(ref._tr_block)
+        return host_view(ref).detach().clone()
+
+
+def _remapped(indices):
+    """(the distinct rows the indices name, the indices renumbered into them, as a piece)."""
+    values = _host_values(indices)
+    rows, inverse = torch.unique(values, sorted=True, return_inverse=True)
+    return rows, gathered_piece(inverse.to(values.dtype).reshape(values.shape))
+
+
+@implements(aten.embedding.default)
+def embedding(func, args, kwargs, spec: OpSpec):
+    """The rows the indices name, read alone when the table does not fit."""
+    left = fits(spec, args, kwargs)
+    weight = args[0]
+    if left is None or not isinstance(weight, TensorRef) or kwargs or weight.dim() != 2:
+        return default(func, args, kwargs, spec)
+    rows, local = _remapped(args[1])
+    settle([weight])
+    need = rows.numel() * weight.shape[1] * weight.element_size() + local._tr_block.nbytes
+    need += estimate_output_bytes(spec, args, kwargs)
+    if need > left:
+        raise refuse(spec.name, need, left)
+    table = gathered_piece(host_view(weight).detach().index_select(0, rows))
+    # padding_idx changes only the backward: the forward is a gather
+    return run_generic(func, [table, local] + [-1] + list(args[3:]), {}, spec)
+
+
+@implements(aten.embedding_dense_backward.default)
+def embedding_dense_backward(func, args, kwargs, spec: OpSpec):
+    """The gradient of the rows the indices name, placed in a full-size host gradient."""
+    left = fits(spec, args, kwargs)
+    if left is None or kwargs:
+        return default(func, args, kwargs, spec)
+    grad, indices, num_weights, padding_idx, scale = args
+    rows, local = _remapped(indices)
+    hits = (rows == padding_idx).nonzero()
+    local_padding = int(hits[0, 0]) if padding_idx >= 0 and hits.numel() else -1
+    part = run_generic(func, [grad, local, rows.numel(), local_padding, scale], {}, spec)
+    out = host_result((num_weights, grad.shape[-1]), grad.dtype, zero=True)
+    host_view(out).index_copy_(0, rows, to_host(part))
+    return out
+
+
+# -- matrix products ------------------------------------------------------------------------
+
+def _columns(plain: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Columns ``start:stop`` of a plain host matrix as a new tensor, dense in the same order."""
+    return plain[:, start:stop].clone(memory_format=torch.preserve_format)
+
+
+#: tile widths: each output element is one dot product whatever the tile, so any width
+#: gives the bits of one call; wide tiles are cheaper
+_TILE_ALIGNS = (64, 8, 1)
+
+
+@implements(aten.mm.default)
+def mm(func, args, kwargs, spec: OpSpec):
+    """``a @ b`` in tiles of the output's columns (or rows) when it does not fit."""
+    left = fits(spec, args, kwargs)
+    if left is None or kwargs:
+        return default(func, args, kwargs, spec)
+    a, b = args
+    if not (isinstance(a, TensorRef) and isinstance(b, TensorRef)):
+        return default(func, args, kwargs, spec)
+    a_bytes, b_bytes = refs_bytes([a]), refs_bytes([b])
+    m, k = a.shape
+    n = b.shape[1]
+    out_size = a.element_size()
+    if a_bytes <= b_bytes:
+        # Tiles of columns: all of a, then b[:, j:j+w] and out[:, j:j+w] per tile.
+        per_column = k * b.element_size() + m * out_size
+        width = chunk_elements(per_column, a_bytes, left, n, spec.name, _TILE_ALIGNS)
+        return _tiles(func, a, b, width, n, columns=True)
+    per_row = k * a.element_size() + n * out_size
+    height = chunk_elements(per_row, b_bytes, left, m, spec.name, _TILE_ALIGNS)
+    return _tiles(func, a, b, height, m, columns=False)
+
+
+def _tiles(func, a, b, step, count, columns: bool):
+    spec = spec_of(func)
+    tiled = b if columns else a
+    settle([tiled])
+    whole = host_view(tiled).detach()
+    out = host_result((a.shape[0], b.shape[1]), a.dtype)  # (mm takes one dtype)
+    out_host = host_view(out)
+    for start in range(0, count, step):
+        stop = min(start + step, count)
+        if columns:
+            piece = gathered_piece(_columns(whole, start, stop))
+            result = run_generic(func, [a, piece], {}, spec)
+            out_host[:, start:stop].copy_(to_host(result))
+        else:
+            piece = gathered_piece(whole[start:stop].clone(memory_format=torch.preserve_format))
+            result = run_generic(func, [piece, b], {}, spec)
+            out_host[start:stop].copy_(to_host(result))
+        del piece, result
+    return out
+
+
+# -- elementwise ops a training step runs on whole parameters -------------------------------
+
+#: in-place and out-of-place elementwise ops that meet tensors as large as a parameter
+#: (gradient accumulation, ``zero_grad(set_to_none=False)``, manual updates)
+POINTWISE = [
+    aten.add_.Tensor, aten.add.Tensor, aten.mul_.Tensor, aten.mul_.Scalar, aten.mul.Tensor,
+    aten.div_.Tensor, aten.zero_.default, aten.fill_.Scalar, aten.lerp_.Scalar,
+]
+
+
+@implements(POINTWISE)
+def pointwise(func, args, kwargs, spec: OpSpec):
+    """An elementwise op in chunks when its tensors do not fit together."""
+    left = fits(spec, args, kwargs)
+    if left is None:
+        return default(func, args, kwargs, spec)
+    tensors = list(_tensors(list(args) + list(kwargs.values())))
+    numel = max(t.numel() for t in tensors)
+    if any(t.numel() not in (numel, 1) or (t.numel() == 1 and t.dim() and numel > 1) for t in tensors):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)  # broadcasting: not chunked
+    return run_chunked(func, args, kwargs, spec, left)
+
+
+# -- views of tensors larger than the budget -------------------------------------------------
+
+#: view ops a training step applies to whole parameters (``linear`` transposes its weight)
+VIEWS = [
+    aten.t.default, aten.transpose.int, aten.view.default, aten.detach.default, aten.alias.default,
+    aten.permute.default, aten.unsqueeze.default, aten.expand.default,
+]
+
+
+@implements(VIEWS)
+def view(func, args, kwargs, spec: OpSpec):
+    """A view of a tensor that does not fit: its geometry, with no bytes moved (the
+    dispatcher's view of a block on disk, which reads nothing)."""
+    base = args[0] if args else None
+    left = room() if isinstance(base, TensorRef) else None
+    if left is None or base._tr_block.nbytes <= left or base._tr_block.dev is not None:
+        return default(func, args, kwargs, spec)
+    return view_on_disk(func, args, kwargs)
+
+
+@implements(aten.linalg_vector_norm.default)
+def vector_norm(func, args, kwargs, spec: OpSpec):
+    """The norm of a whole tensor that does not fit: the norm of its chunks' norms."""
+    left = fits(spec, args, kwargs)
+    whole = (len(args) < 3 or args[2] is None) and kwargs.get("dim") is None
+    keepdim = (len(args) > 3 and args[3]) or kwargs.get("keepdim", False)
+    if left is None or not whole or keepdim:
+        return default(func, args, kwargs, spec)
+    return run_chunked(func, args, kwargs, spec, left)
