@@ -3,7 +3,11 @@ runs as one op.
 
 Note [Compiled regions]: the manager cannot run inside a compiled graph (Note
 [torch.compile] in ``compiler.py``), so a region is compiled for plain tensors and the
-manager works at its boundary, as it does around one aten op (``op_protocol.py``):
+manager works at its boundary, as it does around one aten op (``op_protocol.py``). It is
+the mechanism of module regions (Note [Regions] in ``regions/mechanism.py``), with three
+differences: the compiled code gets plain views of the copies the kernels run on (on
+"sim", CPU tensors: the graph is compiled for them), a call that cannot be a region is
+refused rather than run op by op, and a region whose blocks are all on the host runs there:
 
 1. the region's TensorRefs (in its arguments, and the parameters and buffers of a module)
    are its op's blocks: ``_prepare`` refuses the call with ``OutOfBudgetError`` if they
@@ -20,7 +24,8 @@ manager works at its boundary, as it does around one aten op (``op_protocol.py``
 The outputs' size is known after the first call with given input shapes; from then on it
 is part of the working set checked and made room for before the call. The compiled code's
 intermediate tensors are allocated by the compiled kernels outside the manager's books, as
-an aten op's temporary workspace is: the budget counts the region's inputs and outputs.
+an aten op's temporary workspace is (no dispatch mode may watch a compiled graph to measure
+them, as a module region's are): the budget counts the region's inputs and outputs.
 
 Autograd cannot see through a region (the compiled code runs on plain views, not on the
 TensorRefs autograd tracks), so a call that would need gradients is refused.
@@ -31,31 +36,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils import _pytree as pytree
 
-from ..memory.manager import tensorsManager as _mgr
-from ..ops.dispatch import OpContext, _blocks_of, _blocks_of_list, _wrap_one
-from .plain import disabled
-from ..core.tensor_ref import TensorRef, compute_view, host_view
-
-
-class _RegionSpec:
-    """What the op protocol and the strategies read of an op's spec, for a region (one per
-    region: Flow keys its history on it)."""
-
-    __slots__ = ("name",)
-    restrides = False
-
-    def __init__(self, name: str):
-        self.name = name
-
-
-class _RegionContext(OpContext):
-    __slots__ = ("estimate",)
-
-    def output_estimate(self) -> int:
-        return self.estimate
-
+from .. import regions
+from ..regions.mechanism import Region, parameter_slots
 
 _GRAD_ERROR = (
     "{name}: a compiled region runs inference only, and {what} requires grad with grad mode on: "
@@ -73,8 +56,8 @@ class CompiledRegion:
         self.module = target if isinstance(target, torch.nn.Module) else None
         self.compiled = torch.compile(target, **compile_kwargs)
         label = type(target).__name__ if self.module is not None else getattr(target, "__qualname__", repr(target))
-        self.spec = _RegionSpec(f"compiled region {label}")
-        self._out_bytes: dict = {}  # output bytes of the last call, by input shapes
+        self.region = Region(f"compiled region {label}", device_views=False, strict=True, measure=False)
+        self.spec = self.region.spec
 
     @property
     def name(self) -> str:
@@ -82,96 +65,20 @@ class CompiledRegion:
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        slots = []  # (dict, key, TensorRef) of the module's parameters and buffers
-        if module is not None:
-            for m in module.modules():
-                for d in (m._parameters, m._buffers):
-                    for k, v in d.items():
-                        if isinstance(v, TensorRef):
-                            slots.append((d, k, v))
-        leaves = pytree.tree_leaves((args, kwargs))
-        refs = [a for a in leaves if isinstance(a, TensorRef)] + [v for _d, _k, v in slots]
-        if torch.is_grad_enabled():
-            for t in refs + [a for a in leaves if isinstance(a, torch.Tensor)]:
-                if t.requires_grad:
-                    raise RuntimeError(_GRAD_ERROR.format(name=self.name, what="an input or parameter"))
-        mgr = _mgr
-        with mgr._lock:
-            if mgr._dead:
-                mgr._drain()
-            blocks = _blocks_of(refs) if refs else []
-            on_host = not mgr._backend.passthrough and bool(blocks) and all(b.host_only for b in blocks)
-            ctx = _RegionContext(self.spec, blocks, [], args, kwargs, on_host)
-            key = tuple((tuple(a.shape), a.dtype) for a in leaves if isinstance(a, torch.Tensor))
-            ctx.estimate = self._out_bytes.get(key, 0)
-            mgr._prepare(ctx)
-            for b in blocks:
-                b.pins += 1
-            try:
-                out, nbytes = self._run(ctx, args, kwargs, slots, on_host)
-            finally:
-                for b in blocks:
-                    b.pins -= 1
-            self._out_bytes[key] = nbytes
-            mgr._finish(ctx)
-            return out
+        slots = parameter_slots(module) if module is not None else ()
+        return self.region.run(self._call, args, kwargs, slots,
+                               grad_error=_GRAD_ERROR.format(name=self.name, what="an input or parameter"))
 
-    def _run(self, ctx, args, kwargs, slots, on_host):
-        mgr = _mgr
-        view = host_view if on_host else compute_view
-        if on_host:
-            for b in ctx.blocks:
-                mgr.sync_host(b)  # the region reads the host copies
-        views = {}
-
-        def swap(a):
-            if isinstance(a, TensorRef):
-                entry = views.get(id(a))
-                if entry is None:
-                    v = view(a)
-                    entry = views[id(a)] = (a, v, v._version)
-                return entry[1]
-            return a
-
-        cargs, ckwargs = pytree.tree_map(swap, (args, kwargs))
+    def _call(self, *args, **kwargs):
         module = self.module
         own = module is not None and module._compiled_call_impl is self
+        if own:
+            module._compiled_call_impl = None  # the compiled module calls itself: not this again
         try:
-            for d, k, v in slots:
-                d[k] = swap(v)
-            if own:
-                module._compiled_call_impl = None  # the compiled module calls itself: not this again
-            with disabled():
-                out = self.compiled(*cargs, **ckwargs)
+            return self.compiled(*args, **kwargs)
         finally:
             if own:
                 module._compiled_call_impl = self
-            for d, k, v in slots:
-                d[k] = v
-        written = [ref._tr_block for ref, v, version in views.values() if v._version != version]
-        if written:
-            ctx.written = _blocks_of_list(written)
-            if on_host:
-                for b in ctx.written:
-                    mgr._host_written(b)
-            else:
-                mgr._mark_written(ctx.written)
-        # Room for the new outputs before they join the books (inputs are pinned).
-        inputs = {b.dev_key for b in ctx.blocks}
-        compute = mgr._backend.compute
-        fresh = {}
-        for t in pytree.tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and not isinstance(t, TensorRef) and t.layout is torch.strided
-                    and t.device == compute):
-                s = t.untyped_storage()
-                if s._cdata not in inputs:
-                    fresh[s._cdata] = s.nbytes()
-        nbytes = sum(fresh.values())
-        if nbytes and not on_host and mgr._limit is not None:
-            mgr._make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name)
-        wrapped = pytree.tree_map(
-            lambda t: _wrap_one(t, ctx, mgr) if isinstance(t, torch.Tensor) else t, out)
-        return wrapped, nbytes
 
 
 def compile_region(target, **compile_kwargs):
@@ -192,6 +99,7 @@ def compile_region(target, **compile_kwargs):
     region = CompiledRegion(target, compile_kwargs)
     if region.module is not None:
         target._compiled_call_impl = region
+        regions.generation[0] += 1  # (a module holding it is no module region)
         return target
 
     @functools.wraps(target)

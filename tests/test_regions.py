@@ -1,0 +1,189 @@
+"""Module regions (Note [Regions] in regions/mechanism.py, Note [Module regions] in
+regions/__init__.py): a module call as one op, its forward on plain device tensors.
+
+Every test compares with plain torch on the same device and checks that the calls did (or
+did not) run as regions, by the manager's op count: a region is one op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import TensorRef, regions, tensorsManager as tm
+from paired import assert_identical, budget
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+
+
+@pytest.fixture(autouse=True)
+def regions_on():
+    previous = regions.enabled
+    regions.enabled = True
+    yield
+    regions.enabled = previous
+
+
+def llama(device: str):
+    """A tiny random Llama: plain on ``device`` when called under ``disabled(device)``, else managed."""
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+
+
+def weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def decode(model, ids, cache="dynamic"):
+    """Tokens of a greedy generate() and the logits of one forward, as plain CPU tensors."""
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                cache_implementation=cache)
+        logits = model(ids).logits
+    return tokens, logits
+
+
+def ops_of(fn):
+    """``fn()`` and the ops it ran, after a first call: a region's first call with given shapes
+    under a limit (the device's capacity on "sim") runs op by op, measuring what it allocates."""
+    fn()
+    tm.reset_stats()
+    out = fn()
+    return out, tm.stats()["ops"]
+
+
+@pytest.mark.parametrize("device,fraction", [("cpu", None), ("sim", None), ("sim", 0.5), ("sim", 0.25)],
+                         ids=["cpu", "sim-no-budget", "sim-50%", "sim-25%"])
+def test_generate_matches_plain_torch_in_fewer_ops(device, fraction):
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torchTensorRef.disabled(device=device if device != "cpu" else None):
+        plain = decode(llama(device).to(device), ids.to(device))
+    tm.device = device
+    tm.strategy = "flow"
+    model = llama(device)
+    limit = None if fraction is None else budget(int(fraction * weight_bytes(model)))
+    tm.budget = limit
+    managed, ops = ops_of(lambda: decode(model, torchTensorRef.manage(ids.clone())))
+    assert isinstance(managed[1], TensorRef) and managed[1].device.type == device
+    assert_identical(plain, managed)
+    stats = tm.stats()
+    if limit is not None:
+        assert stats["evictions"] > 0 and stats["peak_device_bytes"] <= limit
+    regions.enabled = False
+    tm.reset_stats()
+    again, per_op = ops_of(lambda: decode(model, torchTensorRef.manage(ids.clone())))
+    assert_identical(plain, again)
+    # the module calls ran as regions, one op each (at 25% only the Linears fit half the budget)
+    assert ops * (1.3 if fraction == 0.25 else 3) < per_op
+
+
+def test_a_static_cache_written_in_place_inside_regions_keeps_its_writes():
+    # Genoa sends every block back after each op: the cache's in-place writes must reach the host
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torchTensorRef.disabled(device="sim"):
+        plain = decode(llama("sim").to("sim"), ids.to("sim"), cache="static")
+    tm.strategy = "genoa"
+    tm.budget = budget(24 * 1024)
+    assert_identical(plain, decode(llama("sim"), torchTensorRef.manage(ids.clone()), cache="static"))
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
+
+
+def test_a_region_s_outputs_are_tensorrefs_and_it_is_one_op():
+    with torchTensorRef.disabled(device="sim"):
+        plain_model = mlp().to("sim")
+        x = torch.randn(4, 16, device="sim")
+        with torch.no_grad():
+            plain = plain_model(x)
+    model = mlp()
+    mx = torchTensorRef.manage(x.data_.clone())
+    with torch.no_grad():
+        out, ops = ops_of(lambda: model(mx))
+    assert ops == 1
+    assert isinstance(out, TensorRef) and out.device.type == "sim" and out.proxyInfo is not None
+    assert all(isinstance(p, TensorRef) for p in model.parameters())  # given back after the call
+    assert_identical(plain, out)
+    assert_identical(plain, out.target)
+
+
+def test_a_region_returning_a_view_of_its_input_shares_its_block():
+    class Half(torch.nn.Module):
+        def forward(self, x):
+            return x[:2], x * 2
+
+    x = torchTensorRef.manage(torch.arange(8.0).reshape(4, 2))
+    half = Half()
+    with torch.no_grad():
+        (view, doubled), ops = ops_of(lambda: half(x))
+    assert ops == 1
+    assert view._tr_block is x._tr_block and doubled._tr_block is not x._tr_block
+    assert_identical(torch.arange(4.0).reshape(2, 2), view)
+
+
+def test_a_working_set_larger_than_the_budget_runs_op_by_op():
+    with torchTensorRef.disabled(device="sim"):
+        x = torch.randn(4, 16, device="sim")
+        with torch.no_grad():
+            plain = mlp().to("sim")(x)
+    model = regions.region(mlp())  # forced: still op by op where it cannot be one
+    tm.strategy = "flow"
+    tm.budget = budget(weight_bytes(model) * 19 // 20)
+    with torch.no_grad():
+        out, ops = ops_of(lambda: model(torchTensorRef.manage(x.data_.clone())))
+    assert ops > 3  # op by op (the first Linear is above half the budget: not one either)
+    assert_identical(plain, out)
+    assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
+def test_a_call_that_needs_gradients_runs_op_by_op_and_trains():
+    with torchTensorRef.disabled(device="sim"):
+        plain_model = mlp().to("sim")
+        x = torch.randn(4, 16, device="sim")
+        plain_model(x).sum().backward()
+        plain = [p.grad for p in plain_model.parameters()]
+    model = mlp()
+    out, ops = ops_of(lambda: model(torchTensorRef.manage(x.data_.clone())))
+    assert ops > 3
+    out.sum().backward()
+    assert_identical(plain, [p.grad for p in model.parameters()])
+
+
+def test_no_region_runs_op_by_op_and_region_overrides_the_size_rule():
+    model = mlp()
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    with torch.no_grad():
+        regions.no_region(model)
+        for layer in model:
+            regions.no_region(layer)
+        _, per_op = ops_of(lambda: model(x))
+        assert per_op > 3
+        for layer in model:
+            regions.auto(layer)
+        _, ops = ops_of(lambda: model(x))
+        assert ops == 3  # the parent is not one: each layer is
+        tm.strategy = "flow"
+        tm.budget = budget(int(weight_bytes(model) * 1.5))  # the whole model is above half the budget
+        regions.auto(model)
+        _, ops = ops_of(lambda: model(x))
+        assert ops == 3
+        regions.region(model)
+        _, ops = ops_of(lambda: model(x))
+        assert ops == 1
+    with pytest.raises(TypeError, match="takes an nn.Module"):
+        regions.region(lambda x: x)
+
+
+def test_the_switch_turns_regions_off():
+    model = mlp()
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    regions.enabled = False
+    with torch.no_grad():
+        _, ops = ops_of(lambda: model(x))
+    assert ops > 3

@@ -1,0 +1,152 @@
+"""Module regions: a module call as one step of the pager (Note [Regions] in ``mechanism.py``).
+
+Note [Module regions]: the package wraps ``torch.nn.Module.__call__`` (at import). A call
+made outside any region, on a module that is a region (below), runs through
+:meth:`Region.run`: its parameters, buffers and tensor inputs are made resident as one
+working set, its forward runs on plain device tensors with no per-op interception, and its
+outputs come back as TensorRefs. The modules it calls inside run plain. A call that cannot
+be a region (it needs gradients, its working set does not fit the budget, it holds
+host-only tensors, it runs inside a managed op) runs as before, op by op, and its
+submodules' calls are considered in turn.
+
+Which modules are regions:
+
+- ``region(module)`` / ``no_region(module)`` say so for one module (``auto(module)``
+  forgets it); a forced region is still run op by op where it cannot be one;
+- otherwise, automatically, the outermost modules whose parameters and buffers take at
+  most ``fraction`` of the budget (all of them with no budget, or on "cpu"), as ZeRO-3
+  pages at module granularity: under a tight budget the decoder layers, or their attention
+  and MLP, not every Linear. A module holding a compiled region (``compile_region``) is
+  not one: the compiled region is its own.
+
+``enabled`` (default ``True``) switches regions off for the whole process, whatever the
+manager's settings.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..core import context
+from ..memory.manager import tensorsManager as _mgr
+from .mechanism import NotARegion, Region, in_region, parameter_slots, state
+
+#: regions on or off, for the whole process
+enabled = True
+#: a module whose parameters and buffers take at most this fraction of the budget is a region
+fraction = 0.5
+
+_original_call = torch.nn.Module.__call__
+
+_override: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_info: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: bumped when modules are compiled into regions (a module holding one is not a region)
+generation = [0]
+
+
+def region(module: torch.nn.Module) -> torch.nn.Module:
+    """Run ``module``'s calls as regions whatever its size (where they can be one); returns it."""
+    _check(module, "region")
+    _override[module] = True
+    return module
+
+
+def no_region(module: torch.nn.Module) -> torch.nn.Module:
+    """Never run ``module``'s calls as regions (its submodules may be); returns it."""
+    _check(module, "no_region")
+    _override[module] = False
+    return module
+
+
+def auto(module: torch.nn.Module) -> torch.nn.Module:
+    """Let the size rule decide for ``module`` again; returns it."""
+    _check(module, "auto")
+    _override.pop(module, None)
+    return module
+
+
+def _check(module, name) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"regions.{name} takes an nn.Module (got: {type(module).__name__})")
+
+
+class _ModuleInfo:
+    """A module's region and what its size rule needs (recomputed when its tensors change)."""
+
+    __slots__ = ("region", "slots", "sizes", "generation", "compiled", "nbytes")
+
+    def __init__(self, module):
+        self.region = Region(f"region {type(module).__name__}")
+        self.slots = []
+        self.sizes = ()
+        self.generation = -1
+        self.compiled = False
+        self.nbytes = 0
+
+    def refresh(self, module) -> None:
+        """The slots and bytes, if the module's tensors changed since they were read."""
+        sizes = tuple(len(m._parameters) + len(m._buffers) for m in module.modules())
+        if sizes == self.sizes and self.generation == generation[0]:
+            return
+        self.slots = parameter_slots(module)
+        self.sizes = sizes
+        self.generation = generation[0]
+        self.compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+
+
+def _tensor_bytes(info: _ModuleInfo) -> int:
+    seen = set()
+    total = 0
+    for d, k in info.slots:
+        v = d.get(k)
+        b = getattr(v, "_tr_block", None)
+        if b is not None and b.id not in seen:
+            seen.add(b.id)
+            total += b.nbytes
+    return total
+
+
+def _module_call(self, *args, **kwargs):
+    """``nn.Module.__call__``: the call as a region where it is one (Note [Module regions])."""
+    # (compiling first: dynamo inlines this function into graphs and must see no more of it)
+    if torch.compiler.is_compiling() or not enabled or state.depth or self._compiled_call_impl is not None \
+            or context.is_disabled() \
+            or self.__class__.__name__ == "OptimizedModule":  # (torch.compile's: the compiler sees the calls)
+        return _original_call(self, *args, **kwargs)
+    forced = _override.get(self)
+    if forced is False:
+        return _original_call(self, *args, **kwargs)
+    info = _info.get(self)
+    if info is None:
+        info = _info[self] = _ModuleInfo(self)
+    info.refresh(self)
+    if info.compiled:
+        return _original_call(self, *args, **kwargs)
+    if forced is None:
+        limit = _mgr._limit
+        if limit is not None and not _mgr._backend.passthrough and _tensor_bytes(info) > fraction * limit:
+            return _original_call(self, *args, **kwargs)
+    try:
+        return info.region.run(lambda *a, **k: _original_call(self, *a, **k), args, kwargs, info.slots)
+    except NotARegion:
+        return _original_call(self, *args, **kwargs)
+
+
+def install() -> None:
+    """Wrap ``nn.Module.__call__`` (once)."""
+    if torch.nn.Module.__call__ is not _module_call:
+        torch.nn.Module.__call__ = _module_call
+
+
+def uninstall() -> None:
+    """Give ``nn.Module.__call__`` back."""
+    if torch.nn.Module.__call__ is _module_call:
+        torch.nn.Module.__call__ = _original_call
+
+
+install()
+
+__all__ = ["enabled", "fraction", "region", "no_region", "auto", "in_region", "Region", "NotARegion",
+           "install", "uninstall"]

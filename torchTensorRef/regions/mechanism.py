@@ -1,0 +1,572 @@
+"""A region: one call (a module's forward, a compiled function) that the manager runs as one op.
+
+Note [Regions]: the per-op path (``ops/dispatch.py``) pays the proxy's Python on every aten
+op. A region pays it once per call, at its boundary, as the op protocol does around one
+aten op (``memory/op_protocol.py``):
+
+1. its TensorRefs are its op's blocks: a module's parameters and buffers, the TensorRefs
+   among the call's arguments (in tuples, lists and dicts), and those held by plain objects
+   among them (a key/value cache: attributes, lists and dicts, a few levels deep). With
+   room for what the call allocates inside (measured, see below), ``_prepare`` makes them
+   resident as one working set within the budget, and the strategy sees one op;
+2. the blocks are pinned and the call runs on plain views of their device copies (the
+   parameters, buffers and object attributes are swapped for their views for the duration
+   of the call, arguments are passed as views), with creation functions making plain
+   tensors: no per-op interception;
+3. an input whose view the call wrote (its version counter moved) is marked written; each
+   output, and each new tensor the call stored in an object it was given, becomes a
+   TensorRef (a view of an input joins its block, anything else is a new resident block),
+   room being made for the new ones first;
+4. the swapped slots get their TensorRefs back, the blocks are unpinned and ``_finish``
+   lets the strategy react, as after any op.
+
+What the call allocates inside (its intermediates and outputs) is measured the first time
+the region runs with given argument shapes under a budget: that call runs op by op (so it
+keeps the budget, as any code does) under a dispatch mode that follows the live bytes of
+the blocks and storages its ops create, to their peak. Later calls with the same shapes run
+as regions and make room for that peak, scaled by the growth of the tensors held in objects
+(a cache that grows each step), and measure again when those have doubled; a working set
+whose peak does not fit beside it runs op by op. The manager's peak counts the working set
+plus the room kept for the inside.
+
+Autograd cannot see through a region (the call runs on plain views, not on the TensorRefs
+autograd tracks): a call that needs gradients is not run as a region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..core import context
+from ..core.tensor_ref import TensorRef, compute_view, host_view
+from ..memory.manager import tensorsManager as _mgr
+from ..memory.sim import device as sim_device
+from ..memory.sim.device import SimTensor
+from ..ops.dispatch import OpContext, _blocks_of_list, _wrap_one
+
+#: how deep objects among a call's arguments are searched for TensorRefs (cache -> layers
+#: list -> layer -> tensor)
+OBJECT_DEPTH = 4
+#: most values looked at in objects per call (a large structure is not searched whole)
+OBJECT_VALUES = 4096
+
+_Tensor = torch.Tensor
+
+
+class _State(threading.local):
+    depth = 0  # regions running on this thread
+
+
+state = _State()
+
+
+def in_region() -> bool:
+    """Whether a region is running on this thread (its code runs on plain tensors)."""
+    return state.depth > 0
+
+
+class RegionSpec:
+    """What the op protocol and the strategies read of an op's spec, for a region (one per
+    region: Flow keys its history on it)."""
+
+    __slots__ = ("name",)
+    restrides = False
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class _RegionContext(OpContext):
+    __slots__ = ("estimate",)
+
+    def output_estimate(self) -> int:
+        return self.estimate
+
+
+class NotARegion(Exception):
+    """This call cannot run as a region (raised before anything changed)."""
+
+
+class _Inside:
+    """Bytes a region allocates inside: the measured peaks, by argument shapes."""
+
+    __slots__ = ("peaks",)
+
+    def __init__(self):
+        self.peaks: dict = {}  # shapes -> (bytes held in objects then, peak bytes inside)
+
+    def estimate(self, key, held: int):
+        """Bytes to make room for, or ``None``: measure this call."""
+        seen = self.peaks.get(key)
+        if seen is None:
+            return None
+        held_then, peak = seen
+        if held > 2 * max(held_then, 1):
+            return None  # the objects' tensors (a cache) doubled: measure again
+        return peak if held <= held_then else peak * held // max(held_then, 1)
+
+    def record(self, key, held: int, peak: int) -> None:
+        self.peaks[key] = (held, peak)
+
+
+class _Measure(TorchDispatchMode):
+    """Peak live bytes of the new blocks (and plain storages) the ops of a call allocate."""
+
+    def __init__(self, known):
+        super().__init__()
+        self.known = known  # ids of the blocks that are not the call's: its inputs'
+        self.live: dict = {}  # storage key -> [bytes, tensors alive]
+        self.now = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, _Tensor):
+            self._track(out)
+        elif isinstance(out, (list, tuple)):
+            for o in out:
+                if isinstance(o, _Tensor):
+                    self._track(o)
+        return out
+
+    def _track(self, t) -> None:
+        if isinstance(t, TensorRef):
+            block = t._tr_block
+            key, nbytes = block.id, block.nbytes
+        else:
+            if t.__class__ is SimTensor:
+                t = t.data_
+            if t.layout is not torch.strided or t.is_meta or t.is_nested:
+                return
+            key, nbytes = t.untyped_storage()._cdata, None
+        if key in self.known:
+            return
+        entry = self.live.get(key)
+        if entry is None:
+            if nbytes is None:
+                nbytes = t.untyped_storage().nbytes()
+            entry = self.live[key] = [nbytes, 0]
+            self.now += nbytes
+            if self.now > self.peak:
+                self.peak = self.now
+        entry[1] += 1
+        weakref.finalize(t, self._died, key)
+
+    def _died(self, key) -> None:
+        entry = self.live.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.live[key]
+                self.now -= entry[0]
+
+
+class _Call:
+    """One region call's TensorRefs and where they sit."""
+
+    __slots__ = ("refs", "slots", "objects", "held", "views", "shapes")
+
+    def __init__(self):
+        self.refs = []  # TensorRefs among the arguments, then the slots'
+        self.slots = []  # (container, key, TensorRef): parameters, buffers, objects' attributes
+        self.objects = []  # (container, key, value) of the plain tensors objects held before
+        self.held = 0  # bytes of the TensorRefs held by objects
+        self.views = {}  # id(TensorRef) -> (TensorRef, view given to the call, plain view, its version)
+        self.shapes = []
+
+
+def _is_object(a) -> bool:
+    return (hasattr(a, "__dict__") and not isinstance(a, (torch.nn.Module, type, torch.device))
+            and not callable(a))
+
+
+def _scan_args(a, call: _Call, seen: set, budget: list) -> None:
+    """The TensorRefs among arguments ``a`` (containers walked, objects searched)."""
+    if isinstance(a, _Tensor):
+        if isinstance(a, TensorRef):
+            call.refs.append(a)
+        call.shapes.append((tuple(a.shape), a.dtype))
+    elif a.__class__ in (list, tuple) or isinstance(a, (list, tuple)):
+        for e in a:
+            _scan_args(e, call, seen, budget)
+    elif isinstance(a, dict):
+        for e in a.values():
+            _scan_args(e, call, seen, budget)
+    elif _is_object(a):
+        _scan_object(a, call, seen, budget, OBJECT_DEPTH)
+
+
+def _scan_object(obj, call: _Call, seen: set, budget: list, depth: int) -> None:
+    if id(obj) in seen or depth == 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (list, dict)):
+        items = enumerate(obj) if isinstance(obj, list) else list(obj.items())
+        container = obj
+    else:
+        container = obj.__dict__
+        items = list(container.items())
+    for k, v in items:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return
+        if isinstance(v, _Tensor):
+            if isinstance(v, TensorRef):
+                call.slots.append((container, k, v))
+                call.refs.append(v)
+                call.held += v._tr_block.nbytes
+            else:
+                call.objects.append((container, k, v))
+        elif isinstance(v, (list, dict)) or _is_object(v):
+            _scan_object(v, call, seen, budget, depth - 1)
+
+
+def parameter_slots(module: torch.nn.Module):
+    """(dict, key) of every parameter and buffer of ``module`` and its submodules."""
+    out = []
+    for m in module.modules():
+        for d in (m._parameters, m._buffers):
+            for k in d:
+                out.append((d, k))
+    return out
+
+
+class Region:
+    """One region: its spec (one op to the strategies) and what it measured.
+
+    Args:
+        name: the op's name (``stats()``, recordings, errors).
+        device_views: the call gets tensors of the declared device ("sim": ``SimTensor``s,
+            so that the code sees the device plain torch would); ``False``: plain views of
+            the copies the kernels run on (a compiled graph on "sim" is compiled for the CPU).
+        strict: refuse (``OutOfBudgetError``, ``RuntimeError``) where a region cannot run,
+            instead of raising :class:`NotARegion` for the caller to run the call op by op.
+        measure: measure what the call allocates inside with a dispatch mode; ``False`` (a
+            compiled graph, which no dispatch mode may watch, and whose kernels allocate
+            their intermediates as an aten op does its workspace): room is made for its
+            outputs only, as large as the last call's with the same shapes.
+    """
+
+    def __init__(self, name: str, device_views: bool = True, strict: bool = False, measure: bool = True):
+        self.spec = RegionSpec(name)
+        self.device_views = device_views
+        self.strict = strict
+        self.measure = measure
+        self.inside = _Inside()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def run(self, fn, args, kwargs, slots=(), grad_error=None):
+        """``fn(*args, **kwargs)`` as one op, with ``slots`` (``(dict, key)``: a module's
+        parameters and buffers) swapped for plain views during the call.
+
+        Raises:
+            NotARegion: (not ``strict``) the call needs gradients, does not fit the budget,
+                has host-only blocks or runs inside a managed op; nothing changed.
+        """
+        mgr = _mgr
+        call = _Call()
+        refs = call.refs
+        for d, k in slots:
+            v = d.get(k)
+            if isinstance(v, TensorRef):
+                call.slots.append((d, k, v))
+                refs.append(v)
+        budget = [OBJECT_VALUES]
+        seen: set = set()
+        for a in args:
+            _scan_args(a, call, seen, budget)
+        if kwargs:
+            for a in kwargs.values():
+                _scan_args(a, call, seen, budget)
+        if not refs:
+            return fn(*args, **kwargs)  # nothing managed: the call as it is
+        if torch.is_grad_enabled():
+            for t in refs:
+                if t.requires_grad:
+                    if grad_error is not None:
+                        raise RuntimeError(grad_error)
+                    raise NotARegion("needs gradients")
+        if mgr._lock._is_owned():
+            raise NotARegion("inside a managed op")  # its blocks must stay where they are
+        with mgr._lock:
+            if mgr._dead:
+                mgr._drain()
+            blocks = _blocks_of_list([r._tr_block for r in refs])
+            backend = mgr._backend
+            passthrough = backend.passthrough
+            host = [b for b in blocks if b.host_only]
+            on_host = not passthrough and bool(blocks) and len(host) == len(blocks)
+            if host and not on_host or on_host and not self.strict:
+                raise NotARegion("host-only blocks")  # the per-op path says where each op runs
+            ctx = _RegionContext(self.spec, blocks, [], args, kwargs, on_host)
+            limit = mgr._limit
+            key = tuple(call.shapes)
+            need = 0
+            if not on_host and not passthrough:
+                for b in blocks:
+                    need += b.nbytes
+            measure = False
+            if limit is None or passthrough or on_host:
+                ctx.estimate = 0
+            else:
+                est = self.inside.estimate(key, call.held)
+                if est is None and not self.measure:
+                    est = 0  # (its outputs, once seen)
+                elif est is None:
+                    measure = True
+                    est = 0
+                elif need + est + mgr._elsewhere_bytes > limit and not self.strict:
+                    raise NotARegion("larger than the budget")
+                ctx.estimate = est
+        if measure:
+            return self._measured(mgr, call, fn, args, kwargs, key)
+        with mgr._lock:
+            try:
+                mgr._prepare(ctx)
+            except Exception as e:
+                if not self.strict and e.__class__.__name__ == "OutOfBudgetError":
+                    raise NotARegion("larger than the budget") from e
+                raise
+            for b in blocks:
+                b.pins += 1
+            if on_host:
+                for b in blocks:
+                    mgr.sync_host(b)  # the call reads the host copies
+            base = mgr._device_bytes + mgr._inflight_bytes + mgr._elsewhere_bytes
+        try:
+            out = self._run(mgr, call, fn, args, kwargs, on_host)
+            with mgr._lock:
+                wrapped, out_bytes = self._finish_outputs(mgr, ctx, call, out, on_host)
+        except BaseException:
+            with mgr._lock:
+                for b in blocks:
+                    b.pins -= 1
+            raise
+        with mgr._lock:
+            for b in blocks:
+                b.pins -= 1
+            if not self.measure:
+                self.inside.record(key, call.held, out_bytes)
+                inside = None  # (its outputs were made room for as they joined the books)
+            else:
+                inside = ctx.estimate
+            if inside is not None and limit is not None and not passthrough and not on_host:
+                top = base + inside  # (the working set and the room kept for the inside)
+                if top - mgr._elsewhere_bytes > mgr._peak:
+                    mgr._peak = top - mgr._elsewhere_bytes
+                if top - limit > mgr._overshoot:
+                    mgr._overshoot = top - limit
+            mgr._finish(ctx)
+        return wrapped
+
+    def _measured(self, mgr, call: _Call, fn, args, kwargs, key):
+        """The call op by op (within the budget, as any code), measuring the bytes its ops
+        allocate: what the call will need inside as a region."""
+        meter = _Measure({r._tr_block.id for r in call.refs})
+        state.depth += 1  # (its modules run plain: their ops are measured with the rest)
+        try:
+            with meter:
+                out = fn(*args, **kwargs)
+        finally:
+            state.depth -= 1
+        self.inside.record(key, call.held, meter.peak)
+        return out
+
+    def _run(self, mgr, call: _Call, fn, args, kwargs, on_host: bool):
+        backend = mgr._backend
+        sim = self.device_views and getattr(backend, "strict", False) and not on_host
+        views = call.views
+        make = host_view if on_host else compute_view
+
+        def swap(a):
+            if isinstance(a, TensorRef):
+                entry = views.get(id(a))
+                if entry is None:
+                    plain = make(a)
+                    given = SimTensor(plain) if sim else plain
+                    # (the version of what the call got: on "sim" the wrapper's counts the writes)
+                    entry = views[id(a)] = (a, given, plain, given._version)
+                return entry[1]
+            cls = a.__class__
+            if cls is tuple or cls is list:
+                return cls(swap(e) for e in a)
+            if cls is dict:
+                return {k: swap(v) for k, v in a.items()}
+            return a
+
+        cargs = tuple(swap(a) for a in args)
+        ckwargs = {k: swap(v) for k, v in kwargs.items()} if kwargs else {}
+        device = None if on_host or backend.passthrough else backend.declared
+        plain_mode = sim_device.PlainMode() if sim else contextlib.nullcontext()
+        state.depth += 1
+        previous = context.enter_plain(device)
+        try:
+            for d, k, v in call.slots:
+                d[k] = swap(v)
+            with plain_mode:
+                out = fn(*cargs, **ckwargs)
+        finally:
+            context.exit_plain(previous)
+            state.depth -= 1
+            for d, k, v in call.slots:
+                if _get(d, k) is views[id(v)][1]:
+                    d[k] = v
+        return out
+
+    def _finish_outputs(self, mgr, ctx, call: _Call, out, on_host: bool):
+        views = call.views
+        written = [ref._tr_block for ref, given, _p, version in views.values() if given._version != version]
+        if written:
+            ctx.written = _blocks_of_list(written)
+            if on_host:
+                for b in ctx.written:
+                    mgr._host_written(b)
+            else:
+                mgr._mark_written(ctx.written)
+        given = {id(e[1]): e[0] for e in views.values()}
+        inputs = {b.dev_key for b in ctx.blocks}
+        fresh = {}
+        before = {id(v) for _c, _k, v in call.objects}
+        # the new tensors: outputs, and what the call stored in the objects it was given
+        found = []
+        _collect_plain(out, given, found, set())
+        stored = []
+        seen: set = set()
+        objects = _objects_of(ctx.args, ctx.kwargs)
+        for obj in objects:
+            _collect_object(obj, given, stored, seen, before, OBJECT_DEPTH, [OBJECT_VALUES])
+        compute = mgr._backend.compute
+        for t in found + [v for _c, _k, v in stored]:
+            t = _bytes_of(t)
+            if (t is not None and t.layout is torch.strided and (t.device == compute or on_host)):
+                s = t.untyped_storage()
+                if s._cdata not in inputs:
+                    fresh[s._cdata] = s.nbytes()
+        nbytes = sum(fresh.values())
+        if nbytes and not on_host and mgr._limit is not None and not mgr._backend.passthrough:
+            mgr._make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name)
+        wrap = _Wrapper(mgr, ctx, given, self.device_views)
+        for container, k, v in stored:
+            container[k] = wrap(v)
+        return wrap.tree(out), nbytes
+
+
+def _get(container, k):
+    try:
+        return container[k]
+    except (KeyError, IndexError):
+        return None
+
+
+def _bytes_of(t):
+    if t.__class__ is SimTensor:
+        return t.data_
+    if isinstance(t, TensorRef) or not isinstance(t, _Tensor):
+        return None
+    return t
+
+
+class _Wrapper:
+    """Outputs as TensorRefs: an input given back is that input, anything else is adopted."""
+
+    def __init__(self, mgr, ctx, given, device_views):
+        self.mgr, self.ctx, self.given = mgr, ctx, given
+        self.device_views = device_views
+
+    def __call__(self, t):
+        ref = self.given.get(id(t))
+        if ref is not None:
+            return ref
+        plain = _bytes_of(t)
+        if plain is None:
+            return t
+        if self.device_views and t.__class__ is not SimTensor and self.mgr._backend.declared.type == sim_device.NAME and plain.is_cpu \
+                and not self.ctx.on_host and getattr(self.mgr._backend, "strict", False):
+            # (a CPU tensor the call made on purpose on "sim" stays one, as plain torch's would)
+            return t
+        return _wrap_one(plain, self.ctx, self.mgr)
+
+    def tree(self, out):
+        if isinstance(out, _Tensor):
+            return self(out)
+        cls = out.__class__
+        if cls is tuple or cls is list:
+            return cls(self.tree(o) for o in out)
+        if isinstance(out, tuple) and hasattr(out, "_fields"):
+            return cls(*(self.tree(o) for o in out))
+        if isinstance(out, dict):  # (ModelOutput is a dict whose items mirror its attributes)
+            for k, v in list(out.items()):
+                w = self.tree(v)
+                if w is not v:
+                    out[k] = w
+            return out
+        if isinstance(out, (list, tuple)):
+            return cls(self.tree(o) for o in out)
+        return out
+
+
+def _objects_of(args, kwargs):
+    """The plain objects among a call's arguments (searched for tensors after the call)."""
+    out = []
+
+    def walk(a):
+        if isinstance(a, _Tensor):
+            return
+        if isinstance(a, (list, tuple)):
+            for e in a:
+                walk(e)
+        elif isinstance(a, dict):
+            for e in a.values():
+                walk(e)
+        elif _is_object(a):
+            out.append(a)
+
+    walk(args)
+    if kwargs:
+        walk(list(kwargs.values()))
+    return out
+
+
+def _collect_plain(out, given, found, seen) -> None:
+    """Tensors among outputs ``out`` that are not TensorRefs (objects searched too)."""
+    if isinstance(out, _Tensor):
+        if not isinstance(out, TensorRef) and id(out) not in given:
+            found.append(out)
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            _collect_plain(o, given, found, seen)
+    elif isinstance(out, dict):
+        for o in out.values():
+            _collect_plain(o, given, found, seen)
+
+
+def _collect_object(obj, given, stored, seen, before, depth, budget) -> None:
+    """``(container, key, tensor)`` of the plain tensors ``obj`` holds that it did not hold
+    before the call, or that are views given to the call."""
+    if id(obj) in seen or depth == 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, list):
+        items, container = list(enumerate(obj)), obj
+    elif isinstance(obj, dict):
+        items, container = list(obj.items()), obj
+    else:
+        container = obj.__dict__
+        items = list(container.items())
+    for k, v in items:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return
+        if isinstance(v, _Tensor):
+            if not isinstance(v, TensorRef) and (id(v) in given or id(v) not in before):
+                stored.append((container, k, v))
+        elif isinstance(v, (list, dict)) or _is_object(v):
+            _collect_object(v, given, stored, seen, before, depth - 1, budget)
