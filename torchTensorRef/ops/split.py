@@ -14,7 +14,9 @@ run as several kernels on *pieces* of their tensors, each piece small enough:
   full-size gradient kept in host memory;
 - ``mm``: tiles of the output's columns (or rows), each reading the matching columns of
   the second operand (rows of the first); every output element is one dot product as in
-  one call.
+  one call;
+- ``softmax`` and ``log_softmax`` over the last dimension, and their backward: chunks of
+  whole rows (each row is computed alone, by the same kernel, whatever the other rows).
 
 Note [Pieces]: a piece is a TensorRef of its own, with a block of its own, so the manager
 moves it, counts it and keeps it within the budget as any tensor. A big tensor is first
@@ -35,6 +37,7 @@ the op and the smallest budget that works.
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence
 
 import torch
@@ -139,6 +142,26 @@ def settle(refs: Sequence[TensorRef]) -> None:
                                        "unpin it to let ops larger than the budget run in pieces")
             mgr.evict(block)
             mgr.sync_host(block)
+
+
+@contextlib.contextmanager
+def held_on_host(refs: Sequence[TensorRef]):
+    """Settle ``refs`` and keep their host copies where they are while pieces alias them.
+
+    Their blocks are external meanwhile (Note [External bytes] in ``core/blocks.py``): no
+    device copy of them is kept between the pieces' ops, and their host copies are never
+    re-homed. Without it a strategy could move a host copy into pinned memory to prefetch
+    it, and the pieces' writes (or the results copied in) would land in the old copy.
+    """
+    settle(refs)
+    blocks = [b for b in {id(r._tr_block): r._tr_block for r in refs}.values() if not b.host_only]
+    for block in blocks:
+        mgr.mark_external(block)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            mgr.unmark_external(block)
 
 
 def _plain_alias(t: torch.Tensor) -> torch.Tensor:
@@ -249,45 +272,53 @@ def check_chunkable(func, args, kwargs, spec: OpSpec, left: int) -> None:
     _plan(func, args, kwargs, spec, left)
 
 
-def run_chunked(func, args, kwargs, spec: OpSpec, left: int):
+def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
     """``func`` (elementwise, or a list op over one position) in chunks of its big tensors.
 
     The big tensors are those with the most elements (the op's shape); tensors with fewer
-    (0-dim scalars, a step count, ``found_inf``) are passed whole to every chunk.
+    (0-dim scalars, a step count, ``found_inf``) are passed whole to every chunk. With
+    ``row`` > 1 the op works on each row of its last dimension alone (``log_softmax`` over
+    it): chunks are whole rows, and each piece is seen as a matrix of them.
     """
     big, numel, shape, chunk, reduction, out_meta = _plan(func, args, kwargs, spec, left)
-    settle(big)
+    if row > 1:
+        if chunk < row:
+            per_row = (numel and op_bytes(spec, args, kwargs) * row // numel) or row
+            raise refuse(spec.name, per_row, left)
+        chunk = chunk // row * row
     written = {id(b) for b in _written(spec, args, kwargs)}
     packet = func.overloadpacket.__name__
     outs = None
     if out_meta is not None:
         outs = [host_result(shape, d) for d in out_meta]
     partial: List = []
-    for start in range(0, numel, chunk):
-        stop = min(start + chunk, numel)
-        pieces = {}
+    with held_on_host(big + (outs or [])):
+        for start in range(0, numel, chunk):
+            stop = min(start + chunk, numel)
+            pieces = {}
 
-        def swap(v):
-            if isinstance(v, TensorRef) and v.numel() == numel:
-                key = (id(v._tr_block), v.storage_offset())
-                if key not in pieces:
-                    pieces[key] = (alias_piece(v, start, stop), id(v) in written)
-                return pieces[key][0]
-            if isinstance(v, (list, tuple)):
-                return v.__class__(swap(e) for e in v)
-            return v
+            def swap(v):
+                if isinstance(v, TensorRef) and v.numel() == numel:
+                    key = (id(v._tr_block), v.storage_offset())
+                    if key not in pieces:
+                        piece = alias_piece(v, start, stop)
+                        pieces[key] = (piece if row == 1 else piece.view(-1, row), id(v) in written)
+                    return pieces[key][0]
+                if isinstance(v, (list, tuple)):
+                    return v.__class__(swap(e) for e in v)
+                return v
 
-        cargs = [swap(a) for a in args]
-        ckwargs = {k: swap(v) for k, v in kwargs.items()}
-        result = run_generic(func, cargs, ckwargs, spec)
-        write_back([p for p, w in pieces.values() if w])
-        if reduction:
-            partial.append(result)
-        elif outs is not None:
-            results = _flat_results(result)
-            for out, r in zip(outs, results):
-                flat_host(out)[start:stop].copy_(to_host(r).reshape(-1))
-        del pieces, cargs, ckwargs, result
+            cargs = [swap(a) for a in args]
+            ckwargs = {k: swap(v) for k, v in kwargs.items()}
+            result = run_generic(func, cargs, ckwargs, spec)
+            write_back([p for p, w in pieces.values() if w])
+            if reduction:
+                partial.append(result)
+            elif outs is not None:
+                results = _flat_results(result)
+                for out, r in zip(outs, results):
+                    flat_host(out)[start:stop].copy_(to_host(r).reshape(-1))
+            del pieces, cargs, ckwargs, result
     if reduction:
         return _combine(packet, args, kwargs, partial)
     if outs is None:

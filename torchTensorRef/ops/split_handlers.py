@@ -16,7 +16,7 @@ from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
 from .split import (_tensors, chunk_elements, default, fits, gathered_piece, host_result, op_bytes, refs_bytes,
-                    refuse, room, run_chunked, settle, to_host)
+                    held_on_host, refuse, room, run_chunked, settle, to_host)
 
 aten = torch.ops.aten
 
@@ -113,18 +113,19 @@ def _tiles(func, a, b, step, count, columns: bool):
     settle([tiled])
     whole = host_view(tiled).detach()
     out = host_result((a.shape[0], b.shape[1]), a.dtype)  # (mm takes one dtype)
-    out_host = host_view(out)
-    for start in range(0, count, step):
-        stop = min(start + step, count)
-        if columns:
-            piece = gathered_piece(_columns(whole, start, stop))
-            result = run_generic(func, [a, piece], {}, spec)
-            out_host[:, start:stop].copy_(to_host(result))
-        else:
-            piece = gathered_piece(whole[start:stop].clone(memory_format=torch.preserve_format))
-            result = run_generic(func, [piece, b], {}, spec)
-            out_host[start:stop].copy_(to_host(result))
-        del piece, result
+    with held_on_host([out]):
+        out_host = host_view(out)
+        for start in range(0, count, step):
+            stop = min(start + step, count)
+            if columns:
+                piece = gathered_piece(_columns(whole, start, stop))
+                result = run_generic(func, [a, piece], {}, spec)
+                out_host[:, start:stop].copy_(to_host(result))
+            else:
+                piece = gathered_piece(whole[start:stop].clone(memory_format=torch.preserve_format))
+                result = run_generic(func, [piece, b], {}, spec)
+                out_host[start:stop].copy_(to_host(result))
+            del piece, result
     return out
 
 
@@ -151,12 +152,58 @@ def pointwise(func, args, kwargs, spec: OpSpec):
     return run_chunked(func, args, kwargs, spec, left)
 
 
+#: what ``_to_copy`` may be asked besides a dtype and stay a same-device elementwise conversion
+_CONVERSION_ONLY = {"dtype": lambda v: True, "non_blocking": lambda v: True, "copy": lambda v: True,
+                    "layout": lambda v: v in (None, torch.strided), "pin_memory": lambda v: not v,
+                    "memory_format": lambda v: v in (None, torch.preserve_format, torch.contiguous_format)}
+
+
+@implements([aten._to_copy.default, aten.copy_.default, aten.clone.default])
+def conversion(func, args, kwargs, spec: OpSpec):
+    """A copy or dtype conversion on the device (``clone()``, ``.to(torch.float32)``,
+    ``p.copy_(master)``) in chunks when its tensors do not fit together; a copy to or from
+    another device takes the usual path."""
+    left = fits(spec, args, kwargs)
+    if left is None:
+        return default(func, args, kwargs, spec)
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    same_device = all(isinstance(t, TensorRef) and t.device == tensors[0].device for t in tensors)
+    device = kwargs.get("device")
+    options = all(_CONVERSION_ONLY.get(k, lambda v: False)(v) for k, v in kwargs.items() if k != "device")
+    if (not same_device or not options or (device is not None and torch.device(device) != tensors[0].device)
+            or any(t.shape != tensors[0].shape for t in tensors)):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    kwargs = {k: v for k, v in kwargs.items() if k != "device"}  # (the same device: each chunk's)
+    return run_chunked(func, args, kwargs, spec, left)
+
+
+#: ops that compute each row of their last dimension alone: the position of their ``dim``
+_ROW_OPS = {aten._log_softmax.default: 1, aten._softmax.default: 1,
+            aten._log_softmax_backward_data.default: 2, aten._softmax_backward_data.default: 2}
+
+
+@implements(list(_ROW_OPS))
+def rows(func, args, kwargs, spec: OpSpec):
+    """(log-)softmax over the last dimension, and its backward, in chunks of whole rows
+    (the logits of a large vocabulary)."""
+    left = fits(spec, args, kwargs)
+    if left is None:
+        return default(func, args, kwargs, spec)
+    at = _ROW_OPS[func]
+    first = args[0]
+    if kwargs or first.dim() == 0 or args[at] % first.dim() != first.dim() - 1:
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)  # another dimension: not rows
+    args = list(args)
+    args[at] = -1  # (each piece is a matrix of rows)
+    return run_chunked(func, args, kwargs, spec, left, row=first.shape[-1])
+
+
 # -- views of tensors larger than the budget -------------------------------------------------
 
 #: view ops a training step applies to whole parameters (``linear`` transposes its weight)
 VIEWS = [
     aten.t.default, aten.transpose.int, aten.view.default, aten.detach.default, aten.alias.default,
-    aten.permute.default, aten.unsqueeze.default, aten.expand.default,
+    aten.permute.default, aten.unsqueeze.default, aten.expand.default, aten._unsafe_view.default,
 ]
 
 
