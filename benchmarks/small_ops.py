@@ -16,6 +16,13 @@ under Flow and under Genoa. The base is the weights for decoding, and for traini
 of the no-budget run (weights, grads, AdamW state and activations). A budget that cannot
 hold one op is reported as "does not fit".
 
+These rows run op by op (``torchTensorRef.regions.enabled = False``): they measure the
+per-op path. For decoding, a second table compares module regions (Note [Module regions]
+in ``torchTensorRef/regions/__init__.py``) on and off: pass-through and ``"sim"`` under
+Flow at 50% and 25% of the weights, each row timed against plain torch on its own device
+(plain ``"sim"``: ``SimTensor``s, under ``disabled("sim")``), tokens checked against plain
+torch on that device.
+
 Every row does the same work. ``"sim"`` is an accelerator to torch, so there attention runs
 as its math decomposition and AdamW uses its list (``_foreach``) kernels; the other rows are
 made to do the same (``SDPBackend.MATH``, ``foreach=True``).
@@ -32,6 +39,7 @@ phase) divided by them. Every output (tokens, losses) is compared with plain tor
 same device; a mismatch is printed and the run exits non-zero.
 
     python benchmarks/small_ops.py [--work all] [--size small] [--repeats 9] [--json out.json] [--plot out.png]
+                                   [--no-regions]
 """
 
 from __future__ import annotations
@@ -82,6 +90,17 @@ ROWS = (
 )
 
 
+#: decoding with module regions on and off: (label, device, budget fraction of the weights, regions)
+REGION_ROWS = (
+    ("pass-through, per op", "cpu", None, False),
+    ("pass-through, regions", "cpu", None, True),
+    ("sim, Flow, 50%, per op", "sim", 0.5, False),
+    ("sim, Flow, 50%, regions", "sim", 0.5, True),
+    ("sim, Flow, 25%, per op", "sim", 0.25, False),
+    ("sim, Flow, 25%, regions", "sim", 0.25, True),
+)
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops that reach Python dispatch."""
 
@@ -117,8 +136,18 @@ class Work:
         model.eval()
         return lambda: common.generate(model, ids, self.size["tokens"])
 
-    def plain_runner(self, wrap: bool = False):
-        """A run of a plain copy (parameters, buffers and inputs in ``MinimalWrapper`` with ``wrap``)."""
+    def plain_runner(self, wrap: bool = False, device: str = "cpu"):
+        """A run of a plain copy on ``device`` (parameters, buffers and inputs in ``MinimalWrapper``
+        with ``wrap``)."""
+        if device != "cpu":
+            with torchTensorRef.disabled(device=device):
+                model, ids = common.plain_copy(self.model).to(device), self.ids.to(device)
+                run = self.runner(model, ids)
+
+            def plain_device_run():
+                with torchTensorRef.disabled(device=device):
+                    return run()
+            return plain_device_run
         with torchTensorRef.disabled():
             if wrap:
                 model = overhead.minimal_copy(self.model)
@@ -203,13 +232,50 @@ def _managed_phase(work: Work, plain, repeats: int, device: str, strategy: str, 
             "evictions": stats["evictions"] // repeats}
 
 
+def region_rows(work: Work, repeats: int) -> list:
+    """``REGION_ROWS`` for a decoding ``work``: each a fresh copy, timed against plain torch on its device."""
+    base = common.param_bytes(work.model)
+    plains = {}
+    rows = []
+    previous = torchTensorRef.regions.enabled
+    try:
+        for label, device, fraction, on in REGION_ROWS:
+            if device not in plains:
+                plains[device] = work.plain_runner(device=device)
+                plains[device]()
+            print(f"  {work.name}: {label}", flush=True)
+            torchTensorRef.regions.enabled = on
+            budget = None if fraction is None else int(fraction * base)
+            row = managed_row(work, plains[device], repeats, device, "flow", budget)
+            row.update(row=label, device=device, budget_fraction=fraction, budget=budget, regions=on)
+            rows.append(row)
+    finally:
+        torchTensorRef.regions.enabled = previous
+    return rows
+
+
+def region_table(work: dict) -> str:
+    lines = [f"{work['work']}, module regions: ratio to plain torch on the row's device",
+             f"  {'row':<26} {'ms/run':>8} {'plain ms':>8} {'ratio':>7} {'fastest':>7} {'ops/run':>8} "
+             f"{'MiB moved':>9} {'peak/budget':>11}  equal"]
+    for r in work["region_rows"]:
+        if r.get("fits") is False:
+            lines.append(f"  {r['row']:<26} does not fit ({r['budget']} bytes)")
+            continue
+        within = f"{r['peak_device_bytes'] / r['budget']:11.3f}" if r["budget"] else f"{'-':>11}"
+        lines.append(f"  {r['row']:<26} {statistics.median(r['times']) * 1e3:8.2f} "
+                     f"{statistics.median(r['plain_times']) * 1e3:8.2f} {r['ratio']:7.3f} {r['ratio_of_fastest']:7.3f} "
+                     f"{r['ops']:8d} {r['bytes_moved'] / common.MIB:9.2f} {within}  {r['equal']}")
+    return "\n".join(lines)
+
+
 def _seconds(fn) -> float:
     start = CLOCK()
     fn()
     return CLOCK() - start
 
 
-def run_work(work: Work, repeats: int) -> dict:
+def run_work(work: Work, repeats: int, regions: bool = True) -> dict:
     """Every row of ``ROWS`` for ``work``, one phase per row, each interleaved with plain torch."""
     plain = work.plain_runner()
     plain()
@@ -220,6 +286,8 @@ def run_work(work: Work, repeats: int) -> dict:
     work.expected("cpu")
     base_name, base = "weights", common.param_bytes(work.model)
     measured, plain_times = {}, []
+    previous = torchTensorRef.regions.enabled
+    torchTensorRef.regions.enabled = False  # (these rows measure the per-op path)
     for label, device, strategy, fraction in ROWS[1:]:
         if fraction is not None and work.kind == "train" and base_name == "weights":
             # training's base: the peak of the no-budget run (weights, grads, AdamW state, activations)
@@ -233,6 +301,7 @@ def run_work(work: Work, repeats: int) -> dict:
         row.update(device=device, strategy=strategy, budget_fraction=fraction, budget=budget)
         plain_times += row.get("plain_times", [])
         measured[label] = row
+    torchTensorRef.regions.enabled = previous
     if not plain_times:  # no row ran (none fits): time plain alone
         plain_times = [_seconds(plain) for _ in range(repeats)]
     plain_med = statistics.median(plain_times)
@@ -254,8 +323,11 @@ def run_work(work: Work, repeats: int) -> dict:
             if key in row:
                 out[key] = row[key]
         rows.append(out)
-    return {"work": work.name, "kind": work.kind, "param_bytes": common.param_bytes(work.model),
-            "budget_base": base_name, "budget_base_bytes": base, "rows": rows}
+    out = {"work": work.name, "kind": work.kind, "param_bytes": common.param_bytes(work.model),
+           "budget_base": base_name, "budget_base_bytes": base, "rows": rows}
+    if work.kind == "decode" and regions:
+        out["region_rows"] = region_rows(work, repeats)
+    return out
 
 
 def table(work: dict) -> str:
@@ -281,6 +353,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per row (default: the size's)")
     parser.add_argument("--json", help="write the results (with device, torch, date, command) to this file")
     parser.add_argument("--plot", help="write the plot (PNG) to this file")
+    parser.add_argument("--no-regions", action="store_true", help="leave out the module regions table")
+    parser.add_argument("--regions-only", action="store_true",
+                        help="decoding's module regions table alone (the per-op rows are left out)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     size = SIZES[args.size]
@@ -292,7 +367,13 @@ def main(argv=None) -> dict:
     with sdpa_kernel(SDPBackend.MATH):
         for kind in kinds:
             for model in WORKS[kind]:
-                works.append(run_work(Work(model, kind, size, repeats), repeats))
+                work = Work(model, kind, size, repeats)
+                if args.regions_only:
+                    if kind == "decode":
+                        works.append({"work": work.name, "kind": kind, "rows": [],
+                                      "region_rows": region_rows(work, repeats)})
+                    continue
+                works.append(run_work(work, repeats, regions=not args.no_regions))
     result = {"torch": torch.__version__, "threads": 1, "size": args.size, "repeats": repeats, "warmup": WARMUP,
               "clock": "process CPU time", "tokens": size["tokens"], "prompt": size["prompt"],
               "train_batch": [size["batch"], size["seq"]], "llama": size["llama"], "gpt2": size["gpt2"],
@@ -300,8 +381,13 @@ def main(argv=None) -> dict:
     print(f"1 thread, torch {torch.__version__}, {repeats} repeats per row (process CPU time); ratio: median of "
           f"per-pair ratios to plain; fastest: ratio of the fastest runs; us/op: time added per op over plain")
     for work in works:
-        print(table(work))
+        if work["rows"]:
+            print(table(work))
+        if "region_rows" in work:
+            print(region_table(work))
     mismatches = [(w["work"], r["row"]) for w in works for r in w["rows"] if r["fits"] and not r["outputs_equal"]]
+    mismatches += [(w["work"], r["row"]) for w in works for r in w.get("region_rows", ())
+                   if r.get("fits") is not False and not r["equal"]]
     result["outputs_equal"] = not mismatches
     if args.json:
         common.write_result(args.json, "benchmarks/small_ops.py", argv, "cpu (pass-through) and sim", result)

@@ -16,8 +16,9 @@ Which modules are regions:
 - otherwise, automatically, the outermost modules whose parameters and buffers take at
   most ``fraction`` of the budget (all of them with no budget, or on "cpu"), as ZeRO-3
   pages at module granularity: under a tight budget the decoder layers, or their attention
-  and MLP, not every Linear. A module holding a compiled region (``compile_region``) is
-  not one: the compiled region is its own.
+  and MLP, not every Linear. A module whose measured call (Note [Regions]) ran fewer than
+  ``min_ops`` aten ops is not one: its ops cost less than a region's boundary. A module
+  holding a compiled region (``compile_region``) is not one: the compiled region is its own.
 
 ``enabled`` (default ``True``) switches regions off for the whole process, whatever the
 manager's settings.
@@ -37,6 +38,9 @@ from .mechanism import NotARegion, Region, in_region, parameter_slots, state
 enabled = True
 #: a module whose parameters and buffers take at most this fraction of the budget is a region
 fraction = 0.5
+#: a module whose measured call ran fewer aten ops is not a region unless forced: the
+#: region's own work at its boundary would cost more than the ops it saves
+min_ops = 8
 
 _original_call = torch.nn.Module.__call__
 
@@ -127,6 +131,9 @@ def _module_call(self, *args, **kwargs):
     if forced is None:
         limit = _mgr._limit
         if limit is not None and not _mgr._backend.passthrough and _tensor_bytes(info) > fraction * limit:
+            return _original_call(self, *args, **kwargs)
+        ops = info.region.ops
+        if ops is not None and ops < min_ops:
             return _original_call(self, *args, **kwargs)
     try:
         return info.region.run(lambda *a, **k: _original_call(self, *a, **k), args, kwargs, info.slots)

@@ -54,6 +54,8 @@ from ..ops.dispatch import OpContext, _blocks_of_list, _wrap_one
 OBJECT_DEPTH = 4
 #: most values looked at in objects per call (a large structure is not searched whole)
 OBJECT_VALUES = 4096
+#: SimTensors kept per region for the TensorRefs it saw
+_MAX_WRAPPERS = 1024
 
 _Tensor = torch.Tensor
 
@@ -123,8 +125,10 @@ class _Measure(TorchDispatchMode):
         self.live: dict = {}  # storage key -> [bytes, tensors alive]
         self.now = 0
         self.peak = 0
+        self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
         out = func(*args, **(kwargs or {}))
         if isinstance(out, _Tensor):
             self._track(out)
@@ -258,6 +262,12 @@ class Region:
         self.strict = strict
         self.measure = measure
         self.inside = _Inside()
+        #: id(TensorRef) -> (its plain view, the SimTensor given for it): the view is the one
+        #: the TensorRef caches until its block's copy changes, so the pair holds no copy longer
+        #: than the TensorRef itself does, but one it held last
+        self._wrappers: dict = {}
+        #: ops of the last measured call (a call of few ops is cheaper op by op)
+        self.ops = None
 
     @property
     def name(self) -> str:
@@ -378,6 +388,7 @@ class Region:
         finally:
             state.depth -= 1
         self.inside.record(key, call.held, meter.peak)
+        self.ops = meter.ops
         return out
 
     def _run(self, mgr, call: _Call, fn, args, kwargs, on_host: bool):
@@ -385,13 +396,24 @@ class Region:
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
         views = call.views
         make = host_view if on_host else compute_view
+        wrappers = self._wrappers
 
         def swap(a):
             if isinstance(a, TensorRef):
                 entry = views.get(id(a))
                 if entry is None:
                     plain = make(a)
-                    given = SimTensor(plain) if sim else plain
+                    if sim:
+                        kept = wrappers.get(id(a))
+                        if kept is not None and kept[0] is plain:
+                            given = kept[1]  # (a wrapper costs 10 us: kept while the view is the same)
+                        else:
+                            given = SimTensor(plain)
+                            if len(wrappers) >= _MAX_WRAPPERS:
+                                wrappers.clear()
+                            wrappers[id(a)] = (plain, given)
+                    else:
+                        given = plain
                     # (the version of what the call got: on "sim" the wrapper's counts the writes)
                     entry = views[id(a)] = (a, given, plain, given._version)
                 return entry[1]
