@@ -19,9 +19,9 @@ from typing import List, Optional
 import torch
 
 from . import strategies
+from .core.sizes import format_size
 from .memory.devices import ACCEPTED_DEVICES
 from .memory.manager import tensorsManager
-from .core.sizes import format_size
 from .running import default_device, run_script  # noqa: F401  (default_device: cli's API too)
 
 

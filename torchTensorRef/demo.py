@@ -20,10 +20,10 @@ import torch
 
 from . import strategies
 from .core.errors import OutOfBudgetError
-from .integrations.manage import manage
-from .memory.manager import tensorsManager
-from .integrations.patching import disabled
 from .core.sizes import format_size, parse_size
+from .integrations.manage import manage
+from .integrations.plain import disabled
+from .memory.manager import tensorsManager
 
 #: model and run sizes: the default, and ``--quick`` (a smoke test in seconds)
 SIZES = {

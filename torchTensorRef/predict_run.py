@@ -22,11 +22,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .analysis import gpus, timeline
 from . import strategies
-from .memory.manager import tensorsManager
+from .analysis import gpus, timeline
 from .core.sizes import format_size
 from .integrations.plain import disabled
+from .memory.manager import tensorsManager
 
 
 def proxy_entry_ns(trials: int = 300) -> float:

@@ -119,8 +119,8 @@ def _file_block(range_: FileRange):
 
 def _file_ref(block, like: torch.Tensor, parameter: bool, requires_grad: bool):
     """A TensorRef of ``block`` with the geometry of ``like`` (the caller holds the lock)."""
-    from ..memory.manager import tensorsManager as mgr
     from ..core.tensor_ref import make_ref
+    from ..memory.manager import tensorsManager as mgr
 
     ref = make_ref(block, like, mgr._declared, requires_grad=requires_grad)
     ref._tr_gen = -1  # (a geometry without bytes: ``like`` is never a copy to run on)

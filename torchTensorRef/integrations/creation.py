@@ -28,11 +28,11 @@ import os
 
 import torch
 
-from .manage import adopt
 from ..core.errors import DeviceOutOfMemoryError
-from ..memory.manager import tensorsManager as mgr
 from ..core.tensor_ref import TensorRef
+from ..memory.manager import tensorsManager as mgr
 from ..memory.residency import is_out_of_memory
+from .manage import adopt
 
 #: creation functions whose result depends only on their (non-tensor) arguments
 FACTORIES = frozenset({

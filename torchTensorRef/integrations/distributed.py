@@ -162,8 +162,8 @@ def alloc_storage_wrapper(wrapped, instance, args, kwargs):
 def free_storage_wrapper(wrapped, instance, args, kwargs):
     """FSDP2 frees a gathered parameter (Note [FSDP2 on TensorRefs]): the manager drops its
     accelerator copy without writing it back."""
-    from ..memory.manager import tensorsManager
     from ..core.tensor_ref import TensorRef
+    from ..memory.manager import tensorsManager
 
     tensor = args[0] if args else kwargs.get("tensor")
     if isinstance(tensor, TensorRef):

@@ -21,12 +21,12 @@ import torch
 import wrapt
 
 from ..core import context
+from ..core.tensor_ref import TensorRef, saving
+from ..memory.manager import tensorsManager as _mgr
+from ..ops import raw_kernels
 from . import checkpoint, compiler, creation, distributed, wrapped
 from .manage import adopt
 from .plain import disabled
-from ..ops import raw_kernels
-from ..memory.manager import tensorsManager as _mgr
-from ..core.tensor_ref import TensorRef, saving
 
 #: torch functions that create tensors without a tensor input
 CREATION_FUNCTIONS: Tuple[str, ...] = (

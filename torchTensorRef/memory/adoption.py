@@ -13,7 +13,6 @@ from ..core import raw
 from ..core.blocks import Block
 from ..core.tensor_ref import TensorRef, make_ref, user_attributes, with_math_bits
 
-
 #: host copies of at least this size are moved into pinned memory when a tensor is adopted
 PIN_AT_ADOPTION_BYTES = 4096
 

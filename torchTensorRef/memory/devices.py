@@ -24,10 +24,10 @@ from typing import Optional
 import torch
 
 from ..core import raw
-from .sim import device as sim_device
-from .pinned import PinnedMemory
-from .sim.pool import BufferPool
 from ..core.sizes import format_size
+from .pinned import PinnedMemory
+from .sim import device as sim_device
+from .sim.pool import BufferPool
 from .streams import CudaStreams, SimStreams
 
 ACCEPTED_DEVICES = '"cpu" (pass-through), "sim" (simulated accelerator), "cuda" or "cuda:N"'

@@ -23,12 +23,10 @@ import sys
 import time
 from typing import Collection, Dict, List, Optional
 
-
 from ..core import raw
 from ..core.blocks import Block
-from .disk import DiskError, DiskIO, DiskPending, FileRange, SpillFile, default_offload_dir
 from ..core.sizes import format_size
-
+from .disk import DiskError, DiskIO, DiskPending, FileRange, SpillFile, default_offload_dir
 
 #: host allocations at least this large are mapped apart (glibc), once a host budget is set
 MMAP_THRESHOLD = 1 << 20

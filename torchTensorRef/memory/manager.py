@@ -28,7 +28,7 @@ from ..core.tensor_ref import TensorRef
 from ..strategies import DEFAULT, Strategy, by_name
 from .adoption import Adoption
 from .callbacks import Callbacks, OpCallback
-from .devices import Backend, PassthroughBackend, SIM_CAPACITY_BYTES, default_device
+from .devices import SIM_CAPACITY_BYTES, Backend, PassthroughBackend, default_device
 from .host_memory import HostMemoryWatch
 from .host_tier import HostTier
 from .op_protocol import OpProtocol
@@ -36,6 +36,7 @@ from .pinned import default_limit
 from .residency import Residency
 from .settings import Settings
 from .statistics import STAT_KEYS, Statistics
+
 
 class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adoption, Callbacks):
     """The global pager; use the ``torchTensorRef.tensorsManager`` instance.

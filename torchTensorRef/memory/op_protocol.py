@@ -20,8 +20,8 @@ import torch
 from ..core import raw
 from ..core.blocks import Block
 from ..core.errors import DeviceOutOfMemoryError, OutOfBudgetError
-from .residency import is_out_of_memory
 from ..core.tensor_ref import TensorRef, make_ref
+from .residency import is_out_of_memory
 
 _CAPTURE_ERROR = (
     "{op}: CUDA graph capture of ops on TensorRefs is not supported: the manager moves and frees "

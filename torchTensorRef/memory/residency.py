@@ -44,10 +44,10 @@ import torch
 
 from ..core import raw
 from ..core.blocks import Block
-from .devices import workspace_key
 from ..core.errors import DeviceOutOfMemoryError, OutOfBudgetError
-from .sim.pool import MIN_BYTES as KEPT_MIN_BYTES
 from ..core.sizes import format_size
+from .devices import workspace_key
+from .sim.pool import MIN_BYTES as KEPT_MIN_BYTES
 
 #: substrings of the errors libraries raise when their own device allocations fail
 _OOM_MARKERS = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED")

@@ -24,9 +24,9 @@ import torch
 import torch.distributed  # noqa: F401  (registers the c10d ops)
 import torch.distributed._functional_collectives  # noqa: F401  (registers _wrap_tensor_autograd)
 
-from ..memory.manager import tensorsManager as _mgr
-from ..core.tensor_ref import TensorRef, compute_view
 from ..core.op_specs import implements
+from ..core.tensor_ref import TensorRef, compute_view
+from ..memory.manager import tensorsManager as _mgr
 
 _Tensor = torch.Tensor
 

@@ -24,17 +24,17 @@ import time
 import torch
 
 from ..core import raw
-from ..memory.sim import backward_errors as sim_errors
-from . import workers
+from ..core.op_specs import OpSpec, spec_of, specs
+from ..core.tensor_ref import TensorRef, compute_view, make_ref
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.op_protocol import tight_result
 from ..memory.residency import is_out_of_memory
-from ..core.tensor_ref import TensorRef, compute_view, make_ref
+from ..memory.sim import backward_errors as sim_errors
+from . import workers
 from .device_checks import _check_devices
-from .output_size import estimate_output_bytes
 from .op_context import (OpContext, _blocks_of, _blocks_of_list, _collect, _compute_kwargs, _follow_resizes,
                          _follow_restrides, _placement, _swap, _wrap_nested, _wrap_one, _wrap_outputs, _written_blocks)
-from ..core.op_specs import OpSpec, specs, spec_of
+from .output_size import estimate_output_bytes
 
 _SPECS = specs()
 

@@ -17,11 +17,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..core import raw
+from ..core.op_specs import OpSpec, implements
 from ..core.tensor_ref import TensorRef
 from . import split
 from .dispatch import run_generic
 from .output_size import estimate_output_bytes
-from ..core.op_specs import OpSpec, implements
 
 #: list ops outside the ``_foreach_`` family: fused optimizer steps (lists of parameters,
 #: gradients and states) and AMP's unscale (the gradients, one shared ``found_inf``)

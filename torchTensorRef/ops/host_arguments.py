@@ -9,9 +9,9 @@ torch would have had it. (The results CUDA makes in host memory are in
 
 from __future__ import annotations
 
+from ..core.op_specs import aten, implements
 from ..core.tensor_ref import TensorRef
 from .dispatch import run_generic
-from ..core.op_specs import aten, implements
 
 
 @implements([aten._pack_padded_sequence.default])

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 
 from ..core import raw
+from ..core.op_specs import aten, implements
 from ..core.tensor_ref import TensorRef
 from ..memory.manager import tensorsManager as mgr
 from . import split
 from .dispatch import run_generic
-from ..core.op_specs import aten, implements
 
 _META = torch.device("meta")
 

@@ -20,8 +20,8 @@ from typing import Callable, Dict, Hashable, Optional
 import torch
 
 from ..core import raw
-from ..memory.sim.tensor import SimTensor
 from ..core.op_specs import OpSpec
+from ..memory.sim.tensor import SimTensor
 
 _cache: Dict[Hashable, int] = {}
 _Tensor = torch.Tensor

@@ -25,10 +25,10 @@ from typing import Dict
 
 import torch
 
-from . import workers
-from ..memory.manager import tensorsManager as _mgr
-from .op_context import OpContext, _blocks_of, _swap, _wrap_nested
 from ..core.tensor_ref import TensorRef
+from ..memory.manager import tensorsManager as _mgr
+from . import workers
+from .op_context import OpContext, _blocks_of, _swap, _wrap_nested
 
 #: the entry points wrapped: ``(owner, name)``, as in ``patching``'s tables
 JITERATOR_FUNCTIONS = (("torch._C", "_cuda_jiterator_compile_and_launch_kernel"),)

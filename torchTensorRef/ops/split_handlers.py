@@ -15,8 +15,8 @@ from ..core.tensor_ref import TensorRef, host_view
 from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
-from .split import (_tensors, chunk_elements, default, fits, gathered_piece, host_result, op_bytes, refs_bytes,
-                    held_on_host, refuse, room, run_chunked, settle, to_host)
+from .split import (_tensors, chunk_elements, default, fits, gathered_piece, held_on_host, host_result, op_bytes,
+                    refs_bytes, refuse, room, run_chunked, settle, to_host)
 
 aten = torch.ops.aten
 

@@ -28,8 +28,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.data._utils import collate as _collate
 
 from ..core import raw
-from ..memory.manager import tensorsManager as _mgr
 from ..core.tensor_ref import TensorRef, view_on
+from ..memory.manager import tensorsManager as _mgr
 
 
 def in_worker() -> bool:

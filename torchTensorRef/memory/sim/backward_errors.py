@@ -13,7 +13,6 @@ import threading
 
 import torch
 
-
 # -- errors raised while autograd runs backward ------------------------------------------------
 #
 # Note [Errors in backward on sim]: PyTorch's Python-registered device guard calls into
