@@ -136,3 +136,10 @@ def test_the_public_names_are_importable_from_the_package():
     for name in torchTensorRef.__all__:
         assert getattr(torchTensorRef, name) is not None, name
     from torchTensorRef.strategies import DEFAULT, NAMES, Flow, Genoa, Strategy, by_name  # noqa: F401
+
+
+def test_the_architecture_page_names_every_layer_and_module():
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    missing = [name for name in GRAPH if name.rpartition(".")[2] not in page]
+    assert missing == [], "docs/architecture.md does not name these modules"
+    assert all(f"{layer}/" in page for layer in LAYERS if layer)
