@@ -91,11 +91,15 @@ class _ModuleInfo:
 
     def refresh(self, module) -> None:
         """The slots and bytes, if the module's tensors changed since they were read."""
-        sizes = tuple(len(m._parameters) + len(m._buffers) for m in module.modules())
-        if sizes == self.sizes and self.generation == generation[0]:
-            return
+        if self.generation == generation[0]:
+            sizes = self.sizes  # ((dict, its length), ...): a loop, not a walk of the modules
+            for d, n in sizes:
+                if len(d) != n:
+                    break
+            else:
+                return
         self.slots = parameter_slots(module)
-        self.sizes = sizes
+        self.sizes = tuple((d, len(d)) for m in module.modules() for d in (m._parameters, m._buffers))
         self.generation = generation[0]
         self.compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
 
