@@ -205,3 +205,31 @@ def test_the_switch_turns_regions_off():
     with torch.no_grad():
         _, ops = ops_of(lambda: model(x))
     assert ops > 3
+
+
+def test_a_module_with_hooks_runs_op_by_op_and_its_hooks_see_tensorrefs(small_regions):
+    model = mlp()
+    seen = []
+    handle = model[2].register_forward_hook(lambda m, inp, out: seen.append(type(out)))
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    try:
+        with torch.no_grad():
+            _, ops = ops_of(lambda: model(x))
+    finally:
+        handle.remove()
+    assert seen == [TensorRef, TensorRef] and ops > 3
+
+
+def test_a_module_that_ran_as_a_region_is_freed_when_dropped(small_regions):
+    import gc
+    import weakref
+
+    model = mlp()
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    with torch.no_grad():
+        _, ops = ops_of(lambda: model(x))
+    assert ops == 1
+    dropped = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dropped() is None  # (what regions keep of a module does not keep it alive)

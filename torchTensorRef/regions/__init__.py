@@ -29,6 +29,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.nn.modules import module as _hooks
 
 from ..core import context
 from ..memory.manager import tensorsManager as _mgr
@@ -79,7 +80,7 @@ def _check(module, name) -> None:
 class _ModuleInfo:
     """A module's region and what its size rule needs (recomputed when its tensors change)."""
 
-    __slots__ = ("region", "slots", "sizes", "generation", "compiled", "nbytes")
+    __slots__ = ("region", "slots", "sizes", "generation", "compiled", "nbytes", "modules")
 
     def __init__(self, module):
         self.region = Region(f"region {type(module).__name__}")
@@ -88,6 +89,7 @@ class _ModuleInfo:
         self.generation = -1
         self.compiled = False
         self.nbytes = 0
+        self.modules = ()
 
     def refresh(self, module) -> None:
         """The slots and bytes, if the module's tensors changed since they were read."""
@@ -101,7 +103,19 @@ class _ModuleInfo:
         self.slots = parameter_slots(module)
         self.sizes = tuple((d, len(d)) for m in module.modules() for d in (m._parameters, m._buffers))
         self.generation = generation[0]
-        self.compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+        # (its submodules only: held by the value of a weak dict keyed by the module itself,
+        # the module would keep its own entry alive)
+        self.modules = tuple(module.modules())[1:]
+        self.compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in self.modules)
+
+    def hooked(self, module) -> bool:
+        """Whether a module of the region has forward or backward hooks: they must see the
+        TensorRefs, as they would without regions, not the plain tensors inside."""
+        for m in (module,) + self.modules:
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return True
+        return bool(_hooks._global_forward_hooks or _hooks._global_forward_pre_hooks
+                    or _hooks._global_backward_hooks or _hooks._global_backward_pre_hooks)
 
 
 def _tensor_bytes(info: _ModuleInfo) -> int:
@@ -130,7 +144,7 @@ def _module_call(self, *args, **kwargs):
     if info is None:
         info = _info[self] = _ModuleInfo(self)
     info.refresh(self)
-    if info.compiled:
+    if info.compiled or info.hooked(self):
         return _original_call(self, *args, **kwargs)
     if forced is None:
         limit = _mgr._limit
