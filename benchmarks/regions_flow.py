@@ -1,0 +1,73 @@
+"""What Flow learns when module calls are regions: ``generate()`` calls of different prompt lengths.
+
+A random-weight 4-layer Llama (hidden 256, the ``small`` size of ``small_ops.py``) on
+``"sim"`` under Flow at ``--fraction`` of its weights runs greedy ``generate()`` of 16 new
+tokens six times, each with a different prompt length (8, 11, 5, 9, 13, 7 tokens), with
+module regions on and then off (a fresh copy each). After each call it prints the ops the
+manager counted, Flow's period (in ops) and whether Flow follows a compiled plan, and the
+bytes moved and evictions of that call. A decode step is the ops of one token: with
+regions, one op per region plus ``generate()``'s own ops.
+
+    python benchmarks/regions_flow.py [--fraction 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import torchTensorRef  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import tm  # noqa: E402
+
+PROMPTS = (8, 11, 5, 9, 13, 7)
+TOKENS = 16
+
+
+def run(model, fraction: float, regions: bool) -> list:
+    previous = torchTensorRef.regions.enabled
+    torchTensorRef.regions.enabled = regions
+    try:
+        managed = common.managed_copy(model, "sim", "flow").eval()
+        tm.budget = int(fraction * common.param_bytes(model))
+        flow = tm.strategy
+        rows = []
+        for i, n in enumerate(PROMPTS):
+            ids = torchTensorRef.manage(common.plain_inputs(i, model.config.vocab_size, 1, n))
+            tm.reset_stats()
+            common.generate(managed, ids, TOKENS)
+            s = tm.stats()
+            rows.append(dict(prompt=n, ops=s["ops"], period=flow.period, plan=flow.plan is not None,
+                             mib_moved=(s["bytes_to_device"] + s["bytes_to_host"]) / common.MIB,
+                             evictions=s["evictions"]))
+        tm.budget = None
+        return rows
+    finally:
+        torchTensorRef.regions.enabled = previous
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fraction", type=float, default=0.5, help="budget as a fraction of the weights")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model = common.llama(layers=4, hidden=256, intermediate=512, vocab=1000, heads=4, kv_heads=4, positions=96)
+    result = {}
+    for regions in (True, False):
+        label = "regions" if regions else "per op"
+        result[label] = run(model, args.fraction, regions)
+        print(f"Flow at {args.fraction:.0%} of the weights, {label}:")
+        for r in result[label]:
+            print(f"  prompt {r['prompt']:2d}: ops {r['ops']:6d}  period {r['period']}  plan {r['plan']}  "
+                  f"MiB moved {r['mib_moved']:6.1f}  evictions {r['evictions']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
