@@ -233,3 +233,14 @@ def test_a_module_that_ran_as_a_region_is_freed_when_dropped(small_regions):
     del model
     gc.collect()
     assert dropped() is None  # (what regions keep of a module does not keep it alive)
+
+
+def test_calls_run_op_by_op_while_the_manager_records(small_regions):
+    model = mlp()
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    with torch.no_grad():
+        _, ops = ops_of(lambda: model(x))
+        assert ops == 1
+        with tm.recording():
+            _, ops = ops_of(lambda: model(x))
+    assert ops == 5  # t, addmm, gelu, t, addmm: the trace's consumers model aten ops

@@ -7,7 +7,9 @@ working set, its forward runs on plain device tensors with no per-op interceptio
 outputs come back as TensorRefs. The modules it calls inside run plain. A call that cannot
 be a region (it needs gradients, its working set does not fit the budget, it holds
 host-only tensors, it runs inside a managed op) runs as before, op by op, and its
-submodules' calls are considered in turn.
+submodules' calls are considered in turn. While the manager records a trace
+(``tensorsManager.recording()``) every call runs op by op: the trace's consumers (the
+offline optimum, the GPU timeline) model aten ops and their kernels.
 
 Which modules are regions:
 
@@ -134,7 +136,7 @@ def _module_call(self, *args, **kwargs):
     """``nn.Module.__call__``: the call as a region where it is one (Note [Module regions])."""
     # (compiling first: dynamo inlines this function into graphs and must see no more of it)
     if torch.compiler.is_compiling() or not enabled or state.depth or self._compiled_call_impl is not None \
-            or context.is_disabled() \
+            or context.is_disabled() or _mgr._trace is not None \
             or self.__class__.__name__ == "OptimizedModule":  # (torch.compile's: the compiler sees the calls)
         return _original_call(self, *args, **kwargs)
     forced = _override.get(self)
