@@ -11,7 +11,6 @@ prints the bytes Flow moved beside the offline reference computed on that same t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import torchTensorRef  # noqa: E402
+from benchmarks import common  # noqa: E402
 from torchTensorRef import tensorsManager as tm  # noqa: E402
 from torchTensorRef.analysis.offline import reference_moves  # noqa: E402
 
@@ -109,8 +109,7 @@ def main(argv=None) -> dict:
               f"genoa/flow = {g_moved / f_moved:.1f}x, losses equal: {flow['losses'] == genoa['losses']}")
     result = {"torch": torch.__version__, "device": "sim", "layers": args.layers, "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        common.write_result(args.json, "flow_vs_reference.py", argv, "sim", result)
     return result
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import torchTensorRef  # noqa: E402
+from benchmarks import common  # noqa: E402
 from torchTensorRef import tensorsManager as tm  # noqa: E402
 from torchTensorRef.analysis.offline import reference_moves  # noqa: E402
 
@@ -137,8 +137,7 @@ def main(argv=None) -> dict:
                 print(f"{fraction:>7.0%} {strategy:>8} {'error':>6} {'':>10} {'':>11} {'':>9}  {r['error']}", flush=True)
     result = {"torch": torch.__version__, "device": "sim", "vocab": args.vocab, "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        common.write_result(args.json, "train_budget.py", argv, "sim", result)
     return result
 
 
