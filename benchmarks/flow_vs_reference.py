@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
               f"genoa/flow = {g_moved / f_moved:.1f}x, losses equal: {flow['losses'] == genoa['losses']}")
     result = {"torch": torch.__version__, "device": "sim", "layers": args.layers, "rows": rows}
     if args.json:
-        common.write_result(args.json, "flow_vs_reference.py", argv, "sim", result)
+        common.write_result(args.json, "benchmarks/flow_vs_reference.py", argv, "sim", result)
     return result
 
 

@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
                 print(f"{fraction:>7.0%} {strategy:>8} {'error':>6} {'':>10} {'':>11} {'':>9}  {r['error']}", flush=True)
     result = {"torch": torch.__version__, "device": "sim", "vocab": args.vocab, "rows": rows}
     if args.json:
-        common.write_result(args.json, "train_budget.py", argv, "sim", result)
+        common.write_result(args.json, "benchmarks/train_budget.py", argv, "sim", result)
     return result
 
 
