@@ -25,7 +25,7 @@ from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 
-from ..core import raw
+from ..core import context, raw
 from ..memory.disk import FileRange, file_identity
 
 _DTYPES = {
