@@ -31,8 +31,8 @@ TOKENS = 16
 
 
 def run(model, fraction: float, regions: bool) -> list:
-    previous = torchTensorRef.regions.enabled
-    torchTensorRef.regions.enabled = regions
+    previous = torchTensorRef.regions.enabled, torchTensorRef.regions.under_budget
+    torchTensorRef.regions.enabled = torchTensorRef.regions.under_budget = regions
     try:
         managed = common.managed_copy(model, "sim", "flow").eval()
         tm.budget = int(fraction * common.param_bytes(model))
@@ -49,7 +49,7 @@ def run(model, fraction: float, regions: bool) -> list:
         tm.budget = None
         return rows
     finally:
-        torchTensorRef.regions.enabled = previous
+        torchTensorRef.regions.enabled, torchTensorRef.regions.under_budget = previous
 
 
 def main(argv=None) -> dict:

@@ -143,3 +143,16 @@ def test_the_architecture_page_names_every_layer_and_module():
     missing = [name for name in GRAPH if name.rpartition(".")[2] not in page]
     assert missing == [], "docs/architecture.md does not name these modules"
     assert all(f"{layer}/" in page for layer in LAYERS if layer)
+
+
+def test_the_module_paths_the_documentation_names_still_import():
+    # (after the move into layers, ``from torchTensorRef.sizes import ...`` raised ModuleNotFoundError)
+    import importlib
+
+    for name, module in torchTensorRef.PUBLIC_MODULES.items():
+        assert importlib.import_module(f"torchTensorRef.{name}") is module
+        assert getattr(torchTensorRef, name) is module
+    from torchTensorRef.sizes import format_size, parse_size  # noqa: F401
+    from torchTensorRef.timeline import predict  # noqa: F401
+    from torchTensorRef.compiler import FullGraphError  # noqa: F401
+    from torchTensorRef.patching import CREATION_FUNCTIONS  # noqa: F401

@@ -22,10 +22,10 @@ CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
 
 @pytest.fixture(autouse=True)
 def regions_on():
-    previous = regions.enabled, regions.min_ops
-    regions.enabled = True
+    previous = regions.enabled, regions.min_ops, regions.under_budget
+    regions.enabled, regions.under_budget = True, True  # (under a budget they are opt-in by default)
     yield
-    regions.enabled, regions.min_ops = previous
+    regions.enabled, regions.min_ops, regions.under_budget = previous
 
 
 @pytest.fixture
@@ -244,3 +244,18 @@ def test_calls_run_op_by_op_while_the_manager_records(small_regions):
         with tm.recording():
             _, ops = ops_of(lambda: model(x))
     assert ops == 5  # t, addmm, gelu, t, addmm: the trace's consumers model aten ops
+
+
+def test_under_a_budget_regions_are_opt_in_by_default(small_regions):
+    # (measured: Flow over decoder-layer regions moved more bytes than the per-op path)
+    regions.under_budget = False
+    model = mlp()
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    tm.budget = None
+    with torch.no_grad():
+        _, free = ops_of(lambda: model(x))
+        tm.budget = budget(64 * 1024)
+        _, budgeted = ops_of(lambda: model(x))
+        regions.region(model)
+        _, forced = ops_of(lambda: model(x))
+    assert (free, forced) == (1, 1) and budgeted > 3  # op by op under the budget unless forced

@@ -8,6 +8,7 @@ host and accelerator memory around every op, following a pluggable strategy.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -26,6 +27,19 @@ from .core.tensor_ref import TensorRef
 from .integrations.compiled_region import compile_region
 from .regions import no_region, region  # (wraps nn.Module.__call__: Note [Module regions])
 from . import strategies
+from .analysis import gpus, timeline, trace
+from .core import sizes
+from .integrations import compiler, patching
+
+# Note [Public module paths]: the documentation names these modules at the top level
+# (``torchTensorRef.timeline.predict``, ``from torchTensorRef.sizes import parse_size``,
+# ``torchTensorRef.compiler.FullGraphError`` ...); their code lives in the layers
+# (docs/architecture.md). Registered under their public names too, so that both ``import``
+# forms keep working.
+PUBLIC_MODULES = {"gpus": gpus, "timeline": timeline, "trace": trace, "sizes": sizes,
+                  "compiler": compiler, "patching": patching}
+for _name, _module in PUBLIC_MODULES.items():
+    sys.modules[f"{__name__}.{_name}"] = _module
 
 __version__ = "0.1.0"
 

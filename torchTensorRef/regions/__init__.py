@@ -41,6 +41,11 @@ from .mechanism import NotARegion, Region, in_region, parameter_slots, state
 enabled = True
 #: a module whose parameters and buffers take at most this fraction of the budget is a region
 fraction = 0.5
+#: whether the size rule makes regions under a budget too (``region(m)`` always does).
+#: Off by default: measured on decoding (``benchmarks/small_ops.py --regions-only``), Flow
+#: over decoder-layer regions moved 1.2x the bytes of the per-op path and was no faster;
+#: with no budget, or on "cpu", regions cut pass-through from about 4x plain torch to 1.5x.
+under_budget = False
 #: a module whose measured call ran fewer aten ops is not a region unless forced: the
 #: region's own work at its boundary would cost more than the ops it saves
 min_ops = 8
@@ -150,7 +155,8 @@ def _module_call(self, *args, **kwargs):
         return _original_call(self, *args, **kwargs)
     if forced is None:
         limit = _mgr._limit
-        if limit is not None and not _mgr._backend.passthrough and _tensor_bytes(info) > fraction * limit:
+        if limit is not None and not _mgr._backend.passthrough and (
+                (_mgr._budget is not None and not under_budget) or _tensor_bytes(info) > fraction * limit):
             return _original_call(self, *args, **kwargs)
         ops = info.region.ops
         if ops is not None and ops < min_ops:
@@ -175,5 +181,5 @@ def uninstall() -> None:
 
 install()
 
-__all__ = ["enabled", "fraction", "region", "no_region", "auto", "in_region", "Region", "NotARegion",
+__all__ = ["enabled", "fraction", "under_budget", "region", "no_region", "auto", "in_region", "Region", "NotARegion",
            "install", "uninstall"]
