@@ -38,7 +38,8 @@ import functools
 import torch
 
 from .. import regions
-from ..regions.mechanism import Region, parameter_slots
+from ..regions.mechanism import Region
+from ..regions.scan import parameter_slots
 
 _GRAD_ERROR = (
     "{name}: a compiled region runs inference only, and {what} requires grad with grad mode on: "

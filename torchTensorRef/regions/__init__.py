@@ -35,7 +35,8 @@ from torch.nn.modules import module as _hooks
 
 from ..core import context
 from ..memory.manager import tensorsManager as _mgr
-from .mechanism import NotARegion, Region, in_region, parameter_slots, state
+from .mechanism import NotARegion, Region, in_region, state
+from .scan import parameter_slots
 
 #: regions on or off, for the whole process
 enabled = True

@@ -37,23 +37,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import context
 from ..core.tensor_ref import TensorRef, compute_view, host_view
 from ..memory.manager import tensorsManager as _mgr
-from ..memory.sim import device as sim_device
-from ..memory.sim.device import SimTensor
-from ..ops.dispatch import OpContext, _blocks_of_list, _wrap_one
+from ..memory.sim.allocation import PlainMode
+from ..memory.sim.tensor import NAME as SIM, SimTensor
+from ..ops.op_context import OpContext, _blocks_of_list, _wrap_one
+from .inside import Inside, Measure
+from .scan import OBJECT_DEPTH, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, objects_of, scan_args
 
-#: how deep objects among a call's arguments are searched for TensorRefs (cache -> layers
-#: list -> layer -> tensor)
-OBJECT_DEPTH = 4
-#: most values looked at in objects per call (a large structure is not searched whole)
-OBJECT_VALUES = 4096
 #: SimTensors kept per region for the TensorRefs it saw
 _MAX_WRAPPERS = 1024
 
@@ -94,152 +89,6 @@ class NotARegion(Exception):
     """This call cannot run as a region (raised before anything changed)."""
 
 
-class _Inside:
-    """Bytes a region allocates inside: the measured peaks, by argument shapes."""
-
-    __slots__ = ("peaks",)
-
-    def __init__(self):
-        self.peaks: dict = {}  # shapes -> (bytes held in objects then, peak bytes inside)
-
-    def estimate(self, key, held: int):
-        """Bytes to make room for, or ``None``: measure this call."""
-        seen = self.peaks.get(key)
-        if seen is None:
-            return None
-        held_then, peak = seen
-        if held > 2 * max(held_then, 1):
-            return None  # the objects' tensors (a cache) doubled: measure again
-        return peak if held <= held_then else peak * held // max(held_then, 1)
-
-    def record(self, key, held: int, peak: int) -> None:
-        self.peaks[key] = (held, peak)
-
-
-class _Measure(TorchDispatchMode):
-    """Peak live bytes of the new blocks (and plain storages) the ops of a call allocate."""
-
-    def __init__(self, known):
-        super().__init__()
-        self.known = known  # ids of the blocks that are not the call's: its inputs'
-        self.live: dict = {}  # storage key -> [bytes, tensors alive]
-        self.now = 0
-        self.peak = 0
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, _Tensor):
-            self._track(out)
-        elif isinstance(out, (list, tuple)):
-            for o in out:
-                if isinstance(o, _Tensor):
-                    self._track(o)
-        return out
-
-    def _track(self, t) -> None:
-        if isinstance(t, TensorRef):
-            block = t._tr_block
-            key, nbytes = block.id, block.nbytes
-        else:
-            if t.__class__ is SimTensor:
-                t = t.data_
-            if t.layout is not torch.strided or t.is_meta or t.is_nested:
-                return
-            key, nbytes = t.untyped_storage()._cdata, None
-        if key in self.known:
-            return
-        entry = self.live.get(key)
-        if entry is None:
-            if nbytes is None:
-                nbytes = t.untyped_storage().nbytes()
-            entry = self.live[key] = [nbytes, 0]
-            self.now += nbytes
-            if self.now > self.peak:
-                self.peak = self.now
-        entry[1] += 1
-        weakref.finalize(t, self._died, key)
-
-    def _died(self, key) -> None:
-        entry = self.live.get(key)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.live[key]
-                self.now -= entry[0]
-
-
-class _Call:
-    """One region call's TensorRefs and where they sit."""
-
-    __slots__ = ("refs", "slots", "objects", "held", "views", "shapes")
-
-    def __init__(self):
-        self.refs = []  # TensorRefs among the arguments, then the slots'
-        self.slots = []  # (container, key, TensorRef): parameters, buffers, objects' attributes
-        self.objects = []  # (container, key, value) of the plain tensors objects held before
-        self.held = 0  # bytes of the TensorRefs held by objects
-        self.views = {}  # id(TensorRef) -> (TensorRef, view given to the call, plain view, its version)
-        self.shapes = []
-
-
-def _is_object(a) -> bool:
-    return (hasattr(a, "__dict__") and not isinstance(a, (torch.nn.Module, type, torch.device))
-            and not callable(a))
-
-
-def _scan_args(a, call: _Call, seen: set, budget: list) -> None:
-    """The TensorRefs among arguments ``a`` (containers walked, objects searched)."""
-    if isinstance(a, _Tensor):
-        if isinstance(a, TensorRef):
-            call.refs.append(a)
-        call.shapes.append((tuple(a.shape), a.dtype))
-    elif a.__class__ in (list, tuple) or isinstance(a, (list, tuple)):
-        for e in a:
-            _scan_args(e, call, seen, budget)
-    elif isinstance(a, dict):
-        for e in a.values():
-            _scan_args(e, call, seen, budget)
-    elif _is_object(a):
-        _scan_object(a, call, seen, budget, OBJECT_DEPTH)
-
-
-def _scan_object(obj, call: _Call, seen: set, budget: list, depth: int) -> None:
-    if id(obj) in seen or depth == 0:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, (list, dict)):
-        items = enumerate(obj) if isinstance(obj, list) else list(obj.items())
-        container = obj
-    else:
-        container = obj.__dict__
-        items = list(container.items())
-    for k, v in items:
-        budget[0] -= 1
-        if budget[0] < 0:
-            return
-        if isinstance(v, _Tensor):
-            if isinstance(v, TensorRef):
-                call.slots.append((container, k, v))
-                call.refs.append(v)
-                call.held += v._tr_block.nbytes
-            else:
-                call.objects.append((container, k, v))
-        elif isinstance(v, (list, dict)) or _is_object(v):
-            _scan_object(v, call, seen, budget, depth - 1)
-
-
-def parameter_slots(module: torch.nn.Module):
-    """(dict, key) of every parameter and buffer of ``module`` and its submodules."""
-    out = []
-    for m in module.modules():
-        for d in (m._parameters, m._buffers):
-            for k in d:
-                out.append((d, k))
-    return out
-
-
 class Region:
     """One region: its spec (one op to the strategies) and what it measured.
 
@@ -261,7 +110,7 @@ class Region:
         self.device_views = device_views
         self.strict = strict
         self.measure = measure
-        self.inside = _Inside()
+        self.inside = Inside()
         #: id(TensorRef) -> (its plain view, the SimTensor given for it): the view is the one
         #: the TensorRef caches until its block's copy changes, so the pair holds no copy longer
         #: than the TensorRef itself does, but one it held last
@@ -282,7 +131,7 @@ class Region:
                 has host-only blocks or runs inside a managed op; nothing changed.
         """
         mgr = _mgr
-        call = _Call()
+        call = Call()
         refs = call.refs
         for d, k in slots:
             v = d.get(k)
@@ -292,10 +141,10 @@ class Region:
         budget = [OBJECT_VALUES]
         seen: set = set()
         for a in args:
-            _scan_args(a, call, seen, budget)
+            scan_args(a, call, seen, budget)
         if kwargs:
             for a in kwargs.values():
-                _scan_args(a, call, seen, budget)
+                scan_args(a, call, seen, budget)
         if not refs:
             return fn(*args, **kwargs)  # nothing managed: the call as it is
         if torch.is_grad_enabled():
@@ -377,10 +226,10 @@ class Region:
             mgr._finish(ctx)
         return wrapped
 
-    def _measured(self, mgr, call: _Call, fn, args, kwargs, key):
+    def _measured(self, mgr, call: Call, fn, args, kwargs, key):
         """The call op by op (within the budget, as any code), measuring the bytes its ops
         allocate: what the call will need inside as a region."""
-        meter = _Measure({r._tr_block.id for r in call.refs})
+        meter = Measure({r._tr_block.id for r in call.refs})
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
         try:
             with meter:
@@ -391,7 +240,7 @@ class Region:
         self.ops = meter.ops
         return out
 
-    def _run(self, mgr, call: _Call, fn, args, kwargs, on_host: bool):
+    def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool):
         backend = mgr._backend
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
         views = call.views
@@ -427,7 +276,7 @@ class Region:
         cargs = tuple(swap(a) for a in args)
         ckwargs = {k: swap(v) for k, v in kwargs.items()} if kwargs else {}
         device = None if on_host or backend.passthrough else backend.declared
-        plain_mode = sim_device.PlainMode() if sim else contextlib.nullcontext()
+        plain_mode = PlainMode() if sim else contextlib.nullcontext()
         state.depth += 1
         previous = context.enter_plain(device)
         try:
@@ -439,11 +288,11 @@ class Region:
             context.exit_plain(previous)
             state.depth -= 1
             for d, k, v in call.slots:
-                if _get(d, k) is views[id(v)][1]:
+                if get_item(d, k) is views[id(v)][1]:
                     d[k] = v
         return out
 
-    def _finish_outputs(self, mgr, ctx, call: _Call, out, on_host: bool):
+    def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool):
         views = call.views
         written = [ref._tr_block for ref, given, _p, version in views.values() if given._version != version]
         if written:
@@ -459,12 +308,12 @@ class Region:
         before = {id(v) for _c, _k, v in call.objects}
         # the new tensors: outputs, and what the call stored in the objects it was given
         found = []
-        _collect_plain(out, given, found, set())
+        collect_plain(out, given, found, set())
         stored = []
         seen: set = set()
-        objects = _objects_of(ctx.args, ctx.kwargs)
+        objects = objects_of(ctx.args, ctx.kwargs)
         for obj in objects:
-            _collect_object(obj, given, stored, seen, before, OBJECT_DEPTH, [OBJECT_VALUES])
+            collect_object(obj, given, stored, seen, before, OBJECT_DEPTH, [OBJECT_VALUES])
         compute = mgr._backend.compute
         for t in found + [v for _c, _k, v in stored]:
             t = _bytes_of(t)
@@ -479,13 +328,6 @@ class Region:
         for container, k, v in stored:
             container[k] = wrap(v)
         return wrap.tree(out), nbytes
-
-
-def _get(container, k):
-    try:
-        return container[k]
-    except (KeyError, IndexError):
-        return None
 
 
 def _bytes_of(t):
@@ -510,7 +352,7 @@ class _Wrapper:
         plain = _bytes_of(t)
         if plain is None:
             return t
-        if self.device_views and t.__class__ is not SimTensor and self.mgr._backend.declared.type == sim_device.NAME and plain.is_cpu \
+        if self.device_views and t.__class__ is not SimTensor and self.mgr._backend.declared.type == SIM and plain.is_cpu \
                 and not self.ctx.on_host and getattr(self.mgr._backend, "strict", False):
             # (a CPU tensor the call made on purpose on "sim" stays one, as plain torch's would)
             return t
@@ -533,62 +375,3 @@ class _Wrapper:
         if isinstance(out, (list, tuple)):
             return cls(self.tree(o) for o in out)
         return out
-
-
-def _objects_of(args, kwargs):
-    """The plain objects among a call's arguments (searched for tensors after the call)."""
-    out = []
-
-    def walk(a):
-        if isinstance(a, _Tensor):
-            return
-        if isinstance(a, (list, tuple)):
-            for e in a:
-                walk(e)
-        elif isinstance(a, dict):
-            for e in a.values():
-                walk(e)
-        elif _is_object(a):
-            out.append(a)
-
-    walk(args)
-    if kwargs:
-        walk(list(kwargs.values()))
-    return out
-
-
-def _collect_plain(out, given, found, seen) -> None:
-    """Tensors among outputs ``out`` that are not TensorRefs (objects searched too)."""
-    if isinstance(out, _Tensor):
-        if not isinstance(out, TensorRef) and id(out) not in given:
-            found.append(out)
-    elif isinstance(out, (list, tuple)):
-        for o in out:
-            _collect_plain(o, given, found, seen)
-    elif isinstance(out, dict):
-        for o in out.values():
-            _collect_plain(o, given, found, seen)
-
-
-def _collect_object(obj, given, stored, seen, before, depth, budget) -> None:
-    """``(container, key, tensor)`` of the plain tensors ``obj`` holds that it did not hold
-    before the call, or that are views given to the call."""
-    if id(obj) in seen or depth == 0:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, list):
-        items, container = list(enumerate(obj)), obj
-    elif isinstance(obj, dict):
-        items, container = list(obj.items()), obj
-    else:
-        container = obj.__dict__
-        items = list(container.items())
-    for k, v in items:
-        budget[0] -= 1
-        if budget[0] < 0:
-            return
-        if isinstance(v, _Tensor):
-            if not isinstance(v, TensorRef) and (id(v) in given or id(v) not in before):
-                stored.append((container, k, v))
-        elif isinstance(v, (list, dict)) or _is_object(v):
-            _collect_object(v, given, stored, seen, before, depth - 1, budget)

@@ -42,13 +42,9 @@ from ...core import context
 from .. import streams
 from . import kernels as sim_kernels
 from . import tensor as sim_tensor
-# (still imported from here by ops/dispatch.py and regions/region.py, which are being
-# reorganised; they belong to backward_errors.py and allocation.py, and go once those
-# modules import them from there)
-from .allocation import PlainMode  # noqa: F401
 from .allocation import _register_factories
 from .autocast import _register_autocast
-from .backward_errors import _report_backward_errors, failed_result, in_backward, keep_for_backward  # noqa: F401
+from .backward_errors import _report_backward_errors
 from .tensor import NAME, SimTensor
 
 _lock = threading.Lock()

@@ -1,0 +1,90 @@
+"""What a region allocates inside: the peak bytes measured on a call, by argument shapes
+(Note [Regions] in ``mechanism.py``)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..core.tensor_ref import TensorRef
+from ..memory.sim.tensor import SimTensor
+
+_Tensor = torch.Tensor
+
+
+class Inside:
+    """Bytes a region allocates inside: the measured peaks, by argument shapes."""
+
+    __slots__ = ("peaks",)
+
+    def __init__(self):
+        self.peaks: dict = {}  # shapes -> (bytes held in objects then, peak bytes inside)
+
+    def estimate(self, key, held: int):
+        """Bytes to make room for, or ``None``: measure this call."""
+        seen = self.peaks.get(key)
+        if seen is None:
+            return None
+        held_then, peak = seen
+        if held > 2 * max(held_then, 1):
+            return None  # the objects' tensors (a cache) doubled: measure again
+        return peak if held <= held_then else peak * held // max(held_then, 1)
+
+    def record(self, key, held: int, peak: int) -> None:
+        self.peaks[key] = (held, peak)
+
+
+class Measure(TorchDispatchMode):
+    """Peak live bytes of the new blocks (and plain storages) the ops of a call allocate."""
+
+    def __init__(self, known):
+        super().__init__()
+        self.known = known  # ids of the blocks that are not the call's: its inputs'
+        self.live: dict = {}  # storage key -> [bytes, tensors alive]
+        self.now = 0
+        self.peak = 0
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, _Tensor):
+            self._track(out)
+        elif isinstance(out, (list, tuple)):
+            for o in out:
+                if isinstance(o, _Tensor):
+                    self._track(o)
+        return out
+
+    def _track(self, t) -> None:
+        if isinstance(t, TensorRef):
+            block = t._tr_block
+            key, nbytes = block.id, block.nbytes
+        else:
+            if t.__class__ is SimTensor:
+                t = t.data_
+            if t.layout is not torch.strided or t.is_meta or t.is_nested:
+                return
+            key, nbytes = t.untyped_storage()._cdata, None
+        if key in self.known:
+            return
+        entry = self.live.get(key)
+        if entry is None:
+            if nbytes is None:
+                nbytes = t.untyped_storage().nbytes()
+            entry = self.live[key] = [nbytes, 0]
+            self.now += nbytes
+            if self.now > self.peak:
+                self.peak = self.now
+        entry[1] += 1
+        weakref.finalize(t, self._died, key)
+
+    def _died(self, key) -> None:
+        entry = self.live.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.live[key]
+                self.now -= entry[0]

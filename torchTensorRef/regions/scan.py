@@ -1,0 +1,152 @@
+"""Where a region call's tensors are: the TensorRefs among its arguments and in the plain
+objects given to it (a key/value cache), and the tensors it left in them afterwards."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.tensor_ref import TensorRef
+
+#: how deep objects among a call's arguments are searched for TensorRefs (cache -> layers
+#: list -> layer -> tensor)
+OBJECT_DEPTH = 4
+#: most values looked at in objects per call (a large structure is not searched whole)
+OBJECT_VALUES = 4096
+
+_Tensor = torch.Tensor
+
+
+class Call:
+    """One region call's TensorRefs and where they sit."""
+
+    __slots__ = ("refs", "slots", "objects", "held", "views", "shapes")
+
+    def __init__(self):
+        self.refs = []  # TensorRefs among the arguments, then the slots'
+        self.slots = []  # (container, key, TensorRef): parameters, buffers, objects' attributes
+        self.objects = []  # (container, key, value) of the plain tensors objects held before
+        self.held = 0  # bytes of the TensorRefs held by objects
+        self.views = {}  # id(TensorRef) -> (TensorRef, view given to the call, plain view, its version)
+        self.shapes = []
+
+
+def is_object(a) -> bool:
+    return (hasattr(a, "__dict__") and not isinstance(a, (torch.nn.Module, type, torch.device))
+            and not callable(a))
+
+
+def scan_args(a, call: Call, seen: set, budget: list) -> None:
+    """The TensorRefs among arguments ``a`` (containers walked, objects searched)."""
+    if isinstance(a, _Tensor):
+        if isinstance(a, TensorRef):
+            call.refs.append(a)
+        call.shapes.append((tuple(a.shape), a.dtype))
+    elif a.__class__ in (list, tuple) or isinstance(a, (list, tuple)):
+        for e in a:
+            scan_args(e, call, seen, budget)
+    elif isinstance(a, dict):
+        for e in a.values():
+            scan_args(e, call, seen, budget)
+    elif is_object(a):
+        scan_object(a, call, seen, budget, OBJECT_DEPTH)
+
+
+def scan_object(obj, call: Call, seen: set, budget: list, depth: int) -> None:
+    if id(obj) in seen or depth == 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (list, dict)):
+        items = enumerate(obj) if isinstance(obj, list) else list(obj.items())
+        container = obj
+    else:
+        container = obj.__dict__
+        items = list(container.items())
+    for k, v in items:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return
+        if isinstance(v, _Tensor):
+            if isinstance(v, TensorRef):
+                call.slots.append((container, k, v))
+                call.refs.append(v)
+                call.held += v._tr_block.nbytes
+            else:
+                call.objects.append((container, k, v))
+        elif isinstance(v, (list, dict)) or is_object(v):
+            scan_object(v, call, seen, budget, depth - 1)
+
+
+def parameter_slots(module: torch.nn.Module):
+    """(dict, key) of every parameter and buffer of ``module`` and its submodules."""
+    out = []
+    for m in module.modules():
+        for d in (m._parameters, m._buffers):
+            for k in d:
+                out.append((d, k))
+    return out
+
+
+def get_item(container, k):
+    try:
+        return container[k]
+    except (KeyError, IndexError):
+        return None
+
+
+def objects_of(args, kwargs):
+    """The plain objects among a call's arguments (searched for tensors after the call)."""
+    out = []
+
+    def walk(a):
+        if isinstance(a, _Tensor):
+            return
+        if isinstance(a, (list, tuple)):
+            for e in a:
+                walk(e)
+        elif isinstance(a, dict):
+            for e in a.values():
+                walk(e)
+        elif is_object(a):
+            out.append(a)
+
+    walk(args)
+    if kwargs:
+        walk(list(kwargs.values()))
+    return out
+
+
+def collect_plain(out, given, found, seen) -> None:
+    """Tensors among outputs ``out`` that are not TensorRefs (objects searched too)."""
+    if isinstance(out, _Tensor):
+        if not isinstance(out, TensorRef) and id(out) not in given:
+            found.append(out)
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            collect_plain(o, given, found, seen)
+    elif isinstance(out, dict):
+        for o in out.values():
+            collect_plain(o, given, found, seen)
+
+
+def collect_object(obj, given, stored, seen, before, depth, budget) -> None:
+    """``(container, key, tensor)`` of the plain tensors ``obj`` holds that it did not hold
+    before the call, or that are views given to the call."""
+    if id(obj) in seen or depth == 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, list):
+        items, container = list(enumerate(obj)), obj
+    elif isinstance(obj, dict):
+        items, container = list(obj.items()), obj
+    else:
+        container = obj.__dict__
+        items = list(container.items())
+    for k, v in items:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return
+        if isinstance(v, _Tensor):
+            if not isinstance(v, TensorRef) and (id(v) in given or id(v) not in before):
+                stored.append((container, k, v))
+        elif isinstance(v, (list, dict)) or is_object(v):
+            collect_object(v, given, stored, seen, before, depth - 1, budget)
