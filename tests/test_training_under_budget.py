@@ -287,3 +287,18 @@ def test_mixed_precision_training_equals_plain_torch(fresh_manager, monkeypatch,
     for p, e in zip(model.parameters(), expected):
         assert torch.equal(_plain(p), e)
     assert fresh_manager.stats()["peak_device_bytes"] <= fresh_manager.budget
+
+
+def test_a_conjugated_view_larger_than_the_budget_is_refused_not_split(tight):
+    # (pieces alias byte ranges; a lazily conjugated view has none: from_dlpack raised BufferError)
+    torch.manual_seed(0)
+    z = torch.randn(ROWS, DIM // 2, dtype=torch.complex64)
+    with pytest.raises(OutOfBudgetError, match="clone"):
+        z.conj().clone()
+
+
+def test_a_copy_to_the_host_takes_the_usual_path(tight):
+    # (.cpu() of a tensor that fits the budget alone was refused: its result counted as device bytes)
+    w, pw = _pair(ROWS // 4, DIM)
+    tight.budget = budget(ROWS // 4 * DIM * 4 + 4096)
+    assert torch.equal(w.cpu(), pw.cpu())

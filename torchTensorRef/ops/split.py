@@ -249,7 +249,8 @@ def _plan(func, args, kwargs, spec: OpSpec, left: int):
     if not big or numel == 0:
         raise refuse(name, op_bytes(spec, args, kwargs), left)
     shape = big[0].shape
-    if any(t.shape != shape or not t.is_contiguous() for t in big):
+    # (pieces alias ranges of the bytes: a lazily conjugated or negated view has no such range)
+    if any(t.shape != shape or not t.is_contiguous() or t.is_conj() or t.is_neg() for t in big):
         raise refuse(name, op_bytes(spec, args, kwargs), left)
     seen: set = set()
     refs_bytes(big, seen)

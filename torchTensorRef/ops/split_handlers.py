@@ -163,15 +163,15 @@ def conversion(func, args, kwargs, spec: OpSpec):
     """A copy or dtype conversion on the device (``clone()``, ``.to(torch.float32)``,
     ``p.copy_(master)``) in chunks when its tensors do not fit together; a copy to or from
     another device takes the usual path."""
-    left = fits(spec, args, kwargs)
-    if left is None:
-        return default(func, args, kwargs, spec)
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-    same_device = all(isinstance(t, TensorRef) and t.device == tensors[0].device for t in tensors)
     device = kwargs.get("device")
+    same_device = all(isinstance(t, TensorRef) and t.device == tensors[0].device for t in tensors) and (
+        device is None or torch.device(device) == tensors[0].device)
+    left = fits(spec, args, kwargs) if same_device else None
+    if left is None:
+        return default(func, args, kwargs, spec)  # (a copy to or from the host counts only one side)
     options = all(_CONVERSION_ONLY.get(k, lambda v: False)(v) for k, v in kwargs.items() if k != "device")
-    if (not same_device or not options or (device is not None and torch.device(device) != tensors[0].device)
-            or any(t.shape != tensors[0].shape for t in tensors)):
+    if not options or any(t.shape != tensors[0].shape for t in tensors):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     kwargs = {k: v for k, v in kwargs.items() if k != "device"}  # (the same device: each chunk's)
     return run_chunked(func, args, kwargs, spec, left)
@@ -204,6 +204,7 @@ def rows(func, args, kwargs, spec: OpSpec):
 VIEWS = [
     aten.t.default, aten.transpose.int, aten.view.default, aten.detach.default, aten.alias.default,
     aten.permute.default, aten.unsqueeze.default, aten.expand.default, aten._unsafe_view.default,
+    aten._conj.default, aten._neg_view.default,
 ]
 
 
