@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"seconds between interrupting a step past its limit and killing it (default: {GRACE:g})")
     p.add_argument("--skip", default="", metavar="STEPS", help="comma-separated steps not to run, e.g. demo,throughput")
     p.add_argument("--suite-args", default="", metavar="ARGS",
-                   help='more pytest arguments for the suite, e.g. "tests/test_sizes.py -k parse_size"')
+                   help='more pytest arguments for the suite, e.g. "tests/core/test_sizes.py -k parse_size"')
     p.add_argument("--cuda-args", default="", metavar="ARGS", help="more pytest arguments for the cuda step")
     p.add_argument("--demo-args", default="", metavar="ARGS",
                    help="more arguments for the demo, e.g. --demo-args=--quick (with '=' where ARGS starts with '-')")

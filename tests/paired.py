@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib  # noqa: F401
 import itertools
+import os
 
 import pytest
 import torch
@@ -19,6 +20,10 @@ from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.memory.sim.tensor import SimTensor
 from torchTensorRef.core.sizes import parse_size
 from torchTensorRef.strategies import NAMES
+
+#: the tests' folder (their shared modules and scripts) and the repository's root
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 
 
 def outside_floor() -> int:

@@ -19,7 +19,7 @@ Two more modes run the sweep where nothing has to move, so that ops take the fas
 every input brought in before the op) and ``"pass-through"`` (device "cpu").
 
 Known failures are listed with their reason in ``opinfo_xfails.py``; they are strict, so a
-fixed op fails the sweep until its entry is removed. ``python tests/test_opinfo.py`` prints
+fixed op fails the sweep until its entry is removed. ``python tests/ops/test_opinfo.py`` prints
 the match rate.
 """
 
@@ -71,7 +71,7 @@ TEST_DEVICE = os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim")
 JITERATOR_ON_CUDA = (
     "jiterator_* launch a raw CUDA kernel (torch._C._cuda_jiterator_compile_and_launch_kernel) that no "
     "tensor subclass sees; on TensorRefs it read the wrappers' empty storage (an illegal memory access "
-    "that kills the process's CUDA context): tested with its guard in tests/test_jiterator.py"
+    "that kills the process's CUDA context): tested with its guard in tests/ops/test_jiterator.py"
 )
 #: the package's own errors: never "the same exception" as one plain torch raised
 OWN_ERRORS = tuple(c for c in vars(errors).values()

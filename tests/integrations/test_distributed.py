@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 import distributed_workers as workers
+from paired import ROOT, TESTS
 
 DEADLINE_S = 120
 
@@ -52,9 +53,7 @@ def spawn(fn, *args, world: int = 2):
 @pytest.fixture(autouse=True)
 def _workers_import_this_tree(monkeypatch):
     # Spawned ranks import the package found first on their path: the one under test.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    here = os.path.dirname(os.path.abspath(__file__))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
 
 
 @pytest.mark.parametrize("device", ["cpu", "sim"])
@@ -121,8 +120,7 @@ def test_ddp_on_gpus_with_nccl_is_plain_ddp():
 
 
 def _torchrun(*args, out, port):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     env.pop("TORCHTENSORREF_SIM_WORKSPACE", None)  # (the runner's run names "sim" and a 5 KiB budget)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                "127.0.0.1", "--master-port", str(port), *args, out]
@@ -138,7 +136,7 @@ def _free_port() -> int:
 
 
 def test_torchrun_runs_the_runner_on_every_rank(tmp_path):
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_train.py")
+    script = os.path.join(TESTS, "distributed_train.py")
     plain, managed = tmp_path / "plain", tmp_path / "managed"
     plain.mkdir()
     managed.mkdir()
