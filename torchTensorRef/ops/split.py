@@ -115,9 +115,13 @@ def default(func, args, kwargs, spec: OpSpec):
 
 
 def fits(spec: OpSpec, args, kwargs) -> Optional[int]:
-    """``None`` when the op fits (or there is no budget), else the room left."""
+    """``None`` when the op fits (or there is no budget), else the room left.
+
+    Without a budget nothing is split: the device's capacity is then the limit, and checking
+    every add and view against it cost more than it ever saved (``benchmarks/op_paths.py``).
+    """
     limit = mgr._limit
-    if limit is None or mgr._backend.passthrough:
+    if mgr._budget is None or limit is None or mgr._backend.passthrough:
         return None
     need = op_bytes(spec, args, kwargs)
     if need + mgr._elsewhere_bytes <= limit:

@@ -213,8 +213,14 @@ def view(func, args, kwargs, spec: OpSpec):
     """A view of a tensor that does not fit: its geometry, with no bytes moved (the
     dispatcher's view of a block on disk, which reads nothing)."""
     base = args[0] if args else None
-    left = room() if isinstance(base, TensorRef) else None
-    if left is None or base._tr_block.nbytes <= left or base._tr_block.dev is not None:
+    block = base._tr_block if isinstance(base, TensorRef) else None
+    # (cheapest first: a resident block, or one that fits the budget, is the common case;
+    # room() reads the pins of every resident block)
+    if (block is None or block.dev is not None or mgr._budget is None or mgr._limit is None
+            or block.nbytes + mgr._elsewhere_bytes <= mgr._limit):
+        return default(func, args, kwargs, spec)
+    left = room()
+    if left is None or block.nbytes <= left:
         return default(func, args, kwargs, spec)
     return view_on_disk(func, args, kwargs)
 
