@@ -262,3 +262,14 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     if a is None or b is None or b == 0:
         return None
     return a / b
+
+
+@contextlib.contextmanager
+def regions_off():
+    """Module regions off inside (the benchmarks that measure the per-op path), restored after."""
+    previous = torchTensorRef.regions.enabled
+    torchTensorRef.regions.enabled = False
+    try:
+        yield
+    finally:
+        torchTensorRef.regions.enabled = previous

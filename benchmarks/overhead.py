@@ -148,12 +148,8 @@ def interleaved(plain, fn, label: str, repeats: int, times: dict, ratios: dict, 
 
 def main(argv=None) -> dict:
     """The benchmark with module regions off: it measures the per-op path."""
-    previous = torchTensorRef.regions.enabled
-    torchTensorRef.regions.enabled = False
-    try:
+    with common.regions_off():
         return _main(argv)
-    finally:
-        torchTensorRef.regions.enabled = previous
 
 
 def _main(argv=None) -> dict:

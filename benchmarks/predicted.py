@@ -317,12 +317,8 @@ def checks(result: dict) -> list:
 
 def main(argv=None) -> dict:
     """The benchmark with module regions off: it measures traces of aten ops, and Flow's plan over them."""
-    previous = torchTensorRef.regions.enabled
-    torchTensorRef.regions.enabled = False
-    try:
+    with common.regions_off():
         return _main(argv)
-    finally:
-        torchTensorRef.regions.enabled = previous
 
 
 def _main(argv=None) -> dict:
