@@ -56,18 +56,25 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     try:
         if spec.handler is not None:
             return spec.handler(func, args, kwargs, spec)
-        if _mgr._fast and not spec.restrides:  # Note [Fast path]
-            out = run_fast(func, args, kwargs, spec)
-            if out is not _NOT_FAST:
-                return out
-        if not spec.allocates and not spec.write_args and args and _only_on_disk(args[0]):
-            return view_on_disk(func, args, kwargs)
-        return run_generic(func, args, kwargs, spec)
+        return run_unhandled(func, args, kwargs, spec)
     except Exception as e:
         if getattr(_mgr._backend, "strict", False) and sim_errors.in_backward():
             sim_errors.keep_for_backward(e)  # Note [Errors in backward on sim]
             return sim_errors.failed_result(func)
         raise
+
+
+def run_unhandled(func, args, kwargs, spec: OpSpec):
+    """The paths of an op that needs nothing special: the fast path where it can (Note [Fast
+    path]), a view of a block only on disk without reading it, else the generic path. A
+    handler that finds an op needs nothing of it calls this too."""
+    if _mgr._fast and not spec.restrides:
+        out = run_fast(func, args, kwargs, spec)
+        if out is not _NOT_FAST:
+            return out
+    if not spec.allocates and not spec.write_args and args and _only_on_disk(args[0]):
+        return view_on_disk(func, args, kwargs)
+    return run_generic(func, args, kwargs, spec)
 
 
 _NOT_FAST = object()

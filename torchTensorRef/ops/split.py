@@ -106,12 +106,8 @@ def refuse(name: str, smallest: int, left: int):
 
 
 def default(func, args, kwargs, spec: OpSpec):
-    """The dispatcher's own path for an op that fits (the fast path where it can)."""
-    if mgr._fast and not spec.restrides:
-        out = dispatch.run_fast(func, args, kwargs, spec)  # (looked up per call: tests count them)
-        if out is not dispatch._NOT_FAST:
-            return out
-    return dispatch.run_generic(func, args, kwargs, spec)
+    """The dispatcher's own paths for an op that fits (a view of a block on disk reads nothing)."""
+    return dispatch.run_unhandled(func, args, kwargs, spec)
 
 
 def fits(spec: OpSpec, args, kwargs) -> Optional[int]:
