@@ -202,3 +202,13 @@ def test_a_small_result_viewing_a_large_buffer_keeps_only_its_bytes(loss, pager)
     tensorsManager.budget = None
     assert_identical(plain[0], managed[0])
     assert managed[1] == 4 and managed[2] <= 9000
+
+
+def test_batch_norm_out_is_sized_by_its_results():
+    # (its meta kernel leaves the out tensors as given, the kernel gives them new storage: the
+    # budget held both for a moment, 520 bytes above it in the OpInfo sweep's tight budget)
+    op = torch.ops.aten._native_batch_norm_legit.out
+    with torchTensorRef.disabled():
+        x, stats = torch.randn(5, 5, 5), [torch.ones(5) for _ in range(4)]
+        outs = {"out": torch.empty(5, 5, 5), "save_mean": torch.empty(5), "save_invstd": torch.empty(5)}
+    assert estimate_output_bytes(spec_of(op), (x, *stats, True, 0.1, 1e-5), outs) >= 500 + 2 * 20

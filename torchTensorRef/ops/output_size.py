@@ -205,7 +205,22 @@ _BOUNDS: Dict[object, Callable] = {}
 #: shapes (ids: ``OpOverload.__hash__`` is Python code, and this is asked for every op)
 _READS_VALUES = set()
 #: ops whose meta kernel runs but cannot know the size (it would read a tensor's values)
-_META_TOO_SMALL = frozenset({torch.ops.aten._ctc_loss.Tensor})
+#: ops whose meta kernel sizes what they write too small (``_native_batch_norm_legit``'s out=
+#: variants: the meta kernel leaves the out tensors as given, the host kernel gives them new
+#: storage, which the budget then held twice for a moment): sized by their bounds instead
+_META_TOO_SMALL = frozenset(op for op in (
+    torch.ops.aten._ctc_loss.Tensor,
+    getattr(torch.ops.aten._native_batch_norm_legit, "out", None),
+    getattr(torch.ops.aten._native_batch_norm_legit, "no_stats_out", None),
+) if op is not None)
+
+
+def _bound_batch_norm_out(args, kwargs) -> int:
+    """Its three results whole: the output (as the input) and the saved mean and inverse
+    deviation (one per channel, in at least float32)."""
+    x = args[0]
+    channels = x.shape[1] if x.dim() > 1 else 1
+    return x.numel() * x.element_size() + 2 * channels * max(x.element_size(), 4)
 
 
 def _register_bounds() -> None:
@@ -223,6 +238,7 @@ def _register_bounds() -> None:
         ("unique_consecutive", ("default",), _unique_bound((1, 2))),
         ("unique_dim_consecutive", ("default",), _unique_bound((2, 3))),
         ("_ctc_loss", ("Tensor",), _bound_ctc_loss),
+        ("_native_batch_norm_legit", ("out", "no_stats_out"), _bound_batch_norm_out),
         ("repeat_interleave", ("Tensor",), _bound_repeat_interleave),
         ("bincount", ("default",), _bound_bincount),
     ]
