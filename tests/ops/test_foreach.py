@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import torchTensorRef
-from torchTensorRef import OutOfBudgetError, TensorRef, strategies, tensorsManager
-from paired import budget
+from torchTensorRef import OutOfBudgetError, TensorRef, strategies
+from paired import assert_identical, budget, plain_torch
 
 aten = torch.ops.aten
 N, SIZE = 10, 256  # ten tensors of 1 KiB each
@@ -15,10 +15,10 @@ BUDGET = 5 * 1024 + 512  # one position of a fused AdamW step (four lists), a fe
 
 
 def _lists(count, seed=0):
-    """``count`` lists of N float tensors: managed and plain, from the same seed."""
+    """``count`` lists of N float tensors: managed and plain (on their device), from the same seed."""
     torch.manual_seed(seed)
     managed = [[torch.rand(SIZE) + 1 for _ in range(N)] for _ in range(count)]
-    with torchTensorRef.disabled():
+    with plain_torch():
         torch.manual_seed(seed)
         plain = [[torch.rand(SIZE) + 1 for _ in range(N)] for _ in range(count)]
     return managed, plain
@@ -28,15 +28,20 @@ def _same(managed, plain):
     assert len(managed) == len(plain)
     for m, p in zip(managed, plain):
         assert isinstance(m, TensorRef)
-        assert torch.equal(m.target, p)
+        assert_identical(p, m)
 
 
 @pytest.fixture(params=strategies.NAMES)
 def budgeted(request, fresh_manager):
+    """Sets the budget when called: after the plain reference ran, whose tensors (plain CUDA
+    tensors on a GPU) the device holds outside the manager, so that the budget covers them."""
     fresh_manager.strategy = request.param
-    fresh_manager.budget = budget(BUDGET)
-    fresh_manager.reset_stats()
-    yield fresh_manager
+
+    def arm():
+        fresh_manager.budget = budget(BUDGET)
+        fresh_manager.reset_stats()
+
+    yield arm
     assert fresh_manager.stats()["peak_device_bytes"] <= BUDGET
 
 
@@ -49,20 +54,25 @@ def budgeted(request, fresh_manager):
 ], ids=["add_List", "mul_Scalar", "addcdiv_Scalar", "addcdiv_ScalarList", "lerp_Scalar"])
 def test_in_place(budgeted, call):
     (xs, ys, zs), (pxs, pys, pzs) = _lists(3)
-    call(xs, ys, zs)
-    with torchTensorRef.disabled():
+    with plain_torch():
         call(pxs, pys, pzs)
+    budgeted()
+    call(xs, ys, zs)
     _same(xs, pxs)
     _same(ys, pys)
 
 
 def test_per_position_scalars_tensor(budgeted):
-    # addcmul_.Tensor takes one scalar per position in a 1-D tensor: it is sliced with the lists.
+    # addcmul_.Tensor takes one scalar per position in a 1-D tensor: it is sliced with the
+    # lists. The scalars are read on the host: a tensor of them on the device is refused, as
+    # on CUDA (a plain CPU tensor in both runs).
     (xs, ys, zs), (pxs, pys, pzs) = _lists(3)
-    scalars = torch.arange(N, dtype=torch.float32)
-    aten._foreach_addcmul_.Tensor(xs, ys, zs, scalars)
     with torchTensorRef.disabled():
-        aten._foreach_addcmul_.Tensor(pxs, pys, pzs, torch.arange(N, dtype=torch.float32))
+        scalars = torch.arange(N, dtype=torch.float32)
+    with plain_torch():
+        aten._foreach_addcmul_.Tensor(pxs, pys, pzs, scalars)
+    budgeted()
+    aten._foreach_addcmul_.Tensor(xs, ys, zs, scalars)
     _same(xs, pxs)
 
 
@@ -74,9 +84,10 @@ def test_per_position_scalars_tensor(budgeted):
 ], ids=["mul_Scalar", "add_List", "sqrt", "norm"])
 def test_out_of_place(budgeted, call):
     (xs, ys), (pxs, pys) = _lists(2)
-    out = call(xs, ys)
-    with torchTensorRef.disabled():
+    with plain_torch():
         expected = call(pxs, pys)
+    budgeted()
+    out = call(xs, ys)
     _same(out, expected)
     _same(xs, pxs)
 
@@ -84,36 +95,39 @@ def test_out_of_place(budgeted, call):
 def test_amp_unscale_sees_every_slice(budgeted):
     # found_inf is shared by all slices: an inf in the last position must still set it.
     (grads,), (pgrads,) = _lists(1)
-    grads[-1][0] = float("inf")
-    found = torch.zeros(1)
-    inv_scale = torch.full((1,), 0.5)
-    aten._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
-    with torchTensorRef.disabled():
+    with plain_torch():
         pgrads[-1][0] = float("inf")
         pfound = torch.zeros(1)
         aten._amp_foreach_non_finite_check_and_unscale_(pgrads, pfound, torch.full((1,), 0.5))
+    grads[-1][0] = float("inf")
+    found = torch.zeros(1)
+    inv_scale = torch.full((1,), 0.5)
+    budgeted()
+    aten._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
     _same(grads, pgrads)
-    assert torch.equal(found.target, pfound) and pfound.item() == 1.0
+    assert_identical(pfound, found)
+    assert pfound.item() == 1.0
 
 
 @pytest.mark.parametrize("options", [dict(foreach=True), dict(fused=True)], ids=["foreach", "fused"])
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
 def test_optimizer_steps(budgeted, optimizer, options):
     (params, grads), (pparams, pgrads) = _lists(2)
-    params = [torch.nn.Parameter(p) for p in params]
-    for p, g in zip(params, grads):
-        p.grad = g
     kwargs = dict(lr=0.1, momentum=0.9) if optimizer == "SGD" else dict(lr=0.1)
-    opt = getattr(torch.optim, optimizer)(params, **kwargs, **options)
-    with torchTensorRef.disabled():
+    with plain_torch():
         pparams = [torch.nn.Parameter(p) for p in pparams]
         for p, g in zip(pparams, pgrads):
             p.grad = g
         popt = getattr(torch.optim, optimizer)(pparams, **kwargs, **options)
+        for _ in range(2):
+            popt.step()
+    params = [torch.nn.Parameter(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt = getattr(torch.optim, optimizer)(params, **kwargs, **options)
+    budgeted()
     for _ in range(2):
         opt.step()
-        with torchTensorRef.disabled():
-            popt.step()
     _same(params, pparams)
 
 
@@ -129,14 +143,15 @@ def test_position_too_large_runs_in_chunks(fresh_manager):
     # The last position alone (8 KiB of two lists) is larger than the budget: it runs in
     # chunks of its elements, with the bits of one call.
     (xs, ys), (pxs, pys) = _lists(2)
+    torch.manual_seed(1)
     xs[-1], ys[-1] = torch.rand(4 * SIZE), torch.rand(4 * SIZE)
-    with torchTensorRef.disabled():
-        pxs[-1], pys[-1] = xs[-1].target.clone(), ys[-1].target.clone()
-    fresh_manager.budget = budget(BUDGET)
+    with plain_torch():
+        torch.manual_seed(1)
+        pxs[-1], pys[-1] = torch.rand(4 * SIZE), torch.rand(4 * SIZE)
+        aten._foreach_addcmul_.Scalar(pxs, pys, pys, value=0.5)
+    fresh_manager.budget = budget(BUDGET)  # (after the plain reference, which it covers on a GPU)
     fresh_manager.reset_stats()
     aten._foreach_addcmul_.Scalar(xs, ys, ys, value=0.5)
-    with torchTensorRef.disabled():
-        aten._foreach_addcmul_.Scalar(pxs, pys, pys, value=0.5)
     _same(xs, pxs)
     assert fresh_manager.stats()["peak_device_bytes"] <= BUDGET
 
