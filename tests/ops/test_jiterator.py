@@ -18,7 +18,7 @@ import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, tensorsManager
 from torchTensorRef.ops.raw_kernels import output_bytes
 
-from paired import budget, plain_torch, values
+from paired import assert_identical, budget, plain_torch, values
 
 ENTRY = "_cuda_jiterator_compile_and_launch_kernel"
 ADD = "template <typename T> T add_kernel(T x, T y) { return x + y; }"
@@ -88,14 +88,14 @@ def test_jiterator_on_tensorrefs_runs_on_their_device_copies_within_the_budget(e
     tm.reset_stats()
     out = kernel(a, b)
     assert type(out) is TensorRef and out.device == expected.device
-    assert torch.equal(values(out), values(expected))
+    assert_identical(expected, out)
     stats = tm.stats()
     assert stats["ops"] == 1 and stats["evictions"] >= 1
     assert stats["worst_overshoot_bytes"] == 0 and stats["peak_device_bytes"] <= managed
     assert launches == ["add_kernel", "add_kernel"]
     for _ in range(3):  # a result is an input like any, and a launch repeats as one op would
         out, expected = kernel(out, a), kernel(expected, plain[0])
-    assert torch.equal(values(out), values(expected))
+    assert_identical(expected, out)
     assert tm.stats()["worst_overshoot_bytes"] == 0
 
 
@@ -109,24 +109,28 @@ def test_multi_output_jiterator_gives_each_result_as_a_tensorref(entry):
     assert isinstance(out, tuple) and len(out) == 2
     for got, want in zip(out, expected):
         assert type(got) is TensorRef and got.shape == want.shape
-        assert torch.equal(values(got), values(want))
+        assert_identical(want, got)
     assert out[0]._tr_block is not out[1]._tr_block
     assert tensorsManager.stats()["worst_overshoot_bytes"] == 0
 
 
 def test_a_launch_that_cannot_fit_the_budget_raises_before_the_kernel_runs(entry):
     # The room made for a launch counts its broadcast, promoted result: a (4, 1) float32 and
-    # a (1, 8) float64 give a (4, 8) float64, 256 bytes beside the inputs' 16 + 64.
+    # a (1, 8) float64 give a (4, 8) float64, 256 bytes beside the inputs' 16 + 64 (each
+    # counted as the device's allocator gives it).
     kernel = jit(ADD)
     plain, (a, b) = both(lambda: (torch.randn(4, 1), torch.randn(1, 8, dtype=torch.float64)))
+    expected = kernel(*plain)  # (before the budget, which covers the plain tensors on the device)
     assert output_bytes((a, b), 1) == 256
-    tensorsManager.budget = budget(16 + 64 + 256 - 1)
+    need = sum(tensorsManager.block_bytes(n) for n in (16, 64, 256))
+    tensorsManager.budget = budget(need - 1)
     with pytest.raises(OutOfBudgetError, match="jiterator.add_kernel"):
         kernel(a, b)
-    assert launches == []
-    tensorsManager.budget = budget(16 + 64 + 256)
+    assert launches == ["add_kernel"]  # (the plain launch only)
+    tensorsManager.budget = budget(need)
     out = kernel(a, b)
-    assert out.dtype == torch.float64 and torch.equal(values(out), values(kernel(*plain)))
+    assert out.dtype == torch.float64
+    assert_identical(expected, out)
     assert tensorsManager.stats()["worst_overshoot_bytes"] == 0
 
 
@@ -135,7 +139,7 @@ def test_a_tensorref_given_for_a_scalar_argument_reaches_the_kernel_as_a_number(
     kernel = jit(SCALED_ADD, alpha=1.0)
     plain, (a, b, alpha) = both(lambda: (torch.randn(6), torch.randn(6), torch.tensor(2.5)))
     out = kernel(a, b, alpha=alpha)
-    assert torch.equal(values(out), values(kernel(plain[0], plain[1], alpha=plain[2])))
+    assert_identical(kernel(plain[0], plain[1], alpha=plain[2]), out)
 
 
 def test_the_launch_is_an_op_callbacks_see(entry):
@@ -194,5 +198,5 @@ def test_real_jiterator_on_tensorrefs_matches_plain_cuda():
     a, b = torch.arange(1000.0), torch.linspace(-1, 1, 1000)
     out = kernel(a, b)
     assert type(out) is TensorRef and out.is_cuda
-    assert torch.equal(out.target, expected)
+    assert_identical(expected, out)
     torch.cuda.synchronize()
