@@ -13,6 +13,9 @@ import torch
 import torchTensorRef
 from torchTensorRef import TensorRef
 from torchTensorRef.integrations import patching
+from torchTensorRef.memory.sim.tensor import SimTensor
+
+from paired import assert_identical, plain_torch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.range is deprecated")
 
@@ -82,12 +85,12 @@ def _call(name, tmp_path):
 def test_creation_function_returns_tensor_ref_when_patched(name, tmp_path):
     managed = _call(name, tmp_path)
     assert type(managed) is TensorRef
-    with torchTensorRef.disabled():
+    with plain_torch():  # (on the managed tensors' device: random ones draw from its generator)
         plain = _call(name, tmp_path)
-    assert type(plain) is torch.Tensor
+    assert type(plain) in (torch.Tensor, SimTensor)  # a plain tensor (of the "sim" device, or not)
     assert managed.dtype == plain.dtype
     if name not in ("empty", "empty_strided", "empty_permuted"):
-        assert torch.equal(managed.target, plain)
+        assert_identical(plain, managed)
 
 
 @pytest.mark.parametrize("name", PRESENT)
