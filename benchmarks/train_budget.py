@@ -28,14 +28,19 @@ from torchTensorRef import tensorsManager as tm  # noqa: E402
 from torchTensorRef.analysis.offline import reference_moves  # noqa: E402
 
 
-def build(vocab: int, intermediate: int, seed: int = 0) -> torch.nn.Module:
-    """The plain Llama: 4 layers, hidden 256, random weights."""
+#: ``--size small``: gpu_throughput.py's small Llama (8 layers, hidden 1024, vocab 32000), in float32
+SMALL = dict(layers=8, hidden=1024, intermediate=2816, vocab=32000, heads=16, kv_heads=4)
+
+
+def build(vocab: int, intermediate: int, seed: int = 0, layers: int = 4, hidden: int = 256, heads: int = 4,
+          kv_heads: int = 2) -> torch.nn.Module:
+    """The plain Llama (by default 4 layers, hidden 256), random weights."""
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     transformers.logging.set_verbosity_error()
-    config = LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=intermediate, vocab_size=vocab,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
+                         vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
                          bos_token_id=1, eos_token_id=None, pad_token_id=0)
     with torchTensorRef.disabled():
         torch.manual_seed(seed)
@@ -104,6 +109,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=1024)
+    parser.add_argument("--size", choices=("default", "small"), default="default",
+                        help="small: gpu_throughput.py's small Llama's shapes (overrides --vocab and --intermediate)")
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.1])
@@ -115,7 +122,9 @@ def main(argv=None) -> dict:
     regions = getattr(torchTensorRef, "regions", None)
     if regions is not None and not args.regions:
         regions.enabled = False
-    plain = build(args.vocab, args.intermediate)
+    shape = dict(SMALL) if args.size == "small" else dict(vocab=args.vocab, intermediate=args.intermediate)
+    args.vocab = shape["vocab"]
+    plain = build(**shape)
     with torchTensorRef.disabled():
         ids = torch.randint(2, args.vocab, (2, args.seq), generator=torch.Generator().manual_seed(1))
     with torchTensorRef.disabled(args.device):
@@ -124,7 +133,8 @@ def main(argv=None) -> dict:
         reference = [p.detach().cpu() for p in model.parameters()]
     del model
     wbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
-    print(f"Llama 4 layers, hidden 256, vocab {args.vocab}: {wbytes / 2**20:.1f} MiB of weights; "
+    config = plain.config
+    print(f"Llama {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {args.vocab}: {wbytes / 2**20:.1f} MiB of weights; "
           f"{args.steps} AdamW steps (clip 1.0, LambdaLR), batch 2x{args.seq}, {args.device!r}, torch {torch.__version__}")
     print(f"{'budget':>7} {'strategy':>8} {'result':>6} {'max|diff|':>10} {'peak/budget':>11} {'moved/ref':>9}  error")
     rows = []
