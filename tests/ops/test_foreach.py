@@ -163,3 +163,35 @@ def test_position_that_cannot_be_chunked_fails_before_writing(fresh_manager):
     with pytest.raises(OutOfBudgetError, match="_foreach_add_"):
         aten._foreach_add_.List(xs, ys)
     _same(xs[:-1], pxs[:-1])  # no slice ran
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced"])
+def test_per_position_scalars_made_under_the_manager_are_read_on_the_host(fresh_manager, sliced):
+    # Fixed: torch.arange under the manager gives a TensorRef of the device (plain torch on the
+    # CPU gave a CPU tensor), which went to the kernel as a device tensor: CUDA's kernels
+    # raise "Expected scalars to be on CPU" (as the strict "sim" now does). They get its host copy.
+    (xs, ys, zs), (pxs, pys, pzs) = _lists(3)
+    with plain_torch():
+        host_scalars = torch.arange(N, dtype=torch.float32, device="cpu")
+        aten._foreach_addcdiv_.Tensor(pxs, pys, pzs, host_scalars)
+        expected = aten._foreach_addcmul.Tensor(pys, pzs, pxs, host_scalars)
+    if sliced:
+        fresh_manager.budget = budget(BUDGET)  # (after the plain reference: it covers its tensors on a GPU)
+    scalars = torch.arange(N, dtype=torch.float32)
+    assert isinstance(scalars, TensorRef) and scalars.device == fresh_manager.torch_device
+    aten._foreach_addcdiv_.Tensor(xs, ys, zs, scalars)
+    _same(xs, pxs)
+    _same(aten._foreach_addcmul.Tensor(ys, zs, xs, scalars=scalars), expected)
+    assert_identical(host_scalars, scalars)  # (read, not written)
+    if sliced:
+        assert fresh_manager.stats()["peak_device_bytes"] <= BUDGET
+
+
+def test_per_position_scalars_on_the_device_are_refused_as_on_cuda(fresh_manager):
+    # A plain tensor of the device (not one the manager made) is the program's own choice:
+    # refused as plain torch on CUDA refuses it, on the strict "sim" too.
+    (xs, ys, zs), _plain = _lists(3)
+    with plain_torch():
+        scalars = torch.arange(N, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="Expected scalars to be on CPU"):
+        aten._foreach_addcmul_.Tensor(xs, ys, zs, scalars)

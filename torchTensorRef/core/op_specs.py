@@ -29,11 +29,14 @@ class OpSpec:
         host_results: positions of the results that accelerator kernels return in host
             memory (``batch_sizes`` of ``_pack_padded_sequence``): they stay plain CPU
             tensors, because composite kernels (``lstm`` on packed data) read their bytes.
+        host_args: ``(position, name)`` of the tensor arguments that accelerator kernels
+            read in host memory and refuse on the device (``lengths`` of
+            ``_pack_padded_sequence``, the per-position ``scalars`` of ``_foreach_addcmul``).
         handler: special-case handler, or ``None`` for the generic path.
     """
 
     __slots__ = ("func", "name", "write_args", "return_args", "allocates", "restrides", "one_result", "one_tensor",
-                 "call", "host_results", "handler")
+                 "call", "host_results", "host_args", "handler")
 
     def __init__(self, func):
         self.func = func
@@ -74,6 +77,9 @@ class OpSpec:
         #: whether that result is one tensor (not a list): no other result shares its storage
         self.one_tensor: bool = self.one_result and isinstance(schema.returns[0].type, torch.TensorType)
         self.host_results: Tuple[int, ...] = _HOST_RESULTS.get(func.overloadpacket.__name__, ())
+        host = _HOST_ARGUMENTS.get(func.overloadpacket.__name__, ())
+        self.host_args: Tuple[Tuple[int, str], ...] = tuple(
+            (i, a.name) for i, a in enumerate(schema.arguments) if a.name in host)
         self.handler: Optional[Handler] = _HANDLERS.get(func)
 
 
@@ -97,6 +103,14 @@ _UNANNOTATED_WRITES = {
 _HOST_RESULTS = {
     "_pack_padded_sequence": (1,),  # batch_sizes
     "_pad_packed_sequence": (1,),  # lengths
+}
+
+#: tensor arguments that accelerator kernels take in host memory only: CUDA raises "Expected
+#: scalars to be on CPU" for a device tensor of ``_foreach_addcmul``'s per-position scalars
+_HOST_ARGUMENTS = {
+    "_pack_padded_sequence": ("lengths",),
+    "_foreach_addcmul": ("scalars",), "_foreach_addcmul_": ("scalars",),
+    "_foreach_addcdiv": ("scalars",), "_foreach_addcdiv_": ("scalars",),
 }
 
 _HANDLERS: Dict[object, Handler] = {}

@@ -52,6 +52,9 @@ def _check_devices(spec, args, kwargs, declared, blocks) -> None:
     ``TransformerEncoder``'s eval fast path) are plain CPU tensors that are the device's on a
     GPU, and nothing tells them apart from a program's own CPU tensors.
     """
+    host_args = ()
+    if spec.host_args:
+        host_args = _check_host_args(spec, args, kwargs, declared)
     for b in blocks:  # (``blocks``: those of the TensorRef arguments)
         if b.host_only:
             break
@@ -60,7 +63,7 @@ def _check_devices(spec, args, kwargs, declared, blocks) -> None:
             return  # the common case: only TensorRefs on the device, nothing to look for
     hosted = None
     for a in _tensor_args(args, kwargs):
-        if a.dim() == 0:
+        if a.dim() == 0 or any(a is h for h in host_args):  # (a host argument belongs there)
             continue
         cls = a.__class__
         if cls is TensorRef:
@@ -79,6 +82,21 @@ def _check_devices(spec, args, kwargs, declared, blocks) -> None:
         raise RuntimeError(
             f"Expected all tensors to be on the same device, but found at least two devices, "
             f"{declared} and cpu! (when checking the arguments of {spec.name})")
+
+
+def _check_host_args(spec, args, kwargs, declared) -> tuple:
+    """Refuse a device tensor where the accelerator's kernel reads the argument in host
+    memory (``OpSpec.host_args``), as CUDA's kernels do; the manager gives them host copies
+    of TensorRefs first (``host_arguments.to_host``). Returns those arguments."""
+    found = []
+    for index, name in spec.host_args:
+        a = args[index] if index < len(args) else kwargs.get(name)
+        on_device = (not a._tr_block.host_only) if isinstance(a, TensorRef) else isinstance(a, SimTensor)
+        if on_device:
+            raise RuntimeError(f"Expected {name} to be on CPU, got {declared} instead. "
+                               f"(when checking the arguments of {spec.name})")
+        found.append(a)
+    return tuple(found)
 
 
 def _tensor_args(args, kwargs):

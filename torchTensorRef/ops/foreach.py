@@ -21,6 +21,7 @@ from ..core.op_specs import OpSpec, implements
 from ..core.tensor_ref import TensorRef
 from . import split
 from .dispatch import run_generic
+from .host_arguments import to_host
 from .output_size import estimate_output_bytes
 
 #: list ops outside the ``_foreach_`` family: fused optimizer steps (lists of parameters,
@@ -152,6 +153,8 @@ def _slices(spec, layout, n, args, kwargs, limit) -> List[Tuple[int, int, bool]]
 
 def run_in_slices(func, args, kwargs, spec: OpSpec):
     """The op on consecutive slices of its lists when all of it would exceed the budget."""
+    if spec.host_args:  # (per-position scalars: read on the host, sliced there)
+        args, kwargs = to_host(spec, args, kwargs)
     limit = split.room()
     layout = _layouts.get(func)
     if layout is None:

@@ -1,10 +1,13 @@
-"""Arguments that accelerator kernels read in host memory: the lengths of packed sequences.
+"""Arguments that accelerator kernels read in host memory: the lengths of packed sequences,
+the per-position scalars of list ops.
 
-CUDA's ``_pack_padded_sequence`` takes ``lengths`` only as a CPU tensor, and a program
-written for plain torch makes it with ``torch.tensor(...)``: a CPU tensor there, an
-accelerator TensorRef under the manager. The kernel gets the host copy instead, as plain
-torch would have had it. (The results CUDA makes in host memory are in
-``registry._HOST_RESULTS``.)
+CUDA's ``_pack_padded_sequence`` takes ``lengths`` only as a CPU tensor, and so do
+``_foreach_addcmul`` and ``_foreach_addcdiv`` their ``scalars`` ("Expected scalars to be on
+CPU"). A program written for plain torch makes them with ``torch.tensor(...)`` or
+``torch.arange(...)``: a CPU tensor there, an accelerator TensorRef under the manager. The
+kernel gets the host copy instead, as plain torch would have had it (the positions are
+``OpSpec.host_args``). (The results CUDA makes in host memory are in
+``op_specs._HOST_RESULTS``.)
 """
 
 from __future__ import annotations
@@ -14,10 +17,24 @@ from ..core.tensor_ref import TensorRef
 from .dispatch import run_generic
 
 
+def _on_device(value) -> bool:
+    return isinstance(value, TensorRef) and not value._tr_block.host_only
+
+
+def to_host(spec, args, kwargs):
+    """``(args, kwargs)`` with each TensorRef among ``spec.host_args`` that is not a host
+    tensor replaced by its host copy (a host-only TensorRef)."""
+    for index, name in spec.host_args:
+        if index < len(args):
+            if _on_device(args[index]):
+                args = tuple(args[:index]) + (args[index].to("cpu"),) + tuple(args[index + 1:])
+        elif _on_device(kwargs.get(name)):
+            kwargs = dict(kwargs)
+            kwargs[name] = kwargs[name].to("cpu")
+    return args, kwargs
+
+
 @implements([aten._pack_padded_sequence.default])
 def pack_padded_sequence(func, args, kwargs, spec):
-    if len(args) > 1 and isinstance(args[1], TensorRef) and not args[1]._tr_block.host_only:
-        args = (args[0], args[1].to("cpu")) + tuple(args[2:])
-    elif isinstance(kwargs.get("lengths"), TensorRef) and not kwargs["lengths"]._tr_block.host_only:
-        kwargs = dict(kwargs, lengths=kwargs["lengths"].to("cpu"))
+    args, kwargs = to_host(spec, args, kwargs)
     return run_generic(func, args, kwargs, spec)

@@ -47,7 +47,7 @@ class KernelSpec:
     """
 
     __slots__ = ("func", "call", "name", "write_args", "return_args", "allocates", "restrides",
-                 "one_result", "one_tensor", "host_results", "handler")
+                 "one_result", "one_tensor", "host_results", "host_args", "handler")
 
     def __init__(self, func, kernel_name: str, num_outputs: int):
         self.func = self.call = func
@@ -59,6 +59,7 @@ class KernelSpec:
         self.one_result = num_outputs == 1
         self.one_tensor = num_outputs == 1
         self.host_results = ()
+        self.host_args = ()
         self.handler = None
 
 
