@@ -69,6 +69,7 @@ SIZES = {
                  bandwidth_bytes=16 << 20),
 }
 STRATEGIES = ("flow", "genoa")
+WORKLOADS = ("generate", "train")
 FRACTIONS = (0.25, 0.5, 1.0)
 TARGETS = {
     "flow_to_bound": 0.8,       # bound / measured time
@@ -214,7 +215,8 @@ def predicted(dev: Device, run: Callable, workload: str, size: dict, gpu, scenar
 
 
 def run_config(dev: Device, plain, ids: dict, size: dict, config: str, fraction: Optional[float],
-               wbytes: int, gpu=None, baseline: Optional[dict] = None, outside: int = 0) -> dict:
+               wbytes: int, gpu=None, baseline: Optional[dict] = None, outside: int = 0,
+               workloads=WORKLOADS) -> dict:
     """Both workloads of one configuration: "resident", "accelerate", or a strategy at a budget.
 
     With ``gpu``, each workload has its prediction on that GPU beside the measured figures
@@ -225,7 +227,7 @@ def run_config(dev: Device, plain, ids: dict, size: dict, config: str, fraction:
     outside the manager (cuBLAS's workspaces: the budget covers them, Note [Budget on CUDA])."""
     row = {"config": config, "budget_fraction": fraction, "outside_bytes": outside,
            "budget": None if fraction is None else outside + int(wbytes * fraction)}
-    for workload in ("generate", "train"):
+    for workload in workloads:
         if config == "accelerate" and workload == "train":
             row[workload] = {"skipped": ACCELERATE_TRAINING}
             continue
@@ -420,6 +422,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="the same as --size tiny")
     parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                        help="greedy generate() calls, AdamW training steps, or both (the default)")
     parser.add_argument("--gpu", metavar="NAME", default=None,
                         help="the row of torchTensorRef/analysis/data/gpus.json (or a .json file of numbers) to predict "
                              "each run on, beside its measurement; default: the one torch.cuda.get_device_name() "
@@ -455,7 +459,7 @@ def main(argv=None) -> dict:
            "train": common.plain_inputs(1, vocab, size["batch"], size["seq"])}
     bandwidth = dev.bandwidth(size["bandwidth_bytes"])
     previous = (tm.device, tm.strategy, tm.budget)
-    configs = [("resident", None), ("accelerate", None)]
+    configs = [("resident", None)] + ([("accelerate", None)] if "generate" in args.workloads else [])
     configs += [(strategy, fraction) for fraction in args.fractions for strategy in args.strategies]
     rows = []
     try:
@@ -463,7 +467,8 @@ def main(argv=None) -> dict:
         outside = tm.outside_bytes()
         baseline = baseline_predictions(dev, plain, ids, size, gpu)
         for config, fraction in configs:
-            rows.append(run_config(dev, plain, ids, size, config, fraction, wbytes, gpu, baseline, outside))
+            rows.append(run_config(dev, plain, ids, size, config, fraction, wbytes, gpu, baseline, outside,
+                                   args.workloads))
             # one line per configuration as it ends: a run cut short still says something
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("generate", "train")}
                              | {w: {k: v for k, v in rows[-1].get(w, {}).items() if k != "tokens"}
