@@ -25,7 +25,7 @@ _READER = textwrap.dedent('''
 
     def describe(v):
         if isinstance(v, torch.Tensor):
-            t = v.detach().contiguous().reshape(-1)
+            t = v.detach().cpu().contiguous().reshape(-1)  # (plain torch on a GPU saves GPU tensors)
             return {"type": type(v).__name__, "dtype": str(t.dtype), "shape": list(v.shape),
                     "requires_grad": v.requires_grad, "attrs": sorted(v.__dict__),
                     "sha": hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest(),
@@ -205,11 +205,12 @@ def test_load_gives_tensor_refs_and_keeps_sharing():
 
 def test_rng_states_restored_from_a_checkpoint_replay_the_same_numbers():
     # a training script's resume: save the generators' states, load them, restore, draw again
+    # (on the host: get_rng_state() is the CPU generator's, and a GPU draws from its own)
     g = torch.Generator().manual_seed(5)
     torch.manual_seed(3)
     buffer = io.BytesIO()
     torch.save({"global": torch.get_rng_state(), "g": g.get_state()}, buffer)
-    want = [torch.rand(4).tolist(), torch.rand(4, generator=g).tolist()]
+    want = [torch.rand(4, device="cpu").tolist(), torch.rand(4, generator=g).tolist()]
     buffer.seek(0)
     states = torch.load(buffer, weights_only=True)
     assert all(type(v) is TensorRef for v in states.values())
@@ -217,7 +218,7 @@ def test_rng_states_restored_from_a_checkpoint_replay_the_same_numbers():
     with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):
         g.set_state(states["g"])  # a C type: cannot be patched (docs/compatibility.md)
     g.set_state(states["g"].cpu().target)  # the documented way
-    assert [torch.rand(4).tolist(), torch.rand(4, generator=g).tolist()] == want
+    assert [torch.rand(4, device="cpu").tolist(), torch.rand(4, generator=g).tolist()] == want
 
 
 def test_load_with_mmap(tmp_path):
