@@ -462,3 +462,28 @@ def test_room_is_the_budget_less_the_resident_bytes(fresh_manager):
     assert fresh_manager.room() == 8_000
     fresh_manager.budget = budget(2_000)  # exactly x: nothing else fits
     assert fresh_manager.room() == 0
+
+
+def test_a_device_resolved_at_first_use_is_resolved_before_an_op_fetches(monkeypatch):
+    # Fixed: on CUDA, tensorsManager.device = "cuda" with blocks alive left the backend
+    # unresolved (no index, no streams until its first use), and the next op on a block on
+    # the host fetched it with no streams: AttributeError 'copy_ordered'. Here the simulated
+    # device is made to resolve as "cuda" does.
+    x = torch.arange(10.0)
+    tensorsManager.evict_all()
+    backend = tensorsManager._backend
+    streams = backend.streams
+    resolved = []
+
+    def resolve():
+        resolved.append(True)
+        backend.streams = streams
+
+    monkeypatch.setattr(backend, "streams", None)
+    monkeypatch.setattr(backend, "resolve", resolve, raising=False)
+    monkeypatch.setattr(tensorsManager, "_unresolved", True)
+    w = x + 1
+    assert resolved == [True]
+    with torchTensorRef.disabled():
+        expected = torch.arange(10.0) + 1
+    assert torch.equal(_host(w), expected)

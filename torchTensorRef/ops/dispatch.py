@@ -252,6 +252,9 @@ def run_generic(func, args, kwargs, spec: OpSpec):
             mgr._trace.entered = time.perf_counter_ns()  # our host time for this op starts here
         if mgr._dead:
             mgr._drain()
+        if mgr._unresolved:
+            # "cuda" set again with blocks alive: fixed (its index, its streams) before a fetch
+            mgr._resolve_device()
         refs = []
         _collect(args, refs)
         if kwargs:
