@@ -482,6 +482,7 @@ def test_a_device_resolved_at_first_use_is_resolved_before_an_op_fetches(monkeyp
     monkeypatch.setattr(backend, "streams", None)
     monkeypatch.setattr(backend, "resolve", resolve, raising=False)
     monkeypatch.setattr(tensorsManager, "_unresolved", True)
+    monkeypatch.setattr(tensorsManager, "_limit", None)  # (no limit is known until it is resolved)
     w = x + 1
     assert resolved == [True]
     with torchTensorRef.disabled():
