@@ -24,6 +24,10 @@ def _worker_batches(data):
 def test_dataloader_workers_index_a_dataset_of_tensor_refs(where, tmp_path):
     # Fixed: a worker indexing a dataset built after the import (TensorRefs on "sim") crashed
     # with a segmentation fault: collate asked for shared memory on the accelerator.
+    # On "sim" whatever the test device: on CUDA a forked worker cannot index a TensorRef at
+    # all (indexing a tensor of a CUDA device sets the device first, and CUDA refuses a
+    # forked child: "initialization error"), so this reads the bytes of each tier on "sim".
+    tensorsManager.device = "sim"
     tensorsManager.strategy = "flow"
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
