@@ -1,5 +1,10 @@
 """Ops larger than the budget run in pieces (``ops/split.py``), and a training step whose
-optimizer state does not fit gives plain torch's parameters on "sim"."""
+optimizer state does not fit gives plain torch's parameters on the same device.
+
+Each test makes its tensors and runs the plain reference (plain torch on the managed
+tensors' device) before it sets the budget: the budget covers the plain tensors the
+device holds, and a random tensor larger than the budget cannot be made under it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, strategies
-from paired import budget
+from paired import budget, device_type, plain_torch
 
 aten = torch.ops.aten
 ROWS, DIM = 512, 64  # a 128 KiB table
@@ -25,20 +30,27 @@ def _plain(t):
 
 
 def _pair(*shape, seed=0):
+    """A managed tensor and the plain one of the same values on its device."""
     torch.manual_seed(seed)
     managed = torch.randn(*shape)
-    with torchTensorRef.disabled("sim"):
+    with plain_torch():
         torch.manual_seed(seed)
-        plain = torch.randn(*shape).to("sim")
+        plain = torch.randn(*shape)
     return managed, plain
+
+
+def _tighten(tm, room=ROOM):
+    """Set the budget ``room`` above what the device holds now (the plain reference's tensors)."""
+    tm.budget = budget(room)
+    tm.reset_stats()
 
 
 @pytest.fixture(params=strategies.NAMES)
 def tight(request, fresh_manager):
+    """The manager under each strategy; the test sets the budget with ``_tighten``."""
     fresh_manager.strategy = request.param
-    fresh_manager.budget = budget(ROOM)
-    fresh_manager.reset_stats()
     yield fresh_manager
+    assert fresh_manager.budget is not None, "the test did not set the budget"
     assert fresh_manager.stats()["peak_device_bytes"] <= fresh_manager.budget
 
 
@@ -46,14 +58,15 @@ def test_embedding_reads_only_its_rows_and_its_backward_fits(tight):
     w, pw = _pair(ROWS, DIM)
     w.requires_grad_(True)
     pw = pw.detach().requires_grad_(True)
-    ids = torch.tensor([[3, 7, 3, 500], [0, 7, 9, 11]])
-    out = torch.nn.functional.embedding(ids, w, padding_idx=7)
-    (out * 2).sum().backward()
-    with torchTensorRef.disabled("sim"):
-        pids = torch.tensor([[3, 7, 3, 500], [0, 7, 9, 11]]).to("sim")
+    with plain_torch():
+        pids = torch.tensor([[3, 7, 3, 500], [0, 7, 9, 11]])
         pout = torch.nn.functional.embedding(pids, pw, padding_idx=7)
         (pout * 2).sum().backward()
         expected, expected_grad = pout.detach().cpu(), pw.grad.cpu()
+    ids = torch.tensor([[3, 7, 3, 500], [0, 7, 9, 11]])
+    _tighten(tight)
+    out = torch.nn.functional.embedding(ids, w, padding_idx=7)
+    (out * 2).sum().backward()
     assert torch.equal(_plain(out), expected)
     assert torch.equal(_plain(w.grad), expected_grad)
     # the forward read 6 rows, not the table
@@ -65,38 +78,42 @@ def test_mm_in_tiles_equals_one_call(tight, which):
     w, pw = _pair(ROWS, DIM)
     x, px = _pair(8, DIM, seed=1)
     if which == "weight_t":  # logits = x @ W.T: tiles of W's rows
-        out = x @ w.t()
-        with torchTensorRef.disabled("sim"):
+        with plain_torch():
             expected = (px @ pw.t()).cpu()
+        _tighten(tight)
+        out = x @ w.t()
     else:  # W @ v: tiles of W's rows as the output's rows
-        out = w @ x.t()
-        with torchTensorRef.disabled("sim"):
+        with plain_torch():
             expected = (pw @ px.t()).cpu()
+        _tighten(tight)
+        out = w @ x.t()
     assert torch.equal(_plain(out), expected)
 
 
 def test_elementwise_in_chunks_equals_one_call(tight):
     a, pa = _pair(ROWS, DIM)
     b, pb = _pair(ROWS, DIM, seed=1)
-    a.add_(b, alpha=0.5)
-    a.mul_(1.25)
-    with torchTensorRef.disabled("sim"):
+    with plain_torch():
         pa.add_(pb, alpha=0.5)
         pa.mul_(1.25)
         expected = pa.cpu()
+    _tighten(tight)
+    a.add_(b, alpha=0.5)
+    a.mul_(1.25)
     assert torch.equal(_plain(a), expected)
 
 
 def test_foreach_position_larger_than_budget_in_chunks(tight):
     (a, b), (pa, pb) = zip(_pair(ROWS, DIM), _pair(ROWS, DIM, seed=1))
     small, psmall = _pair(16)
-    aten._foreach_lerp_.Scalar([small, a], [small, b], 0.25)
-    roots = aten._foreach_mul.Scalar([a], 3.0)
-    maxima = aten._foreach_max.default([small, a])
-    with torchTensorRef.disabled("sim"):
+    with plain_torch():
         aten._foreach_lerp_.Scalar([psmall, pa], [psmall, pb], 0.25)
         proots = aten._foreach_mul.Scalar([pa], 3.0)
         pmaxima = aten._foreach_max.default([psmall, pa])
+    _tighten(tight)
+    aten._foreach_lerp_.Scalar([small, a], [small, b], 0.25)
+    roots = aten._foreach_mul.Scalar([a], 3.0)
+    maxima = aten._foreach_max.default([small, a])
     assert torch.equal(_plain(a), pa.cpu())
     assert torch.equal(_plain(roots[0]), proots[0].cpu())
     assert [float(_plain(m)) for m in maxima] == [float(m.cpu()) for m in pmaxima]
@@ -104,10 +121,11 @@ def test_foreach_position_larger_than_budget_in_chunks(tight):
 
 def test_norm_of_a_tensor_larger_than_budget(tight):
     a, pa = _pair(ROWS, DIM)
+    with plain_torch():
+        expected = torch.linalg.vector_norm(pa).cpu()
+    _tighten(tight)
     norms = aten._foreach_norm.Scalar([a], 2)
     whole = torch.linalg.vector_norm(a)
-    with torchTensorRef.disabled("sim"):
-        expected = torch.linalg.vector_norm(pa).cpu()
     # chunks' norms combined: the same value up to rounding (one kernel sums in another order)
     torch.testing.assert_close(_plain(norms[0]), expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(_plain(whole), expected, rtol=1e-6, atol=0)
@@ -120,18 +138,20 @@ def test_a_fill_larger_than_the_budget_is_made_on_the_host(tight, make):
     calls = {"zeros_like": lambda t: torch.zeros_like(t), "empty_like": lambda t: torch.empty_like(t).fill_(3),
              "ones_like": lambda t: torch.ones_like(t), "full_like": lambda t: torch.full_like(t, 2.5),
              "new_zeros": lambda t: t.new_zeros(t.shape), "new_full": lambda t: t.new_full(t.shape, -1.0)}
+    with plain_torch():
+        expected = calls[make](pw).add_(pw).cpu()
+    _tighten(tight)
     made = calls[make](w)
     assert isinstance(made, TensorRef) and made.device == w.device
     assert made.shape == w.shape and made.stride() == w.stride() and made.dtype == w.dtype
     made.add_(w)  # used as a moment is: in chunks that fit
-    with torchTensorRef.disabled("sim"):
-        expected = calls[make](pw).add_(pw).cpu()
     assert torch.equal(_plain(made), expected)
 
 
 def test_a_random_fill_larger_than_the_budget_is_still_refused(tight):
     # (its bits come from the device's generator, which a host copy would not reproduce)
     w, _ = _pair(ROWS, DIM)
+    _tighten(tight)
     with pytest.raises(OutOfBudgetError, match="rand_like"):
         torch.rand_like(w)
 
@@ -178,10 +198,11 @@ def test_llama_adamw_steps_equal_plain_torch(fresh_manager, monkeypatch, fractio
     plain = _llama()
     with torchTensorRef.disabled():
         ids = torch.randint(2, 512, (2, 8), generator=torch.Generator().manual_seed(1))
-    with torchTensorRef.disabled("sim"):
-        ref = copy.deepcopy(plain).to("sim")
-        _train(ref, ids.to("sim"), accumulate=accumulate)
+    with plain_torch():
+        ref = copy.deepcopy(plain).to(device_type())
+        _train(ref, ids.to(device_type()), accumulate=accumulate)
         expected = [p.detach().cpu() for p in ref.parameters()]
+    del ref
     with torchTensorRef.disabled():
         model = copy.deepcopy(plain)
     model = torchTensorRef.manage(model)
@@ -198,14 +219,15 @@ def test_llama_adamw_steps_equal_plain_torch(fresh_manager, monkeypatch, fractio
 def test_conversions_and_copies_in_chunks_equal_one_call(tight):
     # (.float() of a table larger than the budget, and a bf16 copy of an fp32 master, were refused)
     w, pw = _pair(ROWS, DIM)
+    with plain_torch():
+        phalf = pw.to(torch.bfloat16)
+        pagain = phalf.float().clone()
+        phalf.copy_(pw * 0.5)
+    _tighten(tight)
     half = w.to(torch.bfloat16)
     again = half.float().clone()
     with torch.no_grad():
         half.copy_(w * 0.5)
-    with torchTensorRef.disabled("sim"):
-        phalf = pw.to(torch.bfloat16)
-        pagain = phalf.float().clone()
-        phalf.copy_(pw * 0.5)
     assert torch.equal(_plain(again), pagain.cpu())
     assert torch.equal(_plain(half), phalf.cpu())
 
@@ -216,11 +238,12 @@ def test_log_softmax_and_its_backward_in_rows_equal_one_call(tight, dtype):
     x, px = _pair(64, ROWS)
     x, px = x.to(dtype).requires_grad_(True), px.to(dtype).requires_grad_(True)
     g, pg = _pair(64, ROWS, seed=2)
-    y = torch.log_softmax(x.float(), -1)
-    y.backward(g)
-    with torchTensorRef.disabled("sim"):
+    with plain_torch():
         py = torch.log_softmax(px.float(), -1)
         py.backward(pg)
+    _tighten(tight)
+    y = torch.log_softmax(x.float(), -1)
+    y.backward(g)
     assert torch.equal(_plain(y), py.detach().cpu())
     assert torch.equal(_plain(x.grad), px.grad.cpu())
 
@@ -273,17 +296,18 @@ def test_mixed_precision_training_equals_plain_torch(fresh_manager, monkeypatch,
             plain = plain.to(torch.bfloat16)
     with torchTensorRef.disabled():
         ids = torch.randint(2, 512, (2, 8), generator=torch.Generator().manual_seed(1))
-    with torchTensorRef.disabled("sim"):
-        ref = copy.deepcopy(plain).to("sim")
-        _train_mixed(ref, ids.to("sim"), mode, "sim")
+    with plain_torch():
+        ref = copy.deepcopy(plain).to(device_type())
+        _train_mixed(ref, ids.to(device_type()), mode, device_type())
         expected = [p.detach().cpu() for p in ref.parameters()]
+    del ref
     with torchTensorRef.disabled():
         model = copy.deepcopy(plain)
     model = torchTensorRef.manage(model)
     wbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     fresh_manager.budget = budget(wbytes // 4)
     fresh_manager.reset_stats()
-    _train_mixed(model, torchTensorRef.manage(ids.clone()), mode, "sim")
+    _train_mixed(model, torchTensorRef.manage(ids.clone()), mode, device_type())
     for p, e in zip(model.parameters(), expected):
         assert torch.equal(_plain(p), e)
     assert fresh_manager.stats()["peak_device_bytes"] <= fresh_manager.budget
@@ -293,6 +317,7 @@ def test_a_conjugated_view_larger_than_the_budget_is_refused_not_split(tight):
     # (pieces alias byte ranges; a lazily conjugated view has none: from_dlpack raised BufferError)
     torch.manual_seed(0)
     z = torch.randn(ROWS, DIM // 2, dtype=torch.complex64)
+    _tighten(tight)
     with pytest.raises(OutOfBudgetError, match="clone"):
         z.conj().clone()
 
@@ -300,5 +325,7 @@ def test_a_conjugated_view_larger_than_the_budget_is_refused_not_split(tight):
 def test_a_copy_to_the_host_takes_the_usual_path(tight):
     # (.cpu() of a tensor that fits the budget alone was refused: its result counted as device bytes)
     w, pw = _pair(ROWS // 4, DIM)
-    tight.budget = budget(ROWS // 4 * DIM * 4 + 4096)
-    assert torch.equal(w.cpu(), pw.cpu())
+    with plain_torch():
+        expected = pw.cpu()
+    _tighten(tight, ROWS // 4 * DIM * 4 + 4096)
+    assert torch.equal(w.cpu(), expected)
