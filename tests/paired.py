@@ -104,10 +104,31 @@ def plain_torch():
 
     On ``"sim"`` that is ``SimTensor``s (plain tensors of the simulated device), on CUDA plain
     CUDA tensors: PyTorch picks the same kernels for both runs, so results are bit-identical.
+
+    The device counts the plain tensors made here outside the manager, against its budget
+    (Note [Budget on CUDA]): what they add is given to the budget (or, on "sim" without
+    one, to its capacity), so that the manager keeps the room the test gave it.
     """
     device = tensorsManager.torch_device
-    with torchTensorRef.disabled(device=device if device.type != "cpu" else None):
-        yield
+    before = outside() if device.type != "cpu" else None
+    try:
+        with torchTensorRef.disabled(device=device if device.type != "cpu" else None):
+            yield
+    finally:
+        if before is not None:
+            give_room(outside() - before)
+
+
+def give_room(nbytes: int) -> None:
+    """Raise the budget by ``nbytes`` the test's own device tensors took outside the manager
+    (on "sim" without a budget: its capacity, the limit then)."""
+    tm = tensorsManager
+    if nbytes <= 0:
+        return
+    if tm.budget is not None:
+        tm.budget = tm.budget + nbytes
+    elif tm.device == "sim":
+        tm.sim_capacity = tm.sim_capacity + nbytes
 
 
 def run_both(fn, seed: int = 0):

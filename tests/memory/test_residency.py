@@ -65,7 +65,7 @@ def capacity():
 
 
 def _resident_bytes_consistent() -> bool:
-    return tm.device_bytes == sum(b.nbytes for b in tm.resident_blocks())
+    return tm.device_bytes == sum(tm.block_bytes(b.nbytes) for b in tm.resident_blocks())
 
 
 def _on_device_during_ops():
@@ -336,7 +336,7 @@ def test_results_sharing_one_new_storage_get_one_block_counted_once_on_the_devic
     q, k, v = torch.ops.aten._transform_bias_rescale_qkv(qkv, bias, 2)
     assert len({t.proxyInfo.block_id for t in (q, k, v)}) == 1
     assert q.proxyInfo.nbytes == 3 * q.numel() * q.element_size() and q.proxyInfo.views == 3
-    assert tm.device_bytes - before == q.proxyInfo.nbytes
+    assert tm.device_bytes - before == tm.block_bytes(q.proxyInfo.nbytes)  # (as the device's allocator counts it)
     assert tm.stats()["blocks"] == blocks + 1
 
 
@@ -470,7 +470,8 @@ class _TinyLM(torch.nn.Module):
 
 
 def _weights(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Device bytes of the model's parameters, as the budget counts them (each rounded up by the device's allocator)."""
+    return sum(tm.block_bytes(p.numel() * p.element_size()) for p in model.parameters())
 
 
 def _workload(name):

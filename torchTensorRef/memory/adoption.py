@@ -96,7 +96,7 @@ class Adoption:
                     # counts from now on, and the budget is restored by evicting others.
                     block.set_dev(storage)
                     self._resident[block.id] = block
-                    self._add_device_bytes(block.nbytes)
+                    self._add_device_bytes(self._backend.block_bytes(block.nbytes))
                     block.last_use = self._op_count
                     self._make_room(0, (block.id,), "adopting a device tensor")
                 else:

@@ -27,13 +27,35 @@ from ..core import raw
 from ..core.sizes import format_size
 from .pinned import PinnedMemory
 from .sim import device as sim_device
-from .sim.pool import BufferPool
+from .sim.pool import ALLOCATED, BufferPool
 from .streams import CudaStreams, SimStreams
 
 ACCEPTED_DEVICES = '"cpu" (pass-through), "sim" (simulated accelerator), "cuda" or "cuda:N"'
 CPU = torch.device("cpu")
 #: capacity of the simulated accelerator unless ``tensorsManager.sim_capacity`` says otherwise
 SIM_CAPACITY_BYTES = 16 * 2**30
+
+# PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp), default settings
+_MIN_BLOCK = 512  # kMinBlockSize: every allocation is rounded up to a multiple of it
+_SMALL_SIZE = 2**20  # kSmallSize: larger ones come from the large pool
+_MIN_LARGE_ALLOC = 10 * 2**20  # kMinLargeAlloc: from here segments are rounded up to...
+_ROUND_LARGE = 2 * 2**20  # ...kRoundLarge, and a rest of at most kSmallSize is not split off
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """Device bytes PyTorch's CUDA caching allocator counts (``memory_allocated``) for an
+    allocation of ``nbytes``: rounded up to a multiple of 512 bytes, and a large one (10 MiB
+    and more) up to the 2 MiB of a new segment where the rest (1 MiB or less) is too small
+    to be split off. A large allocation served from a cached block may hold up to 1 MiB
+    more, which the device's next reading shows (Note [Budget on CUDA])."""
+    if nbytes <= 0:
+        return 0  # (no allocation at all)
+    size = -(-nbytes // _MIN_BLOCK) * _MIN_BLOCK
+    if size >= _MIN_LARGE_ALLOC:
+        segment = -(-size // _ROUND_LARGE) * _ROUND_LARGE
+        if segment - size <= _SMALL_SIZE:
+            return segment
+    return size
 
 
 class Backend:
@@ -63,6 +85,15 @@ class Backend:
     def in_use_elsewhere(self, managed_bytes: int) -> int:
         """Device bytes allocated beside the manager's blocks (workspaces, plain tensors)."""
         return 0
+
+    def block_bytes(self, nbytes: int) -> int:
+        """Device bytes an allocation of ``nbytes`` takes (what the budget counts for a
+        block): the device's allocator rounds sizes up (``cuda_block_bytes``)."""
+        return nbytes
+
+    def track(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` is a new device allocation made by a kernel (the simulated device
+        counts its live allocations; a driver does it for CUDA)."""
 
     def warm_up(self, backward: bool = True) -> None:
         """Make the libraries allocate the device memory they keep for the life of the
@@ -114,7 +145,10 @@ class SimBackend(Backend):
 
     Its blocks' device copies are host buffers, its kernels the CPU's, its copies deferred
     until waited on (Note [Pending copies]), its pinned memory emulated, and its memory
-    ``capacity`` bytes, past which allocations raise ``torch.OutOfMemoryError``. Where
+    ``capacity`` bytes, past which allocations raise ``torch.OutOfMemoryError``. Its
+    allocator counts what CUDA's does (Note [Allocated bytes on sim]): every live allocation,
+    the program's plain SimTensors included, and with ``rounding`` each at the size CUDA's
+    caching allocator gives it (``tensorsManager.sim_rounding``). Where
     PyTorch cannot register a device (torch < 2.9), TensorRefs report ``cpu`` (``strict``
     is ``False``) and the rest is unchanged.
     """
@@ -123,7 +157,7 @@ class SimBackend(Backend):
     simulated = True
 
     def __init__(self, capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,
-                 workspace: int = 0):
+                 workspace: int = 0, rounding: bool = False):
         device = sim_device.register()
         super().__init__(CPU, device if device is not None else CPU)
         self.strict = device is not None
@@ -135,12 +169,29 @@ class SimBackend(Backend):
         #: does on CUDA (``tensorsManager.sim_workspace``; 0: none)
         self.workspace = workspace
         self._workspace_keys: set = set()
+        #: the device's live allocations, as ``torch.cuda.memory_allocated`` counts them
+        self.allocated = ALLOCATED
+        self.rounding = False
+        self.set_rounding(rounding)
 
     def capacity(self) -> Optional[int]:
         return self._capacity
 
     def in_use_elsewhere(self, managed_bytes: int) -> int:
-        return self.workspace * len(self._workspace_keys)
+        # As CUDA's: what the device's allocator holds, less the manager's blocks
+        allocated = self.allocated.total() + self.workspace * len(self._workspace_keys)
+        return max(allocated - managed_bytes, 0)
+
+    def block_bytes(self, nbytes: int) -> int:
+        return cuda_block_bytes(nbytes) if self.rounding else nbytes
+
+    def set_rounding(self, rounding: bool) -> None:
+        """Count allocations at the sizes CUDA's allocator gives them (``True``) or as asked."""
+        self.rounding = rounding
+        self.allocated.block_bytes = self.block_bytes
+
+    def track(self, storage: torch.UntypedStorage) -> None:
+        self.allocated.track(storage)
 
     def set_workspace(self, nbytes: int) -> None:
         """Emulate workspaces of ``nbytes`` from now on (none made yet)."""
@@ -159,11 +210,16 @@ class SimBackend(Backend):
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         kept = self.pool.take(nbytes)
-        return kept if kept is not None else super().allocate(nbytes)
+        buffer = kept if kept is not None else super().allocate(nbytes)
+        self.allocated.track(buffer.untyped_storage())
+        return buffer
 
     def recycle(self, storage: torch.UntypedStorage, limit: int) -> bool:
         self.pool.limit = limit
-        return self.pool.give(storage)
+        kept = self.pool.give(storage)
+        if kept:
+            self.allocated.untrack(storage)  # (cached for reuse: not allocated, as on CUDA)
+        return kept
 
     def release_cached(self) -> None:
         self.pool.clear()
@@ -224,6 +280,8 @@ class CudaBackend(Backend):
     def in_use_elsewhere(self, managed_bytes: int) -> int:
         return max(torch.cuda.memory_allocated(self.compute) - managed_bytes, 0)
 
+    block_bytes = staticmethod(cuda_block_bytes)
+
     def warm_up(self, backward: bool = True) -> None:
         # One small product, in plain torch: cuBLAS (and cuBLASLt, for a product with a
         # bias) allocate their workspace for this thread's handle and keep it; its backward
@@ -244,7 +302,7 @@ class CudaBackend(Backend):
 
 
 def make_backend(spec, sim_capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,
-                 sim_workspace: int = 0) -> Backend:
+                 sim_workspace: int = 0, sim_rounding: bool = False) -> Backend:
     """Build the backend for a ``tensorsManager.device`` value.
 
     Raises:
@@ -258,7 +316,7 @@ def make_backend(spec, sim_capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Opt
     if text == "cpu":
         return PassthroughBackend()
     if text == "sim":
-        backend = SimBackend(sim_capacity, pinned_limit, sim_workspace)
+        backend = SimBackend(sim_capacity, pinned_limit, sim_workspace, sim_rounding)
         if not backend.strict:
             warnings.warn(f'device "sim" runs in its lenient form: {sim_device.unavailable_reason()}',
                           stacklevel=3)

@@ -58,6 +58,7 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
         self._forked = False  # a child of the process that made this manager (Note [Forked workers])
         self._sim_capacity = SIM_CAPACITY_BYTES
         self._sim_workspace = 0
+        self._sim_rounding = False
         self._pinned_limit = default_limit()
         self._backend: Backend = PassthroughBackend()
         self._declared = self._backend.declared
@@ -229,11 +230,12 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
             block = ref._tr_block
             if self._backend.passthrough or block.dev is not None or block.external or block.host_only:
                 return  # (an external block stays on the host: Note [External bytes])
-            if self._limit is not None and block.nbytes + self._elsewhere_bytes > self._limit:
+            size = self._backend.block_bytes(block.nbytes)
+            if self._limit is not None and size + self._elsewhere_bytes > self._limit:
                 outside = self._read_outside()  # (a reading of the device, not a stale one)
-                if block.nbytes + outside > self._limit:
-                    raise OutOfBudgetError("toGPU", block.nbytes + outside, self._limit, outside=outside)
-            self._make_room(block.nbytes, (block.id,), "toGPU")
+                if size + outside > self._limit:
+                    raise OutOfBudgetError("toGPU", size + outside, self._limit, outside=outside)
+            self._make_room(size, (block.id,), "toGPU")
             self.fetch(block, (block.id,))
             block.last_use = self._op_count
 
@@ -343,7 +345,7 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
             block.dev_pending = None
             self._drop_dev(block)
             del self._resident[block.id]
-            self._device_bytes -= block.nbytes
+            self._device_bytes -= self._backend.block_bytes(block.nbytes)
 
     def _set_host_only(self, block: Block, storage) -> None:
         """``storage`` is ``block``'s host copy, and the one ops run on if it is host-only (or pass-through)."""
@@ -384,7 +386,7 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
             self._external -= 1  # (a late unmark_external sees the block dead)
         if block.dev is not None:
             del self._resident[block.id]
-            self._device_bytes -= block.nbytes
+            self._device_bytes -= self._backend.block_bytes(block.nbytes)
             if self._trace is not None:
                 self._trace.resized(time.perf_counter_ns(), self._device_bytes)
         if block.host is not None:

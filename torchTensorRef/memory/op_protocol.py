@@ -52,10 +52,11 @@ class OpProtocol:
         if limit is not None:
             # Checked before anything changes: an op that cannot fit is not counted, the
             # strategy never sees it, and nothing is evicted for it.
-            need = ctx.output_estimate()
+            size = backend.block_bytes
+            need = size(ctx.output_estimate())
             for b in blocks:
                 if not b.host_only:
-                    need += b.nbytes
+                    need += size(b.nbytes)
             if need + self._elsewhere_bytes > limit:
                 outside = self._read_outside()  # (a reading of the device, not a stale one)
                 if need + outside > limit:
@@ -69,9 +70,10 @@ class OpProtocol:
         protect = {b.id for b in blocks}
         try:
             if self._limit is not None:
-                room = ctx.output_estimate()
+                size = backend.block_bytes
+                room = size(ctx.output_estimate())
                 for b in missing:
-                    room += b.nbytes
+                    room += size(b.nbytes)
                 if room:
                     self._make_room(room, protect, ctx.name)
             for b in missing:
@@ -139,7 +141,7 @@ class OpProtocol:
         backend = self._backend
         if backend.simulated:
             backend.note_kernel()
-            self._check_capacity(ctx.output_estimate())
+            self._check_capacity(backend.block_bytes(ctx.output_estimate()))
 
     def _recover_from_oom(self, ctx, func, args, kwargs):
         # Another process, a library's workspace or the allocator's fragmentation took
@@ -151,7 +153,8 @@ class OpProtocol:
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
-            needed = sum(b.nbytes for b in ctx.blocks if not b.host_only) + ctx.output_estimate()
+            size = self._backend.block_bytes
+            needed = sum(size(b.nbytes) for b in ctx.blocks if not b.host_only) + size(ctx.output_estimate())
             raise DeviceOutOfMemoryError(ctx.name, needed, self._free_estimate()) from e
 
     def _mark_written(self, blocks) -> None:
@@ -190,8 +193,10 @@ class OpProtocol:
         else:
             block.set_dev(storage)
             self._resident[block.id] = block
+            if backend.simulated:
+                backend.track(storage)  # (made by a CPU kernel: Note [Allocated bytes on sim])
             # (_add_device_bytes inlined: this runs for every op's result)
-            total = self._device_bytes = self._device_bytes + nbytes
+            total = self._device_bytes = self._device_bytes + backend.block_bytes(nbytes)
             if total + self._inflight_bytes > self._peak:
                 self._peak = total + self._inflight_bytes
             limit = self._limit
@@ -204,7 +209,10 @@ class OpProtocol:
         """``block``'s storage was resized in place (``resize_``) to ``nbytes``."""
         self._disk_stale(block)
         if block.dev is not None:
-            self._add_device_bytes(nbytes - block.nbytes)
+            size = self._backend.block_bytes
+            self._add_device_bytes(size(nbytes) - size(block.nbytes))
+            if self._backend.simulated:
+                self._backend.track(block.dev)  # (resized in place: counted at its new size)
             if block.host is not None:  # the host copy has the old size: drop it
                 self._drop_host(block)
             if self._trace is not None:

@@ -11,8 +11,9 @@ Every copy torchTensorRef makes goes through here, the same code for every backe
   into pinned memory, and the host copy is waited on only where it is read
   (``sync_host``: numpy, tolist, torch.save, toCPU) or re-fetched (ordered on the GPU).
 
-Accounting: ``_device_bytes`` is the bytes of resident blocks; ``_inflight_bytes`` those of
-device copies still being written back (the allocator cannot reuse them until the copy
+Accounting: ``_device_bytes`` is the device bytes of resident blocks, each counted as the
+device's allocator gives it (``block_bytes``: on CUDA and "sim" rounded up to 512 bytes);
+``_inflight_bytes`` those of device copies still being written back (the allocator cannot reuse them until the copy
 ends). Both count against the budget, and so does what else the device has allocated
 (``Backend.in_use_elsewhere``). ``stats()["host_syncs"]`` counts every time the protocol
 made the host wait for the device: a copy to or from pageable memory, or a wait on a
@@ -25,7 +26,10 @@ of the process (33 MiB on an H100), made at a thread's first product: so the bud
 makes them first (``Backend.warm_up``: this thread and autograd's device thread) and refuses
 a budget at or below them, and ``_make_room`` makes a new thread's before its first kernel,
 then reads the device. Otherwise the device is read when an estimate does not fit and every
-64th check (a reading costs more than an op). The op check, ``room()``, the slices of
+64th check (a reading costs more than an op). Blocks count what the allocator gives them
+(``Backend.block_bytes``), not the bytes they hold: counted bare, every small block would
+add up to 511 bytes to the device's reading of what is outside the manager, which goes
+stale between readings, and real use would pass the budget. The op check, ``room()``, the slices of
 multi-tensor ops and the overshoot count those bytes; what a kernel allocates and frees
 inside one call, and the allocator's cache, are not counted (docs/concepts.md says what is
 promised). ``"sim"`` emulates the workspaces (``SimBackend.workspace``).
@@ -64,6 +68,12 @@ class Residency:
     """The ``TensorsManager`` methods that move blocks and count device bytes."""
 
     # -- accounting ------------------------------------------------------------------------
+
+    def block_bytes(self, nbytes: int) -> int:
+        """Device bytes a block of ``nbytes`` takes, as the budget counts it (the device's
+        allocator rounds sizes up: ``Backend.block_bytes``). For strategies and op paths
+        that weigh blocks against ``room()``."""
+        return self._backend.block_bytes(nbytes)
 
     def _add_device_bytes(self, nbytes: int) -> None:
         self._device_bytes += nbytes
@@ -146,7 +156,7 @@ class Residency:
             if self._inflight:
                 self._retire_inflight(wait=True)  # nothing left to evict: wait for the copies
                 continue
-            pinned = sum(b.nbytes for b in self._resident.values() if b.pins)
+            pinned = sum(self._backend.block_bytes(b.nbytes) for b in self._resident.values() if b.pins)
             raise OutOfBudgetError(
                 op_name, self._used_bytes() + nbytes, limit,
                 f"{format_size(pinned)} is pinned and the rest is in use by this op",
@@ -169,7 +179,7 @@ class Residency:
                 self._inject(what, nbytes)
                 backend = self._backend
                 if backend.simulated:
-                    self._check_capacity(nbytes)
+                    self._check_capacity(backend.block_bytes(nbytes))
                 return backend.allocate(nbytes)
             except Exception as e:
                 if not is_out_of_memory(e):
@@ -260,7 +270,7 @@ class Residency:
     def _now_resident(self, block: Block, dev: torch.Tensor, move: str, start: int, mode: str) -> None:
         block.set_dev(dev.untyped_storage())
         self._resident[block.id] = block
-        self._add_device_bytes(block.nbytes)
+        self._add_device_bytes(self._backend.block_bytes(block.nbytes))
         self._counters["bytes_to_device"] += block.nbytes
         if self._trace is not None:
             self._trace.move(move, block.id, block.nbytes, start, time.perf_counter_ns(), self._device_bytes, mode)
@@ -280,7 +290,7 @@ class Residency:
         block.exposed = False
         self._drop_dev(block)
         del self._resident[block.id]
-        self._device_bytes -= block.nbytes
+        self._device_bytes -= self._backend.block_bytes(block.nbytes)
         self._counters["evictions"] += 1
         if self._trace is not None:
             self._trace.move("to_host", block.id, block.nbytes if wrote else 0, start,
@@ -335,8 +345,9 @@ class Residency:
         if self._backend.pinned.is_pinned(host) and not (block.external or block.host_shared):
             pending = self._backend.streams.copy_async(raw.flat_bytes(host), dev, prefetch=False)
             block.host_pending = pending
-            self._inflight.append((pending, block.nbytes))
-            self._inflight_bytes += block.nbytes
+            held = self._backend.block_bytes(block.nbytes)  # (the device copy, until the copy ends)
+            self._inflight.append((pending, held))
+            self._inflight_bytes += held
         else:
             # Into pageable memory (the host waits), or into bytes others read directly.
             self._wait_pending_host(block)
@@ -426,12 +437,12 @@ class Residency:
             if self._backend.name != "sim":
                 raise RuntimeError(
                     f'tensors on device "sim" need tensorsManager.device = "sim" (it is {self.device!r})')
-            self._make_room(nbytes, (), "empty")
+            self._make_room(self._backend.block_bytes(nbytes), (), "empty")
             buffer = self._device_alloc(nbytes, (), "create")
             block = self._new_block(nbytes)
             block.set_dev(buffer.untyped_storage())
             self._resident[block.id] = block
-            self._add_device_bytes(nbytes)
+            self._add_device_bytes(self._backend.block_bytes(nbytes))
             block.last_use = self._op_count
             view = raw.typed_view(block.dev, dtype, size, tuple(stride), 0)
             return make_ref(block, view, self._declared)

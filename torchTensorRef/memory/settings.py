@@ -42,7 +42,7 @@ class Settings:
             if isinstance(value, str) and value.strip().lower() == self.device and current.name != "cuda":
                 return  # (no new backend: "sim" would register nothing new, but keep its state)
             backend = make_backend(value, self._sim_capacity, self._pinned_limit,
-                                   self._sim_workspace)  # ValueError: nothing changed
+                                   self._sim_workspace, self._sim_rounding)  # ValueError: nothing changed
             self._drain()
             if current.name == backend.name and (
                     current.compute == backend.compute if backend.name != "cuda"
@@ -54,7 +54,8 @@ class Settings:
             self._retire_inflight(wait=True)
             old_declared = self._declared
             self._backend = backend
-            self._elsewhere = backend.name == "cuda" or bool(getattr(backend, "workspace", 0))
+            # (CUDA's and sim's allocators hold plain tensors beside ours: Note [Allocated bytes on sim])
+            self._elsewhere = not backend.passthrough
             self._elsewhere_bytes = 0  # (a reading of the old device)
             self._warmed = set()  # workspace_key()s whose workspaces the device has made
             self._unresolved = backend.name == "cuda" and not backend.resolved
@@ -163,10 +164,39 @@ class Settings:
             self._sim_workspace = nbytes
             if self._backend.simulated:
                 self._backend.set_workspace(nbytes)
-                self._elsewhere = bool(nbytes)
                 self._warmed = set()
                 self._read_outside()
                 self._refresh_fast()
+
+    @property
+    def sim_rounding(self) -> bool:
+        """Whether the simulated device (``"sim"``) counts each allocation at the size CUDA's
+        caching allocator gives it (rounded up to 512 bytes: ``devices.cuda_block_bytes``),
+        as the budget does on CUDA; default ``False``. Blocks count so against the budget and
+        in ``peak_device_bytes``, so that a CPU machine shows what a GPU would."""
+        return self._sim_rounding
+
+    @sim_rounding.setter
+    def sim_rounding(self, value) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"sim_rounding must be True or False (got: {value!r})")
+        with self._lock:
+            if value == self._sim_rounding:
+                return
+            backend = self._backend
+            if backend.simulated:
+                # The blocks on the device were counted by the old sizes: they leave first.
+                self._drain()
+                self._retire_inflight(wait=True)
+                for block in list(self._resident.values()):
+                    if block.pins:
+                        raise ValueError("sim_rounding cannot change while blocks are pinned on the device")
+                for block in list(self._resident.values()):
+                    self._evict(block)
+                self._retire_inflight(wait=True)
+                backend.set_rounding(value)
+                self._read_outside()
+            self._sim_rounding = value
 
     def _compute_limit(self, budget: Optional[int]) -> Optional[int]:
         backend = self._backend

@@ -16,12 +16,17 @@ ones are the C allocator's fast case anyway), at most ``limit`` bytes, the oldes
 first. A buffer is handed out again only when no tensor uses its bytes any more: a view
 somebody holds, or a copy still queued on a stream, keeps it back (PyTorch counts the users
 of a storage).
+
+``Allocated`` counts what the device has allocated, as ``torch.cuda.memory_allocated``
+does (Note [Allocated bytes on sim]).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -81,3 +86,70 @@ class BufferPool:
             del self._by_size[nbytes]
         self.cached_bytes -= nbytes
         return storage
+
+
+# Note [Allocated bytes on sim]: on CUDA the manager reads what else the device holds as
+# ``memory_allocated() - its blocks' bytes`` (Note [Budget on CUDA]), and that reading counts
+# the program's own plain CUDA tensors and every allocation at the size the caching
+# allocator gave it (rounded up to 512 bytes). "sim" counts the same way, so that CI shows
+# what a GPU would: every live storage of the device counts once, at its rounded size, as
+# long as something holds it (a block's device copy, a SimTensor, a view of either), and
+# the ``BufferPool``'s kept buffers do not count (CUDA's cache is not "allocated").
+
+
+class _Entry(weakref.ref):
+    __slots__ = ("key", "nbytes")
+
+
+class Allocated:
+    """The simulated device's live allocations (``total()``: the bytes they take)."""
+
+    def __init__(self, block_bytes: Callable[[int], int] = lambda n: n):
+        #: the device bytes an allocation of n bytes takes (the backend sets CUDA's rounding)
+        self.block_bytes = block_bytes
+        self._live: dict = {}  # storage._cdata -> _Entry
+        self._total = 0
+        self._dead: list = []  # entries whose storage died (appended by the weakref callback)
+        self._lock = threading.Lock()
+
+    def track(self, storage) -> None:
+        """Count ``storage`` (once, at its current size) while it lives."""
+        key = storage._cdata
+        nbytes = self.block_bytes(storage.nbytes())
+        entry = self._live.get(key)
+        if entry is not None and entry() is not None:
+            if entry.nbytes != nbytes:  # (resized in place)
+                with self._lock:
+                    self._total += nbytes - entry.nbytes
+                    entry.nbytes = nbytes
+            return  # (the common case for a SimTensor: a view of a counted storage)
+        entry = _Entry(storage, self._dead.append)
+        entry.key, entry.nbytes = key, nbytes
+        with self._lock:
+            self._live[key] = entry  # (a dead entry at this address: its storage is gone)
+            self._total += nbytes
+
+    def untrack(self, storage) -> None:
+        """Stop counting ``storage`` (kept by the pool for reuse)."""
+        with self._lock:
+            entry = self._live.pop(storage._cdata, None)
+            if entry is not None:
+                self._total -= entry.nbytes
+                entry.key = None  # (its death, if queued, is not counted again)
+
+    def total(self) -> int:
+        """Bytes of the live allocations."""
+        with self._lock:
+            dead = self._dead
+            while dead:
+                entry = dead.pop()
+                if entry.key is None:
+                    continue
+                self._total -= entry.nbytes
+                if self._live.get(entry.key) is entry:
+                    del self._live[entry.key]
+            return self._total
+
+
+#: the simulated device's allocations (one device: plain SimTensors and blocks share it)
+ALLOCATED = Allocated()

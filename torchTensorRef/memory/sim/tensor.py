@@ -15,6 +15,7 @@ import torch
 
 from ...core import raw
 from .backward_errors import failed_result, in_backward, keep_for_backward
+from .pool import ALLOCATED
 
 NAME = "sim"
 
@@ -51,6 +52,7 @@ class SimTensor(torch.Tensor):
             with torch.inference_mode(inference):
                 return SimTensor.__new__(cls, data, requires_grad)
         if data.layout is torch.strided:
+            ALLOCATED.track(data.untyped_storage())  # (the device holds it: Note [Allocated bytes on sim])
             t = torch.Tensor._make_wrapper_subclass(
                 cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
                 device=_registered, requires_grad=requires_grad)
