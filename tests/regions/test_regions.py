@@ -12,7 +12,8 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef, regions, tensorsManager as tm
-from paired import assert_identical, budget
+from conftest import TEST_DEVICE
+from paired import assert_identical, budget, device_type, plain_torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,8 +35,8 @@ def small_regions():
     regions.min_ops = 0
 
 
-def llama(device: str):
-    """A tiny random Llama: plain on ``device`` when called under ``disabled(device)``, else managed."""
+def llama():
+    """A tiny random Llama: plain under ``plain_torch()`` (then moved to the device), else managed."""
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
 
@@ -62,26 +63,27 @@ def ops_of(fn):
     return out, tm.stats()["ops"]
 
 
-@pytest.mark.parametrize("device,fraction", [("cpu", None), ("sim", None), ("sim", 0.5), ("sim", 0.25)],
-                         ids=["cpu", "sim-no-budget", "sim-50%", "sim-25%"])
+@pytest.mark.parametrize("device,fraction", [("cpu", None), (TEST_DEVICE, None), (TEST_DEVICE, 0.5),
+                                             (TEST_DEVICE, 0.25)],
+                         ids=["cpu", "device-no-budget", "device-50%", "device-25%"])
 def test_generate_matches_plain_torch_in_fewer_ops(device, fraction):
-    ids = torch.tensor([[1, 5, 9, 3, 7]])
-    with torchTensorRef.disabled(device=device if device != "cpu" else None):
-        plain = decode(llama(device).to(device), ids.to(device))
     tm.device = device
+    with plain_torch():
+        ids = torch.tensor([[1, 5, 9, 3, 7]])
+        plain = decode(llama().to(tm.torch_device), ids.to(tm.torch_device))
     tm.strategy = "flow"
-    model = llama(device)
+    model = llama()
     limit = None if fraction is None else budget(int(fraction * weight_bytes(model)))
     tm.budget = limit
-    managed, ops = ops_of(lambda: decode(model, torchTensorRef.manage(ids.clone())))
-    assert isinstance(managed[1], TensorRef) and managed[1].device.type == device
+    managed, ops = ops_of(lambda: decode(model, torchTensorRef.manage(ids.cpu())))
+    assert isinstance(managed[1], TensorRef) and managed[1].device.type == device_type()
     assert_identical(plain, managed)
     stats = tm.stats()
     if limit is not None:
         assert stats["evictions"] > 0 and stats["peak_device_bytes"] <= limit
     regions.enabled = False
     tm.reset_stats()
-    again, per_op = ops_of(lambda: decode(model, torchTensorRef.manage(ids.clone())))
+    again, per_op = ops_of(lambda: decode(model, torchTensorRef.manage(ids.cpu())))
     assert_identical(plain, again)
     # the module calls ran as regions, one op each (under a budget, the modules whose weights
     # fit half of it: at 25% only the norms and rotary embeddings of this tiny model)
@@ -90,12 +92,13 @@ def test_generate_matches_plain_torch_in_fewer_ops(device, fraction):
 
 def test_a_static_cache_written_in_place_inside_regions_keeps_its_writes():
     # Genoa sends every block back after each op: the cache's in-place writes must reach the host
-    ids = torch.tensor([[1, 5, 9, 3]])
-    with torchTensorRef.disabled(device="sim"):
-        plain = decode(llama("sim").to("sim"), ids.to("sim"), cache="static")
+    with torchTensorRef.disabled():
+        ids = torch.tensor([[1, 5, 9, 3]])
+    with plain_torch():
+        plain = decode(llama().to(tm.torch_device), ids.to(tm.torch_device), cache="static")
     tm.strategy = "genoa"
     tm.budget = budget(24 * 1024)
-    assert_identical(plain, decode(llama("sim"), torchTensorRef.manage(ids.clone()), cache="static"))
+    assert_identical(plain, decode(llama(), torchTensorRef.manage(ids.clone()), cache="static"))
 
 
 def mlp():
@@ -104,17 +107,17 @@ def mlp():
 
 
 def test_a_region_s_outputs_are_tensorrefs_and_it_is_one_op(small_regions):
-    with torchTensorRef.disabled(device="sim"):
-        plain_model = mlp().to("sim")
-        x = torch.randn(4, 16, device="sim")
+    with plain_torch():
+        plain_model = mlp().to(tm.torch_device)
+        x = torch.randn(4, 16)
         with torch.no_grad():
             plain = plain_model(x)
     model = mlp()
-    mx = torchTensorRef.manage(x.data_.clone())
+    mx = torchTensorRef.manage(x.cpu())
     with torch.no_grad():
         out, ops = ops_of(lambda: model(mx))
     assert ops == 1
-    assert isinstance(out, TensorRef) and out.device.type == "sim" and out.proxyInfo is not None
+    assert isinstance(out, TensorRef) and out.device.type == device_type() and out.proxyInfo is not None
     assert all(isinstance(p, TensorRef) for p in model.parameters())  # given back after the call
     assert_identical(plain, out)
     assert_identical(plain, out.target)
@@ -135,28 +138,28 @@ def test_a_region_returning_a_view_of_its_input_shares_its_block(small_regions):
 
 
 def test_a_working_set_larger_than_the_budget_runs_op_by_op():
-    with torchTensorRef.disabled(device="sim"):
-        x = torch.randn(4, 16, device="sim")
+    with plain_torch():
+        x = torch.randn(4, 16)
         with torch.no_grad():
-            plain = mlp().to("sim")(x)
+            plain = mlp().to(tm.torch_device)(x)
     model = regions.region(mlp())  # forced: still op by op where it cannot be one
     tm.strategy = "flow"
     tm.budget = budget(weight_bytes(model) * 19 // 20)
     with torch.no_grad():
-        out, ops = ops_of(lambda: model(torchTensorRef.manage(x.data_.clone())))
+        out, ops = ops_of(lambda: model(torchTensorRef.manage(x.cpu())))
     assert ops > 3  # op by op (the first Linear is above half the budget: not one either)
     assert_identical(plain, out)
     assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 
 def test_a_call_that_needs_gradients_runs_op_by_op_and_trains():
-    with torchTensorRef.disabled(device="sim"):
-        plain_model = mlp().to("sim")
-        x = torch.randn(4, 16, device="sim")
+    with plain_torch():
+        plain_model = mlp().to(tm.torch_device)
+        x = torch.randn(4, 16)
         plain_model(x).sum().backward()
         plain = [p.grad for p in plain_model.parameters()]
     model = mlp()
-    out, ops = ops_of(lambda: model(torchTensorRef.manage(x.data_.clone())))
+    out, ops = ops_of(lambda: model(torchTensorRef.manage(x.cpu())))
     assert ops > 3
     out.sum().backward()
     assert_identical(plain, [p.grad for p in model.parameters()])
