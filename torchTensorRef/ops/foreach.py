@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..core import raw
+from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements
-from ..core.tensor_ref import TensorRef
 from . import split
 from .dispatch import run_generic
 from .host_arguments import to_host
@@ -85,20 +85,6 @@ def _set(args, kwargs, index, name, value):
         kwargs[name] = value
 
 
-def _refs_bytes(values, seen) -> int:
-    """Bytes of the blocks of TensorRefs among ``values`` not yet in ``seen`` (block ids)."""
-    total = 0
-    for v in values:
-        if isinstance(v, TensorRef):
-            b = v._tr_block
-            if b.id not in seen:
-                seen.add(b.id)
-                total += b.nbytes
-        elif isinstance(v, (list, tuple)):
-            total += _refs_bytes(v, seen)
-    return total
-
-
 def _sliced(layout, n, args, kwargs, start, stop, scalars_slice):
     """``(args, kwargs)`` restricted to list positions ``start:stop``."""
     args, kwargs = list(args), dict(kwargs)
@@ -129,13 +115,14 @@ def _slices(spec, layout, n, args, kwargs, limit) -> List[Tuple[int, int, bool]]
             per_position.append(value)
     shared_seen: set = set()
     sliced_ids = {id(v) for v in per_position}
-    shared = _refs_bytes([v for v in list(args) + list(kwargs.values()) if id(v) not in sliced_ids], shared_seen)
+    shared = split.refs_bytes([v for v in list(args) + list(kwargs.values()) if id(v) not in sliced_ids], shared_seen)
     slices, start, used = [], 0, shared
     for i in range(n):
         # A tensor repeated at several positions is counted at each: slices only get smaller.
-        cost = _refs_bytes([value[i] for value in per_position], set(shared_seen))
+        cost = split.refs_bytes([value[i] for value in per_position], set(shared_seen))
         if spec.allocates:
-            cost += estimate_output_bytes(spec, *_sliced(layout, n, args, kwargs, i, i + 1, _meta_slice))
+            cost += split.block_bytes(estimate_output_bytes(spec, *_sliced(layout, n, args, kwargs, i, i + 1,
+                                                                           _meta_slice)))
         if shared + cost > limit:  # no slice can hold it: its tensors go in chunks
             if i > start:
                 slices.append((start, i, False))
@@ -163,11 +150,15 @@ def run_in_slices(func, args, kwargs, spec: OpSpec):
     if limit is None or not isinstance(first, (list, tuple)) or not first:
         return run_generic(func, args, kwargs, spec)
     n = len(first)
-    need = _refs_bytes(list(args) + list(kwargs.values()), set())
+    need = split.refs_bytes(list(args) + list(kwargs.values()), set())
     if spec.allocates:
         need += estimate_output_bytes(spec, args, kwargs)
     if need <= limit:
-        return run_generic(func, args, kwargs, spec)
+        try:
+            return run_generic(func, args, kwargs, spec)
+        except OutOfBudgetError:  # (the room was an estimate: see split.may_retry)
+            if not split.may_retry(spec):
+                raise
 
     results = []
     slices = _slices(spec, layout, n, args, kwargs, limit)
@@ -177,16 +168,32 @@ def run_in_slices(func, args, kwargs, spec: OpSpec):
             if alone:
                 split.check_chunkable(func, *_sliced(layout, n, args, kwargs, start, stop, _meta_slice), spec, limit)
     for start, stop, alone in slices:
-        slice_args, slice_kwargs = _sliced(layout, n, args, kwargs, start, stop, lambda v, a, b: v[a:b])
-        if alone:
-            results.append(split.run_chunked(func, slice_args, slice_kwargs, spec, limit))
-        else:
-            results.append(run_generic(func, slice_args, slice_kwargs, spec))
+        results.extend(_run_slice(func, spec, layout, n, args, kwargs, start, stop, alone, limit))
     if layout.returns_lists == 0:
         return None
     if layout.returns_lists == 1:
         return [t for part in results for t in part]
     return tuple([t for part in results for t in part[k]] for k in range(layout.returns_lists))
+
+
+def _run_slice(func, spec, layout, n, args, kwargs, start, stop, alone, limit) -> list:
+    """The results of positions ``start:stop``; a slice that does not fit after all (the
+    room was an estimate: ``split.may_retry``) runs as two halves, a position alone in chunks."""
+    slice_args, slice_kwargs = _sliced(layout, n, args, kwargs, start, stop, lambda v, a, b: v[a:b])
+    if alone:
+        return [split.run_chunked(func, slice_args, slice_kwargs, spec, limit)]
+    try:
+        return [run_generic(func, slice_args, slice_kwargs, spec)]
+    except OutOfBudgetError:
+        if not split.may_retry(spec):
+            raise
+    del slice_args, slice_kwargs
+    if stop - start == 1:
+        left = split.room()
+        return _run_slice(func, spec, layout, n, args, kwargs, start, stop, True, left if left is not None else limit)
+    middle = (start + stop) // 2
+    return (_run_slice(func, spec, layout, n, args, kwargs, start, middle, False, limit)
+            + _run_slice(func, spec, layout, n, args, kwargs, middle, stop, False, limit))
 
 
 implements(_foreach_ops())(run_in_slices)

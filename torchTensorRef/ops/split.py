@@ -73,9 +73,16 @@ def room() -> Optional[int]:
         return limit - mgr._read_outside() - pinned
 
 
+def block_bytes(nbytes: int) -> int:
+    """Device bytes an allocation of ``nbytes`` takes, as the budget counts it: the device's
+    allocator rounds sizes up (512 bytes on CUDA, more for large ones), so pieces sized by
+    their exact bytes would not fit the room they were cut for."""
+    return mgr._backend.block_bytes(nbytes)
+
+
 def refs_bytes(values, seen=None) -> int:
-    """Bytes of the distinct blocks of the TensorRefs among ``values`` (one level of lists),
-    host-only blocks excepted; ``seen`` (block ids) is updated."""
+    """Device bytes of the distinct blocks of the TensorRefs among ``values`` (one level of
+    lists), host-only blocks excepted; ``seen`` (block ids) is updated."""
     seen = set() if seen is None else seen
     total = 0
     for v in values:
@@ -83,7 +90,7 @@ def refs_bytes(values, seen=None) -> int:
             b = v._tr_block
             if b.id not in seen and not b.host_only:
                 seen.add(b.id)
-                total += b.nbytes
+                total += block_bytes(b.nbytes)
         elif isinstance(v, (list, tuple)):
             total += refs_bytes(v, seen)
     return total
@@ -214,14 +221,25 @@ def host_result(size, dtype, zero: bool = False) -> TensorRef:
 
 
 def chunk_elements(per_element: int, fixed: int, left: int, numel: int, name: str,
-                   aligns=(ALIGN, MIN_ALIGN)) -> int:
-    """Elements per chunk so that ``fixed + chunk * per_element`` fits in ``left``, a
-    multiple of the first of ``aligns`` that fits."""
-    n = (left - fixed) // max(per_element, 1)
+                   aligns=(ALIGN, MIN_ALIGN), pieces: Sequence[int] = ()) -> int:
+    """Elements per chunk so that ``fixed`` and a chunk's pieces fit in ``left``, a multiple
+    of the first of ``aligns`` that fits (or all ``numel``). ``pieces``: the bytes per
+    element of each piece a chunk allocates on its own (default: one of ``per_element``);
+    each is counted as the device's allocator rounds it (:func:`block_bytes`)."""
+    sizes = tuple(pieces) or (per_element,)
+
+    def need(n: int) -> int:
+        return fixed + sum(block_bytes(n * size) for size in sizes)
+
     for align in aligns:
-        if n >= align or n >= numel:
-            return min(numel, max(n // align * align, align) if n < numel else numel)
-    raise refuse(name, fixed + aligns[-1] * per_element, left)
+        n = min(numel, (left - fixed) // max(per_element, 1))
+        if n < numel:
+            n = n // align * align
+        while n > 0 and need(n) > left:  # (the rounding of the pieces' sizes)
+            n = (n - 1) // align * align
+        if n > 0:
+            return n
+    raise refuse(name, need(min(numel, aligns[-1])), left)
 
 
 # -- elementwise ops and list positions ----------------------------------------------------
@@ -255,16 +273,27 @@ def _plan(func, args, kwargs, spec: OpSpec, left: int):
     seen: set = set()
     refs_bytes(big, seen)
     fixed = refs_bytes([t for t in tensors if t._tr_block.id not in seen])
-    per_element = sum(t.element_size() for t in {id(t._tr_block): t for t in big}.values())
+    pieces = [t.element_size() for t in {id(t._tr_block): t for t in big}.values()]
     reduction = func.overloadpacket.__name__ in _REDUCTIONS
     out_meta = None
     if spec.allocates and not reduction:
         out_meta = _out_dtypes(func, args, kwargs)
-        per_element += sum(d.itemsize for d in out_meta)
+        pieces += [d.itemsize for d in out_meta]
     if reduction:
-        fixed += 512  # each chunk's result (one value, allocation-rounded)
-    chunk = chunk_elements(per_element, fixed, left, numel, name)
+        fixed += block_bytes(8)  # each chunk's result (one value)
+    chunk = chunk_elements(sum(pieces), fixed, left, numel, name, pieces=pieces)
     return big, numel, shape, chunk, reduction, out_meta
+
+
+def may_retry(spec: OpSpec) -> bool:
+    """Whether a piece of the op that raised ``OutOfBudgetError`` can be run again, smaller.
+
+    The room a piece was cut for is an estimate (what the device holds outside the manager
+    moves, the allocator rounds). The generic path raises before the kernel when the op's
+    blocks do not fit, so nothing was written; an op that writes in place *and* returns new
+    tensors could have raised after its kernel, while its results were adopted: it is not
+    run twice."""
+    return not (spec.write_args and spec.allocates)
 
 
 def check_chunkable(func, args, kwargs, spec: OpSpec, left: int) -> None:
@@ -293,8 +322,10 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
     if out_meta is not None:
         outs = [host_result(shape, d) for d in out_meta]
     partial: List = []
+    retry = may_retry(spec)
     with held_on_host(big + (outs or [])):
-        for start in range(0, numel, chunk):
+        start = 0
+        while start < numel:
             stop = min(start + chunk, numel)
             pieces = {}
 
@@ -311,7 +342,15 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
 
             cargs = [swap(a) for a in args]
             ckwargs = {k: swap(v) for k, v in kwargs.items()}
-            result = run_generic(func, cargs, ckwargs, spec)
+            try:
+                result = run_generic(func, cargs, ckwargs, spec)
+            except OutOfBudgetError:
+                smaller = max(chunk // 2 // (row if row > 1 else MIN_ALIGN), 1) * (row if row > 1 else MIN_ALIGN)
+                if not retry or smaller >= chunk:
+                    raise
+                chunk = smaller  # (the chunk did not fit after all: nothing was written, a smaller one is cut)
+                del pieces, cargs, ckwargs
+                continue
             write_back([p for p, w in pieces.values() if w])
             if reduction:
                 partial.append(result)
@@ -320,6 +359,7 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
                 for out, r in zip(outs, results):
                     flat_host(out)[start:stop].copy_(to_host(r).reshape(-1))
             del pieces, cargs, ckwargs, result
+            start = stop
     if reduction:
         return _combine(packet, args, kwargs, partial)
     if outs is None:

@@ -99,11 +99,11 @@ def mm(func, args, kwargs, spec: OpSpec):
     out_size = a.element_size()
     if a_bytes <= b_bytes:
         # Tiles of columns: all of a, then b[:, j:j+w] and out[:, j:j+w] per tile.
-        per_column = k * b.element_size() + m * out_size
-        width = chunk_elements(per_column, a_bytes, left, n, spec.name, _TILE_ALIGNS)
+        pieces = (k * b.element_size(), m * out_size)
+        width = chunk_elements(sum(pieces), a_bytes, left, n, spec.name, _TILE_ALIGNS, pieces)
         return _tiles(func, a, b, width, n, columns=True)
-    per_row = k * a.element_size() + n * out_size
-    height = chunk_elements(per_row, b_bytes, left, m, spec.name, _TILE_ALIGNS)
+    pieces = (k * a.element_size(), n * out_size)
+    height = chunk_elements(sum(pieces), b_bytes, left, m, spec.name, _TILE_ALIGNS, pieces)
     return _tiles(func, a, b, height, m, columns=False)
 
 
