@@ -15,7 +15,7 @@ import torch
 from torchTensorRef import TensorRef, strategies
 from torchTensorRef.core.op_specs import spec_of
 from torchTensorRef.ops import foreach, split
-from paired import assert_identical, budget, plain_torch
+from paired import assert_identical, budget, plain_torch, to_plain
 
 aten = torch.ops.aten
 
@@ -113,3 +113,26 @@ def test_an_op_that_writes_and_returns_new_tensors_is_not_run_twice():
     assert not split.may_retry(spec_of(aten._native_batch_norm_legit.default))
     assert split.may_retry(spec_of(aten._foreach_add_.List))  # (in place: raises before writing)
     assert split.may_retry(spec_of(aten._foreach_add.List))  # (new results from unchanged inputs)
+
+
+def test_a_view_cut_for_too_much_room_moves_nothing(fresh_manager, monkeypatch):
+    # The transpose of a weight larger than the room: its geometry alone, whatever the room
+    # reading said (a view writes nothing, so a failed attempt to bring it in loses nothing).
+    from torchTensorRef.ops import split_handlers
+
+    torch.manual_seed(0)
+    w = torch.rand(64, 256)
+    with plain_torch():
+        torch.manual_seed(0)
+        plain_w = torch.rand(64, 256)
+    share = 32 * 1024
+    fresh_manager.budget = budget(share)
+    fresh_manager.evict_all()
+    fresh_manager.reset_stats()
+    real_room = split.room
+    monkeypatch.setattr(split_handlers, "room", lambda: real_room() + 64 * 1024)
+    wt = w.t()
+    assert fresh_manager.stats()["bytes_to_device"] == 0
+    assert wt.shape == (256, 64) and wt._tr_block is w._tr_block
+    assert torch.equal(to_plain(wt), to_plain(plain_w.t()))  # (read from the host copy)
+    assert fresh_manager.stats()["peak_device_bytes"] <= share

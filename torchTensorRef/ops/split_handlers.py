@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements, spec_of
 from ..core.tensor_ref import TensorRef, host_view
 from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
-from .split import (_tensors, chunk_elements, default, fits, gathered_piece, held_on_host, host_result, op_bytes,
-                    refs_bytes, refuse, room, run_chunked, settle, to_host)
+from .split import (_tensors, block_bytes, chunk_elements, default, fits, gathered_piece, held_on_host, host_result,
+                    op_bytes, refs_bytes, refuse, room, run_chunked, settle, to_host)
 
 aten = torch.ops.aten
 
@@ -220,8 +221,11 @@ def view(func, args, kwargs, spec: OpSpec):
             or block.nbytes + mgr._elsewhere_bytes <= mgr._limit):
         return default(func, args, kwargs, spec)
     left = room()
-    if left is None or block.nbytes <= left:
-        return default(func, args, kwargs, spec)
+    if left is None or block_bytes(block.nbytes) <= left:
+        try:
+            return default(func, args, kwargs, spec)
+        except OutOfBudgetError:
+            pass  # (the room was a reading that moved; a view writes nothing: none is lost)
     return view_on_disk(func, args, kwargs)
 
 
