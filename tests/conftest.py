@@ -14,9 +14,9 @@ from torchTensorRef import tensorsManager
 # The device every test starts on. CI has no GPU and uses "sim"; on a GPU machine
 # TORCHTENSORREF_TEST_DEVICE=cuda runs the same suite against the real accelerator.
 TEST_DEVICE = os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim")
-# TORCHTENSORREF_SIM_ROUNDING=1: "sim" counts allocations at the sizes CUDA's allocator gives
-# them (tensorsManager.sim_rounding), as the budget does on a GPU.
-tensorsManager.sim_rounding = os.environ.get("TORCHTENSORREF_SIM_ROUNDING", "0") not in ("", "0")
+# TORCHTENSORREF_SIM_ROUNDING=1 (or 0): "sim" counts allocations at the sizes CUDA's allocator
+# gives them (tensorsManager.sim_rounding), as the budget does on a GPU; the package applies
+# it when imported (configure_from_environment).
 
 
 def pytest_configure(config):

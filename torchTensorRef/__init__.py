@@ -54,6 +54,7 @@ __all__ = [
 ENVIRONMENT = {
     "TORCHTENSORREF_DEVICE": "device",
     "TORCHTENSORREF_SIM_WORKSPACE": "sim_workspace",  # (before the budget, which covers it)
+    "TORCHTENSORREF_SIM_ROUNDING": "sim_rounding",  # (before the budget too)
     "TORCHTENSORREF_STRATEGY": "strategy",
     "TORCHTENSORREF_BUDGET": "budget",
     "TORCHTENSORREF_HOST_BUDGET": "host_budget",
@@ -63,7 +64,7 @@ ENVIRONMENT = {
 
 def configure_from_environment(environ=None) -> None:
     """Apply ``TORCHTENSORREF_DEVICE``, ``_STRATEGY``, ``_BUDGET``, ``_HOST_BUDGET``,
-    ``_OFFLOAD_DIR`` and ``_SIM_WORKSPACE`` to the manager.
+    ``_OFFLOAD_DIR``, ``_SIM_WORKSPACE`` and ``_SIM_ROUNDING`` to the manager.
 
     Raises:
         ValueError: naming the variable and what it accepts.

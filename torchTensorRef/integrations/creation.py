@@ -78,13 +78,24 @@ def create(fn, args, kwargs):
         generator = kwargs.get("generator")
         if generator is None or mgr.is_accelerator(generator.device):
             nbytes = _bytes_of(fn, args, kwargs)
-            limit = mgr.limit
-            if ((name in RANDOM and (limit is None or nbytes <= limit))
-                    or ((device is not None or mgr._strategy.new_tensors_on_device) and mgr.fits(nbytes))):
+            if ((name in RANDOM and _fits_the_budget(mgr, nbytes))
+                    or ((device is not None or mgr._strategy.new_tensors_on_device)
+                        and mgr.fits(mgr.block_bytes(nbytes)))):
                 return _on_device(mgr, fn, args, kwargs, nbytes, f"torch.{name}")
     if device is not None:
         kwargs = {k: v for k, v in kwargs.items() if k != "device"}  # made on the host, fetched when used
     return _adopt(fn(*args, **kwargs))
+
+
+def _fits_the_budget(mgr, nbytes: int) -> bool:
+    """Whether a tensor of ``nbytes`` fits in the budget with everything else evicted: the
+    budget also covers what the device holds outside the manager (workspaces, the program's
+    own device tensors), read now, and the allocator's rounding (Note [Budget on CUDA])."""
+    if mgr.limit is None:
+        return True
+    with mgr._lock:
+        limit = mgr.limit
+        return limit is None or mgr.block_bytes(nbytes) + mgr._read_outside() <= limit
 
 
 def _get_default_device() -> torch.device:
@@ -138,7 +149,7 @@ def _on_device(mgr, fn, args, kwargs, nbytes: int, what: str):
         # (torch_device resolves "cuda" first: the first tensor after ``device = "cuda"`` was
         # made on the CPU, from the CPU's generator)
         kwargs["device"] = mgr.torch_device
-        mgr._make_room(nbytes, (), what)
+        mgr._make_room(mgr.block_bytes(nbytes), (), what)  # (as the device's allocator counts it)
         for attempt in (0, 1):
             try:
                 if not mgr._backend.simulated:

@@ -20,6 +20,9 @@ from .host_tier import return_freed_host_memory
 
 #: device memory left free when ``budget=None`` on CUDA (allocator slack, kernels' workspaces)
 CUDA_RESERVE_BYTES = 512 * 2**20
+#: the words a flag may be given as (environment variables)
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+          "off": False, "": False}
 
 
 class Settings:
@@ -178,8 +181,11 @@ class Settings:
 
     @sim_rounding.setter
     def sim_rounding(self, value) -> None:
+        if isinstance(value, str) and value.strip().lower() in _FLAGS:
+            value = _FLAGS[value.strip().lower()]  # (TORCHTENSORREF_SIM_ROUNDING)
         if not isinstance(value, bool):
-            raise ValueError(f"sim_rounding must be True or False (got: {value!r})")
+            raise ValueError(f'sim_rounding must be True or False, or one of "1", "0", "true", '
+                             f'"false", "yes", "no", "on", "off" (got: {value!r})')
         with self._lock:
             if value == self._sim_rounding:
                 return
