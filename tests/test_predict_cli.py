@@ -10,6 +10,8 @@ import pytest
 
 from torchTensorRef import cli, predict_run, tensorsManager
 
+from conftest import TEST_DEVICE
+
 INFER = textwrap.dedent("""
     import torch
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
@@ -155,4 +157,4 @@ def test_parse_steps():
     for bad in ("0", "2:2", "-1:3", "a:b", "1:2:3"):
         with pytest.raises(ValueError, match="--steps must be"):
             predict_run.parse_steps(bad)
-    assert tensorsManager.device == "sim"
+    assert tensorsManager.device == TEST_DEVICE
