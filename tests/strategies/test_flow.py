@@ -9,7 +9,7 @@ import torchTensorRef
 from torchTensorRef import DeviceOutOfMemoryError, OutOfBudgetError, tensorsManager as tm
 from torchTensorRef.analysis.offline import reference_moves
 from torchTensorRef.strategies import Flow, Strategy
-from paired import budget, to_plain
+from paired import assert_identical, budget, plain_torch, to_plain
 
 KIB = 1024
 
@@ -261,13 +261,12 @@ def test_flow_training_is_bit_identical_to_plain(fresh_manager):
             losses.append(loss.item())
         return losses, [p.detach().clone() for p in model.parameters()]
 
-    with torchTensorRef.disabled():
+    with plain_torch():
         plain_losses, plain_params = train(False)
     tm.budget = budget(32 * KIB)  # parameters, grads and Adam state take 53 KiB
     losses, params = train(True)
     assert losses == plain_losses
-    for p, q in zip(params, plain_params):
-        assert torch.equal(p.toCPU().target, q)
+    assert_identical(plain_params, params)
     assert tm.stats()["peak_device_bytes"] <= tm.budget
     assert tm.stats()["evictions"] > 0
 
@@ -298,10 +297,11 @@ def test_a_tiny_block_predicted_dead_is_evicted_after_the_weights(fresh_manager)
     torch.manual_seed(0)
     ws = [torch.randn(64, 64) for _ in range(6)]  # 16 KiB each
     x = torch.randn(1, 64)
-    with torchTensorRef.disabled():
-        expected = x.target.clone()
+    with plain_torch():  # (the product on the device: CUDA's matmul is not the CPU's)
+        expected = x.target.to(tm.torch_device)
         for w in ws:
-            expected = expected @ w.target.clone()
+            expected = expected @ w.target.to(tm.torch_device)
+    expected = to_plain(expected)
     fresh_manager.budget = budget(4 * ws[0].proxyInfo.nbytes + 4096)
     kept = []
 
