@@ -9,7 +9,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import tensorsManager as tm
 from torchTensorRef.strategies import Flow
-from paired import budget, needs_fast_path, to_plain
+from paired import assert_identical, budget, needs_fast_path, plain_torch, to_plain
 
 
 
@@ -32,11 +32,16 @@ def _train(model, steps, x, after_step=None):
     return losses
 
 
+def _input():
+    """The MLP's input: drawn on the host (from a generator of its own), then on the device."""
+    return torch.rand(8, 64, generator=torch.Generator().manual_seed(1), device="cpu").to(tm.torch_device)
+
+
 def _run(strategy, fraction, steps=8):
     """Steps of an MLP under ``strategy``: losses, parameters, bytes moved per step, plan per step."""
     tm.strategy = strategy
     model = _mlp()
-    x = torch.rand(8, 64, generator=torch.Generator().manual_seed(1))
+    x = _input()
     tm.budget = budget(int(sum(p.numel() * 4 for p in model.parameters()) * fraction))
     per_step, plans = [], []
 
@@ -55,18 +60,17 @@ def _run(strategy, fraction, steps=8):
 
 @pytest.mark.parametrize("fraction", [0.5, 0.7])
 def test_following_the_plan_moves_the_bytes_learning_moves_and_matches_plain_torch(fresh_manager, fraction):
-    with torchTensorRef.disabled():
+    with plain_torch():
         model = _mlp()
-        x = torch.rand(8, 64, generator=torch.Generator().manual_seed(1))
-        plain_losses = _train(model, 8, x)
-        plain_params = [p.detach().clone() for p in model.parameters()]
+        plain_losses = _train(model, 8, _input())
+        plain_params = to_plain([p.detach() for p in model.parameters()])
     learning = _run(Flow(plan=False), fraction)
     following = _run(Flow(), fraction)
     assert not any(learning[3])
     assert following[3][-3:] == [True] * 3  # compiled once the step repeated whole
     for losses, params, _bytes, _plans in (learning, following):
         assert losses == plain_losses
-        assert all(torch.equal(p, q) for p, q in zip(params, plain_params))
+        assert_identical(plain_params, params)
     # The plan's decisions are learning's: the same traffic in the steps it was followed.
     followed = [i for i, on in enumerate(following[3]) if on and i > 0 and following[3][i - 1]]
     assert followed
@@ -157,7 +161,7 @@ def test_ops_that_move_nothing_take_the_fast_path_while_the_plan_is_followed(fre
     flow = _Counting()
     tm.strategy = flow
     model = _mlp()
-    x = torch.rand(8, 64, generator=torch.Generator().manual_seed(1))
+    x = _input()
     tm.budget = budget(sum(p.numel() * 4 for p in model.parameters()) // 2)
     seen = []
 
@@ -174,8 +178,8 @@ def test_ops_that_move_nothing_take_the_fast_path_while_the_plan_is_followed(fre
     assert flow.fast + flow.generic == stats["ops"]  # every op was seen, by one hook or the other
     assert flow.fast > stats["ops"] // 2  # most move nothing
     tm.budget = None
-    with torchTensorRef.disabled():
-        plain_losses = _train(_mlp(), 8, torch.rand(8, 64, generator=torch.Generator().manual_seed(1)))
+    with plain_torch():
+        plain_losses = _train(_mlp(), 8, _input())
     assert losses == plain_losses
 
 
