@@ -71,6 +71,17 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def plain_device(device: str) -> str:
+    """Where plain torch puts the tensors of ``device``: the CPU for "sim" where the strict
+    simulated device cannot be registered (a machine with CUDA: its lenient form, whose
+    device tensors are CPU tensors), else ``device`` itself."""
+    from torchTensorRef.memory.sim import device as sim_device
+
+    if device.split(":")[0] == "sim" and sim_device.register() is None:
+        return "cpu"
+    return device
+
+
 def plain_copy(model: torch.nn.Module) -> torch.nn.Module:
     """An independent plain copy of plain ``model``."""
     with torchTensorRef.disabled():

@@ -192,7 +192,8 @@ def _main(argv=None) -> dict:
         if device == "cpu":
             return reference
         with torch.no_grad(), torchTensorRef.disabled(device=device):
-            return common.plain_copy(plain_model).to(device)(ids.to(device)).logits.cpu()
+            plain_on = common.plain_device(device)
+            return common.plain_copy(plain_model).to(plain_on)(ids.to(plain_on)).logits.cpu()
     equal_minimal = torch.equal(minimal(), reference)
     times, ratios, equal, ops, moved = {"plain": []}, {}, {}, {}, {}
     # One phase per device, each interleaved with plain torch: switching the device sends

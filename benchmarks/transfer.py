@@ -81,8 +81,8 @@ def plain_run(model: torch.nn.Module, ids: torch.Tensor, workload: str, size: di
     """What plain torch computes on "sim" (the kernels the managed runs use): the losses of
     every step, or the generated tokens."""
     with torchTensorRef.disabled(device="sim"):
-        model = common.plain_copy(model).to("sim")
-        ids = ids.to("sim")
+        model = common.plain_copy(model).to(common.plain_device("sim"))
+        ids = ids.to(common.plain_device("sim"))
         if workload == "train":
             step = common.trainer(model, ids)
             return [step() for _ in range(size["steps"])]
