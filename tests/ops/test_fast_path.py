@@ -9,7 +9,7 @@ import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.ops import dispatch
 from torchTensorRef.core.op_specs import spec_of
-from paired import EMULATED_WORKSPACES, budget, needs_fast_path
+from paired import EMULATED_WORKSPACES, assert_identical, budget, needs_fast_path
 
 aten = torch.ops.aten
 
@@ -69,8 +69,8 @@ def test_results_and_gradients_match_plain_torch(fast, counted):
         expected = _model_step(px, pw)
     got = _model_step(x, w)
     assert counted["fast"] > 10
-    assert torch.equal(got.toCPU().target, expected)
-    assert torch.equal(w.grad.toCPU().target, pw.grad)
+    assert_identical(expected, got)  # (by value, each read where it is: plain ones on the device)
+    assert_identical(pw.grad, w.grad)
 
 
 @pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
@@ -89,8 +89,8 @@ def test_a_view_shares_its_base_block_and_writes_survive_eviction(fast, counted)
         expected = torch.arange(12.0).reshape(3, 4)
         expected[1] *= 10
         expected[:, 2] += 0.5
-    assert torch.equal(x.target, expected)
-    assert torch.equal(row.target, expected[1])
+    assert_identical(expected, x)
+    assert_identical(expected[1], row)
 
 
 @pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
@@ -179,12 +179,12 @@ def test_flow_keeps_the_budget_after_running_without_one(fresh_manager):
         expected = x.target.clone()
         for w in ws:
             expected = (expected @ w.target.clone()).tanh()
-    assert torch.equal(forward(x).toCPU().target, expected)
+    assert_identical(expected, forward(x))
     managed = 3 * ws[0].proxyInfo.nbytes
     fresh_manager.budget = budget(managed)
     fresh_manager.reset_stats()
     for _ in range(3):
-        assert torch.equal(forward(x).toCPU().target, expected)
+        assert_identical(expected, forward(x))
     assert fresh_manager.stats()["peak_device_bytes"] <= managed
 
 
