@@ -232,7 +232,14 @@ class OpProtocol:
                 if b.external and b.dev is not None:
                     self.evict(b)  # even if pinned: Note [External bytes]
         if self._limit is not None and self._device_bytes + self._inflight_bytes + self._elsewhere_bytes > self._limit:
-            self._make_room(0, (), ctx.name)  # the op's results were larger than estimated
+            # The op's results were larger than estimated (its overshoot is recorded): room is
+            # made as far as evicting gives it. The op ran and its results are kept: the
+            # device's reading still counts the kernel's own references to them (freed when
+            # the op returns), which no eviction can give back.
+            try:
+                self._make_room(0, (), ctx.name)
+            except OutOfBudgetError:
+                pass
         trace = self._trace
         if trace is not None:
             written = {b.id for b in ctx.written}

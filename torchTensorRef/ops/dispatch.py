@@ -172,6 +172,7 @@ def run_fast(func, args, kwargs, spec: OpSpec):
         need = 0
         if limit is not None and spec.allocates and not live:
             # Room for the results without evicting: else the generic path makes it.
+            # (in device bytes: each result as the device's allocator gives it)
             need = estimate_output_bytes(spec, args, kwargs)
             if need:
                 used = mgr._device_bytes + mgr._inflight_bytes
@@ -236,7 +237,8 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
         ctx.index = index
         return _wrap_one(out, ctx, mgr), ctx.outputs  # a CPU result on CUDA (or another GPU's)
     limit = mgr._limit
-    if limit is not None and storage.nbytes() + mgr._device_bytes + mgr._inflight_bytes > limit:
+    if limit is not None and (mgr._backend.block_bytes(storage.nbytes()) + mgr._device_bytes
+                              + mgr._inflight_bytes + mgr._elsewhere_bytes > limit):
         # (only where it would pass the budget: the check costs every op's result more than it saves)
         tight = tight_result(out, storage)
         if tight is not out:

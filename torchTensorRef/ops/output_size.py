@@ -11,6 +11,11 @@ for the real, smaller result counts from then on. A few CPU ops return a workspa
 whose size the backend library decides when it runs, and their meta kernels report it
 empty: those are measured once per shapes by running them on zeros in host memory, and
 so are ops with no meta kernel at all.
+
+The estimate is in device bytes as the budget counts them: each new storage at the size the
+device's allocator gives it (``tensorsManager.block_bytes``: CUDA rounds every allocation
+up to 512 bytes), so an op with several results is not undercounted by up to 511 bytes a
+result. The cache keeps the storages' own sizes: the rounding is the device's, applied per call.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import torch
 
 from ..core import raw
 from ..core.op_specs import OpSpec
+from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim.tensor import SimTensor
 
-_cache: Dict[Hashable, int] = {}
+_cache: Dict[Hashable, tuple] = {}  # key -> (new storages' sizes, written tensors' sizes after)
 _Tensor = torch.Tensor
 _META = torch.device("meta")
 _MAX_CACHE = 100_000
@@ -68,12 +74,25 @@ def _to_host_zeros(value):
     return value
 
 
-def _new_bytes(out, spec: OpSpec) -> int:
+def _new_sizes(out) -> tuple:
+    """Bytes of the storage of each new (strided) tensor in ``out``, in order."""
     if isinstance(out, torch.Tensor):
-        return out.untyped_storage().nbytes() if out.layout == torch.strided else 0
+        return (out.untyped_storage().nbytes(),) if out.layout == torch.strided else ()
     if isinstance(out, (list, tuple)):
-        return sum(_new_bytes(o, spec) for o in out)
-    return 0
+        return tuple(n for o in out for n in _new_sizes(o))
+    return ()
+
+
+def _device_bytes(sizes) -> int:
+    """Device bytes of allocations of ``sizes`` (an int: one allocation), each as the
+    device's allocator gives it."""
+    block_bytes = _mgr._backend.block_bytes
+    if sizes.__class__ is int:
+        return block_bytes(sizes)
+    total = 0
+    for n in sizes:
+        total += block_bytes(n)
+    return total
 
 
 def _storage_nbytes(value) -> int:
@@ -110,9 +129,10 @@ def _growth(spec: OpSpec, args, kwargs, sizes_after: tuple) -> int:
     """Bytes by which the op grows the tensors it writes: their sizes after it, less the
     storage they have now (which depends on their blocks, so it is not cached)."""
     grown = 0
+    block_bytes = _mgr._backend.block_bytes  # (a storage that grows is a new allocation)
     for before, after in zip(_written(spec, args, kwargs), sizes_after):
         if after is not None and isinstance(before, torch.Tensor):
-            grown += max(0, after - _storage_nbytes(before))
+            grown += max(0, block_bytes(after) - block_bytes(_storage_nbytes(before)))
     return grown
 
 
@@ -153,13 +173,14 @@ def _bound_nonzero(args, kwargs) -> int:
     return args[0].numel() * max(args[0].dim(), 1) * 8
 
 
-def _bound_ctc_loss(args, kwargs) -> int:
+def _bound_ctc_loss(args, kwargs) -> tuple:
     # The loss per sequence, and log_alpha of (batch, time, 2 * longest target + 1): the
     # longest target is at most the targets' width, or all of them when concatenated.
     log_probs, targets = args[0], args[1]
     batch = log_probs.size(1) if log_probs.dim() == 3 else 1
     longest = targets.size(-1) if targets.dim() == 2 else targets.numel()
-    return batch * (log_probs.size(0) * (2 * longest + 1) + 1) * _itemsize(log_probs)
+    itemsize = _itemsize(log_probs)
+    return (batch * itemsize, batch * log_probs.size(0) * (2 * longest + 1) * itemsize)
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
@@ -192,10 +213,10 @@ def _unique_bound(flags_at: tuple):
     """The bound of a ``unique`` variant: every element distinct; the inverse indices and
     the counts (int64) only when asked (``flags_at``: their argument positions)."""
 
-    def bound(args, kwargs) -> int:
+    def bound(args, kwargs) -> tuple:
         self = args[0]
-        extra = sum(8 for i in flags_at if (args[i] if i < len(args) else False))
-        return self.numel() * (_itemsize(self) + extra)
+        asked = [8 * self.numel() for i in flags_at if (args[i] if i < len(args) else False)]
+        return (self.numel() * _itemsize(self), *asked)
 
     return bound
 
@@ -215,12 +236,13 @@ _META_TOO_SMALL = frozenset(op for op in (
 ) if op is not None)
 
 
-def _bound_batch_norm_out(args, kwargs) -> int:
+def _bound_batch_norm_out(args, kwargs) -> tuple:
     """Its three results whole: the output (as the input) and the saved mean and inverse
     deviation (one per channel, in at least float32)."""
     x = args[0]
     channels = x.shape[1] if x.dim() > 1 else 1
-    return x.numel() * x.element_size() + 2 * channels * max(x.element_size(), 4)
+    stat = channels * max(x.element_size(), 4)
+    return (x.numel() * x.element_size(), stat, stat)
 
 
 def _register_bounds() -> None:
@@ -256,7 +278,13 @@ _register_bounds()
 
 
 def _size_without_meta(spec: OpSpec, args, kwargs) -> int:
-    """The op's new bytes when its meta kernel cannot size them.
+    """The op's new bytes (device bytes) when its meta kernel cannot size them."""
+    return _device_bytes(_sizes_without_meta(spec, args, kwargs))
+
+
+def _sizes_without_meta(spec: OpSpec, args, kwargs):
+    """The sizes of the op's new storages when its meta kernel cannot size them (an int
+    for one, a tuple for each).
 
     A data-dependent op gets its upper bound. An op with no meta kernel (the simulated
     device's fused RNN cells, custom ops) is run once on host zeros of the same shapes,
@@ -266,7 +294,7 @@ def _size_without_meta(spec: OpSpec, args, kwargs) -> int:
     bound = _BOUNDS.get(spec.func)
     if bound is not None:
         try:
-            return bound(args, kwargs) or 0
+            return bound(args, kwargs) or 0  # (an int: one result; a tuple: each)
         except Exception:  # arguments the bound does not understand
             return 0
     if torch.Tag.nondeterministic_seeded in spec.func.tags or not spec.allocates:  # (out=: sized by meta)
@@ -276,7 +304,7 @@ def _size_without_meta(spec: OpSpec, args, kwargs) -> int:
                                                    for k, v in kwargs.items()})
     except Exception:  # no host kernel either
         return 0
-    return _new_bytes(out, spec)
+    return _new_sizes(out)
 
 
 def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
@@ -298,7 +326,8 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
             key = None
         else:
             if hit is not None:
-                size, sizes_after = hit
+                sizes, sizes_after = hit
+                size = _device_bytes(sizes)
                 return size + _growth(spec, args, kwargs, sizes_after) if sizes_after else size
     sizes_after = ()
     try:
@@ -310,13 +339,14 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
             meta_args = _to_meta(args)
             meta_kwargs = {k: (_META if k == "device" else _to_meta(v)) for k, v in kwargs.items()}
             out = spec.func(*meta_args, **meta_kwargs)
-        size = _new_bytes(out, spec) if spec.allocates else 0
+        sizes = _new_sizes(out) if spec.allocates else 0
         if spec.restrides and spec.func not in _PROBED:
             sizes_after = _sizes_after(spec, meta_args, meta_kwargs)
     except Exception:  # no meta kernel, or a data-dependent size
-        size, sizes_after = _size_without_meta(spec, args, kwargs), ()
+        sizes, sizes_after = _sizes_without_meta(spec, args, kwargs), ()
     if key is not None:
         if len(_cache) >= _MAX_CACHE:
             _cache.clear()
-        _cache[key] = (size, sizes_after)
+        _cache[key] = (sizes, sizes_after)
+    size = _device_bytes(sizes)
     return size + _growth(spec, args, kwargs, sizes_after) if sizes_after else size
