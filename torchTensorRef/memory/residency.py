@@ -95,14 +95,31 @@ class Residency:
         return self._device_bytes + self._inflight_bytes + self._elsewhere_bytes
 
     def _warm_up(self) -> int:
-        """Have the device make the workspaces of this thread and of the backward, then
-        read what it holds outside the manager (Note [Budget on CUDA])."""
-        self._backend.warm_up()
-        self._warmed.update((workspace_key(), "backward"))
+        """Have the device make the workspaces of this thread and of the backward (once:
+        each warm-up runs a product, which would raise the device's peak that ``stats()``
+        reports), then read what it holds outside the manager (Note [Budget on CUDA])."""
+        warmed = self._warmed
+        key = workspace_key()
+        if key not in warmed or "backward" not in warmed:
+            self._backend.warm_up()
+            warmed.update((key, "backward"))
         return self._read_outside()
 
     def _read_outside(self) -> int:
-        """Device bytes allocated outside the manager, asked of the device now (and remembered)."""
+        """Device bytes allocated outside the manager, asked of the device now (and remembered).
+
+        Write-backs known to have ended are forgotten first: the allocator frees their
+        device copies, which the reading would otherwise subtract as still in flight (on
+        CUDA it read 4000 bytes low). Asking does not finish a copy ("sim"'s stay deferred:
+        their buffers are allocated until then, as counted)."""
+        if self._inflight:
+            kept = []
+            for entry in self._inflight:
+                if entry[0].done():
+                    self._inflight_bytes -= entry[1]
+                else:
+                    kept.append(entry)
+            self._inflight = kept
         self._used_bytes()
         return self._elsewhere_bytes
 
