@@ -74,12 +74,21 @@ def _to_host_zeros(value):
     return value
 
 
-def _new_sizes(out) -> tuple:
-    """Bytes of the storage of each new (strided) tensor in ``out``, in order."""
+def _new_sizes(out, seen=None) -> tuple:
+    """Bytes of each new storage of the (strided) tensors in ``out``, in order: results
+    viewing one storage (``_transform_bias_rescale_qkv``'s) are one allocation."""
     if isinstance(out, torch.Tensor):
-        return (out.untyped_storage().nbytes(),) if out.layout == torch.strided else ()
+        if out.layout != torch.strided:
+            return ()
+        storage = out.untyped_storage()
+        if seen is not None:
+            if storage._cdata in seen:
+                return ()
+            seen.add(storage._cdata)
+        return (storage.nbytes(),)
     if isinstance(out, (list, tuple)):
-        return tuple(n for o in out for n in _new_sizes(o))
+        seen = set() if seen is None else seen
+        return tuple(n for o in out for n in _new_sizes(o, seen))
     return ()
 
 
