@@ -219,7 +219,10 @@ def managed_row(work: Work, plain, repeats: int, device: str, strategy: str, bud
 
 def _managed_phase(work: Work, plain, repeats: int, device: str, strategy: str, budget) -> dict:
     run = work.runner(common.managed_copy(work.model, device, strategy), torchTensorRef.manage(work.ids.clone()))
-    tm.budget = budget
+    # The budget covers what the device holds outside the manager (Note [Budget on CUDA]): the
+    # plain reference's model on the same device, timed beside this row. ``budget`` is the
+    # manager's share on top of it.
+    tm.budget = None if budget is None else tm.outside_bytes() + budget
     tm.reset_stats()
     outs = [run() for _ in range(WARMUP)]
     peak = tm.stats()["peak_device_bytes"]

@@ -111,9 +111,10 @@ class Region:
         self.strict = strict
         self.measure = measure
         self.inside = Inside()
-        #: id(TensorRef) -> (its plain view, the SimTensor given for it): the view is the one
-        #: the TensorRef caches until its block's copy changes, so the pair holds no copy longer
-        #: than the TensorRef itself does, but one it held last
+        #: id(parameter) -> (its plain view, the SimTensor given for it), kept with no budget
+        #: only: the pair holds the copy the view is on, and under a budget that copy may be
+        #: evicted (or its block freed) before the next call, when the pair would keep its
+        #: memory allocated outside the manager (Note [Kept wrappers])
         self._wrappers: dict = {}
         #: ops of the last measured call (a call of few ops is cheaper op by op)
         self.ops = None
@@ -138,6 +139,7 @@ class Region:
             if isinstance(v, TensorRef):
                 call.slots.append((d, k, v))
                 refs.append(v)
+        call.params = len(call.slots)
         budget = [OBJECT_VALUES]
         seen: set = set()
         for a in args:
@@ -245,14 +247,23 @@ class Region:
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
         views = call.views
         make = host_view if on_host else compute_view
-        wrappers = self._wrappers
+        # Note [Kept wrappers]: a SimTensor costs about 10 us to make; a module's parameters
+        # are given to each of its calls, so with no budget (nothing is evicted) their
+        # wrappers are kept while the views are the same. Under a budget a kept wrapper would
+        # hold the device copy it views after the block was evicted, counted outside the
+        # manager (on "sim" as on CUDA) until the region's next call: a layer's weights
+        # beside the budget. Tensors held by objects (a cache) are new at every step.
+        wrappers = self._wrappers if sim and mgr._limit is None else None
+        if wrappers is None and self._wrappers:
+            self._wrappers = {}
+        params = {id(v) for d, k, v in call.slots[:call.params]} if wrappers is not None else ()
 
         def swap(a):
             if isinstance(a, TensorRef):
                 entry = views.get(id(a))
                 if entry is None:
                     plain = make(a)
-                    if sim:
+                    if sim and id(a) in params:
                         kept = wrappers.get(id(a))
                         if kept is not None and kept[0] is plain:
                             given = kept[1]  # (a wrapper costs 10 us: kept while the view is the same)
@@ -261,6 +272,8 @@ class Region:
                             if len(wrappers) >= _MAX_WRAPPERS:
                                 wrappers.clear()
                             wrappers[id(a)] = (plain, given)
+                    elif sim:
+                        given = SimTensor(plain)
                     else:
                         given = plain
                     # (the version of what the call got: on "sim" the wrapper's counts the writes)
@@ -290,6 +303,9 @@ class Region:
             for d, k, v in call.slots:
                 if get_item(d, k) is views[id(v)][1]:
                     d[k] = v
+            # (``swap`` calls itself: a cycle through its cell that would keep the views, and
+            # the device copies under them, allocated after an eviction until the collector ran)
+            swap = None
         return out
 
     def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool):

@@ -19,11 +19,12 @@ _Tensor = torch.Tensor
 class Call:
     """One region call's TensorRefs and where they sit."""
 
-    __slots__ = ("refs", "slots", "objects", "held", "views", "shapes")
+    __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes")
 
     def __init__(self):
         self.refs = []  # TensorRefs among the arguments, then the slots'
         self.slots = []  # (container, key, TensorRef): parameters, buffers, objects' attributes
+        self.params = 0  # how many of the slots (the first) are the module's parameters and buffers
         self.objects = []  # (container, key, value) of the plain tensors objects held before
         self.held = 0  # bytes of the TensorRefs held by objects
         self.views = {}  # id(TensorRef) -> (TensorRef, view given to the call, plain view, its version)

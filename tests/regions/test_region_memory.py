@@ -1,0 +1,72 @@
+"""What a region leaves allocated on the device after its call (Note [Kept wrappers] in
+regions/mechanism.py): nothing beside the manager's blocks, so that when the blocks it used
+are evicted their device memory is free again, without waiting for the garbage collector.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import regions, tensorsManager as tm
+from conftest import TEST_DEVICE
+from paired import assert_identical, budget, plain_torch
+
+
+@pytest.fixture(autouse=True)
+def regions_on():
+    previous = regions.enabled, regions.min_ops, regions.under_budget
+    regions.enabled, regions.min_ops, regions.under_budget = True, 0, True
+    yield
+    regions.enabled, regions.min_ops, regions.under_budget = previous
+
+
+@pytest.fixture
+def no_collector():
+    """The cyclic garbage collector off: a cycle would hold what it holds for the test's length."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def layers():
+    torch.manual_seed(0)
+    return [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).eval()
+            for _ in range(3)]
+
+
+def layer_bytes(layer) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("strategy", list(torchTensorRef.strategies.NAMES))
+def test_evicted_blocks_of_a_region_leave_no_device_memory_behind(strategy, no_collector):
+    tm.device = TEST_DEVICE
+    with plain_torch():
+        x = torch.randn(2, 64)
+        plain_layers = [m.to(tm.torch_device) for m in layers()]
+        with torch.no_grad():
+            plain = x.to(tm.torch_device)
+            for m in plain_layers:
+                plain = m(plain)
+    managed = [regions.region(m) for m in layers()]
+    tm.strategy = strategy
+    # room for one layer's weights and the activations: each layer evicts the one before
+    tm.budget = limit = budget(layer_bytes(managed[0]) * 3 // 2)
+    floor = tm.outside_bytes()
+    out = torchTensorRef.manage(x.cpu())
+    with torch.no_grad():
+        for _ in range(3):  # (the first calls are measured op by op)
+            out = torchTensorRef.manage(x.cpu())
+            for m in managed:
+                out = m(out)
+                # a region's plain views and the SimTensors given for them are gone with the call:
+                # nothing but the manager's blocks (and what the device held before) is allocated
+                assert tm.outside_bytes() <= floor + 4096
+    assert tm.stats()["evictions"] > 0
+    assert_identical(plain, out)
+    assert tm.stats()["peak_device_bytes"] <= limit
