@@ -141,7 +141,9 @@ def _growth(spec: OpSpec, args, kwargs, sizes_after: tuple) -> int:
     block_bytes = _mgr._backend.block_bytes  # (a storage that grows is a new allocation)
     for before, after in zip(_written(spec, args, kwargs), sizes_after):
         if after is not None and isinstance(before, torch.Tensor):
-            grown += max(0, block_bytes(after) - block_bytes(_storage_nbytes(before)))
+            now = _storage_nbytes(before)
+            if after > now:  # (at least its own bytes: a growth within one rounded size still grows)
+                grown += max(block_bytes(after) - block_bytes(now), after - now)
     return grown
 
 
