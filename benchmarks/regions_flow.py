@@ -1,9 +1,10 @@
 """What Flow learns when module calls are regions: ``generate()`` calls of different prompt lengths.
 
 A random-weight 4-layer Llama (hidden 256, the ``small`` size of ``small_ops.py``) on
-``"sim"`` under Flow at ``--fraction`` of its weights runs greedy ``generate()`` of 16 new
-tokens six times, each with a different prompt length (8, 11, 5, 9, 13, 7 tokens), with
-module regions on and then off (a fresh copy each). After each call it prints the ops the
+``"sim"`` under Flow at ``--fraction`` of its weights runs greedy ``generate()`` six times,
+each with a different prompt length (8, 11, 5, 9, 13, 7 tokens) and number of new tokens
+(16, 12, 20, 16, 9, 14), as real serving does, with module regions on and then off (a fresh
+copy each). Flow should learn the period of one decode step and keep it across calls. After each call it prints the ops the
 manager counted, Flow's period (in ops) and whether Flow follows a compiled plan, and the
 bytes moved and evictions of that call. A decode step is the ops of one token: with
 regions, one op per region plus ``generate()``'s own ops.
@@ -27,7 +28,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.common import tm  # noqa: E402
 
 PROMPTS = (8, 11, 5, 9, 13, 7)
-TOKENS = 16
+TOKENS = (16, 12, 20, 16, 9, 14)
 
 
 def run(model, fraction: float, regions: bool) -> list:
@@ -41,9 +42,9 @@ def run(model, fraction: float, regions: bool) -> list:
         for i, n in enumerate(PROMPTS):
             ids = torchTensorRef.manage(common.plain_inputs(i, model.config.vocab_size, 1, n))
             tm.reset_stats()
-            common.generate(managed, ids, TOKENS)
+            common.generate(managed, ids, TOKENS[i])
             s = tm.stats()
-            rows.append(dict(prompt=n, ops=s["ops"], period=flow.period, plan=flow.plan is not None,
+            rows.append(dict(prompt=n, tokens=TOKENS[i], ops=s["ops"], period=flow.period, plan=flow.plan is not None,
                              mib_moved=(s["bytes_to_device"] + s["bytes_to_host"]) / common.MIB,
                              evictions=s["evictions"]))
         tm.budget = None
@@ -64,7 +65,7 @@ def main(argv=None) -> dict:
         result[label] = run(model, args.fraction, regions)
         print(f"Flow at {args.fraction:.0%} of the weights, {label}:")
         for r in result[label]:
-            print(f"  prompt {r['prompt']:2d}: ops {r['ops']:6d}  period {r['period']}  plan {r['plan']}  "
+            print(f"  prompt {r['prompt']:2d}, {r['tokens']:2d} new: ops {r['ops']:6d}  period {r['period']}  plan {r['plan']}  "
                   f"MiB moved {r['mib_moved']:6.1f}  evictions {r['evictions']}")
     return result
 

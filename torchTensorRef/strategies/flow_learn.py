@@ -43,6 +43,8 @@ class FlowLearning:
         if period is not None and not self._same(n, period):
             self.period = None  # the sequence changed: back to recency until it repeats
             self._rebuild_heap()
+        elif period is not None and positions:
+            self._shorter_period(n, n - positions[-1])
         if self.period is None:
             mismatch = self._mismatch
             for q in reversed(positions[-64:]):  # newest first: the shortest period that repeats
@@ -62,9 +64,40 @@ class FlowLearning:
                     mismatch[t] = k
         positions.append(n)
 
+    def _shorter_period(self, n: int, t: int) -> None:
+        """Take ``t`` as the period if it is shorter and the window ending at op ``n`` repeats it.
+
+        Note [The shortest period]: a period is first looked for where the sequence changed,
+        and there the only repeat may be a long one: at the start of a ``generate()`` call,
+        whose prefill no decode step repeats, the previous call's prefill is the first match,
+        and its distance, a whole call, stays the period while the calls have as many new
+        tokens. The plan compiled from it breaks at the first call of another length. So
+        while a period holds, a shorter distance between this op and the newest op like it
+        (same aten op, same long-lived blocks) replaces it once a whole window repeats at
+        that distance: one decode step, the same in calls of any length.
+        """
+        if t >= self.period or t < self.min_period:
+            return
+        k = self._mismatch.get(t)
+        if k is not None and k > n - _span(t):
+            return  # op k did not repeat op k - t, and it is still in t's window
+        k = self._mismatch_in_window(n, t)
+        if k is None:
+            self.period = t
+            self._period_since = n
+            self._rebuild_heap()
+        elif k >= 0:
+            self._mismatch[t] = k
+
     def _role(self, block_id: int, m: int, period: int):
+        # Note [State carried over a period]: a block made exactly one period before the op
+        # that reads it is a role, not a long-lived block: what one step hands the next (a
+        # key/value cache a layer extends, generate()'s ids and mask) is made by op k and read
+        # by op k one period later, each step a new block. Taken as long-lived, every step's
+        # block differed from the last step's, a step did not repeat the one before it and
+        # the period found was two steps, or a whole generate() call.
         birth = self._birth.get(block_id)
-        if birth is None or birth[0] <= m - period:
+        if birth is None or birth[0] < m - period:
             return block_id  # long-lived: the very same block
         return (m - birth[0], birth[1])  # created this many ops earlier, by this slot
 
@@ -125,7 +158,7 @@ class FlowLearning:
     def _counterpart(self, block_id: int, n: int, period: int) -> Optional[int]:
         """The id of the block that played ``block_id``'s role one period ago."""
         birth = self._birth.get(block_id)
-        if birth is None or birth[0] <= n - period:
+        if birth is None or birth[0] < n - period:  # (Note [State carried over a period])
             return block_id  # it outlived a period: its own history is its pattern
         return self._born_at(birth[0] - period, birth[1])
 

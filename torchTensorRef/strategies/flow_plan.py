@@ -133,7 +133,7 @@ class Plan:
         uses it no more, ``None`` if the plan does not know it."""
         period = self.period
         b = birth.get(block_id)
-        if b is None or b[0] <= n - period:
+        if b is None or b[0] < n - period:  # (Note [State carried over a period], flow_learn.py)
             offsets = self.long_uses.get(block_id)
             if offsets is None:
                 # Made over a period ago (or never used in the period): not a role the plan has.

@@ -86,7 +86,7 @@ class FlowPrefetch:
                 return
             for h in past:
                 birth = self._birth.get(h)
-                if birth is None or birth[0] <= m - 2 * period:
+                if birth is None or birth[0] < m - 2 * period:  # (its role at op m - period)
                     current = h  # long-lived: the same block again
                 else:
                     current = self._born_at(birth[0] + period, birth[1])

@@ -1,0 +1,66 @@
+"""Flow's period is one step of a loop whose steps hand state to the next (a decode step
+extending a cache), in calls of any length: Note [State carried over a period] and Note
+[The shortest period] in strategies/flow_learn.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import tensorsManager as tm
+from torchTensorRef.strategies import Flow
+from paired import assert_identical, budget, plain_torch
+
+KIB = 1024
+
+
+def weights():
+    torch.manual_seed(0)
+    return [torch.randn(32, 32) / 8 for _ in range(4)]  # 4 KiB each
+
+
+def call(ws, prompt: int, steps: int):
+    """A generate()-like call: a prefill of ``prompt`` rows, then ``steps`` steps, each reading
+    the state (a cache) the step before extended."""
+    h = torch.ones(prompt, 32)
+    for w in ws:  # (the prefill: other ops than a step's)
+        h = torch.relu(h @ w)
+    state = h
+    h = h[-1:]
+    for _ in range(steps):
+        for w in ws:
+            h = torch.tanh(h @ w)
+        state = torch.cat([state, h])  # handed to the next step
+        h = h + state.mean(0, keepdim=True)
+    return state
+
+
+def ops_of_a_step(ws) -> int:
+    """The manager's ops in one step (the difference between calls of one more step)."""
+    start = tm.op_index
+    call(ws, 3, 2)
+    two = tm.op_index - start
+    start = tm.op_index
+    call(ws, 3, 3)
+    return tm.op_index - start - two
+
+
+CALLS = [(5, 6), (9, 8), (3, 10), (7, 7)]  # (a plan is compiled a few steps into a call)
+
+
+@pytest.mark.parametrize("plan", [True, False], ids=["plan", "learning"])
+def test_the_period_is_one_step_in_calls_of_different_lengths(fresh_manager, plan):
+    with plain_torch():
+        plain = [call([w.to(tm.torch_device) for w in weights()], p, s) for p, s in CALLS]
+    ws = [torchTensorRef.manage(w) for w in weights()]
+    flow = Flow(plan=plan)
+    tm.strategy = flow
+    tm.budget = budget(10 * KIB)  # two of the four weights and the activations
+    step = ops_of_a_step(ws)
+    for (prompt, steps), expected in zip(CALLS, plain):
+        out = call(ws, prompt, steps)
+        assert flow.period == step  # not two steps (the state), nor a whole call
+        assert (flow.plan is not None) == plan
+        assert_identical(expected, out)
+    assert tm.stats()["peak_device_bytes"] <= tm.budget
