@@ -44,8 +44,11 @@ enabled = True
 fraction = 0.5
 #: whether the size rule makes regions under a budget too (``region(m)`` always does).
 #: Off by default: measured on decoding (``benchmarks/small_ops.py --regions-only``), Flow
-#: over decoder-layer regions moved 1.2x the bytes of the per-op path and was no faster;
-#: with no budget, or on "cpu", regions cut pass-through from about 4x plain torch to 1.5x.
+#: over decoder-layer regions moved 1.16x the bytes of the per-op path (187 against 162 MiB
+#: at 50% of the weights, 284 against 236 at 25%) and was no faster, though it follows one
+#: decode step across calls of any length: a layer's whole working set is resident at once,
+#: which leaves less of the budget to the weights kept from step to step. With no budget, or
+#: on "cpu", regions cut pass-through from about 4x plain torch to 1.5x.
 under_budget = False
 #: a module whose measured call ran fewer aten ops is not a region unless forced: the
 #: region's own work at its boundary would cost more than the ops it saves
