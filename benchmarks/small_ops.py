@@ -141,7 +141,8 @@ class Work:
         with ``wrap``)."""
         if device != "cpu":
             with torchTensorRef.disabled(device=device):
-                model, ids = common.plain_copy(self.model).to(device), self.ids.to(device)
+                on = common.plain_device(device)
+                model, ids = common.plain_copy(self.model).to(on), self.ids.to(on)
                 run = self.runner(model, ids)
 
             def plain_device_run():
@@ -168,7 +169,8 @@ class Work:
         """Plain torch's outputs of ``self.runs`` runs on ``device`` (its kernels: "sim" differs in the last bits)."""
         if device not in self._expected:
             with torchTensorRef.disabled(device=device):
-                model, ids = common.plain_copy(self.model).to(device), self.ids.to(device)
+                on = common.plain_device(device)
+                model, ids = common.plain_copy(self.model).to(on), self.ids.to(on)
                 run = self.runner(model, ids)
                 outs = [run() for _ in range(self.runs if self.kind == "train" else 1)]
             self._expected[device] = [plain_value(o) for o in outs] * (1 if self.kind == "train" else self.runs)

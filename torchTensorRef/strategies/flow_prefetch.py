@@ -112,7 +112,7 @@ class FlowPrefetch:
         mgr = self.manager
         # Make room only from clean blocks predicted to be needed after op m: evicting them
         # is free, while a dirty one might still die (be freed) before it is needed.
-        while mgr.in_use() + block.nbytes > limit:
+        while mgr.in_use() + mgr.block_bytes(block.nbytes) > limit:  # (as the allocator gives it)
             if not self._evicting_prefetch:
                 return False
             protect = {b.id for b in protect_blocks}
