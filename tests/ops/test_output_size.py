@@ -212,3 +212,15 @@ def test_batch_norm_out_is_sized_by_its_results():
         x, stats = torch.randn(5, 5, 5), [torch.ones(5) for _ in range(4)]
         outs = {"out": torch.empty(5, 5, 5), "save_mean": torch.empty(5), "save_invstd": torch.empty(5)}
     assert estimate_output_bytes(spec_of(op), (x, *stats, True, 0.1, 1e-5), outs) >= 500 + 2 * 20
+
+
+def test_a_result_sharing_its_input_s_storage_allocates_nothing(fresh_manager):
+    # ``_unsafe_view`` returns a view although its schema does not say so: the logits of a
+    # large vocabulary larger than half the room were refused, counted twice.
+    from torchTensorRef.core.op_specs import spec_of
+    from torchTensorRef.ops.output_size import estimate_output_bytes
+
+    aten = torch.ops.aten
+    x = torch.randn(32, 1000)
+    assert estimate_output_bytes(spec_of(aten._unsafe_view.default), (x, [2, 16, 1000]), {}) == 0
+    assert estimate_output_bytes(spec_of(aten.clone.default), (x,), {}) == fresh_manager.block_bytes(32 * 1000 * 4)

@@ -20,7 +20,7 @@ result. The cache keeps the storages' own sizes: the rounding is the device's, a
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, Optional
+from typing import Callable, Dict, Hashable
 
 import torch
 
@@ -90,6 +90,14 @@ def _new_sizes(out, seen=None) -> tuple:
         seen = set() if seen is None else seen
         return tuple(n for o in out for n in _new_sizes(o, seen))
     return ()
+
+
+def _meta_tensors(args, kwargs):
+    """The strided tensors among ``args`` and ``kwargs`` (one level of lists)."""
+    for v in list(args) + list(kwargs.values()):
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                yield t
 
 
 def _device_bytes(sizes) -> int:
@@ -344,13 +352,17 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
     try:
         if spec.func in _META_TOO_SMALL:
             raise LookupError(spec.name)  # sized by its bound
+        inputs = None
         if spec.func in _PROBED:
             out = spec.func(*_to_host_zeros(args), **{k: _to_host_zeros(v) for k, v in kwargs.items()})
         else:
             meta_args = _to_meta(args)
             meta_kwargs = {k: (_META if k == "device" else _to_meta(v)) for k, v in kwargs.items()}
             out = spec.func(*meta_args, **meta_kwargs)
-        sizes = _new_sizes(out) if spec.allocates else 0
+            # A result sharing an input's storage is a view, whatever the schema says
+            # (``_unsafe_view`` has no alias annotation): it allocates nothing.
+            inputs = {t.untyped_storage()._cdata for t in _meta_tensors(meta_args, meta_kwargs)}
+        sizes = _new_sizes(out, inputs) if spec.allocates else 0
         if spec.restrides and spec.func not in _PROBED:
             sizes_after = _sizes_after(spec, meta_args, meta_kwargs)
     except Exception:  # no meta kernel, or a data-dependent size
