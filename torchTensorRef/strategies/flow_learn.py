@@ -46,23 +46,27 @@ class FlowLearning:
         elif period is not None and positions:
             self._shorter_period(n, n - positions[-1])
         if self.period is None:
-            mismatch = self._mismatch
             for q in reversed(positions[-64:]):  # newest first: the shortest period that repeats
                 t = n - q
-                if t < self.min_period:
-                    continue
-                k = mismatch.get(t)
-                if k is not None and k > n - _span(t):
-                    continue  # op k did not repeat op k - t, and it is still in t's window
-                k = self._mismatch_in_window(n, t)
-                if k is None:
-                    self.period = t
-                    self._period_since = n
-                    self._rebuild_heap()
+                if t >= self.min_period and self._try_period(n, t):
                     break
-                if k >= 0:
-                    mismatch[t] = k
         positions.append(n)
+
+    def _try_period(self, n: int, t: int) -> bool:
+        """Take ``t`` as the period if the window ending at op ``n`` repeats it (remembering
+        where it did not, so that the window is not scanned again while that op is in it)."""
+        k = self._mismatch.get(t)
+        if k is not None and k > n - _span(t):
+            return False  # op k did not repeat op k - t, and it is still in t's window
+        k = self._mismatch_in_window(n, t)
+        if k is None:
+            self.period = t
+            self._period_since = n
+            self._rebuild_heap()
+            return True
+        if k >= 0:
+            self._mismatch[t] = k
+        return False
 
     def _shorter_period(self, n: int, t: int) -> None:
         """Take ``t`` as the period if it is shorter and the window ending at op ``n`` repeats it.
@@ -76,18 +80,8 @@ class FlowLearning:
         (same aten op, same long-lived blocks) replaces it once a whole window repeats at
         that distance: one decode step, the same in calls of any length.
         """
-        if t >= self.period or t < self.min_period:
-            return
-        k = self._mismatch.get(t)
-        if k is not None and k > n - _span(t):
-            return  # op k did not repeat op k - t, and it is still in t's window
-        k = self._mismatch_in_window(n, t)
-        if k is None:
-            self.period = t
-            self._period_since = n
-            self._rebuild_heap()
-        elif k >= 0:
-            self._mismatch[t] = k
+        if self.min_period <= t < self.period:
+            self._try_period(n, t)
 
     def _role(self, block_id: int, m: int, period: int):
         # Note [State carried over a period]: a block made exactly one period before the op
