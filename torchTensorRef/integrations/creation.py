@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..core.errors import DeviceOutOfMemoryError
 from ..core.tensor_ref import TensorRef
@@ -149,7 +150,9 @@ def _on_device(mgr, fn, args, kwargs, nbytes: int, what: str):
         # (torch_device resolves "cuda" first: the first tensor after ``device = "cuda"`` was
         # made on the CPU, from the CPU's generator)
         kwargs["device"] = mgr.torch_device
-        mgr._make_room(mgr.block_bytes(nbytes), (), what)  # (as the device's allocator counts it)
+        with _disable_current_modes():  # (evicting copies bytes: a mode the program entered, FSDP2's
+            # FakeTensorMode, must not see the manager's own copies)
+            mgr._make_room(mgr.block_bytes(nbytes), (), what)  # (as the device's allocator counts it)
         for attempt in (0, 1):
             try:
                 if not mgr._backend.simulated:
