@@ -177,6 +177,19 @@ def _llama(vocab=512):
         return LlamaForCausalLM(config)
 
 
+def _reference_then_managed(plain, train):
+    """The parameters plain torch gives after ``train`` on a copy of ``plain`` on the test
+    device, and a managed copy of ``plain`` to train the same way."""
+    with plain_torch():
+        ref = copy.deepcopy(plain).to(device_type())
+        train(ref)
+        expected = [p.detach().cpu() for p in ref.parameters()]
+    del ref
+    with torchTensorRef.disabled():
+        model = copy.deepcopy(plain)
+    return expected, torchTensorRef.manage(model)
+
+
 def _train(model, ids, steps=2, accumulate=1):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
@@ -198,14 +211,8 @@ def test_llama_adamw_steps_equal_plain_torch(fresh_manager, monkeypatch, fractio
     plain = _llama()
     with torchTensorRef.disabled():
         ids = torch.randint(2, 512, (2, 8), generator=torch.Generator().manual_seed(1))
-    with plain_torch():
-        ref = copy.deepcopy(plain).to(device_type())
-        _train(ref, ids.to(device_type()), accumulate=accumulate)
-        expected = [p.detach().cpu() for p in ref.parameters()]
-    del ref
-    with torchTensorRef.disabled():
-        model = copy.deepcopy(plain)
-    model = torchTensorRef.manage(model)
+    expected, model = _reference_then_managed(
+        plain, lambda ref: _train(ref, ids.to(device_type()), accumulate=accumulate))
     wbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     # at 100% one position of AdamW (the 128 KiB embedding, its gradient and two moments) does not fit
     fresh_manager.budget = budget(int(fraction * wbytes))
@@ -296,14 +303,8 @@ def test_mixed_precision_training_equals_plain_torch(fresh_manager, monkeypatch,
             plain = plain.to(torch.bfloat16)
     with torchTensorRef.disabled():
         ids = torch.randint(2, 512, (2, 8), generator=torch.Generator().manual_seed(1))
-    with plain_torch():
-        ref = copy.deepcopy(plain).to(device_type())
-        _train_mixed(ref, ids.to(device_type()), mode, device_type())
-        expected = [p.detach().cpu() for p in ref.parameters()]
-    del ref
-    with torchTensorRef.disabled():
-        model = copy.deepcopy(plain)
-    model = torchTensorRef.manage(model)
+    expected, model = _reference_then_managed(
+        plain, lambda ref: _train_mixed(ref, ids.to(device_type()), mode, device_type()))
     wbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     fresh_manager.budget = budget(wbytes // 4)
     fresh_manager.reset_stats()

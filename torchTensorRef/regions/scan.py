@@ -52,13 +52,15 @@ def scan_args(a, call: Call, seen: set, budget: list) -> None:
         scan_object(a, call, seen, budget, OBJECT_DEPTH)
 
 
-def scan_object(obj, call: Call, seen: set, budget: list, depth: int) -> None:
+def object_tensors(obj, seen: set, depth: int, budget: list):
+    """``(container, key, tensor)`` of the tensors ``obj`` holds in its attributes, lists and
+    dicts, searched ``depth`` levels down and through at most ``budget[0]`` values."""
     if id(obj) in seen or depth == 0:
         return
     seen.add(id(obj))
     if isinstance(obj, (list, dict)):
-        items = enumerate(obj) if isinstance(obj, list) else list(obj.items())
         container = obj
+        items = list(enumerate(obj)) if isinstance(obj, list) else list(obj.items())
     else:
         container = obj.__dict__
         items = list(container.items())
@@ -67,14 +69,19 @@ def scan_object(obj, call: Call, seen: set, budget: list, depth: int) -> None:
         if budget[0] < 0:
             return
         if isinstance(v, _Tensor):
-            if isinstance(v, TensorRef):
-                call.slots.append((container, k, v))
-                call.refs.append(v)
-                call.held += v._tr_block.nbytes
-            else:
-                call.objects.append((container, k, v))
+            yield container, k, v
         elif isinstance(v, (list, dict)) or is_object(v):
-            scan_object(v, call, seen, budget, depth - 1)
+            yield from object_tensors(v, seen, depth - 1, budget)
+
+
+def scan_object(obj, call: Call, seen: set, budget: list, depth: int) -> None:
+    for container, k, v in object_tensors(obj, seen, depth, budget):
+        if isinstance(v, TensorRef):
+            call.slots.append((container, k, v))
+            call.refs.append(v)
+            call.held += v._tr_block.nbytes
+        else:
+            call.objects.append((container, k, v))
 
 
 def parameter_slots(module: torch.nn.Module):
@@ -132,22 +139,6 @@ def collect_plain(out, given, found, seen) -> None:
 def collect_object(obj, given, stored, seen, before, depth, budget) -> None:
     """``(container, key, tensor)`` of the plain tensors ``obj`` holds that it did not hold
     before the call, or that are views given to the call."""
-    if id(obj) in seen or depth == 0:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, list):
-        items, container = list(enumerate(obj)), obj
-    elif isinstance(obj, dict):
-        items, container = list(obj.items()), obj
-    else:
-        container = obj.__dict__
-        items = list(container.items())
-    for k, v in items:
-        budget[0] -= 1
-        if budget[0] < 0:
-            return
-        if isinstance(v, _Tensor):
-            if not isinstance(v, TensorRef) and (id(v) in given or id(v) not in before):
-                stored.append((container, k, v))
-        elif isinstance(v, (list, dict)) or is_object(v):
-            collect_object(v, given, stored, seen, before, depth - 1, budget)
+    for container, k, v in object_tensors(obj, seen, depth, budget):
+        if not isinstance(v, TensorRef) and (id(v) in given or id(v) not in before):
+            stored.append((container, k, v))
