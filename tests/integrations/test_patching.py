@@ -15,6 +15,7 @@ from torchTensorRef import TensorRef
 from torchTensorRef.integrations import patching
 from torchTensorRef.memory.sim.tensor import SimTensor
 
+from conftest import TEST_DEVICE
 from paired import assert_identical, plain_torch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.range is deprecated")
@@ -192,6 +193,37 @@ def test_disabled_is_per_thread():
         seen["this"] = type(torch.zeros(2))
     thread.join()
     assert seen == {"this": torch.Tensor, "other": TensorRef}
+
+
+class _DoubleMadeInBackward(torch.autograd.Function):
+    """Doubles; its backward makes its result with a creation function (as some of torch's
+    Python ops do), on the thread autograd runs it on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        made = torch.empty(grad.shape, device=grad.device)
+        ctx.made_type = type(made)
+        return made.copy_(grad * 2)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "sim", reason="disabled() carries its state to autograd's "
+                    "threads on the simulated device only (a dispatch mode); on CUDA that would "
+                    "slow every plain op")
+def test_disabled_reaches_the_backward_of_plain_tensors_on_autograd_threads():
+    # A tight budget: a creation that became managed in backward would not fit.
+    torchTensorRef.tensorsManager.budget = 8
+    with plain_torch():
+        x = torch.randn(4, requires_grad=True)
+        y = _DoubleMadeInBackward.apply(x)
+        y.sum().backward()
+        expected = torch.full((4,), 2.0)
+    assert not isinstance(x.grad, TensorRef)
+    assert y.grad_fn.made_type is not TensorRef
+    assert_identical(x.grad, expected)
 
 
 def test_meta_tensors_stay_plain():

@@ -35,9 +35,26 @@ def manager():
 
 # -- disabled(): plain torch in this thread -------------------------------------------------
 def is_disabled() -> bool:
-    """Whether creation functions make plain tensors here: inside ``disabled()``, or in a
-    DataLoader worker (its tensors cross a process boundary, as plain tensors)."""
-    return getattr(_local, "depth", 0) > 0 or torch.utils.data.get_worker_info() is not None
+    """Whether creation functions make plain tensors here: inside ``disabled()``, on an
+    autograd thread running the backward of plain tensors made there, or in a DataLoader
+    worker (its tensors cross a process boundary, as plain tensors)."""
+    return (getattr(_local, "depth", 0) > 0 or torch.utils.data.get_worker_info() is not None
+            or _plain_mode_carried())
+
+
+def _plain_mode_carried() -> bool:
+    """Whether a dispatch mode marking plain torch is active in this thread.
+
+    ``disabled()``'s flag is thread-local, and backward runs on an autograd thread per
+    device; PyTorch carries dispatch modes to those threads, so ``disabled(device="sim")``
+    enters one (``memory.sim.allocation.PlainMode``, ``marks_plain``) and a creation in a
+    Python backward there (``torch.empty`` in an ``autograd.Function``) stays plain too.
+    """
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(getattr(mode, "marks_plain", False) for mode in _get_current_dispatch_mode_stack())
 
 
 def plain_device() -> Optional[torch.device]:

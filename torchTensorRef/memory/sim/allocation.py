@@ -94,6 +94,8 @@ class PlainMode(torch.utils._python_dispatch.TorchDispatchMode):
     flag is not set; dispatch modes are carried to those threads.
     """
 
+    marks_plain = True  # (core.context.is_disabled looks for it)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         _plain.depth = getattr(_plain, "depth", 0) + 1
         try:
