@@ -151,6 +151,26 @@ def test_a_working_set_larger_than_the_budget_runs_op_by_op():
     assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 
+def test_the_size_rule_weighs_the_manager_s_share_not_what_the_device_holds_beside_it(small_regions):
+    # The program's own device tensors, 8x the model, count in the budget (outside the
+    # manager): they are no room for a region, so the model (above half of the manager's
+    # share) must not become one, while with a share twice its bytes it does.
+    with plain_torch():
+        held = torch.zeros(8 * weight_bytes(mlp()) // 4)
+        x = torch.randn(4, 16)
+        with torch.no_grad():
+            plain = mlp().to(tm.torch_device)(x)
+    model = mlp()
+    tm.strategy = "flow"
+    for share, whole in ((weight_bytes(model) * 3 // 2, False), (weight_bytes(model) * 5 // 2, True)):
+        tm.budget = budget(share)
+        with torch.no_grad():
+            out, ops = ops_of(lambda: model(torchTensorRef.manage(x.cpu())))
+        assert (ops == 1) is whole, (share, ops)
+        assert_identical(plain, out)
+    del held
+
+
 def test_a_call_that_needs_gradients_runs_op_by_op_and_trains():
     with plain_torch():
         plain_model = mlp().to(tm.torch_device)

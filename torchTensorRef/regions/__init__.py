@@ -159,8 +159,11 @@ def _module_call(self, *args, **kwargs):
         return _original_call(self, *args, **kwargs)
     if forced is None:
         limit = _mgr._limit
+        # (the size rule weighs the manager's share: what the device holds outside it, the
+        # program's own tensors and libraries' workspaces, is not room for a region)
         if limit is not None and not _mgr._backend.passthrough and (
-                (_mgr._budget is not None and not under_budget) or _tensor_bytes(info) > fraction * limit):
+                (_mgr._budget is not None and not under_budget)
+                or _tensor_bytes(info) > fraction * (limit - _mgr._elsewhere_bytes)):
             return _original_call(self, *args, **kwargs)
         ops = info.region.ops
         if ops is not None and ops < min_ops:
