@@ -39,6 +39,7 @@ def fresh_manager():
     tm = tensorsManager
     tm.budget = None
     tm.host_budget = None
+    tm.sim_strict = True
     tm.device = TEST_DEVICE
     tm.strategy = "genoa"
     tm.fault_injector = None
@@ -56,6 +57,7 @@ def fresh_manager():
     tm.budget = None
     tm.host_budget = None
     tm.strategy = "genoa"
+    tm.sim_strict = True
     tm.device = TEST_DEVICE
     tm.synchronize()  # (spills still being written)
     tm.offload_dir = None

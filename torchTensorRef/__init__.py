@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 ENVIRONMENT = {
+    "TORCHTENSORREF_SIM_STRICT": "sim_strict",  # (before the device: "sim" is built in that form)
     "TORCHTENSORREF_DEVICE": "device",
     "TORCHTENSORREF_SIM_WORKSPACE": "sim_workspace",  # (before the budget, which covers it)
     "TORCHTENSORREF_SIM_ROUNDING": "sim_rounding",  # (before the budget too)
@@ -64,7 +65,7 @@ ENVIRONMENT = {
 
 def configure_from_environment(environ=None) -> None:
     """Apply ``TORCHTENSORREF_DEVICE``, ``_STRATEGY``, ``_BUDGET``, ``_HOST_BUDGET``,
-    ``_OFFLOAD_DIR``, ``_SIM_WORKSPACE`` and ``_SIM_ROUNDING`` to the manager.
+    ``_OFFLOAD_DIR``, ``_SIM_WORKSPACE``, ``_SIM_ROUNDING`` and ``_SIM_STRICT`` to the manager.
 
     Raises:
         ValueError: naming the variable and what it accepts.

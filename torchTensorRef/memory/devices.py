@@ -149,16 +149,18 @@ class SimBackend(Backend):
     allocator counts what CUDA's does (Note [Allocated bytes on sim]): every live allocation,
     the program's plain SimTensors included, and with ``rounding`` each at the size CUDA's
     caching allocator gives it (``tensorsManager.sim_rounding``). Where
-    PyTorch cannot register a device (torch < 2.9), TensorRefs report ``cpu`` (``strict``
-    is ``False``) and the rest is unchanged.
+    PyTorch cannot register a device (torch < 2.9), or when asked (``strict=False``:
+    ``tensorsManager.sim_strict``), TensorRefs report ``cpu`` (``strict`` is ``False``) and
+    the rest is unchanged: the device copies are then plain CPU tensors, whose ops cost what
+    plain CPU torch's do (the form that times the manager's own cost).
     """
 
     name = "sim"
     simulated = True
 
     def __init__(self, capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,
-                 workspace: int = 0, rounding: bool = False):
-        device = sim_device.register()
+                 workspace: int = 0, rounding: bool = False, strict: bool = True):
+        device = sim_device.register() if strict else None
         super().__init__(CPU, device if device is not None else CPU)
         self.strict = device is not None
         self._capacity = capacity
@@ -302,7 +304,7 @@ class CudaBackend(Backend):
 
 
 def make_backend(spec, sim_capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,
-                 sim_workspace: int = 0, sim_rounding: bool = False) -> Backend:
+                 sim_workspace: int = 0, sim_rounding: bool = False, sim_strict: bool = True) -> Backend:
     """Build the backend for a ``tensorsManager.device`` value.
 
     Raises:
@@ -316,8 +318,8 @@ def make_backend(spec, sim_capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Opt
     if text == "cpu":
         return PassthroughBackend()
     if text == "sim":
-        backend = SimBackend(sim_capacity, pinned_limit, sim_workspace, sim_rounding)
-        if not backend.strict:
+        backend = SimBackend(sim_capacity, pinned_limit, sim_workspace, sim_rounding, sim_strict)
+        if sim_strict and not backend.strict:
             warnings.warn(f'device "sim" runs in its lenient form: {sim_device.unavailable_reason()}',
                           stacklevel=3)
         return backend

@@ -59,6 +59,7 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
         self._sim_capacity = SIM_CAPACITY_BYTES
         self._sim_workspace = 0
         self._sim_rounding = False
+        self._sim_strict = True
         self._pinned_limit = default_limit()
         self._backend: Backend = PassthroughBackend()
         self._declared = self._backend.declared

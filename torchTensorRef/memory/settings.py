@@ -26,8 +26,9 @@ _FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false":
 
 
 class Settings:
-    """``device``, ``strategy``, ``budget``, ``sim_workspace``, ``pinned_limit``,
-    ``sim_capacity``, ``host_reserve``, ``host_budget`` and ``offload_dir``."""
+    """``device``, ``strategy``, ``budget``, ``sim_workspace``, ``sim_rounding``,
+    ``sim_strict``, ``pinned_limit``, ``sim_capacity``, ``host_reserve``, ``host_budget``
+    and ``offload_dir``."""
 
 
     @property
@@ -40,14 +41,19 @@ class Settings:
 
     @device.setter
     def device(self, value) -> None:
+        self._set_device(value, again=False)
+
+    def _set_device(self, value, again: bool) -> None:
+        """Make ``value`` the device; ``again``: build its backend anew even if it is the
+        current one (a setting of the backend changed)."""
         with self._lock:
             current = self._backend
-            if isinstance(value, str) and value.strip().lower() == self.device and current.name != "cuda":
+            if not again and isinstance(value, str) and value.strip().lower() == self.device and current.name != "cuda":
                 return  # (no new backend: "sim" would register nothing new, but keep its state)
-            backend = make_backend(value, self._sim_capacity, self._pinned_limit,
-                                   self._sim_workspace, self._sim_rounding)  # ValueError: nothing changed
+            backend = make_backend(value, self._sim_capacity, self._pinned_limit, self._sim_workspace,
+                                   self._sim_rounding, self._sim_strict)  # ValueError: nothing changed
             self._drain()
-            if current.name == backend.name and (
+            if current.name == backend.name and current.declared == backend.declared and (
                     current.compute == backend.compute if backend.name != "cuda"
                     else current.target_index() == backend.target_index()):
                 return  # the same device ("cuda" again, resolved or not): keep every block where it is
@@ -203,6 +209,35 @@ class Settings:
                 backend.set_rounding(value)
                 self._read_outside()
             self._sim_rounding = value
+
+    @property
+    def sim_strict(self) -> bool:
+        """Whether ``"sim"`` runs in its strict form (default ``True``): TensorRefs report a
+        device of their own, ``sim:0``, and every op on it pays its emulation (Note [Strict
+        sim]). ``False`` gives its lenient form: TensorRefs report ``cpu`` and the device
+        copies are plain CPU tensors, so ops cost what plain CPU torch's do, while copies,
+        capacity, budget and paging are unchanged. That form times the manager's own cost
+        against plain CPU torch running the same kernels; the strict one checks correctness.
+        Changing it while ``device`` is ``"sim"`` brings every block back to the host first."""
+        return self._sim_strict
+
+    @sim_strict.setter
+    def sim_strict(self, value) -> None:
+        if isinstance(value, str) and value.strip().lower() in _FLAGS:
+            value = _FLAGS[value.strip().lower()]  # (TORCHTENSORREF_SIM_STRICT)
+        if not isinstance(value, bool):
+            raise ValueError(f'sim_strict must be True or False, or one of "1", "0", "true", '
+                             f'"false", "yes", "no", "on", "off" (got: {value!r})')
+        with self._lock:
+            if value == self._sim_strict:
+                return
+            previous, self._sim_strict = self._sim_strict, value
+            if self._backend.simulated:
+                try:
+                    self._set_device("sim", again=True)
+                except Exception:
+                    self._sim_strict = previous
+                    raise
 
     def _compute_limit(self, budget: Optional[int]) -> Optional[int]:
         backend = self._backend
