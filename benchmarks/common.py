@@ -71,15 +71,27 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+#: the benchmarks' name for the lenient form of "sim" (``tensorsManager.sim_strict = False``):
+#: its device tensors are plain CPU tensors, so a row on it times the manager's own cost
+#: against plain CPU torch running the same kernels (copies, budget and paging are sim's)
+SIM_CPU = "sim-cpu"
+
+
 def plain_device(device: str) -> str:
-    """Where plain torch puts the tensors of ``device``: the CPU for "sim" where the strict
-    simulated device cannot be registered (a machine with CUDA: its lenient form, whose
-    device tensors are CPU tensors), else ``device`` itself."""
+    """Where plain torch puts the tensors of ``device``: the CPU for "sim-cpu", and for "sim"
+    where the strict simulated device cannot be registered (a machine with CUDA: its lenient
+    form, whose device tensors are CPU tensors), else ``device`` itself."""
     from torchTensorRef.memory.sim import device as sim_device
 
-    if device.split(":")[0] == "sim" and sim_device.register() is None:
+    if device == SIM_CPU or device.split(":")[0] == "sim" and sim_device.register() is None:
         return "cpu"
     return device
+
+
+def set_device(device: str) -> None:
+    """Make ``device`` the manager's ("sim-cpu": "sim" in its lenient form)."""
+    tm.sim_strict = device != SIM_CPU
+    tm.device = "sim" if device == SIM_CPU else device
 
 
 def plain_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -91,7 +103,7 @@ def plain_copy(model: torch.nn.Module) -> torch.nn.Module:
 def managed_copy(model: torch.nn.Module, device: str, strategy: str) -> torch.nn.Module:
     """A copy of plain ``model`` brought under management on ``device`` with ``strategy``, no budget yet."""
     tm.budget = None
-    tm.device = device
+    set_device(device)
     tm.strategy = strategy
     return torchTensorRef.manage(plain_copy(model))
 

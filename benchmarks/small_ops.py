@@ -21,7 +21,11 @@ per-op path. For decoding, a second table compares module regions (Note [Module 
 in ``torchTensorRef/regions/__init__.py``) on and off: pass-through and ``"sim"`` under
 Flow at 50% and 25% of the weights, each row timed against plain torch on its own device
 (plain ``"sim"``: ``SimTensor``s, under ``disabled("sim")``), tokens checked against plain
-torch on that device.
+torch on that device. The ``sim-cpu`` rows run ``"sim"`` in its lenient form
+(``tensorsManager.sim_strict = False``): its device tensors are plain CPU tensors, so they
+time the manager's own cost against plain CPU torch running the same kernels, with the
+copies, budget and paging of ``"sim"``. (Strict ``"sim"`` is a correctness emulator: each
+op on its tensors pays a Python subclass, in the plain reference too.)
 
 Every row does the same work. ``"sim"`` is an accelerator to torch, so there attention runs
 as its math decomposition and AdamW uses its list (``_foreach``) kernels; the other rows are
@@ -98,6 +102,10 @@ REGION_ROWS = (
     ("sim, Flow, 50%, regions", "sim", 0.5, True),
     ("sim, Flow, 25%, per op", "sim", 0.25, False),
     ("sim, Flow, 25%, regions", "sim", 0.25, True),
+    ("sim-cpu, Flow, 50%, per op", common.SIM_CPU, 0.5, False),
+    ("sim-cpu, Flow, 50%, regions", common.SIM_CPU, 0.5, True),
+    ("sim-cpu, Flow, 25%, per op", common.SIM_CPU, 0.25, False),
+    ("sim-cpu, Flow, 25%, regions", common.SIM_CPU, 0.25, True),
 )
 
 
@@ -139,14 +147,14 @@ class Work:
     def plain_runner(self, wrap: bool = False, device: str = "cpu"):
         """A run of a plain copy on ``device`` (parameters, buffers and inputs in ``MinimalWrapper``
         with ``wrap``)."""
-        if device != "cpu":
-            with torchTensorRef.disabled(device=device):
-                on = common.plain_device(device)
+        on = common.plain_device(device)
+        if on != "cpu":
+            with torchTensorRef.disabled(device=on):
                 model, ids = common.plain_copy(self.model).to(on), self.ids.to(on)
                 run = self.runner(model, ids)
 
             def plain_device_run():
-                with torchTensorRef.disabled(device=device):
+                with torchTensorRef.disabled(device=on):
                     return run()
             return plain_device_run
         with torchTensorRef.disabled():
@@ -167,9 +175,10 @@ class Work:
 
     def expected(self, device: str) -> list:
         """Plain torch's outputs of ``self.runs`` runs on ``device`` (its kernels: "sim" differs in the last bits)."""
+        device = common.plain_device(device)
         if device not in self._expected:
             with torchTensorRef.disabled(device=device):
-                on = common.plain_device(device)
+                on = device
                 model, ids = common.plain_copy(self.model).to(on), self.ids.to(on)
                 run = self.runner(model, ids)
                 outs = [run() for _ in range(self.runs if self.kind == "train" else 1)]

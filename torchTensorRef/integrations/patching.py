@@ -12,7 +12,6 @@ accelerator than the manager's, and everything in DataLoader worker processes.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 from typing import Dict, Tuple
