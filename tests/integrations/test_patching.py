@@ -16,7 +16,7 @@ from torchTensorRef.integrations import patching
 from torchTensorRef.memory.sim.tensor import SimTensor
 
 from conftest import TEST_DEVICE
-from paired import assert_identical, plain_torch
+from paired import assert_identical, budget, plain_torch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.range is deprecated")
 
@@ -215,7 +215,7 @@ class _DoubleMadeInBackward(torch.autograd.Function):
                     "slow every plain op")
 def test_disabled_reaches_the_backward_of_plain_tensors_on_autograd_threads():
     # A tight budget: a creation that became managed in backward would not fit.
-    torchTensorRef.tensorsManager.budget = 8
+    torchTensorRef.tensorsManager.budget = budget(8)  # (8 bytes above what the device holds now)
     with plain_torch():
         x = torch.randn(4, requires_grad=True)
         y = _DoubleMadeInBackward.apply(x)
