@@ -53,8 +53,9 @@ class Settings:
             backend = make_backend(value, self._sim_capacity, self._pinned_limit, self._sim_workspace,
                                    self._sim_rounding, self._sim_strict)  # ValueError: nothing changed
             self._drain()
-            if current.name == backend.name and current.declared == backend.declared and (
-                    current.compute == backend.compute if backend.name != "cuda"
+            if current.name == backend.name and (
+                    (current.compute, current.declared) == (backend.compute, backend.declared)
+                    if backend.name != "cuda"  # (sim: its strict and lenient forms differ in declared)
                     else current.target_index() == backend.target_index()):
                 return  # the same device ("cuda" again, resolved or not): keep every block where it is
             self._retire_inflight(wait=True)
