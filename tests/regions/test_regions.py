@@ -17,6 +17,9 @@ from paired import assert_identical, budget, device_type, plain_torch
 
 transformers = pytest.importorskip("transformers")
 
+#: the package's default, read before any fixture sets it
+DEFAULT_UNDER_BUDGET = regions.under_budget
+
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
 
@@ -24,7 +27,7 @@ CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
 @pytest.fixture(autouse=True)
 def regions_on():
     previous = regions.enabled, regions.min_ops, regions.under_budget
-    regions.enabled, regions.under_budget = True, True  # (under a budget they are opt-in by default)
+    regions.enabled, regions.under_budget = True, True
     yield
     regions.enabled, regions.min_ops, regions.under_budget = previous
 
@@ -268,16 +271,18 @@ def test_calls_run_op_by_op_while_the_manager_records(small_regions):
     assert ops == 5  # t, addmm, gelu, t, addmm: the trace's consumers model aten ops
 
 
-def test_under_a_budget_regions_are_opt_in_by_default(small_regions):
-    # (measured: Flow over decoder-layer regions moved more bytes than the per-op path)
-    regions.under_budget = False
+def test_under_a_budget_regions_are_on_by_default_and_under_budget_makes_them_opt_in(small_regions):
     model = mlp()
     x = torchTensorRef.manage(torch.randn(4, 16))
-    tm.budget = None
     with torch.no_grad():
-        _, free = ops_of(lambda: model(x))
+        regions.under_budget = DEFAULT_UNDER_BUDGET
         tm.budget = budget(64 * 1024)
         _, budgeted = ops_of(lambda: model(x))
+        regions.under_budget = False
+        _, opted_out = ops_of(lambda: model(x))
+        tm.budget = None
+        _, free = ops_of(lambda: model(x))
+        tm.budget = budget(64 * 1024)
         regions.region(model)
         _, forced = ops_of(lambda: model(x))
-    assert (free, forced) == (1, 1) and budgeted > 3  # op by op under the budget unless forced
+    assert (budgeted, free, forced) == (1, 1, 1) and opted_out > 3  # op by op only when opted out
