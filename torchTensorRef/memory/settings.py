@@ -25,6 +25,17 @@ _FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false":
           "off": False, "": False}
 
 
+def _flag(value, name: str) -> bool:
+    """``value`` as a bool: ``True``/``False``, or a word of an environment variable
+    (``"1"``, ``"off"`` ...: ``TORCHTENSORREF_SIM_ROUNDING``); ``ValueError`` naming ``name``."""
+    if isinstance(value, str) and value.strip().lower() in _FLAGS:
+        value = _FLAGS[value.strip().lower()]
+    if not isinstance(value, bool):
+        raise ValueError(f'{name} must be True or False, or one of "1", "0", "true", '
+                         f'"false", "yes", "no", "on", "off" (got: {value!r})')
+    return value
+
+
 class Settings:
     """``device``, ``strategy``, ``budget``, ``sim_workspace``, ``sim_rounding``,
     ``sim_strict``, ``pinned_limit``, ``sim_capacity``, ``host_reserve``, ``host_budget``
@@ -188,11 +199,7 @@ class Settings:
 
     @sim_rounding.setter
     def sim_rounding(self, value) -> None:
-        if isinstance(value, str) and value.strip().lower() in _FLAGS:
-            value = _FLAGS[value.strip().lower()]  # (TORCHTENSORREF_SIM_ROUNDING)
-        if not isinstance(value, bool):
-            raise ValueError(f'sim_rounding must be True or False, or one of "1", "0", "true", '
-                             f'"false", "yes", "no", "on", "off" (got: {value!r})')
+        value = _flag(value, "sim_rounding")
         with self._lock:
             if value == self._sim_rounding:
                 return
@@ -224,11 +231,7 @@ class Settings:
 
     @sim_strict.setter
     def sim_strict(self, value) -> None:
-        if isinstance(value, str) and value.strip().lower() in _FLAGS:
-            value = _FLAGS[value.strip().lower()]  # (TORCHTENSORREF_SIM_STRICT)
-        if not isinstance(value, bool):
-            raise ValueError(f'sim_strict must be True or False, or one of "1", "0", "true", '
-                             f'"false", "yes", "no", "on", "off" (got: {value!r})')
+        value = _flag(value, "sim_strict")
         with self._lock:
             if value == self._sim_strict:
                 return
