@@ -93,6 +93,90 @@ def test_generate_matches_plain_torch_in_fewer_ops(device, fraction):
     assert ops * {None: 3, 0.5: 1.5, 0.25: 1}[fraction] < per_op
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_layer_s_working_set_holds_its_own_layer_s_cache_not_the_whole_cache(cache):
+    # Each decoder layer is given the whole cache and reads its own layer's keys and values:
+    # the working set of a layer's region must not grow with the number of layers.
+    tm.strategy = "flow"
+    working_sets = {}
+    for layers in (2, 4):
+        config = dict(CONFIG, num_hidden_layers=layers)
+        ids = torch.tensor([[1, 5, 9, 3, 7]])
+        with plain_torch():
+            torch.manual_seed(0)
+            plain_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+            plain = decode(plain_model.to(tm.torch_device), ids.to(tm.torch_device), cache=cache)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+        layer_bytes = weight_bytes(model.model.layers[0])
+        tm.budget = budget(3 * layer_bytes)  # a layer fits, the model does not
+        seen = []
+        handle = tm.add_callback(before=lambda op: seen.append(len(op.blocks))
+                                 if op.name == "region LlamaDecoderLayer" else None)
+        try:
+            managed = decode(model, torchTensorRef.manage(ids.clone()), cache=cache)
+        finally:
+            handle.remove()
+        assert_identical(plain, managed)
+        working_sets[layers] = seen
+        tm.budget = None
+    # the decoding steps' layer calls ran as regions with both depths, each with as many
+    # blocks (twice as many calls with twice the layers)
+    steps = {layers: [n for n in seen if n == max(seen)] for layers, seen in working_sets.items()}
+    assert max(working_sets[4]) == max(working_sets[2]), working_sets
+    assert len(steps[4]) == 2 * len(steps[2]) > 0, working_sets
+
+
+class _Holder:
+    """A plain object holding tensors, as a cache does."""
+
+
+class _Reader(torch.nn.Module):
+    """Reads ``holder.a``, and ``holder.b`` too when ``holder.use_b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, holder):
+        out = self.lin(x) + holder.a
+        return out * holder.b if holder.use_b else out
+
+
+def test_a_held_tensor_the_measured_call_did_not_read_is_still_correct_when_read(small_regions):
+    # The region keeps out of its working set what its measured call did not read; a later
+    # call that reads it all the same gets the TensorRef, through the per-op path.
+    def run(model, holder, x):
+        outs = []
+        with torch.no_grad():
+            for use_b in (False, False, True, True):
+                holder.use_b = use_b
+                outs.append(model(x, holder))
+        return outs
+
+    def parts():
+        torch.manual_seed(0)
+        holder = _Holder()
+        holder.a, holder.b = torch.randn(2, 4), torch.randn(2, 4)
+        return torch.nn.Linear(4, 4), holder, torch.randn(2, 4)
+
+    with plain_torch():
+        lin, holder, x = parts()
+        model = _Reader()
+        model.lin = lin
+        plain = run(model.to(tm.torch_device), holder, x)
+    lin, holder, x = parts()
+    model = regions.region(_Reader())
+    model.lin = lin
+    tm.strategy = "flow"
+    tm.budget = budget(64 * 1024)
+    tm.reset_stats()
+    managed = run(model, holder, x)
+    assert tm.stats()["ops"] < 4 * 3  # (the calls after the measured one are regions)
+    for p, m in zip(plain, managed):
+        assert_identical(p, m)
+
+
 def test_a_static_cache_written_in_place_inside_regions_keeps_its_writes():
     # Genoa sends every block back after each op: the cache's in-place writes must reach the host
     ids = torch.tensor([[1, 5, 9, 3]])

@@ -7,6 +7,7 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..core.tensor_ref import TensorRef
 from ..memory.sim.tensor import SimTensor
@@ -15,12 +16,30 @@ _Tensor = torch.Tensor
 
 
 class Inside:
-    """Bytes a region allocates inside: the measured peaks, by argument shapes."""
+    """Bytes a region allocates inside: the measured peaks, by argument shapes; and which of
+    the TensorRefs held by the objects it is given its call reads."""
 
-    __slots__ = ("peaks",)
+    __slots__ = ("peaks", "uses")
 
     def __init__(self):
         self.peaks: dict = {}  # shapes -> (bytes held in objects then, peak bytes inside)
+        self.uses: dict = {}  # shapes -> (TensorRefs objects held then, positions of those read)
+
+    def used_objects(self, key, held: int):
+        """Positions, among the ``held`` TensorRefs the call's objects hold, of those the
+        measured call with these shapes read; ``None``: all (unmeasured, or the objects
+        changed shape since)."""
+        seen = self.uses.get(key)
+        if seen is None or seen[0] != held:
+            return None
+        return seen[1]
+
+    def learn_uses(self, key, held_refs, read: set) -> list:
+        """Remember which of ``held_refs`` (the objects' TensorRefs, in scan order) the
+        measured call read; returns their positions."""
+        used = [i for i, v in enumerate(held_refs) if v._tr_block.id in read]
+        self.uses[key] = (len(held_refs), used)
+        return used
 
     def estimate(self, key, held: int):
         """Bytes to make room for, or ``None``: measure this call."""
@@ -42,6 +61,7 @@ class Measure(TorchDispatchMode):
     def __init__(self, known):
         super().__init__()
         self.known = known  # ids of the blocks that are not the call's: its inputs'
+        self.read: set = set()  # ids of the blocks the ops were given
         self.live: dict = {}  # storage key -> [bytes, tensors alive]
         self.now = 0
         self.peak = 0
@@ -49,6 +69,9 @@ class Measure(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, TensorRef):
+                self.read.add(a._tr_block.id)
         out = func(*args, **(kwargs or {}))
         if isinstance(out, _Tensor):
             self._track(out)

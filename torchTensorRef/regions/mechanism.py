@@ -47,7 +47,8 @@ from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import NAME as SIM, SimTensor
 from ..ops.op_context import OpContext, _blocks_of_list, _wrap_one
 from .inside import Inside, Measure
-from .scan import OBJECT_DEPTH, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, objects_of, scan_args
+from .scan import (OBJECT_DEPTH, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, objects_of, scan_args,
+                   select_object_slots)
 
 #: SimTensors kept per region for the TensorRefs it saw
 _MAX_WRAPPERS = 1024
@@ -147,6 +148,8 @@ class Region:
         if kwargs:
             for a in kwargs.values():
                 scan_args(a, call, seen, budget)
+        key = tuple(call.shapes)
+        select_object_slots(call, self.inside.used_objects(key, len(call.slots) - call.params))
         if not refs:
             return fn(*args, **kwargs)  # nothing managed: the call as it is
         if torch.is_grad_enabled():
@@ -169,7 +172,6 @@ class Region:
                 raise NotARegion("host-only blocks")  # the per-op path says where each op runs
             ctx = _RegionContext(self.spec, blocks, [], args, kwargs, on_host)
             limit = mgr._limit
-            key = tuple(call.shapes)
             need = 0
             if not on_host and not passthrough:
                 for b in blocks:
@@ -238,7 +240,9 @@ class Region:
                 out = fn(*args, **kwargs)
         finally:
             state.depth -= 1
-        self.inside.record(key, call.held, meter.peak)
+        held = call.all_held
+        used = self.inside.learn_uses(key, held, meter.read)
+        self.inside.record(key, sum(held[i]._tr_block.nbytes for i in used), meter.peak)
         self.ops = meter.ops
         return out
 

@@ -19,7 +19,7 @@ _Tensor = torch.Tensor
 class Call:
     """One region call's TensorRefs and where they sit."""
 
-    __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes")
+    __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held")
 
     def __init__(self):
         self.refs = []  # TensorRefs among the arguments, then the slots'
@@ -29,6 +29,7 @@ class Call:
         self.held = 0  # bytes of the TensorRefs held by objects
         self.views = {}  # id(TensorRef) -> (TensorRef, view given to the call, plain view, its version)
         self.shapes = []
+        self.all_held = []  # every TensorRef the objects hold, in scan order (of which ``slots`` keeps some)
 
 
 def is_object(a) -> bool:
@@ -75,13 +76,31 @@ def object_tensors(obj, seen: set, depth: int, budget: list):
 
 
 def scan_object(obj, call: Call, seen: set, budget: list, depth: int) -> None:
+    # (the TensorRefs objects hold join ``call.refs`` in ``select_object_slots``, once the
+    # region knows which of them its call uses)
     for container, k, v in object_tensors(obj, seen, depth, budget):
         if isinstance(v, TensorRef):
             call.slots.append((container, k, v))
-            call.refs.append(v)
-            call.held += v._tr_block.nbytes
         else:
             call.objects.append((container, k, v))
+
+
+def select_object_slots(call: Call, used) -> None:
+    """Keep of the TensorRefs held by objects those at the positions in ``used`` (``None``:
+    all), and add them to the call's working set.
+
+    A decoder layer is given the whole key/value cache but reads its own layer's tensors:
+    the others stay TensorRefs in the cache during the call, out of its working set (one
+    the call does read after all goes through the per-op path: correct, slower).
+    """
+    held = call.slots[call.params:]
+    call.all_held = [v for _container, _k, v in held]
+    if used is not None:
+        held = [held[i] for i in used]
+        call.slots[call.params:] = held
+    for _container, _k, v in held:
+        call.refs.append(v)
+        call.held += v._tr_block.nbytes
 
 
 def parameter_slots(module: torch.nn.Module):
