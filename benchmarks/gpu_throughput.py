@@ -18,6 +18,11 @@ budget, at 100% budget at least 0.95x all-resident, and a real peak within the b
     python benchmarks/gpu_throughput.py [--gpu NAME] [--json out.json]
     python benchmarks/gpu_throughput.py --device sim --tiny   # the same harness, no GPU
 
+The managed rows run module calls as regions where they can (the default; training steps
+go op by op); ``--per-op`` runs them op by op, to compare the two paths on the same GPU.
+Each managed ``generate()`` row reports ``manager_ops``: the ops the manager saw (a region
+is one).
+
 Each run is also predicted (``torchTensorRef.analysis.timeline``) on the row of
 ``torchTensorRef/analysis/data/gpus.json`` that ``torch.cuda.get_device_name()`` names (``--gpu``
 for another): a strategy's from a recording of one more call or of as many steps more of
@@ -159,6 +164,8 @@ def measure_generate(dev: Device, model, ids, size: dict, moved: Callable[[], in
     out, seconds = dev.timed(call)
     result = {"seconds": seconds, "tokens_per_s": ids.shape[0] * size["tokens"] / seconds,
               "moved": moved(), "peak": dev.peak(managed), "tokens": common.as_plain(out)}
+    if managed:  # (a region is one op: the count says how much ran op by op)
+        result["manager_ops"] = tm.stats()["ops"]
     if predict is not None:
         result["predicted"] = predict(call)
     return result
@@ -428,6 +435,9 @@ def main(argv=None) -> dict:
                         help="the row of torchTensorRef/analysis/data/gpus.json (or a .json file of numbers) to predict "
                              "each run on, beside its measurement; default: the one torch.cuda.get_device_name() "
                              "names, h100-pcie on sim")
+    parser.add_argument("--per-op", action="store_true",
+                        help="run the managed rows op by op (torchTensorRef.regions.enabled = False), to compare "
+                             "the per-op path with module regions (the default)")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     command = common.command_line("benchmarks/gpu_throughput.py", argv)
@@ -458,11 +468,12 @@ def main(argv=None) -> dict:
     ids = {"generate": common.plain_inputs(2, vocab, 1, size["prompt"]),
            "train": common.plain_inputs(1, vocab, size["batch"], size["seq"])}
     bandwidth = dev.bandwidth(size["bandwidth_bytes"])
-    previous = (tm.device, tm.strategy, tm.budget)
+    previous = (tm.device, tm.strategy, tm.budget, torchTensorRef.regions.enabled)
     configs = [("resident", None)] + ([("accelerate", None)] if "generate" in args.workloads else [])
     configs += [(strategy, fraction) for fraction in args.fractions for strategy in args.strategies]
     rows = []
     try:
+        torchTensorRef.regions.enabled = not args.per_op
         tm.device = dev.name
         outside = tm.outside_bytes()
         baseline = baseline_predictions(dev, plain, ids, size, gpu)
@@ -477,11 +488,12 @@ def main(argv=None) -> dict:
         tm.budget = None
         tm.device, tm.strategy = previous[0], previous[1]
         tm.budget = previous[2]
+        torchTensorRef.regions.enabled = previous[3]
     checks = evaluate(rows, bandwidth)
     result = {
         **common.metadata(command, args.device),
         "model": "Llama (random init)", "parameters": sum(p.numel() for p in plain.parameters()),
-        "weight_bytes": wbytes, "sizes": size_name, "size": size,
+        "weight_bytes": wbytes, "sizes": size_name, "size": size, "regions": not args.per_op,
         "bandwidth": bandwidth, "targets": TARGETS, "rows": rows, "checks": checks,
         "predicted_on": gpu.name,
         "predicted_note": "predicted: torchTensorRef.analysis.timeline on a recording of the same run (docs/timeline.md), "

@@ -145,6 +145,18 @@ def test_gpu_throughput_harness_on_sim(gpu_result):
                                                       "flow 50% train: real peak / budget"}
 
 
+def test_gpu_throughput_per_op_runs_the_managed_rows_op_by_op(gpu_result, tmp_path):
+    args = ["--device", "sim", "--tiny", "--fractions", "0.5", "--strategies", "flow", "--workloads", "generate"]
+    per_op = gpu_throughput.main(args + ["--per-op", "--json", str(tmp_path / "per_op.json")])
+    assert torchTensorRef.regions.enabled  # (given back)
+    assert gpu_result[0]["regions"] is True and per_op["regions"] is False
+    flow = {r["config"]: r for r in per_op["rows"]}["flow"]["generate"]
+    with_regions = {(r["config"], r["budget_fraction"]): r for r in gpu_result[0]["rows"]}[("flow", 0.5)]["generate"]
+    assert flow["tokens_equal_resident"]
+    # a region is one op of the manager: op by op, the same generate() runs many more
+    assert flow["manager_ops"] > 2 * with_regions["manager_ops"] > 0
+
+
 def test_gpu_throughput_plot(gpu_result, tmp_path):
     pytest.importorskip("matplotlib")
     path = plots.plot("gpu_throughput", gpu_result[0], str(tmp_path))
