@@ -15,6 +15,7 @@ import threading
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _manager = None
 _local = threading.local()
@@ -52,8 +53,6 @@ def _plain_mode_carried() -> bool:
     """
     if not torch._C._len_torch_dispatch_stack():
         return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     return any(getattr(mode, "marks_plain", False) for mode in _get_current_dispatch_mode_stack())
 
 

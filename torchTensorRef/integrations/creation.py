@@ -57,7 +57,7 @@ def create(fn, args, kwargs):
             device = default
     if device is not None:
         device = torch.device(device)
-        if device.type == "cpu" and not mgr.is_accelerator(device):  # (it is: lenient "sim")
+        if mgr._backend.is_host(device):
             return _adopt(fn(*args, **kwargs), host_only=True)
         if device.type == "meta" or not mgr.is_accelerator(device):
             return _adopt(fn(*args, **kwargs))  # another device: left alone (see _adopt)

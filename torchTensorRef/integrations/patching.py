@@ -136,14 +136,9 @@ def _takes_device():
 
 
 def _asks_cpu(kwargs) -> bool:
-    """Whether the call asks for the host, not the manager's device ("cpu" is the device
-    of lenient "sim")."""
+    """Whether the call asks for the host, not the manager's device."""
     device = kwargs.get("device")
-    if device is None or torch.device(device).type != "cpu":
-        return False
-    from ..memory.manager import tensorsManager
-
-    return not tensorsManager.is_accelerator(torch.device(device))
+    return device is not None and _mgr._backend.is_host(torch.device(device))
 
 
 def _save_wrapper(wrapped, instance, args, kwargs):

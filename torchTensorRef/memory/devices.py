@@ -118,6 +118,11 @@ class Backend:
         did. CUDA's allocator does this itself."""
         return False
 
+    def is_host(self, device: torch.device) -> bool:
+        """Whether ``device``, asked for by a call, means the host and not this device
+        (``"cpu"`` is the device of lenient ``"sim"``, whose copies are CPU tensors)."""
+        return device.type == "cpu" and (self.passthrough or self.declared.type != "cpu")
+
     def is_device_output(self, t: torch.Tensor) -> bool:
         """Whether the kernel output ``t`` lives on this device (else: host, or another device)."""
         return t.device == self.compute

@@ -105,11 +105,10 @@ def _swap(a, on_host):
 
 
 def _placement(kwargs, blocks, backend) -> bool:
-    """Whether the op runs on the host: it was asked for a CPU result (not the device, as
-    "cpu" is for lenient "sim"), or has only CPU tensors."""
+    """Whether the op runs on the host: it was asked for a host result, or has only CPU tensors."""
     target = kwargs.get("device") if kwargs else None
     if target is not None:
-        return torch.device(target).type == "cpu" != backend.declared.type
+        return backend.is_host(torch.device(target))
     for b in blocks:  # (a loop: no generator per op)
         if not b.host_only:
             return False
