@@ -7,6 +7,8 @@ did not) run as regions, by the manager's op count: a region is one op.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -285,7 +287,10 @@ def test_no_region_runs_op_by_op_and_region_overrides_the_size_rule(small_region
         _, ops = ops_of(lambda: model(x))
         assert ops == 3  # the parent is not one: each layer is
         tm.strategy = "flow"
-        tm.budget = budget(int(weight_bytes(model) * 1.5))  # the whole model is above half the budget
+        gc.collect()  # (an earlier test's plain tensors, outside the manager, must not leave mid-test)
+        # the whole model is above half the manager's share, each layer below it, by about
+        # 1 KiB either way: what the device holds outside the manager may drift that little
+        tm.budget = budget(int(weight_bytes(model) * 1.7))
         regions.auto(model)
         _, ops = ops_of(lambda: model(x))
         assert ops == 3
