@@ -246,9 +246,24 @@ def _managed_phase(work: Work, plain, repeats: int, device: str, strategy: str, 
             "evictions": stats["evictions"] // repeats}
 
 
+def training_base(work: Work) -> int:
+    """Training's budget base: the peak of a no-budget step on "sim" (weights, gradients,
+    AdamW's state, activations), as the per-op rows take it."""
+    run = work.runner(common.managed_copy(work.model, "sim", "flow"), torchTensorRef.manage(work.ids.clone()))
+    tm.budget = None
+    tm.reset_stats()
+    for _ in range(WARMUP):
+        run()
+    peak = tm.stats()["peak_device_bytes"]
+    del run
+    gc.collect()
+    return peak
+
+
 def region_rows(work: Work, repeats: int) -> list:
-    """``REGION_ROWS`` for a decoding ``work``: each a fresh copy, timed against plain torch on its device."""
-    base = common.param_bytes(work.model)
+    """``REGION_ROWS`` for ``work``: each a fresh copy, timed against plain torch on its device.
+    Budgets are fractions of the weights (decoding) or of a no-budget step's peak (training)."""
+    base = common.param_bytes(work.model) if work.kind == "decode" else training_base(work)
     plains = {}
     rows = []
     previous = torchTensorRef.regions.enabled, torchTensorRef.regions.under_budget
@@ -340,7 +355,7 @@ def run_work(work: Work, repeats: int, regions: bool = True) -> dict:
         rows.append(out)
     out = {"work": work.name, "kind": work.kind, "param_bytes": common.param_bytes(work.model),
            "budget_base": base_name, "budget_base_bytes": base, "rows": rows}
-    if work.kind == "decode" and regions:
+    if regions:
         out["region_rows"] = region_rows(work, repeats)
     return out
 
@@ -370,7 +385,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--plot", help="write the plot (PNG) to this file")
     parser.add_argument("--no-regions", action="store_true", help="leave out the module regions table")
     parser.add_argument("--regions-only", action="store_true",
-                        help="decoding's module regions table alone (the per-op rows are left out)")
+                        help="the module regions tables alone (the per-op rows are left out)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     size = SIZES[args.size]
@@ -384,9 +399,8 @@ def main(argv=None) -> dict:
             for model in WORKS[kind]:
                 work = Work(model, kind, size, repeats)
                 if args.regions_only:
-                    if kind == "decode":
-                        works.append({"work": work.name, "kind": kind, "rows": [],
-                                      "region_rows": region_rows(work, repeats)})
+                    works.append({"work": work.name, "kind": kind, "rows": [],
+                                  "region_rows": region_rows(work, repeats)})
                     continue
                 works.append(run_work(work, repeats, regions=not args.no_regions))
     result = {"torch": torch.__version__, "threads": 1, "size": args.size, "repeats": repeats, "warmup": WARMUP,

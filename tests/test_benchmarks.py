@@ -251,10 +251,7 @@ def test_small_ops_budgets_and_bytes(small_ops_result):
 
 def test_small_ops_region_rows_match_plain_torch_within_their_budgets(small_ops_result):
     for work in small_ops_result[0]["works"]:
-        if work["kind"] != "decode":
-            assert "region_rows" not in work
-            continue
-        rows = {r["row"]: r for r in work["region_rows"]}
+        rows = {r["row"]: r for r in work["region_rows"]}  # (decoding, and training through regions)
         assert list(rows) == [label for label, *_ in small_ops.REGION_ROWS]
         for r in rows.values():
             assert r.get("fits") is not False and r["equal"], r
@@ -263,8 +260,9 @@ def test_small_ops_region_rows_match_plain_torch_within_their_budgets(small_ops_
         # regions run a module call as one op: fewer ops than the per-op path, on every device form
         for device in ("pass-through", "sim, Flow, 50%", "sim-cpu, Flow, 50%"):
             assert rows[f"{device}, regions"]["ops"] < rows[f"{device}, per op"]["ops"], device
-        # the lenient form pages as "sim" does: the same budget, bytes moved alike
-        for fraction in ("50%", "25%"):
+        # the lenient form pages as "sim" does: the same budget, bytes moved alike (decoding:
+        # a tiny training step moves a few bytes, where a scalar's block lands differs)
+        for fraction in ("50%", "25%") if work["kind"] == "decode" else ():
             strict, lenient = rows[f"sim, Flow, {fraction}, per op"], rows[f"sim-cpu, Flow, {fraction}, per op"]
             assert strict["budget"] == lenient["budget"] and lenient["bytes_moved"] > 0
             assert abs(lenient["bytes_moved"] - strict["bytes_moved"]) <= 0.1 * strict["bytes_moved"]

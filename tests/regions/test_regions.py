@@ -260,7 +260,8 @@ def test_the_size_rule_weighs_the_manager_s_share_not_what_the_device_holds_besi
     del held
 
 
-def test_a_call_that_needs_gradients_runs_op_by_op_and_trains():
+def test_a_call_that_needs_gradients_is_one_op_and_trains(small_regions):
+    # (training through regions: tests/regions/test_training.py)
     with plain_torch():
         plain_model = mlp().to(tm.torch_device)
         x = torch.randn(4, 16)
@@ -268,7 +269,9 @@ def test_a_call_that_needs_gradients_runs_op_by_op_and_trains():
         plain = [p.grad for p in plain_model.parameters()]
     model = mlp()
     out, ops = ops_of(lambda: model(torchTensorRef.manage(x.cpu())))
-    assert ops > 3
+    assert ops == 1
+    for p in model.parameters():
+        p.grad = None  # (the measured first call's graph was dropped unused)
     out.sum().backward()
     assert_identical(plain, [p.grad for p in model.parameters()])
 

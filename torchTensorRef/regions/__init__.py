@@ -4,9 +4,12 @@ Note [Module regions]: the package wraps ``torch.nn.Module.__call__`` (at import
 made outside any region, on a module that is a region (below), runs through
 :meth:`Region.run`: its parameters, buffers and tensor inputs are made resident as one
 working set, its forward runs on plain device tensors with no per-op interception, and its
-outputs come back as TensorRefs. The modules it calls inside run plain. A call that cannot
-be a region (it needs gradients, its working set does not fit the budget, it holds
-host-only tensors, it runs inside a managed op) runs as before, op by op, and its
+outputs come back as TensorRefs. The modules it calls inside run plain. A call that needs
+gradients is a region too: its inner graph is linked to the TensorRefs' by one autograd node
+whose backward is another step of the pager (Note [Regions with gradients] in
+``training.py``; ``train = False`` sends such calls op by op). A call that cannot
+be a region (its working set does not fit the budget, it holds host-only tensors, it runs
+inside a managed op or under another's saved-tensor hooks) runs as before, op by op, and its
 submodules' calls are considered in turn. While the manager records a trace
 (``tensorsManager.recording()``) every call runs op by op: the trace's consumers (the
 offline optimum, the GPU timeline) model aten ops and their kernels.
@@ -52,11 +55,18 @@ fraction = 0.5
 #: resident at once, which leaves less of the budget to the weights kept from step to step.
 #: ``False`` gives the per-op path under any budget, for the fewest bytes.
 under_budget = True
+#: whether a call that needs gradients can be a region (Note [Regions with gradients] in
+#: ``training.py``); ``False``: such calls go op by op
+train = True
 #: a module whose measured call ran fewer aten ops is not a region unless forced: the
 #: region's own work at its boundary would cost more than the ops it saves
 min_ops = 8
 
 _original_call = torch.nn.Module.__call__
+#: modules that wrap another and must see its calls: torch.compile's (the compiler traces
+#: them), DistributedDataParallel (its reducer follows the forward and the autograd graph of
+#: the parameters it wraps); the module inside may be a region
+_WRAPPERS = frozenset(("OptimizedModule", "DistributedDataParallel"))
 
 _override: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _info: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -148,7 +158,7 @@ def _module_call(self, *args, **kwargs):
     # (compiling first: dynamo inlines this function into graphs and must see no more of it)
     if torch.compiler.is_compiling() or not enabled or state.depth or self._compiled_call_impl is not None \
             or context.is_disabled() or _mgr._trace is not None \
-            or self.__class__.__name__ == "OptimizedModule":  # (torch.compile's: the compiler sees the calls)
+            or self.__class__.__name__ in _WRAPPERS:
         return _original_call(self, *args, **kwargs)
     forced = _override.get(self)
     if forced is False:
@@ -171,7 +181,7 @@ def _module_call(self, *args, **kwargs):
         if ops is not None and ops < min_ops:
             return _original_call(self, *args, **kwargs)
     try:
-        return info.region.run(lambda *a, **k: _original_call(self, *a, **k), args, kwargs, info.slots)
+        return info.region.run(lambda *a, **k: _original_call(self, *a, **k), args, kwargs, info.slots, train=train)
     except NotARegion:
         return _original_call(self, *args, **kwargs)
 
@@ -190,5 +200,5 @@ def uninstall() -> None:
 
 install()
 
-__all__ = ["enabled", "fraction", "under_budget", "region", "no_region", "auto", "in_region", "Region", "NotARegion",
+__all__ = ["enabled", "fraction", "under_budget", "train", "region", "no_region", "auto", "in_region", "Region", "NotARegion",
            "install", "uninstall"]

@@ -30,7 +30,9 @@ whose peak does not fit beside it runs op by op. The manager's peak counts the w
 plus the room kept for the inside.
 
 Autograd cannot see through a region (the call runs on plain views, not on the TensorRefs
-autograd tracks): a call that needs gradients is not run as a region.
+autograd tracks): a call that needs gradients builds its own graph inside, linked to the
+TensorRefs' by one autograd node whose backward is a step of the pager too (Note [Regions
+with gradients] in ``training.py``).
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ from ..core import context
 from ..core.tensor_ref import TensorRef, compute_view, host_view
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim.allocation import PlainMode
-from ..memory.sim.tensor import NAME as SIM, SimTensor
-from ..ops.op_context import OpContext, _blocks_of_list, _wrap_one
+from ..memory.sim.tensor import SimTensor
+from ..ops.op_context import _blocks_of_list, _wrap_one
 from .inside import Inside, Measure
+from .op import RegionContext, RegionSpec, Wrapper, bytes_of
 from .scan import (OBJECT_DEPTH, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, objects_of, scan_args,
                    select_object_slots)
+from .training import Training, foreign_hooks
 
 #: SimTensors kept per region for the TensorRefs it saw
 _MAX_WRAPPERS = 1024
@@ -66,24 +70,6 @@ state = _State()
 def in_region() -> bool:
     """Whether a region is running on this thread (its code runs on plain tensors)."""
     return state.depth > 0
-
-
-class RegionSpec:
-    """What the op protocol and the strategies read of an op's spec, for a region (one per
-    region: Flow keys its history on it)."""
-
-    __slots__ = ("name",)
-    restrides = False
-
-    def __init__(self, name: str):
-        self.name = name
-
-
-class _RegionContext(OpContext):
-    __slots__ = ("estimate",)
-
-    def output_estimate(self) -> int:
-        return self.estimate
 
 
 class NotARegion(Exception):
@@ -108,6 +94,10 @@ class Region:
 
     def __init__(self, name: str, device_views: bool = True, strict: bool = False, measure: bool = True):
         self.spec = RegionSpec(name)
+        self.backward_spec = RegionSpec(name + " backward")
+        #: shapes -> (bytes of the backward's blocks, peak bytes it allocated inside), measured
+        #: on its first run
+        self.backward_peaks: dict = {}
         self.device_views = device_views
         self.strict = strict
         self.measure = measure
@@ -124,9 +114,11 @@ class Region:
     def name(self) -> str:
         return self.spec.name
 
-    def run(self, fn, args, kwargs, slots=(), grad_error=None):
+    def run(self, fn, args, kwargs, slots=(), grad_error=None, train=True):
         """``fn(*args, **kwargs)`` as one op, with ``slots`` (``(dict, key)``: a module's
-        parameters and buffers) swapped for plain views during the call.
+        parameters and buffers) swapped for plain views during the call. A call that needs
+        gradients raises ``RuntimeError(grad_error)`` where given, and is not a region
+        without ``train``.
 
         Raises:
             NotARegion: (not ``strict``) the call needs gradients, does not fit the budget,
@@ -148,16 +140,34 @@ class Region:
         if kwargs:
             for a in kwargs.values():
                 scan_args(a, call, seen, budget)
-        key = tuple(call.shapes)
-        select_object_slots(call, self.inside.used_objects(key, len(call.slots) - call.params))
-        if not refs:
-            return fn(*args, **kwargs)  # nothing managed: the call as it is
+        grad = learn = False
         if torch.is_grad_enabled():
             for t in refs:
                 if t.requires_grad:
-                    if grad_error is not None:
-                        raise RuntimeError(grad_error)
-                    raise NotARegion("needs gradients")
+                    grad = True
+                    break
+            else:
+                for _d, _k, t in call.slots[call.params:]:
+                    if t.requires_grad:
+                        grad = True
+                        break
+        key = (tuple(call.shapes), grad)
+        select_object_slots(call, self.inside.used_objects(key, len(call.slots) - call.params))
+        if not refs:
+            return fn(*args, **kwargs)  # nothing managed: the call as it is
+        if grad:
+            if grad_error is not None:
+                raise RuntimeError(grad_error)
+            if not train or not self.measure:
+                raise NotARegion("needs gradients")
+            if foreign_hooks():
+                raise NotARegion("saved-tensor hooks of another are on (checkpointing)")
+            for _d, _k, t in call.slots[call.params:]:
+                if t.requires_grad:
+                    if self.inside.used_objects(key, len(call.all_held)) is not None:
+                        raise NotARegion("an object it is given holds a tensor it reads that needs gradients")
+                    learn = True  # (unmeasured: which of them it reads is not known yet)
+                    break
         if mgr._lock._is_owned():
             raise NotARegion("inside a managed op")  # its blocks must stay where they are
         with mgr._lock:
@@ -170,7 +180,7 @@ class Region:
             on_host = not passthrough and bool(blocks) and len(host) == len(blocks)
             if host and not on_host or on_host and not self.strict:
                 raise NotARegion("host-only blocks")  # the per-op path says where each op runs
-            ctx = _RegionContext(self.spec, blocks, [], args, kwargs, on_host)
+            ctx = RegionContext(self.spec, blocks, [], args, kwargs, on_host)
             limit = mgr._limit
             need = 0
             if not on_host and not passthrough:
@@ -186,10 +196,10 @@ class Region:
                 elif est is None:
                     measure = True
                     est = 0
-                elif need + est + mgr._elsewhere_bytes > limit and not self.strict:
+                elif self._needs(need, est, key if grad else None) + mgr._elsewhere_bytes > limit and not self.strict:
                     raise NotARegion("larger than the budget")
                 ctx.estimate = est
-        if measure:
+        if measure or learn:
             return self._measured(mgr, call, fn, args, kwargs, key)
         with mgr._lock:
             try:
@@ -204,10 +214,11 @@ class Region:
                 for b in blocks:
                     mgr.sync_host(b)  # the call reads the host copies
             base = mgr._device_bytes + mgr._inflight_bytes + mgr._elsewhere_bytes
+        training = Training(self, key, self.device_views and getattr(backend, "strict", False)) if grad else None
         try:
-            out = self._run(mgr, call, fn, args, kwargs, on_host)
+            out = self._run(mgr, call, fn, args, kwargs, on_host, training)
             with mgr._lock:
-                wrapped, out_bytes = self._finish_outputs(mgr, ctx, call, out, on_host)
+                wrapped, out_bytes = self._finish_outputs(mgr, ctx, call, out, on_host, training)
         except BaseException:
             with mgr._lock:
                 for b in blocks:
@@ -230,6 +241,18 @@ class Region:
             mgr._finish(ctx)
         return wrapped
 
+    def _needs(self, need: int, inside: int, grad_key) -> int:
+        """Bytes the call needs resident at once: its working set and room; with gradients
+        (``grad_key``: its shapes) its backward's too, once measured, or until then a bound:
+        the weights saved, the activations and incoming gradients (each at most the inside)
+        and room for the outgoing ones (Note [Regions with gradients])."""
+        if grad_key is None:
+            return need + inside
+        seen = self.backward_peaks.get(grad_key)
+        if seen is None:
+            return 2 * need + 3 * inside
+        return max(need + inside, seen[0] + seen[1])
+
     def _measured(self, mgr, call: Call, fn, args, kwargs, key):
         """The call op by op (within the budget, as any code), measuring the bytes its ops
         allocate: what the call will need inside as a region."""
@@ -246,7 +269,7 @@ class Region:
         self.ops = meter.ops
         return out
 
-    def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool):
+    def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool, training=None):
         backend = mgr._backend
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
         views = call.views
@@ -267,7 +290,11 @@ class Region:
                 entry = views.get(id(a))
                 if entry is None:
                     plain = make(a)
-                    if sim and id(a) in params:
+                    if training is not None:
+                        training.by_storage[plain.untyped_storage()._cdata] = a
+                    if training is not None and a.requires_grad:
+                        given = training.leaf(a, plain)
+                    elif sim and id(a) in params:
                         kept = wrappers.get(id(a))
                         if kept is not None and kept[0] is plain:
                             given = kept[1]  # (a wrapper costs 10 us: kept while the view is the same)
@@ -294,12 +321,13 @@ class Region:
         ckwargs = {k: swap(v) for k, v in kwargs.items()} if kwargs else {}
         device = None if on_host or backend.passthrough else backend.declared
         plain_mode = PlainMode() if sim else contextlib.nullcontext()
+        hooks = training.hooks() if training is not None else contextlib.nullcontext()
         state.depth += 1
         previous = context.enter_plain(device)
         try:
             for d, k, v in call.slots:
                 d[k] = swap(v)
-            with plain_mode:
+            with plain_mode, hooks:
                 out = fn(*cargs, **ckwargs)
         finally:
             context.exit_plain(previous)
@@ -312,7 +340,7 @@ class Region:
             swap = None
         return out
 
-    def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool):
+    def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):
         views = call.views
         written = [ref._tr_block for ref, given, _p, version in views.values() if given._version != version]
         if written:
@@ -335,8 +363,9 @@ class Region:
         for obj in objects:
             collect_object(obj, given, stored, seen, before, OBJECT_DEPTH, [OBJECT_VALUES])
         compute = mgr._backend.compute
-        for t in found + [v for _c, _k, v in stored]:
-            t = _bytes_of(t)
+        activations = training.activations() if training is not None else []
+        for t in found + [v for _c, _k, v in stored] + activations:
+            t = bytes_of(t)
             if (t is not None and t.layout is torch.strided and (t.device == compute or on_host)):
                 s = t.untyped_storage()
                 if s._cdata not in inputs:
@@ -344,54 +373,15 @@ class Region:
         nbytes = sum(fresh.values())
         if nbytes and not on_host and mgr._limit is not None and not mgr._backend.passthrough:
             mgr._make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name)
-        wrap = _Wrapper(mgr, ctx, given, self.device_views)
+        wrap = Wrapper(mgr, ctx, given, self.device_views, training is not None)
         for container, k, v in stored:
             container[k] = wrap(v)
-        return wrap.tree(out), nbytes
-
-
-def _bytes_of(t):
-    if t.__class__ is SimTensor:
-        return t.data_
-    if isinstance(t, TensorRef) or not isinstance(t, _Tensor):
-        return None
-    return t
-
-
-class _Wrapper:
-    """Outputs as TensorRefs: an input given back is that input, anything else is adopted."""
-
-    def __init__(self, mgr, ctx, given, device_views):
-        self.mgr, self.ctx, self.given = mgr, ctx, given
-        self.device_views = device_views
-
-    def __call__(self, t):
-        ref = self.given.get(id(t))
-        if ref is not None:
-            return ref
-        plain = _bytes_of(t)
-        if plain is None:
-            return t
-        if self.device_views and t.__class__ is not SimTensor and self.mgr._backend.declared.type == SIM and plain.is_cpu \
-                and not self.ctx.on_host and getattr(self.mgr._backend, "strict", False):
-            # (a CPU tensor the call made on purpose on "sim" stays one, as plain torch's would)
-            return t
-        return _wrap_one(plain, self.ctx, self.mgr)
-
-    def tree(self, out):
-        if isinstance(out, _Tensor):
-            return self(out)
-        cls = out.__class__
-        if cls is tuple or cls is list:
-            return cls(self.tree(o) for o in out)
-        if isinstance(out, tuple) and hasattr(out, "_fields"):
-            return cls(*(self.tree(o) for o in out))
-        if isinstance(out, dict):  # (ModelOutput is a dict whose items mirror its attributes)
-            for k, v in list(out.items()):
-                w = self.tree(v)
-                if w is not v:
-                    out[k] = w
-            return out
-        if isinstance(out, (list, tuple)):
-            return cls(self.tree(o) for o in out)
-        return out
+        wrapped = wrap.tree(out)
+        if training is not None:
+            linked = wrap.linked
+            by_storage = {bytes_of(p).untyped_storage()._cdata: r for p, r in linked}
+            training.adopted(lambda t: _wrap_one(t, ctx, mgr), by_storage)
+            if linked:
+                # (the node's outputs are these same TensorRefs, now with its grad_fn)
+                training.link([p for p, _r in linked], [r for _p, r in linked])
+        return wrapped, nbytes

@@ -1,0 +1,261 @@
+"""Training through regions (Note [Regions with gradients] in regions/training.py): a call
+that needs gradients runs as a region, its inner graph linked to the TensorRefs' by one node.
+
+Every test compares with plain torch on the same device, bit for bit, and checks that the
+calls did run as regions (the loss's graph holds the region's node).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import torchTensorRef
+from torchTensorRef import TensorRef, regions, tensorsManager as tm
+from conftest import TEST_DEVICE
+from paired import assert_identical, budget, plain_torch
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+
+
+@pytest.fixture(autouse=True)
+def regions_on():
+    previous = regions.enabled, regions.min_ops, regions.under_budget, regions.train
+    regions.enabled, regions.under_budget, regions.train = True, True, True
+    regions.min_ops = 0
+    yield
+    regions.enabled, regions.min_ops, regions.under_budget, regions.train = previous
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block whose last op saves its output (sigmoid)."""
+
+    def __init__(self, width=16, p=0.0):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x))))).sigmoid()
+
+
+def stack(n=3, p=0.0):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[Block(p=p) for _ in range(n)])
+
+
+def weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def link_nodes(t):
+    """The region nodes in ``t``'s graph."""
+    found, seen, todo = [], set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "_LinkBackward":
+            found.append(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def grads(model):
+    return [p.grad for p in model.parameters()]
+
+
+def train_steps(model, x, steps=3):
+    """AdamW steps (the device's default kernels); the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("device,fraction", [("cpu", None), (TEST_DEVICE, None), (TEST_DEVICE, 1.5),
+                                             (TEST_DEVICE, 0.75)],
+                         ids=["cpu", "device-no-budget", "device-1.5x", "device-0.75x"])
+def test_adamw_steps_through_regions_match_plain_torch(device, fraction):
+    tm.device = device
+    with plain_torch():
+        x = torch.randn(8, 16)
+        plain_model = stack().to(tm.torch_device)
+        plain_losses = train_steps(plain_model, x.to(tm.torch_device))
+        plain_params = [p.detach() for p in plain_model.parameters()]
+    model = stack()
+    tm.strategy = "flow"
+    if fraction is not None:
+        # (weights, gradients, two AdamW states: 4x the weights; the fraction of that)
+        tm.budget = budget(int(fraction * weight_bytes(model)))
+    mx = torchTensorRef.manage(x.cpu())
+    losses = train_steps(model, mx)
+    assert link_nodes(model(mx).sum())  # the blocks ran as regions
+    assert_identical(plain_losses, losses)
+    assert_identical(plain_params, [p.detach() for p in model.parameters()])
+    assert all(isinstance(p, TensorRef) and isinstance(p.grad, TensorRef) for p in model.parameters())
+    if fraction is not None:
+        assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
+def test_a_llama_trains_through_decoder_layer_regions_under_a_budget():
+    def step(model, ids):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        # (each level of modules runs op by op once, measured, before its parts are
+        # considered: the decoder layers are regions from the fourth step)
+        for _ in range(5):
+            opt.zero_grad(set_to_none=True)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.detach())
+        return losses, loss
+
+    ids = torch.randint(1, 64, (2, 12))
+    with plain_torch():
+        torch.manual_seed(0)
+        plain_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(tm.torch_device)
+        plain_losses, _ = step(plain_model, ids.to(tm.torch_device))
+        plain_params = [p.detach() for p in plain_model.parameters()]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    tm.strategy = "flow"
+    tm.budget = budget(weight_bytes(model) * 3)
+    losses, loss = step(model, torchTensorRef.manage(ids))
+    names = {n.training.region.name for n in link_nodes(loss)}
+    assert "region LlamaDecoderLayer" in names, names
+    assert_identical(plain_losses, losses)
+    assert_identical(plain_params, [p.detach() for p in model.parameters()])
+    assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
+def test_gradients_reach_inputs_frozen_parameters_and_dropout_as_in_plain_torch():
+    def run(model, x):
+        model[1].up.weight.requires_grad_(False)  # frozen: no gradient, as in plain torch
+        torch.manual_seed(5)  # (dropout draws its masks inside the regions, in plain torch's order)
+        for _ in range(2):
+            model(x).sum().backward()
+        return x.grad, grads(model)
+
+    with plain_torch():
+        x = torch.randn(4, 16)
+        plain = run(stack(p=0.3).to(tm.torch_device).train(), x.to(tm.torch_device).requires_grad_())
+    model = stack(p=0.3).train()
+    mx = torchTensorRef.manage(x.cpu()).requires_grad_()
+    managed = run(model, mx)
+    assert link_nodes(model(mx).sum())
+    assert model[1].up.weight.grad is None
+    assert_identical(plain[0], managed[0], "input gradient")
+    assert_identical([g for g in plain[1] if g is not None], [g for g in managed[1] if g is not None])
+
+
+def test_retain_graph_keeps_the_region_s_graph_and_without_it_a_second_backward_is_refused():
+    with plain_torch():
+        x = torch.randn(4, 16)
+        plain_model = stack().to(tm.torch_device)
+        loss = plain_model(x.to(tm.torch_device)).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        plain = grads(plain_model)
+    model = stack()
+    mx = torchTensorRef.manage(x.cpu())
+    model(mx)  # (the first call with these shapes is measured op by op)
+    loss = model(mx).sum()
+    (node,) = link_nodes(loss)
+    loss.backward(retain_graph=True)
+    assert not node.training.released
+    loss.backward()
+    assert_identical(plain, grads(model))
+    assert node.training.released  # the graph was freed: so are the activations it saved
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+class Squash(torch.nn.Module):
+    """Its last op (sigmoid) saves its result: the call's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x).sigmoid()
+
+
+def test_a_saved_output_changed_in_place_before_backward_is_refused_as_in_plain_torch():
+    def run(model, x):
+        out = model(x)
+        out.mul_(2)
+        out.sum().backward()
+
+    with plain_torch():
+        x = torch.randn(4, 16)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            run(Squash().to(tm.torch_device), x.to(tm.torch_device))
+    model = Squash()
+    mx = torchTensorRef.manage(x.cpu())
+    model(mx)
+    assert link_nodes(model(mx).sum())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(model, mx)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_blocks_train_as_in_plain_torch(reentrant):
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = stack()
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=reentrant)
+            return x
+
+    def run(model, x):
+        for _ in range(2):
+            model(x).square().sum().backward()
+        return grads(model)
+
+    with plain_torch():
+        x = torch.randn(4, 16)
+        plain = run(Checkpointed().to(tm.torch_device), x.to(tm.torch_device).requires_grad_())
+    model = regions.no_region(Checkpointed())
+    managed = run(model, torchTensorRef.manage(x.cpu()).requires_grad_())
+    assert_identical(plain, managed)
+
+
+def test_a_second_order_gradient_through_a_region_is_refused_with_a_clear_error():
+    model = stack(1)
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    model(x)
+    loss = model(x).square().sum()
+    assert link_nodes(loss)
+    (g,) = torch.autograd.grad(loss, [model[0].up.weight], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        g.sum().backward()
+
+
+def test_training_regions_switched_off_run_op_by_op():
+    regions.train = False
+    model = stack()
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    model(x)
+    loss = model(x).sum()
+    assert not link_nodes(loss)
+    loss.backward()
+    assert all(isinstance(p.grad, TensorRef) for p in model.parameters())

@@ -1,0 +1,91 @@
+"""A region as one op of the manager: what the strategies see of it, and its results as
+TensorRefs (Note [Regions] in ``mechanism.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.tensor_ref import TensorRef
+from ..memory.sim.tensor import NAME as SIM, SimTensor
+from ..ops.op_context import OpContext, _wrap_one
+
+_Tensor = torch.Tensor
+
+
+class RegionSpec:
+    """What the op protocol and the strategies read of an op's spec, for a region (one per
+    region: Flow keys its history on it)."""
+
+    __slots__ = ("name",)
+    restrides = False
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class RegionContext(OpContext):
+    """A region call (or its backward) as one op: its blocks and the room kept for what it
+    allocates inside (``estimate``)."""
+
+    __slots__ = ("estimate",)
+
+    def output_estimate(self) -> int:
+        return self.estimate
+
+
+def bytes_of(t):
+    """The plain tensor holding a plain or ``SimTensor`` result's bytes; ``None`` for
+    anything else (a TensorRef, not a tensor)."""
+    if t.__class__ is SimTensor:
+        return t.data_
+    if isinstance(t, TensorRef) or not isinstance(t, _Tensor):
+        return None
+    return t
+
+
+class Wrapper:
+    """Outputs as TensorRefs: an input given back is that input, anything else is adopted."""
+
+    def __init__(self, mgr, ctx, given, device_views, grad=False):
+        self.mgr, self.ctx, self.given = mgr, ctx, given
+        self.device_views = device_views
+        self.grad = grad
+        self.linked = []  # (plain output needing gradients, its TensorRef)
+
+    def __call__(self, t):
+        ref = self.given.get(id(t))
+        if ref is not None:
+            return ref
+        plain = bytes_of(t)
+        if plain is None:
+            return t
+        if self.device_views and t.__class__ is not SimTensor and self.mgr._backend.declared.type == SIM and plain.is_cpu \
+                and not self.ctx.on_host and getattr(self.mgr._backend, "strict", False):
+            # (a CPU tensor the call made on purpose on "sim" stays one, as plain torch's would)
+            return t
+        if self.grad and t.requires_grad:
+            for p, r in self.linked:
+                if p is t:
+                    return r
+            ref = _wrap_one(plain.detach(), self.ctx, self.mgr)
+            self.linked.append((t, ref))
+            return ref
+        return _wrap_one(plain, self.ctx, self.mgr)
+
+    def tree(self, out):
+        if isinstance(out, _Tensor):
+            return self(out)
+        cls = out.__class__
+        if cls is tuple or cls is list:
+            return cls(self.tree(o) for o in out)
+        if isinstance(out, tuple) and hasattr(out, "_fields"):
+            return cls(*(self.tree(o) for o in out))
+        if isinstance(out, dict):  # (ModelOutput is a dict whose items mirror its attributes)
+            for k, v in list(out.items()):
+                w = self.tree(v)
+                if w is not v:
+                    out[k] = w
+            return out
+        if isinstance(out, (list, tuple)):
+            return cls(self.tree(o) for o in out)
+        return out

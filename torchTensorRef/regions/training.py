@@ -1,0 +1,335 @@
+"""A region call that needs gradients (Note [Regions with gradients]).
+
+Note [Regions with gradients]: autograd cannot see through a region's plain tensors, so a
+call that needs gradients builds its own graph inside and links it to the TensorRefs':
+
+1. the parameters, buffers and arguments that require gradients are given to the call as
+   plain leaves (views of their device copies), and the call runs with gradients on, under
+   ``saved_tensors_hooks``: a tensor autograd saves that views a block of the working set
+   (a weight, the input) is kept as that block and its geometry, not copied; any other (an
+   activation) is kept as a plain tensor until the call returns, and then becomes a managed
+   block, paged like any other;
+2. the call's outputs that require gradients become TensorRefs, outputs of one autograd
+   node (:class:`_Link`) whose inputs are the TensorRefs the leaves stand for. The inner
+   graph is held by its edges only: no plain output, and no leaf's bytes (a leaf is emptied
+   once the call returned), stay allocated outside the manager;
+3. that node's backward is one more step of the pager: the blocks the saved tensors are on
+   and the incoming gradients are made resident as one working set (with room for what the
+   backward allocates, measured on its first run, like a forward's), the inner graph runs
+   on their plain views, and the gradients it gives for the leaves become TensorRefs, which
+   autograd accumulates into the parameters' ``.grad`` as it would any other.
+
+The inner graph is kept until autograd frees the node's saved tensors (``retain_graph``
+honoured): a callback at the end of the backward looks.
+
+Kernels are plain torch's, in plain torch's order, and nothing is recomputed: gradients are
+bit for bit plain torch's on the same device. A tensor saved for backward that the program
+changes in place before the backward is refused there, as plain torch refuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+
+from ..core import context
+from ..core.tensor_ref import TensorRef, compute_view
+from ..memory.manager import tensorsManager as _mgr
+from ..memory.sim import backward_errors
+from ..memory.sim.allocation import PlainMode
+from ..memory.sim.tensor import SimTensor
+from ..ops.op_context import _blocks_of_list
+from .inside import Measure
+from .op import RegionContext, Wrapper, bytes_of
+
+_Tensor = torch.Tensor
+
+
+def foreign_hooks() -> bool:
+    """Whether saved-tensor hooks of someone else are on (``torch.utils.checkpoint``): their
+    saved tensors must be theirs, so such a call is not run as a region."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
+class Saved:
+    """A tensor the call saved for backward: a view of a working-set block (``ref`` and the
+    geometry) or an activation (``plain`` until the call returned, then ``ref``)."""
+
+    __slots__ = ("ref", "plain", "geometry", "watch")
+
+    def __init__(self, ref, plain, geometry):
+        self.ref = ref
+        self.plain = plain
+        self.geometry = geometry
+        self.watch = ()  # (TensorRef, its version): changed in place before backward, refused
+
+
+class Training:
+    """One call's inner graph: its leaves, its saved tensors, and the backward over them.
+
+    Args:
+        region: the :class:`~torchTensorRef.regions.mechanism.Region` (its backward's spec
+            and measured room).
+        key: the call's shapes (the backward's room is measured per key).
+        sim: the call ran on ``SimTensor``s (strict "sim").
+    """
+
+    def __init__(self, region, key, sim: bool):
+        self.region = region
+        self.key = key
+        self.sim = sim
+        self.refs = []  # the TensorRefs given as leaves (the node's inputs), in order
+        self.leaves = []  # their plain leaves
+        self.leaf_edges = []
+        self.by_storage = {}  # storage key of a working-set block -> a TensorRef of it
+        self.saved = []  # Saved, in the order the call saved them
+        self.out_edges = []
+        self.outputs = ()  # the node's outputs (TensorRefs)
+        self.released = False
+
+    # ---- the forward: leaves and saved tensors
+
+    def leaf(self, ref: TensorRef, plain: torch.Tensor) -> torch.Tensor:
+        """The plain leaf the call gets for ``ref`` (its view ``plain``)."""
+        if self.sim:
+            given = SimTensor(plain, requires_grad=True)
+        else:
+            given = plain.detach().requires_grad_()
+        self.refs.append(ref)
+        self.leaves.append(given)
+        return given
+
+    def hooks(self):
+        return saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t):
+        if isinstance(t, TensorRef):
+            return t  # (a TensorRef the region did not find: its ops went op by op)
+        plain = t.data_ if t.__class__ is SimTensor else t
+        if plain.layout is not torch.strided:
+            return t
+        geometry = (tuple(plain.size()), tuple(plain.stride()), plain.storage_offset())
+        ref = self.by_storage.get(plain.untyped_storage()._cdata)
+        if ref is not None:
+            saved = Saved(ref, None, geometry)
+            saved.watch = ((ref, ref._version),)
+        else:
+            saved = Saved(None, plain.detach(), geometry)
+        self.saved.append(saved)
+        return saved
+
+    def _unpack(self, saved):
+        if not isinstance(saved, Saved):
+            return saved
+        for ref, version in saved.watch:
+            if ref._version != version:
+                return self._failed(RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: a tensor the region {self.region.name!r} saved for backward is "
+                    f"at version {ref._version}; expected version {version} instead"))
+        if saved.plain is not None:
+            plain = saved.plain  # (unpacked during the call itself: a double backward inside it)
+        else:
+            size, stride, offset = saved.geometry
+            plain = compute_view(saved.ref).as_strided(size, stride, offset)
+        return SimTensor(plain) if self.sim else plain
+
+    def activations(self):
+        """The plain activations saved (to become blocks once the call returned)."""
+        return [s.plain for s in self.saved if s.plain is not None]
+
+    def adopted(self, wrap, outputs_by_storage: dict) -> None:
+        """The call returned: each activation becomes a TensorRef (``wrap``), watched with
+        the output sharing its bytes, and the leaves let go of their bytes."""
+        for s in self.saved:
+            if s.plain is not None:
+                plain = s.plain
+                s.ref = wrap(plain)
+                out = outputs_by_storage.get(plain.untyped_storage()._cdata)
+                if out is not None:
+                    s.watch = ((out, out._version),)
+                s.plain = None
+        self.by_storage = {}
+        self.leaf_edges = [get_gradient_edge(leaf) for leaf in self.leaves]
+        for leaf in self.leaves:
+            if leaf.__class__ is SimTensor:
+                leaf.data_ = leaf.data_.new_empty(0)
+            else:
+                leaf.data = leaf.data.new_empty(0)
+
+    def link(self, plain_outputs, outputs) -> tuple:
+        """Make ``outputs`` (TensorRefs of ``plain_outputs``) the outputs of the node."""
+        self.out_edges = [get_gradient_edge(p) for p in plain_outputs]
+        self.outputs = tuple(outputs)
+        linked = _Link.apply(self, *self.refs)
+        self.outputs = ()
+        return linked if isinstance(linked, tuple) else (linked,)
+
+    # ---- the backward
+
+    def _failed(self, error: Exception):
+        """Raise ``error``; on strict "sim", inside backward, keep it for ``backward()`` to
+        raise and return what fails in C++ (Note [Errors in backward on sim])."""
+        if self.sim and backward_errors.in_backward():
+            backward_errors.keep_for_backward(error)
+            return backward_errors.FAILED
+        raise error
+
+    def backward(self, node, grads):
+        try:
+            return self._backward(node, grads)
+        except Exception as e:
+            return (self._failed(e),) * len(self.refs)
+
+    def _backward(self, node, grads):
+        if self.released:
+            raise RuntimeError(
+                f"Trying to backward through the region {self.region.name!r} a second time: its saved "
+                "tensors were freed after the first backward. Specify retain_graph=True the first time")
+        region = self.region
+        given = [(e, g) for e, g in zip(self.out_edges, grads) if g is not None]
+        if not given:
+            return (None,) * len(self.refs)
+        refs = [s.ref for s in self.saved if s.ref is not None]
+        refs += [g for _e, g in given if isinstance(g, TensorRef)]
+        with BackwardStep(region, refs, self.key) as step:
+            sim = self.sim
+
+            def plain(g):
+                if not isinstance(g, TensorRef):
+                    return g
+                v = compute_view(g)
+                return SimTensor(v) if sim else v
+
+            edges = [e for e, _g in given]
+            plain_grads = [plain(g) for _e, g in given]
+            mode = PlainMode() if sim else contextlib.nullcontext()
+            previous = context.enter_plain(step.device)
+            try:
+                with mode, step.meter():
+                    out = torch.autograd.grad(edges, self.leaf_edges, plain_grads, retain_graph=True,
+                                              allow_unused=True)
+            finally:
+                context.exit_plain(previous)
+            plain_grads = None
+            result = step.results(out)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._release_if_freed(node))
+        return result
+
+    def _release_if_freed(self, node) -> None:
+        # (the node's saved tensor is gone once autograd freed the graph: retain_graph=False)
+        try:
+            node.saved_tensors
+        except RuntimeError:
+            self.release()
+
+    def release(self) -> None:
+        """Let the inner graph go (its saved activations' blocks with it)."""
+        self.released = True
+        self.out_edges = []
+        self.leaf_edges = []
+        self.leaves = []
+        self.saved = []
+
+
+class BackwardStep:
+    """A region call's backward as one op: ``refs`` (the blocks its saved tensors are on, the
+    incoming gradients) resident and pinned while it runs, with room for what it allocates:
+    measured on its first run with the call's shapes (``key``), which takes all the room the
+    budget leaves beside the blocks (what a backward's formulas allocate is not bounded by
+    what the forward did)."""
+
+    def __init__(self, region, refs, key):
+        self.region, self.refs, self.key = region, refs, key
+        self.measuring = None
+        self.held = 0
+
+    def __enter__(self):
+        mgr = _mgr
+        region = self.region
+        with mgr._lock:
+            if mgr._dead:
+                mgr._drain()
+            blocks = _blocks_of_list([r._tr_block for r in self.refs])
+            ctx = self.ctx = RegionContext(region.backward_spec, blocks, [], (), {}, False)
+            backend = mgr._backend
+            self.device = None if backend.passthrough else backend.declared
+            self.limited = mgr._limit is not None and not backend.passthrough
+            ctx.estimate = 0
+            if self.limited:
+                size = backend.block_bytes
+                self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
+                room = max(0, mgr._limit - mgr._elsewhere_bytes - self.held)
+                seen = region.backward_peaks.get(self.key)
+                # (until measured, all the room the budget leaves; measured, at most that: the
+                # forward runs op by op where it saw the backward would not fit)
+                ctx.estimate = room if seen is None else min(seen[1], room)
+            mgr._prepare(ctx)  # (no op-by-op fallback here: the graph is plain)
+            if self.limited and self.key not in region.backward_peaks:
+                # (the blocks' storages once resident: views of them are not new bytes)
+                self.measuring = Measure({b.dev_key for b in blocks})
+            for b in blocks:
+                b.pins += 1
+            self.base = mgr._device_bytes + mgr._inflight_bytes + mgr._elsewhere_bytes
+        return self
+
+    def meter(self):
+        return self.measuring if self.measuring is not None else contextlib.nullcontext()
+
+    def results(self, grads) -> tuple:
+        """The gradients the inner graph gave for the leaves, as TensorRefs."""
+        mgr = _mgr
+        ctx = self.ctx
+        with mgr._lock:
+            inputs = {b.dev_key for b in ctx.blocks}
+            fresh = {}
+            for g in grads:
+                p = bytes_of(g) if g is not None else None
+                if p is not None and p.layout is torch.strided:
+                    s = p.untyped_storage()
+                    if s._cdata not in inputs:
+                        fresh[s._cdata] = s.nbytes()
+            nbytes = sum(fresh.values())
+            if nbytes and self.limited:
+                mgr._make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name)
+            wrap = Wrapper(mgr, ctx, {}, True)
+            return tuple(None if g is None else wrap(g) for g in grads)
+
+    def __exit__(self, *exc):
+        mgr = _mgr
+        ctx = self.ctx
+        with mgr._lock:
+            for b in ctx.blocks:
+                b.pins -= 1
+            if exc[0] is not None:
+                return False
+            if self.limited:
+                inside = ctx.estimate
+                if self.measuring is not None:
+                    self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
+                    inside = max(inside, self.measuring.peak)  # (the room it took, if more than was kept)
+                top = self.base + inside
+                if top - mgr._elsewhere_bytes > mgr._peak:
+                    mgr._peak = top - mgr._elsewhere_bytes
+                if top - mgr._limit > mgr._overshoot:
+                    mgr._overshoot = top - mgr._limit
+            mgr._finish(ctx)
+        return False
+
+
+class _Link(torch.autograd.Function):
+    """The autograd node standing for a region call's inner graph."""
+
+    @staticmethod
+    def forward(ctx, training: Training, *refs):
+        ctx.training = training
+        ctx.save_for_backward(refs[0])  # (freed with the graph: Training._release_if_freed)
+        return training.outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        return (None,) + tuple(ctx.training.backward(ctx, grads))
