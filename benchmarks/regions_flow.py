@@ -6,7 +6,9 @@ each with a different prompt length (8, 11, 5, 9, 13, 7 tokens) and number of ne
 (16, 12, 20, 16, 9, 14), as real serving does, with module regions on and then off (a fresh
 copy each). Flow should learn the period of one decode step and keep it across calls. After each call it prints the ops the
 manager counted, Flow's period (in ops) and whether Flow follows a compiled plan, and the
-bytes moved and evictions of that call. A decode step is the ops of one token: with
+bytes moved and evictions of that call; the last call is recorded, and its bytes are
+compared with the offline reference on its trace (at region granularity where regions are
+on: ``tensorsManager.recording(regions=True)``). A decode step is the ops of one token: with
 regions, one op per region plus ``generate()``'s own ops.
 
     python benchmarks/regions_flow.py [--fraction 0.5]
@@ -15,6 +17,7 @@ regions, one op per region plus ``generate()``'s own ops.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -26,6 +29,7 @@ import torch  # noqa: E402
 import torchTensorRef  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import tm  # noqa: E402
+from torchTensorRef.analysis.offline import reference_moves  # noqa: E402
 
 PROMPTS = (8, 11, 5, 9, 13, 7)
 TOKENS = (16, 12, 20, 16, 9, 14)
@@ -37,16 +41,25 @@ def run(model, fraction: float, regions: bool) -> list:
     try:
         managed = common.managed_copy(model, "sim", "flow").eval()
         tm.budget = int(fraction * common.param_bytes(model))
+        share = tm.budget - tm.outside_bytes()
         flow = tm.strategy
         rows = []
         for i, n in enumerate(PROMPTS):
             ids = torchTensorRef.manage(common.plain_inputs(i, model.config.vocab_size, 1, n))
             tm.reset_stats()
-            common.generate(managed, ids, TOKENS[i])
+            last = i == len(PROMPTS) - 1
+            # (the last call recorded, regions as regions: the offline reference at their granularity)
+            with tm.recording(regions=regions) if last else contextlib.nullcontext() as trace:
+                common.generate(managed, ids, TOKENS[i])
             s = tm.stats()
-            rows.append(dict(prompt=n, tokens=TOKENS[i], ops=s["ops"], period=flow.period, plan=flow.plan is not None,
-                             mib_moved=(s["bytes_to_device"] + s["bytes_to_host"]) / common.MIB,
-                             evictions=s["evictions"]))
+            moved = s["bytes_to_device"] + s["bytes_to_host"]
+            row = dict(prompt=n, tokens=TOKENS[i], ops=s["ops"], period=flow.period, plan=flow.plan is not None,
+                       mib_moved=moved / common.MIB, evictions=s["evictions"], to_reference=None)
+            if last:
+                ref = reference_moves(trace.accesses, share, trace.initial, trace.created)
+                ref_moved = ref["bytes_to_device"] + ref["bytes_to_host"]
+                row["to_reference"] = moved / ref_moved if ref_moved else None
+            rows.append(row)
         tm.budget = None
         return rows
     finally:
@@ -65,8 +78,9 @@ def main(argv=None) -> dict:
         result[label] = run(model, args.fraction, regions)
         print(f"Flow at {args.fraction:.0%} of the weights, {label}:")
         for r in result[label]:
+            ratio = "" if r["to_reference"] is None else f"  moved/offline reference {r['to_reference']:.3f}"
             print(f"  prompt {r['prompt']:2d}, {r['tokens']:2d} new: ops {r['ops']:6d}  period {r['period']}  plan {r['plan']}  "
-                  f"MiB moved {r['mib_moved']:6.1f}  evictions {r['evictions']}")
+                  f"MiB moved {r['mib_moved']:6.1f}  evictions {r['evictions']}{ratio}")
     return result
 
 

@@ -4,10 +4,11 @@ Trains a ``transformers`` Llama (random weights, hidden 256) on "sim" (or ``--de
 budgets of 100%, 50%, 25% and 10% of its weight bytes (on top of what the device holds
 outside the manager), under Flow and Genoa, and prints per budget and strategy: ok or the
 error, the largest |parameter difference| from plain torch on the same device, the peak device bytes
-over the budget, and the bytes one recorded step moved over the offline reference on that
-step's trace (``torchTensorRef.analysis.offline.reference_moves``).
+over the budget, the bytes one recorded step moved over the offline reference on that
+step's trace (``torchTensorRef.analysis.offline.reference_moves``), and that step's ops and
+how many of them were module regions (``--regions``: the reference is then at their granularity).
 
-    python benchmarks/train_budget.py [--vocab 4096] [--steps 3] [--json out.json]
+    python benchmarks/train_budget.py [--vocab 4096] [--steps 3] [--regions] [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def build(vocab: int, intermediate: int, seed: int = 0, layers: int = 4, hidden:
         return LlamaForCausalLM(config)
 
 
-def train(model, ids, steps: int, record_last: bool = False):
+def train(model, ids, steps: int, record_last: bool = False, regions: bool = False):
     """``steps`` AdamW steps (default foreach), clipping to norm 1 and a decaying LR; the
-    trace of the last step when ``record_last``."""
+    trace of the last step when ``record_last`` (with module regions as regions: ``regions``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     trace = None
@@ -62,7 +63,7 @@ def train(model, ids, steps: int, record_last: bool = False):
             sched.step()
         if record_last and i == steps - 1:
             tm.reset_stats()
-            with tm.recording() as trace:
+            with tm.recording(regions=regions) as trace:
                 step()
         else:
             step()
@@ -88,7 +89,8 @@ def run(plain, ids, reference, strategy: str, fraction: float, steps: int, devic
     tm.budget = tm.outside_bytes() + share
     row = {"strategy": strategy, "fraction": fraction, "budget": tm.budget}
     try:
-        trace = train(model, torchTensorRef.manage(ids.clone()), steps, record_last=True)
+        trace = train(model, torchTensorRef.manage(ids.clone()), steps, record_last=True,
+                      regions=torchTensorRef.regions.enabled)
         stats = tm.stats()
         # The reference pages within the manager's share: what the device held outside it
         # when the budget was set (library workspaces on CUDA, or on "sim" emulating them)
@@ -99,7 +101,8 @@ def run(plain, ids, reference, strategy: str, fraction: float, steps: int, devic
         row.update(ok=True, max_diff=max((as_plain(p) - r).abs().max().item()
                                          for p, r in zip(model.parameters(), reference)),
                    peak=stats["peak_device_bytes"], peak_to_budget=stats["peak_device_bytes"] / tm.budget,
-                   moved=moved, reference=ref_moved, to_reference=moved / ref_moved if ref_moved else None)
+                   moved=moved, reference=ref_moved, to_reference=moved / ref_moved if ref_moved else None,
+                   ops=len(trace.ops), region_ops=sum(1 for op in trace.ops if op[1].startswith("region ")))
     except Exception as e:  # a row that fails is reported, the others still run
         row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
     del model
@@ -119,7 +122,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="sim", help='"sim" (the default) or "cuda"')
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--regions", action="store_true",
-                        help="leave module regions on (off by default: this measures the per-op path)")
+                        help="leave module regions on, in the recorded step too: its offline reference is "
+                             "at their granularity (off by default: this measures the per-op path)")
     args = parser.parse_args(argv)
     regions = getattr(torchTensorRef, "regions", None)
     if regions is not None and not args.regions:
@@ -138,7 +142,8 @@ def main(argv=None) -> dict:
     config = plain.config
     print(f"Llama {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {args.vocab}: {wbytes / 2**20:.1f} MiB of weights; "
           f"{args.steps} AdamW steps (clip 1.0, LambdaLR), batch 2x{args.seq}, {args.device!r}, torch {torch.__version__}")
-    print(f"{'budget':>7} {'strategy':>8} {'result':>6} {'max|diff|':>10} {'peak/budget':>11} {'moved/ref':>9}  error")
+    print(f"{'budget':>7} {'strategy':>8} {'result':>6} {'max|diff|':>10} {'peak/budget':>11} {'moved/ref':>9} "
+          f"{'ops':>6} {'regions':>7}  error")
     rows = []
     for fraction in args.fractions:
         for strategy in ("flow", "genoa"):
@@ -147,7 +152,7 @@ def main(argv=None) -> dict:
             if r["ok"]:
                 ratio = "-" if r["to_reference"] is None else f"{r['to_reference']:.3f}"
                 print(f"{fraction:>7.0%} {strategy:>8} {'ok':>6} {r['max_diff']:>10.2e} "
-                      f"{r['peak_to_budget']:>11.4f} {ratio:>9}", flush=True)
+                      f"{r['peak_to_budget']:>11.4f} {ratio:>9} {r['ops']:>6} {r['region_ops']:>7}", flush=True)
             else:
                 print(f"{fraction:>7.0%} {strategy:>8} {'error':>6} {'':>10} {'':>11} {'':>9}  {r['error']}", flush=True)
     result = {"torch": torch.__version__, "device": args.device, "vocab": args.vocab, "rows": rows}

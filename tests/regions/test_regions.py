@@ -363,6 +363,33 @@ def test_calls_run_op_by_op_while_the_manager_records(small_regions):
     assert ops == 5  # t, addmm, gelu, t, addmm: the trace's consumers model aten ops
 
 
+def test_a_recording_with_regions_keeps_them_one_op_and_the_offline_reference_makes_room_for_their_inside(
+        small_regions):
+    from torchTensorRef.analysis.offline import reference_moves
+
+    model = regions.region(mlp())
+    tm.strategy = "flow"
+    share = weight_bytes(model) * 3
+    tm.budget = budget(share)
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    with torch.no_grad():
+        model(x)  # (measured: op by op)
+        with tm.recording(regions=True) as trace:
+            out = model(x)
+    assert [name for _i, name, *_ in trace.ops] == ["region Sequential"]
+    (index,) = {a[0] for a in trace.accesses}
+    weights = {p._tr_block.id for p in model.parameters()}
+    blocks = {a[1] for a in trace.accesses}
+    assert weights | {x._tr_block.id, out._tr_block.id} <= blocks
+    scratch = [a for a in trace.accesses if a[1] < 0]  # (the room kept for the inside, less the output)
+    assert len(scratch) == 1 and scratch[0][2] > 0 and scratch[0][1] in trace.created
+    ref = reference_moves(trace.accesses, share, trace.initial, trace.created)
+    # the reference must fit the working set, the output and the inside at once
+    assert ref["peak_device_bytes"] >= sum(a[2] for a in trace.accesses)
+    with pytest.raises(torchTensorRef.OutOfBudgetError):
+        reference_moves(trace.accesses, sum(a[2] for a in trace.accesses) - 1, trace.initial, trace.created)
+
+
 def test_under_a_budget_regions_are_on_by_default_and_under_budget_makes_them_opt_in(small_regions):
     model = mlp()
     x = torchTensorRef.manage(torch.randn(4, 16))

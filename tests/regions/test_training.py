@@ -259,3 +259,21 @@ def test_training_regions_switched_off_run_op_by_op():
     assert not link_nodes(loss)
     loss.backward()
     assert all(isinstance(p.grad, TensorRef) for p in model.parameters())
+
+
+def test_a_region_s_backward_is_one_op_whose_working_set_holds_the_weights_it_saved():
+    model = stack()
+    tm.strategy = "flow"
+    tm.budget = budget(weight_bytes(model) * 4)
+    x = torchTensorRef.manage(torch.randn(8, 16))
+    model(x).sum().backward()  # (measured: op by op)
+    model(x).sum().backward()  # (each backward's room measured)
+    with tm.recording(regions=True) as trace:
+        model(x).sum().backward()
+    names = [name for _i, name, *_ in trace.ops]
+    assert names.count("region Block") == 3 and names.count("region Block backward") == 3
+    first = next(i for i, name, *_ in trace.ops if name == "region Block backward")
+    read = {block for i, block, _n, _w in trace.accesses if i == first}
+    # the last block's backward: its weights (saved by its matmuls), not the other blocks'
+    assert model[2].up.weight._tr_block.id in read and model[0].up.weight._tr_block.id not in read
+    assert tm.stats()["peak_device_bytes"] <= tm.budget

@@ -35,6 +35,8 @@ class Trace:
     def __init__(self, device: str, budget):
         self.device = device
         self.budget = budget
+        #: recorded with module regions on (``recording(regions=True)``): a region is one op
+        self.regions = False
         self.accesses: List[Access] = []
         #: (op_index, name, start_ns, end_ns)
         self.ops: List[tuple] = []

@@ -85,9 +85,16 @@ class Statistics:
                     self._wait_pending_host(block)
 
     @contextlib.contextmanager
-    def recording(self):
-        """Record block accesses, moves and resident bytes; yields a :class:`Trace`."""
+    def recording(self, regions: bool = False):
+        """Record block accesses, moves and resident bytes; yields a :class:`Trace`.
+
+        ``regions``: module calls that are regions stay regions (one op each, its working
+        set and the room it keeps for what it allocates inside as its accesses), for the
+        offline reference at their granularity; by default every call runs op by op (the
+        timeline model and the per-op reference model aten ops and their kernels).
+        """
         trace = Trace(self.device, self._limit)
+        trace.regions = bool(regions)
         with self._lock:
             self._drain()
             trace.initial = {b.id: (b.nbytes, b.dirty) for b in self._resident.values()}

@@ -12,7 +12,8 @@ be a region (its working set does not fit the budget, it holds host-only tensors
 inside a managed op or under another's saved-tensor hooks) runs as before, op by op, and its
 submodules' calls are considered in turn. While the manager records a trace
 (``tensorsManager.recording()``) every call runs op by op: the trace's consumers (the
-offline optimum, the GPU timeline) model aten ops and their kernels.
+offline optimum, the GPU timeline) model aten ops and their kernels; with
+``recording(regions=True)`` regions stay regions, for the offline optimum at their granularity.
 
 Which modules are regions:
 
@@ -157,7 +158,7 @@ def _module_call(self, *args, **kwargs):
     """``nn.Module.__call__``: the call as a region where it is one (Note [Module regions])."""
     # (compiling first: dynamo inlines this function into graphs and must see no more of it)
     if torch.compiler.is_compiling() or not enabled or state.depth or self._compiled_call_impl is not None \
-            or context.is_disabled() or _mgr._trace is not None \
+            or context.is_disabled() or (_mgr._trace is not None and not _mgr._trace.regions) \
             or self.__class__.__name__ in _WRAPPERS:
         return _original_call(self, *args, **kwargs)
     forced = _override.get(self)

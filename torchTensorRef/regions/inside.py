@@ -93,12 +93,16 @@ class Measure(TorchDispatchMode):
             key, nbytes = t.untyped_storage()._cdata, None
         if key in self.known:
             return
+        if nbytes is None:
+            nbytes = t.untyped_storage().nbytes()
         entry = self.live.get(key)
         if entry is None:
-            if nbytes is None:
-                nbytes = t.untyped_storage().nbytes()
-            entry = self.live[key] = [nbytes, 0]
-            self.now += nbytes
+            entry = self.live[key] = [0, 0]
+        if nbytes > entry[0]:
+            # (new, or grown: a storage resized in place, or one at the address of an empty
+            # storage a tracked tensor let go of with ``set_``, the tensor still alive)
+            self.now += nbytes - entry[0]
+            entry[0] = nbytes
             if self.now > self.peak:
                 self.peak = self.now
         entry[1] += 1

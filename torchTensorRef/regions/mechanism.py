@@ -239,6 +239,8 @@ class Region:
                 if top - limit > mgr._overshoot:
                     mgr._overshoot = top - limit
             mgr._finish(ctx)
+            if mgr._trace is not None:
+                ctx.record_inside(mgr._trace, inside or 0)
         return wrapped
 
     def _needs(self, need: int, inside: int, grad_key) -> int:

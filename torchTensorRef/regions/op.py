@@ -32,6 +32,17 @@ class RegionContext(OpContext):
     def output_estimate(self) -> int:
         return self.estimate
 
+    def record_inside(self, trace, nbytes: int) -> None:
+        """In a trace recorded with regions, the room kept for the inside (``nbytes``) less
+        the op's results (its accesses already) as one more block the op creates and writes:
+        dead after it, the offline reference makes room for it and never moves it. Its id is
+        negative: no block's."""
+        nbytes -= sum(b.nbytes for b in self.outputs)
+        if nbytes > 0:
+            scratch = -1 - self.index
+            trace.accesses.append((self.index, scratch, nbytes, True))
+            trace.created.add(scratch)
+
 
 def bytes_of(t):
     """The plain tensor holding a plain or ``SimTensor`` result's bytes; ``None`` for

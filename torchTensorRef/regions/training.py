@@ -43,7 +43,7 @@ from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import _blocks_of_list
 from .inside import Measure
-from .op import RegionContext, Wrapper, bytes_of
+from .op import RegionContext, Wrapper
 
 _Tensor = torch.Tensor
 
@@ -284,17 +284,8 @@ class BackwardStep:
         mgr = _mgr
         ctx = self.ctx
         with mgr._lock:
-            inputs = {b.dev_key for b in ctx.blocks}
-            fresh = {}
-            for g in grads:
-                p = bytes_of(g) if g is not None else None
-                if p is not None and p.layout is torch.strided:
-                    s = p.untyped_storage()
-                    if s._cdata not in inputs:
-                        fresh[s._cdata] = s.nbytes()
-            nbytes = sum(fresh.values())
-            if nbytes and self.limited:
-                mgr._make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name)
+            # (no room to make: they were allocated in the room kept for the inside, which
+            # ``_finish`` gives back if they took more)
             wrap = Wrapper(mgr, ctx, {}, True)
             return tuple(None if g is None else wrap(g) for g in grads)
 
@@ -306,17 +297,20 @@ class BackwardStep:
                 b.pins -= 1
             if exc[0] is not None:
                 return False
+            inside = needed = ctx.estimate
             if self.limited:
-                inside = ctx.estimate
                 if self.measuring is not None:
                     self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
                     inside = max(inside, self.measuring.peak)  # (the room it took, if more than was kept)
+                    needed = self.measuring.peak
                 top = self.base + inside
                 if top - mgr._elsewhere_bytes > mgr._peak:
                     mgr._peak = top - mgr._elsewhere_bytes
                 if top - mgr._limit > mgr._overshoot:
                     mgr._overshoot = top - mgr._limit
             mgr._finish(ctx)
+            if mgr._trace is not None:
+                ctx.record_inside(mgr._trace, needed)
         return False
 
 
