@@ -277,3 +277,22 @@ def test_a_region_s_backward_is_one_op_whose_working_set_holds_the_weights_it_sa
     # the last block's backward: its weights (saved by its matmuls), not the other blocks'
     assert model[2].up.weight._tr_block.id in read and model[0].up.weight._tr_block.id not in read
     assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
+@pytest.mark.parametrize("device,paged", [("cpu", False), (TEST_DEVICE, True)], ids=["cpu", "device"])
+def test_activations_become_blocks_only_where_the_manager_pages(device, paged):
+    # With nothing ever evicted (pass-through) the inner graph keeps what it saves, as
+    # plain torch does; under a limit each activation becomes a block of the manager.
+    tm.device = device
+    model = Block()
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    model(x)
+    before = len(tm._blocks)
+    out = model(x)
+    (node,) = link_nodes(out.sum())
+    added = len(tm._blocks) - before
+    activations = [s for s in node.training.saved if s.ref is not None and s.ref._tr_block is not x._tr_block
+                   and all(s.ref._tr_block is not p._tr_block for p in model.parameters())]
+    assert (added > 1) is paged and bool(activations) is paged
+    out.sum().backward()
+    assert all(isinstance(p.grad, TensorRef) for p in model.parameters())

@@ -75,12 +75,16 @@ class Training:
             and measured room).
         key: the call's shapes (the backward's room is measured per key).
         sim: the call ran on ``SimTensor``s (strict "sim").
+        paged: the manager pages under a limit; without one (pass-through, or no budget
+            on a device that has no capacity) nothing is ever evicted, and the inner graph
+            keeps what it saves and its leaves as plain torch would, with no hooks.
     """
 
-    def __init__(self, region, key, sim: bool):
+    def __init__(self, region, key, sim: bool, paged: bool = True):
         self.region = region
         self.key = key
         self.sim = sim
+        self.paged = paged
         self.refs = []  # the TensorRefs given as leaves (the node's inputs), in order
         self.leaves = []  # their plain leaves
         self.leaf_edges = []
@@ -103,7 +107,7 @@ class Training:
         return given
 
     def hooks(self):
-        return saved_tensors_hooks(self._pack, self._unpack)
+        return saved_tensors_hooks(self._pack, self._unpack) if self.paged else contextlib.nullcontext()
 
     def _pack(self, t):
         if isinstance(t, TensorRef):
@@ -154,6 +158,8 @@ class Training:
                 s.plain = None
         self.by_storage = {}
         self.leaf_edges = [get_gradient_edge(leaf) for leaf in self.leaves]
+        if not self.paged:
+            return  # (nothing is evicted: a leaf's bytes are its block's for good)
         for leaf in self.leaves:
             if leaf.__class__ is SimTensor:
                 leaf.data_ = leaf.data_.new_empty(0)
