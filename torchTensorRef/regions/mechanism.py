@@ -215,7 +215,7 @@ class Region:
                     mgr.sync_host(b)  # the call reads the host copies
             base = mgr._device_bytes + mgr._inflight_bytes + mgr._elsewhere_bytes
         training = Training(self, key, self.device_views and getattr(backend, "strict", False),
-                            limit is not None and not passthrough) if grad else None
+                            limit is not None and not passthrough, ctx.estimate) if grad else None
         try:
             out = self._run(mgr, call, fn, args, kwargs, on_host, training)
             with mgr._lock:

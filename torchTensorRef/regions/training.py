@@ -78,13 +78,15 @@ class Training:
         paged: the manager pages under a limit; without one (pass-through, or no budget
             on a device that has no capacity) nothing is ever evicted, and the inner graph
             keeps what it saves and its leaves as plain torch would, with no hooks.
+        inside: the room the forward kept for what it allocated inside.
     """
 
-    def __init__(self, region, key, sim: bool, paged: bool = True):
+    def __init__(self, region, key, sim: bool, paged: bool = True, inside: int = 0):
         self.region = region
         self.key = key
         self.sim = sim
         self.paged = paged
+        self.inside = inside
         self.refs = []  # the TensorRefs given as leaves (the node's inputs), in order
         self.leaves = []  # their plain leaves
         self.leaf_edges = []
@@ -201,7 +203,7 @@ class Training:
             return (None,) * len(self.refs)
         refs = [s.ref for s in self.saved if s.ref is not None]
         refs += [g for _e, g in given if isinstance(g, TensorRef)]
-        with BackwardStep(region, refs, self.key) as step:
+        with BackwardStep(region, refs, self.key, self.inside) as step:
             sim = self.sim
 
             def plain(g):
@@ -244,12 +246,12 @@ class Training:
 class BackwardStep:
     """A region call's backward as one op: ``refs`` (the blocks its saved tensors are on, the
     incoming gradients) resident and pinned while it runs, with room for what it allocates:
-    measured on its first run with the call's shapes (``key``), which takes all the room the
-    budget leaves beside the blocks (what a backward's formulas allocate is not bounded by
-    what the forward did)."""
+    measured on its first run with the call's shapes (``key``), which keeps twice the blocks'
+    bytes and the forward's room (``inside``) within what the budget leaves: what a
+    backward's formulas allocate is not bounded by what the forward did."""
 
-    def __init__(self, region, refs, key):
-        self.region, self.refs, self.key = region, refs, key
+    def __init__(self, region, refs, key, inside: int):
+        self.region, self.refs, self.key, self.inside = region, refs, key, inside
         self.measuring = None
         self.held = 0
 
@@ -270,9 +272,10 @@ class BackwardStep:
                 self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
                 room = max(0, mgr._limit - mgr._elsewhere_bytes - self.held)
                 seen = region.backward_peaks.get(self.key)
-                # (until measured, all the room the budget leaves; measured, at most that: the
-                # forward runs op by op where it saw the backward would not fit)
-                ctx.estimate = room if seen is None else min(seen[1], room)
+                # (until measured, twice the blocks and the forward's inside, within what the
+                # budget leaves; measured, that peak: the forward runs op by op where it saw
+                # the backward would not fit)
+                ctx.estimate = min(room, 2 * (self.held + self.inside) if seen is None else seen[1])
             mgr._prepare(ctx)  # (no op-by-op fallback here: the graph is plain)
             if self.limited and self.key not in region.backward_peaks:
                 # (the blocks' storages once resident: views of them are not new bytes)
@@ -303,12 +306,11 @@ class BackwardStep:
                 b.pins -= 1
             if exc[0] is not None:
                 return False
-            inside = needed = ctx.estimate
+            inside = ctx.estimate
             if self.limited:
                 if self.measuring is not None:
                     self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
-                    inside = max(inside, self.measuring.peak)  # (the room it took, if more than was kept)
-                    needed = self.measuring.peak
+                    inside = self.measuring.peak  # (what it took, kept room or not)
                 top = self.base + inside
                 if top - mgr._elsewhere_bytes > mgr._peak:
                     mgr._peak = top - mgr._elsewhere_bytes
@@ -316,7 +318,7 @@ class BackwardStep:
                     mgr._overshoot = top - mgr._limit
             mgr._finish(ctx)
             if mgr._trace is not None:
-                ctx.record_inside(mgr._trace, needed)
+                ctx.record_inside(mgr._trace, inside)
         return False
 
 
