@@ -296,3 +296,25 @@ def test_activations_become_blocks_only_where_the_manager_pages(device, paged):
     assert (added > 1) is paged and bool(activations) is paged
     out.sum().backward()
     assert all(isinstance(p.grad, TensorRef) for p in model.parameters())
+
+
+def test_a_smaller_batch_after_a_larger_one_trains_through_regions_at_once():
+    def run(model, batches):
+        losses = []
+        for x in batches:
+            loss = model(x).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        return losses, loss, grads(model)
+
+    with plain_torch():
+        batches = [torch.randn(n, 16) for n in (8, 8, 4)]
+        plain_losses, _, plain_grads = run(stack().to(tm.torch_device), [b.to(tm.torch_device) for b in batches])
+    model = stack()
+    tm.strategy = "flow"
+    tm.budget = budget(weight_bytes(model) * 4)
+    losses, loss, managed_grads = run(model, [torchTensorRef.manage(b.cpu()) for b in batches])
+    assert len(link_nodes(loss)) == 3  # (the first batch of 4 rows: its blocks ran as regions)
+    assert_identical(plain_losses, losses)
+    assert_identical(plain_grads, managed_grads)
+    assert tm.stats()["peak_device_bytes"] <= tm.budget

@@ -15,6 +15,29 @@ from ..memory.sim.tensor import SimTensor
 _Tensor = torch.Tensor
 
 
+def measured(table: dict, key):
+    """``table[key]`` (a measurement of a call with these shapes), or the least of those
+    measured on calls whose every argument is at least as large (same dtypes and ranks, and
+    gradients or not alike): what a call allocates grows with its arguments, so a larger
+    call's measurement bounds a smaller one's (a batch of shorter sequences after a longer
+    one). ``None`` where there is neither."""
+    seen = table.get(key)
+    if seen is not None or not table:
+        return seen
+    shapes, grad = key
+    best = None
+    for (other, other_grad), value in table.items():
+        if other_grad != grad or len(other) != len(shapes):
+            continue
+        for (size, dtype), (bound, bound_dtype) in zip(shapes, other):
+            if dtype != bound_dtype or len(size) != len(bound) or any(a > b for a, b in zip(size, bound)):
+                break
+        else:
+            if best is None or value[1] < best[1]:
+                best = value
+    return best
+
+
 class Inside:
     """Bytes a region allocates inside: the measured peaks, by argument shapes; and which of
     the TensorRefs held by the objects it is given its call reads."""
@@ -43,7 +66,7 @@ class Inside:
 
     def estimate(self, key, held: int):
         """Bytes to make room for, or ``None``: measure this call."""
-        seen = self.peaks.get(key)
+        seen = measured(self.peaks, key)
         if seen is None:
             return None
         held_then, peak = seen

@@ -23,8 +23,9 @@ aten op (``memory/op_protocol.py``):
 What the call allocates inside (its intermediates and outputs) is measured the first time
 the region runs with given argument shapes under a budget: that call runs op by op (so it
 keeps the budget, as any code does) under a dispatch mode that follows the live bytes of
-the blocks and storages its ops create, to their peak. Later calls with the same shapes run
-as regions and make room for that peak, scaled by the growth of the tensors held in objects
+the blocks and storages its ops create, to their peak. Later calls with the same shapes, or
+no larger ones (``inside.measured``), run as regions and make room for that peak, scaled by
+the growth of the tensors held in objects
 (a cache that grows each step), and measure again when those have doubled; a working set
 whose peak does not fit beside it runs op by op. The manager's peak counts the working set
 plus the room kept for the inside.
@@ -48,7 +49,7 @@ from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import _blocks_of_list, _wrap_one
-from .inside import Inside, Measure
+from .inside import Inside, Measure, measured
 from .op import RegionContext, RegionSpec, Wrapper, bytes_of
 from .scan import (OBJECT_DEPTH, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, objects_of, scan_args,
                    select_object_slots)
@@ -251,7 +252,7 @@ class Region:
         and room for the outgoing ones (Note [Regions with gradients])."""
         if grad_key is None:
             return need + inside
-        seen = self.backward_peaks.get(grad_key)
+        seen = measured(self.backward_peaks, grad_key)
         if seen is None:
             return 2 * need + 3 * inside
         return max(need + inside, seen[0] + seen[1])

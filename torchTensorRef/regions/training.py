@@ -42,7 +42,7 @@ from ..memory.sim import backward_errors
 from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import _blocks_of_list
-from .inside import Measure
+from .inside import Measure, measured
 from .op import RegionContext, Wrapper
 
 _Tensor = torch.Tensor
@@ -254,6 +254,7 @@ class BackwardStep:
         self.region, self.refs, self.key, self.inside = region, refs, key, inside
         self.measuring = None
         self.held = 0
+        self.seen = None  # (bytes of its blocks, peak inside) of a backward with shapes at least these
 
     def __enter__(self):
         mgr = _mgr
@@ -271,13 +272,13 @@ class BackwardStep:
                 size = backend.block_bytes
                 self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
                 room = max(0, mgr._limit - mgr._elsewhere_bytes - self.held)
-                seen = region.backward_peaks.get(self.key)
+                seen = self.seen = measured(region.backward_peaks, self.key)
                 # (until measured, twice the blocks and the forward's inside, within what the
                 # budget leaves; measured, that peak: the forward runs op by op where it saw
                 # the backward would not fit)
                 ctx.estimate = min(room, 2 * (self.held + self.inside) if seen is None else seen[1])
             mgr._prepare(ctx)  # (no op-by-op fallback here: the graph is plain)
-            if self.limited and self.key not in region.backward_peaks:
+            if self.limited and self.seen is None:
                 # (the blocks' storages once resident: views of them are not new bytes)
                 self.measuring = Measure({b.dev_key for b in blocks})
             for b in blocks:
