@@ -42,6 +42,7 @@ from ..core import context
 from ..memory.manager import tensorsManager as _mgr
 from .mechanism import NotARegion, Region, in_region, state
 from .scan import parameter_slots
+from .threads import callers
 
 #: regions on or off, for the whole process
 enabled = True
@@ -66,8 +67,9 @@ min_ops = 8
 _original_call = torch.nn.Module.__call__
 #: modules that wrap another and must see its calls: torch.compile's (the compiler traces
 #: them), DistributedDataParallel (its reducer follows the forward and the autograd graph of
-#: the parameters it wraps); the module inside may be a region
-_WRAPPERS = frozenset(("OptimizedModule", "DistributedDataParallel"))
+#: the parameters it wraps), DataParallel (its forward waits on threads that call modules:
+#: Note [Regions and threads]); the module inside may be a region
+_WRAPPERS = frozenset(("OptimizedModule", "DistributedDataParallel", "DataParallel"))
 
 _override: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _info: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -164,6 +166,14 @@ def _module_call(self, *args, **kwargs):
     forced = _override.get(self)
     if forced is False:
         return _original_call(self, *args, **kwargs)
+    callers.enter()  # (Note [Regions and threads])
+    try:
+        return _call(self, forced, args, kwargs)
+    finally:
+        callers.leave()
+
+
+def _call(self, forced, args, kwargs):
     info = _info.get(self)
     if info is None:
         info = _info[self] = _ModuleInfo(self)
@@ -181,10 +191,15 @@ def _module_call(self, *args, **kwargs):
         ops = info.region.ops
         if ops is not None and ops < min_ops:
             return _original_call(self, *args, **kwargs)
+    if not callers.claim():
+        return _original_call(self, *args, **kwargs)  # another thread is inside a module call
     try:
         return info.region.run(lambda *a, **k: _original_call(self, *a, **k), args, kwargs, info.slots, train=train)
     except NotARegion:
-        return _original_call(self, *args, **kwargs)
+        pass
+    finally:
+        callers.release()
+    return _original_call(self, *args, **kwargs)
 
 
 def install() -> None:

@@ -1,0 +1,101 @@
+"""Regions and threads (Note [Regions and threads] in regions/threads.py): a region swaps its
+module's tensors for plain views, so other threads' module calls wait for it, and a call is
+a region only while no other thread is inside a module call."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import torchTensorRef
+from torchTensorRef import TensorRef, regions, tensorsManager as tm
+from paired import assert_identical, plain_torch
+
+TIMEOUT = 60
+
+
+class Gate(torch.nn.Module):
+    """A Linear whose call, as a region, stops at a gate until told to go on."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.inside = threading.Event()
+        self.go = threading.Event()
+        self.hold = False
+
+    def forward(self, x):
+        if self.hold and regions.in_region():
+            self.inside.set()
+            assert self.go.wait(TIMEOUT)
+        return self.lin(x).relu()
+
+
+def test_a_module_call_waits_while_another_thread_s_region_has_its_tensors_swapped():
+    with plain_torch():
+        x = torch.randn(2, 8)
+        plain_model = Gate().to(tm.torch_device)
+        with torch.no_grad():
+            plain = plain_model(x.to(tm.torch_device))
+    model = regions.region(Gate())
+    mx = torchTensorRef.manage(x.cpu())
+    with torch.no_grad():
+        model(mx)  # (measured: op by op)
+    model.hold = True
+    outs, errors, order = {}, [], []
+
+    def call(name):
+        try:
+            with torch.no_grad():
+                outs[name] = model(mx)
+            order.append(name)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    first = threading.Thread(target=call, args=("first",))
+    first.start()
+    assert model.inside.wait(TIMEOUT)  # the first call is inside its region, tensors swapped
+    second = threading.Thread(target=call, args=("second",))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and "second" not in outs  # it waits: the module's tensors are views now
+    model.go.set()
+    first.join(TIMEOUT)
+    second.join(TIMEOUT)
+    assert not first.is_alive() and not second.is_alive() and not errors, errors
+    assert order == ["first", "second"]
+    assert all(isinstance(p, TensorRef) for p in model.parameters())  # given back
+    assert_identical(plain, outs["first"])
+    assert_identical(plain, outs["second"])
+
+
+def test_several_threads_training_one_model_get_plain_torch_s_gradients():
+    torch.manual_seed(0)
+    with plain_torch():
+        xs = [torch.randn(4, 8) for _ in range(4)]
+        plain_model = Gate().to(tm.torch_device)
+        expected = [torch.autograd.grad(plain_model(x.to(tm.torch_device)).sum(), list(plain_model.parameters()))
+                    for x in xs]
+    model = regions.region(Gate())
+    params = list(model.parameters())
+    results, errors = [None] * len(xs), []
+    start = threading.Barrier(len(xs))
+
+    def work(i):
+        try:
+            start.wait(TIMEOUT)
+            for _ in range(3):
+                results[i] = torch.autograd.grad(model(torchTensorRef.manage(xs[i].cpu())).sum(), params)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    for got, want in zip(results, expected):
+        assert_identical(list(want), list(got))
