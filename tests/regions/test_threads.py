@@ -1,6 +1,7 @@
 """Regions and threads (Note [Regions and threads] in regions/threads.py): a region swaps its
 module's tensors for plain views, so other threads' module calls wait for it, and a call is
-a region only while no other thread is inside a module call."""
+a region only while no other thread is inside a module call. (Several threads training one
+model through regions: tests/memory/test_manager.py, test_backward_on_several_threads_...)"""
 
 from __future__ import annotations
 
@@ -70,32 +71,3 @@ def test_a_module_call_waits_while_another_thread_s_region_has_its_tensors_swapp
     assert_identical(plain, outs["first"])
     assert_identical(plain, outs["second"])
 
-
-def test_several_threads_training_one_model_get_plain_torch_s_gradients():
-    torch.manual_seed(0)
-    with plain_torch():
-        xs = [torch.randn(4, 8) for _ in range(4)]
-        plain_model = Gate().to(tm.torch_device)
-        expected = [torch.autograd.grad(plain_model(x.to(tm.torch_device)).sum(), list(plain_model.parameters()))
-                    for x in xs]
-    model = regions.region(Gate())
-    params = list(model.parameters())
-    results, errors = [None] * len(xs), []
-    start = threading.Barrier(len(xs))
-
-    def work(i):
-        try:
-            start.wait(TIMEOUT)
-            for _ in range(3):
-                results[i] = torch.autograd.grad(model(torchTensorRef.manage(xs[i].cpu())).sum(), params)
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT)
-    assert not any(t.is_alive() for t in threads) and not errors, errors
-    for got, want in zip(results, expected):
-        assert_identical(list(want), list(got))
