@@ -246,9 +246,9 @@ class Training:
 class BackwardStep:
     """A region call's backward as one op: ``refs`` (the blocks its saved tensors are on, the
     incoming gradients) resident and pinned while it runs, with room for what it allocates:
-    measured on its first run with the call's shapes (``key``), which keeps twice the blocks'
-    bytes and the forward's room (``inside``) within what the budget leaves: what a
-    backward's formulas allocate is not bounded by what the forward did."""
+    measured on its first run with the call's shapes (``key``), which keeps all the room the
+    budget leaves (with no budget, twice the blocks' bytes and the forward's room,
+    ``inside``): what a backward's formulas allocate is not bounded by what the forward did."""
 
     def __init__(self, region, refs, key, inside: int):
         self.region, self.refs, self.key, self.inside = region, refs, key, inside
@@ -273,10 +273,18 @@ class BackwardStep:
                 self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
                 room = max(0, mgr._limit - mgr._elsewhere_bytes - self.held)
                 seen = self.seen = measured(region.backward_peaks, self.key)
-                # (until measured, twice the blocks and the forward's inside, within what the
-                # budget leaves; measured, that peak: the forward runs op by op where it saw
-                # the backward would not fit)
-                ctx.estimate = min(room, 2 * (self.held + self.inside) if seen is None else seen[1])
+                # Until measured, under a budget all the room it leaves (what a backward's
+                # formulas allocate is not bounded by the forward: recomputing a checkpointed
+                # forward inside it took 4x); with none, twice the blocks and the forward's
+                # room (evicting all else for a device's whole capacity would move every
+                # block). Measured, that peak: the forward runs op by op where it saw the
+                # backward would not fit.
+                if seen is not None:
+                    ctx.estimate = min(room, seen[1])
+                elif mgr._budget is not None:
+                    ctx.estimate = room
+                else:
+                    ctx.estimate = min(room, 2 * (self.held + self.inside))
             mgr._prepare(ctx)  # (no op-by-op fallback here: the graph is plain)
             if self.limited and self.seen is None:
                 # (the blocks' storages once resident: views of them are not new bytes)
