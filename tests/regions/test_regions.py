@@ -424,3 +424,16 @@ def test_a_call_no_larger_than_a_measured_one_is_a_region_at_once_and_a_larger_o
     # 8 rows: measured op by op; 4 rows: bounded by the 8 rows' measurement, one op; 16: measured
     assert ops[0] > 1 and ops[1] == 1 and ops[2] > 1, ops
     assert_identical(plain, outs)
+
+
+def test_inside_data_parallel_the_module_runs_op_by_op(small_regions):
+    # (its forward waits on threads that call modules; DistributedDataParallel alike:
+    # tests/integrations/test_distributed.py)
+    model = mlp()
+    wrapper = torch.nn.DataParallel(model)
+    x = torchTensorRef.manage(torch.randn(4, 16))
+    with torch.no_grad():
+        model(x)
+        _, alone = ops_of(lambda: model(x))
+        _, wrapped = ops_of(lambda: wrapper(x))
+    assert alone == 1 and wrapped == 5  # t, addmm, gelu, t, addmm

@@ -33,6 +33,7 @@ manager's settings.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -66,10 +67,21 @@ min_ops = 8
 
 _original_call = torch.nn.Module.__call__
 #: modules that wrap another and must see its calls: torch.compile's (the compiler traces
-#: them), DistributedDataParallel (its reducer follows the forward and the autograd graph of
-#: the parameters it wraps), DataParallel (its forward waits on threads that call modules:
-#: Note [Regions and threads]); the module inside may be a region
-_WRAPPERS = frozenset(("OptimizedModule", "DistributedDataParallel", "DataParallel"))
+#: them; the module inside may be a region)
+_WRAPPERS = frozenset(("OptimizedModule",))
+#: wrappers whose module runs op by op inside them: DistributedDataParallel (its reducer
+#: follows the forward and the autograd graph of the parameters it wraps; with the wrapped
+#: module a region, a two-rank torchrun run on "sim" aborted once under load, cause not yet
+#: found) and DataParallel (its forward waits on threads that call modules: Note [Regions
+#: and threads])
+_OP_BY_OP_WRAPPERS = frozenset(("DistributedDataParallel", "DataParallel"))
+
+
+class _Wrapped(threading.local):
+    depth = 0  # calls of _OP_BY_OP_WRAPPERS in progress on this thread
+
+
+_wrapped = _Wrapped()
 
 _override: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _info: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -159,10 +171,16 @@ def _tensor_bytes(info: _ModuleInfo) -> int:
 def _module_call(self, *args, **kwargs):
     """``nn.Module.__call__``: the call as a region where it is one (Note [Module regions])."""
     # (compiling first: dynamo inlines this function into graphs and must see no more of it)
-    if torch.compiler.is_compiling() or not enabled or state.depth or self._compiled_call_impl is not None \
-            or context.is_disabled() or (_mgr._trace is not None and not _mgr._trace.regions) \
-            or self.__class__.__name__ in _WRAPPERS:
+    if torch.compiler.is_compiling() or not enabled or state.depth or _wrapped.depth \
+            or self._compiled_call_impl is not None or context.is_disabled() \
+            or (_mgr._trace is not None and not _mgr._trace.regions) or self.__class__.__name__ in _WRAPPERS:
         return _original_call(self, *args, **kwargs)
+    if self.__class__.__name__ in _OP_BY_OP_WRAPPERS:
+        _wrapped.depth += 1
+        try:
+            return _original_call(self, *args, **kwargs)
+        finally:
+            _wrapped.depth -= 1
     forced = _override.get(self)
     if forced is False:
         return _original_call(self, *args, **kwargs)

@@ -7,7 +7,7 @@ region of its own, would compute on another call's views. So a call runs as a re
 while no other thread is inside a module call, and a module call made while another
 thread's region runs waits for it to end (several threads calling one model then take
 turns at the regions, and run op by op beside each other). A region's forward must not
-wait on another thread that calls modules: ``DataParallel`` is never a region itself.
+wait on another thread that calls modules: inside ``DataParallel`` modules run op by op.
 """
 
 from __future__ import annotations
