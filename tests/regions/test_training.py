@@ -110,37 +110,50 @@ def test_adamw_steps_through_regions_match_plain_torch(device, fraction):
         assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 
-def test_a_llama_trains_through_decoder_layer_regions_under_a_budget():
-    def step(model, ids):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        # (each level of modules runs op by op once, measured, before its parts are
-        # considered: the decoder layers are regions from the fourth step)
-        for _ in range(5):
-            opt.zero_grad(set_to_none=True)
-            loss = model(ids, labels=ids).loss
-            loss.backward()
+def llama_steps(model, ids, clip=False, checkpointing=False):
+    """Five AdamW steps of a Llama; the losses and the last loss."""
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.detach())
-        return losses, loss
+        opt.step()
+        losses.append(loss.detach())
+    return losses, loss
 
+
+def managed_llama_trains_as_plain_torch(**options):
+    """``llama_steps`` on a plain and a managed tiny Llama (a budget of 3x its weights):
+    losses, parameters and the peak checked; the managed last loss."""
     ids = torch.randint(1, 64, (2, 12))
     with plain_torch():
         torch.manual_seed(0)
         plain_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(tm.torch_device)
-        plain_losses, _ = step(plain_model, ids.to(tm.torch_device))
+        plain_losses, _ = llama_steps(plain_model, ids.to(tm.torch_device), **options)
         plain_params = [p.detach() for p in plain_model.parameters()]
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
     tm.strategy = "flow"
     tm.budget = budget(weight_bytes(model) * 3)
-    losses, loss = step(model, torchTensorRef.manage(ids))
-    names = {n.training.region.name for n in link_nodes(loss)}
-    assert "region LlamaDecoderLayer" in names, names
+    losses, loss = llama_steps(model, torchTensorRef.manage(ids), **options)
     assert_identical(plain_losses, losses)
     assert_identical(plain_params, [p.detach() for p in model.parameters()])
     assert tm.stats()["peak_device_bytes"] <= tm.budget
+    return loss
+
+
+def test_a_llama_trains_through_decoder_layer_regions_under_a_budget():
+    # (each level of modules runs op by op once, measured, before its parts are considered:
+    # the decoder layers are regions from the fourth step)
+    loss = managed_llama_trains_as_plain_torch(clip=True)
+    names = {n.training.region.name for n in link_nodes(loss)}
+    assert "region LlamaDecoderLayer" in names, names
 
 
 def test_gradients_reach_inputs_frozen_parameters_and_dropout_as_in_plain_torch():
@@ -285,6 +298,8 @@ def test_activations_become_blocks_only_where_the_manager_pages(device, paged):
     # plain torch does; under a limit each activation becomes a block of the manager.
     tm.device = device
     model = Block()
+    if paged:
+        tm.budget = budget(weight_bytes(model) * 8)  # (a limit on any device: CUDA has none without one)
     x = torchTensorRef.manage(torch.randn(4, 16))
     model(x)
     before = len(tm._blocks)
@@ -321,30 +336,4 @@ def test_a_smaller_batch_after_a_larger_one_trains_through_regions_at_once():
 
 
 def test_transformers_gradient_checkpointing_trains_as_in_plain_torch():
-    def steps(model, ids):
-        model.gradient_checkpointing_enable()
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for _ in range(5):
-            opt.zero_grad(set_to_none=True)
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
-
-    ids = torch.randint(1, 64, (2, 12))
-    with plain_torch():
-        torch.manual_seed(0)
-        plain_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(tm.torch_device)
-        plain_losses = steps(plain_model, ids.to(tm.torch_device))
-        plain_params = [p.detach() for p in plain_model.parameters()]
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
-    tm.strategy = "flow"
-    tm.budget = budget(weight_bytes(model) * 3)
-    losses = steps(model, torchTensorRef.manage(ids))
-    assert_identical(plain_losses, losses)
-    assert_identical(plain_params, [p.detach() for p in model.parameters()])
-    assert tm.stats()["peak_device_bytes"] <= tm.budget
+    managed_llama_trains_as_plain_torch(checkpointing=True)
