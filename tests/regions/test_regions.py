@@ -407,9 +407,9 @@ def test_under_a_budget_regions_are_on_by_default_and_under_budget_makes_them_op
     assert (budgeted, free, forced) == (1, 1, 1) and opted_out > 3  # op by op only when opted out
 
 
-def test_a_call_no_larger_than_a_measured_one_is_a_region_at_once_and_a_larger_one_is_measured(small_regions):
+def test_a_call_no_larger_than_a_measured_one_is_a_region_at_once_and_a_much_larger_one_is_measured(small_regions):
     with plain_torch():
-        xs = [torch.randn(n, 16) for n in (8, 4, 16)]
+        xs = [torch.randn(n, 16) for n in (8, 4, 16, 40, 36)]
         with torch.no_grad():
             plain_model = mlp().to(tm.torch_device)
             plain = [plain_model(x.to(tm.torch_device)) for x in xs]
@@ -421,8 +421,11 @@ def test_a_call_no_larger_than_a_measured_one_is_a_region_at_once_and_a_larger_o
             tm.reset_stats()
             outs.append(model(torchTensorRef.manage(x.cpu())))
             ops.append(tm.stats()["ops"])
-    # 8 rows: measured op by op; 4 rows: bounded by the 8 rows' measurement, one op; 16: measured
-    assert ops[0] > 1 and ops[1] == 1 and ops[2] > 1, ops
+    # 8 rows: measured op by op; 4 rows: bounded by the 8 rows' measurement, one op; 16 rows:
+    # within GROWTH of 8, one op measuring itself (Note [Calls larger than measured]); 40 rows:
+    # beyond it, measured op by op; 36 rows: bounded by 40's
+    assert ops[0] > 1 and ops[1] == 1 and ops[2] == 1 and ops[3] > 1 and ops[4] == 1, ops
+    assert tm.stats()["worst_overshoot_bytes"] == 0
     assert_identical(plain, outs)
 
 

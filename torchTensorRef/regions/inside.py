@@ -38,6 +38,18 @@ def measured(table: dict, key):
     return best
 
 
+#: a call larger than every measured one is estimated from the nearest measured call whose
+#: arguments it exceeds by at most this factor (in elements); beyond it, it is measured op by op
+GROWTH = 2.0
+
+
+def _numel(size) -> int:
+    n = 1
+    for d in size:
+        n *= d
+    return n
+
+
 class Inside:
     """Bytes a region allocates inside: the measured peaks, by argument shapes; and which of
     the TensorRefs held by the objects it is given its call reads."""
@@ -46,22 +58,21 @@ class Inside:
 
     def __init__(self):
         self.peaks: dict = {}  # shapes -> (bytes held in objects then, peak bytes inside)
-        self.uses: dict = {}  # shapes -> (TensorRefs objects held then, positions of those read)
+        #: (shapes, TensorRefs the objects held) -> positions of those the call read (a
+        #: prefill's layers share their shapes, each given a cache one layer fuller)
+        self.uses: dict = {}
 
     def used_objects(self, key, held: int):
         """Positions, among the ``held`` TensorRefs the call's objects hold, of those the
         measured call with these shapes read; ``None``: all (unmeasured, or the objects
         changed shape since)."""
-        seen = self.uses.get(key)
-        if seen is None or seen[0] != held:
-            return None
-        return seen[1]
+        return self.uses.get((key, held))
 
     def learn_uses(self, key, held_refs, read: set) -> list:
         """Remember which of ``held_refs`` (the objects' TensorRefs, in scan order) the
         measured call read; returns their positions."""
         used = [i for i, v in enumerate(held_refs) if v._tr_block.id in read]
-        self.uses[key] = (len(held_refs), used)
+        self.uses[(key, len(held_refs))] = used
         return used
 
     def estimate(self, key, held: int):
@@ -76,6 +87,49 @@ class Inside:
 
     def record(self, key, held: int, peak: int) -> None:
         self.peaks[key] = (held, peak)
+
+    def nearest(self, key, held_refs: int):
+        """For a call without gradients that no measurement bounds (Note [Calls larger than
+        measured]): ``(the measured shapes nearest below it, the growth factor)``, or
+        ``None`` where no call measured with the objects holding ``held_refs`` TensorRefs
+        has the same structure within ``GROWTH``."""
+        shapes, grad = key
+        if grad:
+            return None
+        if key in self.peaks:
+            return (key, 1.0) if (key, held_refs) in self.uses else None  # (only its cache grew)
+        best = None
+        for other in self.peaks:
+            other_shapes, other_grad = other
+            if other_grad or len(other_shapes) != len(shapes) or (other, held_refs) not in self.uses:
+                continue
+            growth = 1.0
+            for (size, dtype), (was, was_dtype) in zip(shapes, other_shapes):
+                if dtype != was_dtype or len(size) != len(was):
+                    break
+                n, m = _numel(size), _numel(was)
+                if n > m:
+                    if m == 0:
+                        break
+                    growth = max(growth, n / m)
+            else:
+                if growth <= GROWTH and (best is None or growth < best[1]):
+                    best = (other, growth)
+        return best
+
+    def grown(self, near, growth: float, held: int) -> int:
+        """Bytes to make room for a call ``growth`` times larger than the one measured with
+        shapes ``near``: its peak grown as the square of its arguments (attention's scores
+        grow with the square of a sequence) and as its objects' tensors (a cache)."""
+        held_then, peak = self.peaks[near]
+        estimate = peak * growth * growth
+        if held > held_then:
+            estimate = estimate * held / max(held_then, 1)
+        return int(estimate) + 1
+
+    def learn_like(self, key, near, held_refs: int) -> None:
+        """The call with shapes ``key`` read the objects' TensorRefs the one with ``near`` read."""
+        self.uses[(key, held_refs)] = self.uses[(near, held_refs)]
 
 
 class Measure(TorchDispatchMode):

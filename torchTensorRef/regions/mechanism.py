@@ -30,6 +30,17 @@ the growth of the tensors held in objects
 whose peak does not fit beside it runs op by op. The manager's peak counts the working set
 plus the room kept for the inside.
 
+Note [Calls larger than measured]: serving sends ``generate()`` calls of every prompt
+length, and each step of the longest one yet is larger than any call measured. Measured op
+by op, every such call would cost the per-op path and break the period Flow learned (a
+layer's one op becomes its seventy). A call without gradients within ``inside.GROWTH`` (in
+elements) of a measured call of the same structure runs as a region instead: room is made
+for that call's peak grown as the square of the growth (attention's scores grow with the
+square of a prompt) and as the objects' tensors grew, the call reads the objects' tensors
+the measured one read, and a dispatch mode on its plain tensors (no op of the manager)
+measures its peak, recorded for its shapes. A peak above the room made is reported as
+``worst_overshoot_bytes``, as any excess over the budget.
+
 Autograd cannot see through a region (the call runs on plain views, not on the TensorRefs
 autograd tracks): a call that needs gradients builds its own graph inside, linked to the
 TensorRefs' by one autograd node whose backward is a step of the pager too (Note [Regions
@@ -153,7 +164,14 @@ class Region:
                         grad = True
                         break
         key = (tuple(call.shapes), grad)
-        select_object_slots(call, self.inside.used_objects(key, len(call.slots) - call.params))
+        held_refs = len(call.slots) - call.params
+        used = self.inside.used_objects(key, held_refs)
+        near = None
+        if self.measure and not grad and (used is None or key in self.inside.peaks):
+            near = self.inside.nearest(key, held_refs)  # (Note [Calls larger than measured])
+            if near is not None:
+                used = self.inside.used_objects(near[0], held_refs)
+        select_object_slots(call, used)
         if not refs:
             return fn(*args, **kwargs)  # nothing managed: the call as it is
         if grad:
@@ -187,11 +205,14 @@ class Region:
             if not on_host and not passthrough:
                 for b in blocks:
                     need += b.nbytes
-            measure = False
+            measure = meter = False
             if limit is None or passthrough or on_host:
                 ctx.estimate = 0
             else:
                 est = self.inside.estimate(key, call.held)
+                if est is None and near is not None:
+                    est = self.inside.grown(near[0], near[1], call.held)
+                    meter = True
                 if est is None and not self.measure:
                     est = 0  # (its outputs, once seen)
                 elif est is None:
@@ -217,8 +238,10 @@ class Region:
             base = mgr._device_bytes + mgr._inflight_bytes + mgr._elsewhere_bytes
         training = Training(self, key, self.device_views and getattr(backend, "strict", False),
                             limit is not None and not passthrough, ctx.estimate) if grad else None
+        if meter:
+            meter = Measure({b.dev_key for b in blocks})  # (its inputs' storages are not its own)
         try:
-            out = self._run(mgr, call, fn, args, kwargs, on_host, training)
+            out = self._run(mgr, call, fn, args, kwargs, on_host, training, meter or None)
             with mgr._lock:
                 wrapped, out_bytes = self._finish_outputs(mgr, ctx, call, out, on_host, training)
         except BaseException:
@@ -232,8 +255,13 @@ class Region:
             if not self.measure:
                 self.inside.record(key, call.held, out_bytes)
                 inside = None  # (its outputs were made room for as they joined the books)
+            elif meter:
+                self.inside.record(key, call.held, meter.peak)
+                inside = max(ctx.estimate, meter.peak)
             else:
                 inside = ctx.estimate
+            if near is not None and near[0] != key:
+                self.inside.learn_like(key, near[0], held_refs)  # (found at once next time)
             if inside is not None and limit is not None and not passthrough and not on_host:
                 top = base + inside  # (the working set and the room kept for the inside)
                 if top - mgr._elsewhere_bytes > mgr._peak:
@@ -273,7 +301,7 @@ class Region:
         self.ops = meter.ops
         return out
 
-    def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool, training=None):
+    def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool, training=None, meter=None):
         backend = mgr._backend
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
         views = call.views
@@ -326,12 +354,13 @@ class Region:
         device = None if on_host or backend.passthrough else backend.declared
         plain_mode = PlainMode() if sim else contextlib.nullcontext()
         hooks = training.hooks() if training is not None else contextlib.nullcontext()
+        counting = meter if meter is not None else contextlib.nullcontext()
         state.depth += 1
         previous = context.enter_plain(device)
         try:
             for d, k, v in call.slots:
                 d[k] = swap(v)
-            with plain_mode, hooks:
+            with plain_mode, hooks, counting:
                 out = fn(*cargs, **ckwargs)
         finally:
             context.exit_plain(previous)

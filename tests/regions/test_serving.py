@@ -1,0 +1,93 @@
+"""Serving through regions: ``generate()`` requests one after another, each with its own
+prompt length and number of new tokens, under Flow at half the weights (Note [Module
+regions] in regions/__init__.py; Note [State carried over a period] in
+strategies/flow_learn.py). Every request's tokens are plain torch's on the same device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import regions, tensorsManager as tm
+from torchTensorRef.strategies import Flow
+from paired import assert_identical, budget, plain_torch
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+#: (prompt length, new tokens) of each request: no two alike
+REQUESTS = [(5, 6), (9, 3), (3, 8), (7, 5), (4, 7), (11, 4)]
+
+
+@pytest.fixture(autouse=True)
+def regions_on():
+    previous = regions.enabled, regions.under_budget
+    regions.enabled, regions.under_budget = True, True
+    yield
+    regions.enabled, regions.under_budget = previous
+
+
+def llama():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+
+
+def generate(model, ids, prompt: int, tokens: int):
+    """One request's tokens (its prompt: a prefix of ``ids``)."""
+    with torch.no_grad():
+        return model.generate(ids[:, :prompt], max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                              pad_token_id=0)
+
+
+def test_requests_of_every_length_run_as_regions_keep_flow_s_period_and_match_plain_torch():
+    # Note [Calls larger than measured]: after the first request, whose calls are measured op by
+    # op, every decoder layer's call is a region, the longest prompts and caches yet included
+    ids = torch.randint(1, 64, (1, max(p for p, _n in REQUESTS)), generator=torch.Generator().manual_seed(3))
+    with plain_torch():
+        plain = llama().to(tm.torch_device)
+        expected = [generate(plain, ids.to(tm.torch_device), p, n) for p, n in REQUESTS]
+    flow = Flow()
+    tm.strategy = flow
+    model = llama()
+    layer = sum(t.numel() * t.element_size() for t in model.model.layers[0].state_dict().values())
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    tm.budget = budget(weights // 2)
+    assert layer <= regions.fraction * (weights // 2)  # (the size rule: a layer is a region)
+    tm.reset_stats()
+    layers = []
+    handle = tm.add_callback(before=lambda op: layers.append(op.index) if op.name == "region LlamaDecoderLayer" else None)
+    managed_ids = torchTensorRef.manage(ids.clone())
+    periods = []
+    try:
+        for (prompt, tokens), plain_tokens in zip(REQUESTS, expected):
+            layers.clear()
+            assert_identical(plain_tokens, generate(model, managed_ids, prompt, tokens))
+            if periods:  # (the first request measures each shape op by op)
+                assert len(layers) == CONFIG["num_hidden_layers"] * tokens, (prompt, tokens)  # (a prefill is a step)
+            periods.append(flow.period)
+    finally:
+        handle.remove()
+    # Flow's period is one decode step, kept through requests that never repeat whole
+    assert periods[0] is not None and set(periods) == {periods[0]} and flow.plan is not None
+    stats = tm.stats()
+    assert stats["evictions"] > 0 and stats["peak_device_bytes"] <= tm.budget
+    assert stats["worst_overshoot_bytes"] == 0  # (no call's inside outgrew the room made for it)
+
+
+def test_a_call_beyond_the_growth_limit_is_measured_op_by_op():
+    from torchTensorRef.regions import inside
+
+    table = inside.Inside()
+    small = (((1, 4, 32), torch.float32),), False
+    table.record(small, 0, 1000)
+    table.uses[(small, 0)] = []
+    within = (((1, 6, 32), torch.float32),), False
+    beyond = (((1, 9, 32), torch.float32),), False
+    near, growth = table.nearest(within, 0)
+    assert near == small and growth == 1.5
+    assert table.grown(near, growth, 0) >= 1000 * 1.5 ** 2  # (a square: attention's scores)
+    assert table.nearest(beyond, 0) is None  # (more than GROWTH: measured again)
+    assert table.nearest(within, 2) is None  # (the objects hold other tensors: what it reads is unknown)
+    assert table.nearest((within[0], True), 0) is None  # (a call with gradients is measured)
