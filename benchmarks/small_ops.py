@@ -1,11 +1,14 @@
 """Where the proxy's per-op cost shows: batch-1 decoding and small training steps.
 
 Large matrix products hide the time a Python tensor subclass adds to each op; small models
-at batch 1 do not. Three works, on one thread:
+at batch 1 do not. Four works, on one thread:
 
 - ``decode``: greedy ``generate()`` (``do_sample=False``, the default dynamic cache) of a
   random-weight Llama and GPT-2 built from ``transformers`` configs, 8-token prompt, 24
   new tokens, batch 1;
+- ``serve``: requests one after another, as a server gets them: greedy ``generate()`` calls
+  of the Llama, each with its own prompt length and number of new tokens (the size's
+  ``requests``), batch 1; Flow must find its period in calls that never repeat whole;
 - ``train``: an AdamW step (forward, backward, step) of a 4-layer Llama, batch 4 x 32.
 
 Rows: plain torch; the floor of any Python subclass (``overhead.MinimalWrapper`` around the
@@ -69,12 +72,14 @@ from benchmarks.common import tm  # noqa: E402
 #: model and work sizes; ``tiny`` checks the harness in seconds
 SIZES = {
     "small": dict(llama=dict(layers=4, hidden=256, intermediate=512, vocab=1000, heads=4, kv_heads=4),
-                  gpt2=dict(layers=4, embd=256, vocab=1000), prompt=8, tokens=24, batch=4, seq=32, repeats=9),
+                  gpt2=dict(layers=4, embd=256, vocab=1000), prompt=8, tokens=24, batch=4, seq=32, repeats=9,
+                  requests=((8, 11), (15, 4), (4, 9), (11, 6))),
     "tiny": dict(llama=dict(layers=2, hidden=64, intermediate=128, vocab=128, heads=4, kv_heads=4),
-                 gpt2=dict(layers=2, embd=64, vocab=128), prompt=8, tokens=4, batch=2, seq=16, repeats=2),
+                 gpt2=dict(layers=2, embd=64, vocab=128), prompt=8, tokens=4, batch=2, seq=16, repeats=2,
+                 requests=((5, 3), (9, 2), (3, 4))),
 }
 #: the models each work runs
-WORKS = {"decode": ("llama", "gpt2"), "train": ("llama",)}
+WORKS = {"decode": ("llama", "gpt2"), "serve": ("llama",), "train": ("llama",)}
 WARMUP = 2
 #: CPU time of the process, not of the thread: on "sim" (an accelerator to torch) autograd runs
 #: backward on its own device thread while this one waits
@@ -126,22 +131,30 @@ class Work:
 
     def __init__(self, model: str, kind: str, size: dict, repeats: int):
         self.name, self.kind, self.size = f"{model} {kind}", kind, size
-        positions = max(size["seq"], size["prompt"] + size["tokens"]) + 8
+        positions = max([size["seq"], size["prompt"] + size["tokens"]] + [p + n for p, n in size["requests"]]) + 8
         if model == "gpt2":
             self.model = common.gpt2(positions=positions, **size["gpt2"])
         else:
             self.model = common.llama(positions=positions, **size["llama"])
         vocab = self.model.config.vocab_size
-        self.ids = (common.plain_inputs(1, vocab, size["batch"], size["seq"]) if kind == "train"
-                    else common.plain_inputs(2, vocab, 1, size["prompt"]))
+        if kind == "train":
+            self.ids = common.plain_inputs(1, vocab, size["batch"], size["seq"])
+        elif kind == "serve":  # (each request's prompt is a prefix of these)
+            self.ids = common.plain_inputs(3, vocab, 1, max(p for p, _n in size["requests"]))
+        else:
+            self.ids = common.plain_inputs(2, vocab, 1, size["prompt"])
         self.runs = WARMUP + repeats  # outputs each managed row produces
         self._expected = {}
 
     def runner(self, model: torch.nn.Module, ids: torch.Tensor):
-        """One run per call: ``generate()`` returning the tokens, or a training step returning the loss."""
+        """One run per call: ``generate()`` returning the tokens, the requests returning each
+        one's tokens, or a training step returning the loss."""
         if self.kind == "train":
             return common.trainer(model, ids)  # (AdamW's list kernels in every row)
         model.eval()
+        if self.kind == "serve":
+            requests = self.size["requests"]
+            return lambda: [common.generate(model, ids[:, :prompt], tokens) for prompt, tokens in requests]
         return lambda: common.generate(model, ids, self.size["tokens"])
 
     def plain_runner(self, wrap: bool = False, device: str = "cpu"):
@@ -187,7 +200,9 @@ class Work:
 
 
 def plain_value(out):
-    """A run's output as a plain host tensor (tokens) or a float (loss)."""
+    """A run's output as a plain host tensor (tokens), a tuple of them (requests) or a float (loss)."""
+    if isinstance(out, list):
+        return tuple(plain_value(o) for o in out)
     if isinstance(out, overhead.MinimalWrapper):
         out = out.elem
     return common.as_plain(out) if isinstance(out, torch.Tensor) else out
@@ -195,8 +210,13 @@ def plain_value(out):
 
 def outputs_equal(outs: list, expected: list) -> bool:
     outs = [plain_value(o) for o in outs]
-    return len(outs) == len(expected) and all(
-        torch.equal(o, e) if isinstance(e, torch.Tensor) else o == e for o, e in zip(outs, expected))
+    return len(outs) == len(expected) and all(_equal(o, e) for o, e in zip(outs, expected))
+
+
+def _equal(out, expected) -> bool:
+    if isinstance(expected, tuple):
+        return isinstance(out, tuple) and len(out) == len(expected) and all(map(_equal, out, expected))
+    return torch.equal(out, expected) if isinstance(expected, torch.Tensor) else out == expected
 
 
 def timed(plain, fn, label: str, repeats: int, outs: list) -> dict:
@@ -263,7 +283,7 @@ def training_base(work: Work) -> int:
 def region_rows(work: Work, repeats: int) -> list:
     """``REGION_ROWS`` for ``work``: each a fresh copy, timed against plain torch on its device.
     Budgets are fractions of the weights (decoding) or of a no-budget step's peak (training)."""
-    base = common.param_bytes(work.model) if work.kind == "decode" else training_base(work)
+    base = training_base(work) if work.kind == "train" else common.param_bytes(work.model)
     plains = {}
     rows = []
     previous = torchTensorRef.regions.enabled, torchTensorRef.regions.under_budget
@@ -377,7 +397,7 @@ def table(work: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", choices=("decode", "train", "all"), default="all")
+    parser.add_argument("--work", choices=tuple(WORKS) + ("all",), default="all")
     parser.add_argument("--size", choices=tuple(SIZES), default="small",
                         help="tiny: hidden 64, 2 layers, 4 new tokens (checks the harness in seconds)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per row (default: the size's)")
@@ -390,7 +410,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     size = SIZES[args.size]
     repeats = args.repeats or size["repeats"]
-    kinds = ("decode", "train") if args.work == "all" else (args.work,)
+    kinds = tuple(WORKS) if args.work == "all" else (args.work,)
     works = []
     # "sim" reports its own device, for which torch's attention is its math decomposition: the
     # CPU rows use it too
@@ -405,6 +425,7 @@ def main(argv=None) -> dict:
                 works.append(run_work(work, repeats, regions=not args.no_regions))
     result = {"torch": torch.__version__, "threads": 1, "size": args.size, "repeats": repeats, "warmup": WARMUP,
               "clock": "process CPU time", "tokens": size["tokens"], "prompt": size["prompt"],
+              "requests": size["requests"],
               "train_batch": [size["batch"], size["seq"]], "llama": size["llama"], "gpt2": size["gpt2"],
               "works": works}
     print(f"1 thread, torch {torch.__version__}, {repeats} repeats per row (process CPU time); ratio: median of "
