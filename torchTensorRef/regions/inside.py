@@ -77,9 +77,12 @@ class Inside:
 
     def estimate(self, key, held: int):
         """Bytes to make room for, or ``None``: measure this call."""
-        seen = measured(self.peaks, key)
+        seen = self.peaks.get(key)
         if seen is None:
-            return None
+            seen = measured(self.peaks, key)
+            if seen is None:
+                return None
+            self.peaks[key] = seen  # (its bound, found at once next time: serving sees many shapes)
         held_then, peak = seen
         if held > 2 * max(held_then, 1):
             return None  # the objects' tensors (a cache) doubled: measure again
