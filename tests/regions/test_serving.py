@@ -91,3 +91,14 @@ def test_a_call_beyond_the_growth_limit_is_measured_op_by_op():
     assert table.nearest(beyond, 0) is None  # (more than GROWTH: measured again)
     assert table.nearest(within, 2) is None  # (the objects hold other tensors: what it reads is unknown)
     assert table.nearest((within[0], True), 0) is None  # (a call with gradients is measured)
+
+
+def test_a_call_bounded_by_a_larger_one_keeps_that_bound_under_its_own_shapes():
+    from torchTensorRef.regions import inside
+
+    table = inside.Inside()
+    large = (((1, 8, 32), torch.float32),), False
+    small = (((1, 3, 32), torch.float32),), False
+    table.record(large, 100, 1000)
+    assert table.estimate(small, 100) == 1000  # (bounded by the larger call's measurement)
+    assert table.peaks[small] == (100, 1000)  # (looked up at once next time, not searched for)
