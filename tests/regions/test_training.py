@@ -18,6 +18,9 @@ from paired import assert_identical, budget, plain_torch
 
 transformers = pytest.importorskip("transformers")
 
+#: the package's default, read before the fixture changes it
+DEFAULT_MIN_OPS = regions.min_ops
+
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
 
@@ -154,6 +157,57 @@ def test_a_llama_trains_through_decoder_layer_regions_under_a_budget():
     loss = managed_llama_trains_as_plain_torch(clip=True)
     names = {n.training.region.name for n in link_nodes(loss)}
     assert "region LlamaDecoderLayer" in names, names
+
+
+def llama_on_batches(lengths, budget_of_weights=3):
+    """AdamW steps of a plain and a managed tiny Llama on batches of ``lengths`` tokens, under
+    a budget of ``budget_of_weights`` times its weights: losses and parameters checked against
+    plain torch, the peak within the budget; how many decoder layers ran as regions per step."""
+    batches = [torch.randint(1, 64, (2, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+
+    def steps(model, batches):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, layer_regions = [], []
+        for ids in batches:
+            opt.zero_grad(set_to_none=True)
+            loss = model(ids, labels=ids).loss
+            layer_regions.append(sum(n.training.region.name == "region LlamaDecoderLayer" for n in link_nodes(loss)))
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses, layer_regions
+
+    with plain_torch():
+        torch.manual_seed(0)
+        plain_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(tm.torch_device)
+        plain_losses, _ = steps(plain_model, [b.to(tm.torch_device) for b in batches])
+        plain_params = [p.detach() for p in plain_model.parameters()]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    tm.strategy = "flow"
+    tm.budget = budget(weight_bytes(model) * budget_of_weights)
+    losses, layer_regions = steps(model, [torchTensorRef.manage(b) for b in batches])
+    assert_identical(plain_losses, losses)
+    assert_identical(plain_params, [p.detach() for p in model.parameters()])
+    assert tm.stats()["peak_device_bytes"] <= tm.budget
+    return layer_regions
+
+
+def test_a_llama_trains_on_batches_of_every_length_through_regions():
+    # Batches padded to their own longest sequence (dynamic padding), with the default size
+    # rules: after the first steps measure each level of modules, a shorter batch runs
+    # decoder layers as regions at once; one longer than any before is measured op by op
+    # (Note [Calls larger than measured]: with gradients, not yet estimated from a smaller one)
+    regions.min_ops = DEFAULT_MIN_OPS
+    layer_regions = llama_on_batches((12, 12, 12, 12, 9, 16, 20, 7))
+    assert layer_regions[4] > 0 and layer_regions[5:7] == [0, 0] and layer_regions[7] > 0, layer_regions
+
+
+@pytest.mark.xfail(strict=TEST_DEVICE == "sim", reason="parameters differ from plain torch's in the last bits when norms "
+                   "and Linears are regions of their own (min_ops 0) under heavy paging; cause not yet found")
+def test_a_llama_s_small_modules_as_regions_train_as_plain_torch_under_heavy_paging():
+    # (with the default min_ops, or a budget of 4x the weights, or no budget: bit for bit)
+    llama_on_batches((20,) * 6)
 
 
 def test_gradients_reach_inputs_frozen_parameters_and_dropout_as_in_plain_torch():
