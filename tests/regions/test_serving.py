@@ -90,7 +90,7 @@ def test_a_call_beyond_the_growth_limit_is_measured_op_by_op():
     assert table.grown(near, growth, 0) >= 1000 * 1.5 ** 2  # (a square: attention's scores)
     assert table.nearest(beyond, 0) is None  # (more than GROWTH: measured again)
     assert table.nearest(within, 2) is None  # (the objects hold other tensors: what it reads is unknown)
-    assert table.nearest((within[0], True), 0) is None  # (a call with gradients is measured)
+    assert table.nearest((within[0], True), 0) is None  # (one needing gradients: not from one that did not)
 
 
 def test_a_call_bounded_by_a_larger_one_keeps_that_bound_under_its_own_shapes():

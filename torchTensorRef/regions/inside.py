@@ -97,14 +97,12 @@ class Inside:
         ``None`` where no call measured with the objects holding ``held_refs`` TensorRefs
         has the same structure within ``GROWTH``."""
         shapes, grad = key
-        if grad:
-            return None
         if key in self.peaks:
             return (key, 1.0) if (key, held_refs) in self.uses else None  # (only its cache grew)
         best = None
         for other in self.peaks:
             other_shapes, other_grad = other
-            if other_grad or len(other_shapes) != len(shapes) or (other, held_refs) not in self.uses:
+            if other_grad != grad or len(other_shapes) != len(shapes) or (other, held_refs) not in self.uses:
                 continue
             growth = 1.0
             for (size, dtype), (was, was_dtype) in zip(shapes, other_shapes):

@@ -31,17 +31,17 @@ whose peak does not fit beside it runs op by op. The manager's peak counts the w
 plus the room kept for the inside.
 
 Note [Calls larger than measured]: serving sends ``generate()`` calls of every prompt
-length, and each step of the longest one yet is larger than any call measured. Measured
-op by op, every such call would cost the per-op path and break the period Flow learned (a
-layer's one op becomes its seventy). A call without gradients within ``inside.GROWTH`` (in
-elements) of a measured call of the same structure runs as a region instead: room is made
+length, and each step of the longest one yet is larger than any call measured (training
+on batches padded to their longest sequence alike). Measured op by op, every such call
+would cost the per-op path and break the period Flow learned (a layer's one op becomes its
+seventy). A call within ``inside.GROWTH`` (in elements) of a measured call of the same
+structure, needing gradients alike, runs as a region instead: room is made
 for that call's peak grown as the square of the growth (attention's scores grow with the
 square of a prompt) and as the objects' tensors grew, the call reads the objects' tensors
 the measured one read, and a dispatch mode on its plain tensors (no op of the manager)
 measures its peak, recorded for its shapes. A peak above the room made is reported as
-``worst_overshoot_bytes``, as any excess over the budget. A call that needs gradients is
-still measured op by op: run so, a Llama's gradients on a batch longer than any before
-differed from plain torch's in the last bits (cause not yet found; tests/regions/test_training.py).
+``worst_overshoot_bytes``, as any excess over the budget. With gradients, its backward's
+first run keeps the room a first run does (Note [Regions with gradients]).
 
 Autograd cannot see through a region (the call runs on plain views, not on the TensorRefs
 autograd tracks): a call that needs gradients builds its own graph inside, linked to the
@@ -169,7 +169,7 @@ class Region:
         held_refs = len(call.slots) - call.params
         used = self.inside.used_objects(key, held_refs)
         near = None
-        if self.measure and not grad and (used is None or key in self.inside.peaks):
+        if self.measure and (used is None or key in self.inside.peaks):
             near = self.inside.nearest(key, held_refs)  # (Note [Calls larger than measured])
             if near is not None:
                 used = self.inside.used_objects(near[0], held_refs)
