@@ -204,10 +204,13 @@ def test_a_llama_trains_on_batches_of_every_length_through_regions():
     assert tm.stats()["worst_overshoot_bytes"] == 0
 
 
-@pytest.mark.xfail(strict=TEST_DEVICE == "sim", reason="parameters differ from plain torch's in the last bits when norms "
-                   "and Linears are regions of their own (min_ops 0) under heavy paging; cause not yet found")
-def test_a_llama_s_small_modules_as_regions_train_as_plain_torch_under_heavy_paging():
-    # (with the default min_ops, or a budget of 4x the weights, or no budget: bit for bit)
+@pytest.mark.xfail(strict=TEST_DEVICE == "sim", reason="with the norms as regions of their own (min_ops 0), a "
+                   "tiny Llama's parameters differ from plain torch's in the last bits from the second step "
+                   "at 18 tokens and more, with a budget or none; cause not yet found")
+def test_a_llama_s_norms_as_regions_of_their_own_train_as_plain_torch():
+    # (a norm's input is also the residual, added outside it: its gradient sums contributions
+    # from inside the region and outside; with the default min_ops, or Linears alone as
+    # regions, bit for bit)
     llama_on_batches((20,) * 6)
 
 
