@@ -8,12 +8,13 @@ Values are compared as CPU copies of both sides (a TensorRef's bytes may be on e
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
 
 import torchTensorRef
-from paired import budget, plain_torch, values
+from paired import budget, outside, plain_torch, values
 from torchTensorRef import TensorRef
 from torchTensorRef.strategies import NAMES
 
@@ -155,3 +156,51 @@ def test_what_accelerators_take_from_the_host_still_runs_beside_a_tensorref(stra
         expected = run(lambda: torch.full((4,), 2.0))
     got = run(lambda: torch.full((4,), 2.0))
     assert all(_same(g, e) for g, e in zip(got, expected))
+
+
+class _ReadingLock:
+    """The manager's lock, reading what the device holds outside the manager each time the
+    thread lets it go (the reading another thread's op would take next)."""
+
+    def __init__(self, inner, manager):
+        self._inner, self._manager = inner, manager
+        self._depth = 0
+        self.readings = []
+
+    def _is_owned(self):
+        return self._inner._is_owned()
+
+    def __enter__(self):
+        self._inner.acquire()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if not self._depth:
+            m = self._manager
+            self.readings.append(m._backend.in_use_elsewhere(m._device_bytes + m._inflight_bytes))
+        self._inner.release()
+        return False
+
+
+def test_an_op_keeps_no_plain_view_of_a_copy_once_it_lets_the_lock_go(fresh_manager, monkeypatch):
+    # (Note [Plain views die under the lock]: Genoa evicts an op's blocks as it ends; a view of
+    # their device copies still held when the lock is free was counted as outside the manager
+    # by the next thread's op, which then refused a budget that fits)
+    fresh_manager.strategy = "genoa"
+    x, w = torch.rand(256), torch.rand(256)
+    gc.collect()
+    fresh_manager.budget = budget("16KiB")
+    floor = outside()
+    lock = _ReadingLock(fresh_manager._lock, fresh_manager)
+    monkeypatch.setattr(fresh_manager, "_lock", lock)
+    y = x * w
+    z = torch.addcmul(y, x, w)
+    monkeypatch.undo()
+    assert lock.readings
+    assert max(lock.readings) == floor, lock.readings
+    with plain_torch():
+        px, pw = _on_test_device(values(x).cpu()), _on_test_device(values(w).cpu())
+        expected = torch.addcmul(px * pw, px, pw)
+    assert _same(z, expected)

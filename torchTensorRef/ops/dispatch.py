@@ -15,6 +15,13 @@ and a strategy that does not need every op) and every TensorRef argument is resi
 in one pass; a block a prefetch brought in is resident too (the op is ordered after its
 copy, as on the generic path). Anything else (a block to fetch, a plain host tensor to
 copy to the accelerator) is found before anything changed, and the generic path runs.
+
+Note [Plain views die under the lock]: both paths keep an op's plain views of its blocks'
+device copies, and its kernel's results, in the locals of a function called under the
+manager's lock, so they are gone before another thread can take it. Held by a frame that
+outlives the lock, a view keeps the bytes of a copy that another thread's op then evicts
+allocated, and that op's reading of the device counts them as outside the manager: a
+budget that fits refused an op (four threads' backwards under Genoa, about one run in 125).
 """
 
 from __future__ import annotations
@@ -146,50 +153,54 @@ def run_fast(func, args, kwargs, spec: OpSpec):
     """Run ``func`` on resident blocks only (Note [Fast path]); ``_NOT_FAST`` if it cannot."""
     mgr = _mgr
     with mgr._lock:
-        if not mgr._fast:  # the settings change under the lock: read them under it
-            return _NOT_FAST
-        if mgr._dead:
-            mgr._drain()
-        live = mgr._backend.passthrough
-        blocks = []
-        cargs = []
-        try:
-            for a in args:  # _fast_view, unrolled for the common argument kinds
-                if isinstance(a, TensorRef):
-                    b = a._tr_block
-                    if b.dev is None and not live:
-                        return _NOT_FAST
-                    blocks.append(b)
-                    cargs.append(a._tr_view if a._tr_gen == b.gen else compute_view(a))
-                elif a.__class__ is list or a.__class__ is tuple or (not live and isinstance(a, _Tensor)):
-                    cargs.append(_fast_view(a, blocks, live))
-                else:
-                    cargs.append(a)
-            ckwargs = {k: _fast_view(v, blocks, live) for k, v in kwargs.items()} if kwargs else kwargs
-        except _NotResident:
-            return _NOT_FAST
-        limit = mgr._limit
-        need = 0
-        if limit is not None and spec.allocates and not live:
-            # Room for the results without evicting: else the generic path makes it.
-            # (in device bytes: each result as the device's allocator gives it)
-            need = estimate_output_bytes(spec, args, kwargs)
-            if need:
-                used = mgr._device_bytes + mgr._inflight_bytes
-                if used + mgr._elsewhere_bytes + need > limit:
+        return _run_fast_locked(mgr, func, args, kwargs, spec)  # (Note [Plain views die under the lock])
+
+
+def _run_fast_locked(mgr, func, args, kwargs, spec: OpSpec):
+    if not mgr._fast:  # the settings change under the lock: read them under it
+        return _NOT_FAST
+    if mgr._dead:
+        mgr._drain()
+    live = mgr._backend.passthrough
+    blocks = []
+    cargs = []
+    try:
+        for a in args:  # _fast_view, unrolled for the common argument kinds
+            if isinstance(a, TensorRef):
+                b = a._tr_block
+                if b.dev is None and not live:
                     return _NOT_FAST
-                if mgr._backend.simulated and used + need > mgr._backend.capacity():
-                    return _NOT_FAST  # the simulated device would run out: the generic path recovers
-        watch = mgr._fast_watch
-        if watch is not None:
-            blocks = _blocks_of_list(blocks)
-            index = mgr._op_count
-            if not watch.fast_op(index, spec, blocks, need):
+                blocks.append(b)
+                cargs.append(a._tr_view if a._tr_gen == b.gen else compute_view(a))
+            elif a.__class__ is list or a.__class__ is tuple or (not live and isinstance(a, _Tensor)):
+                cargs.append(_fast_view(a, blocks, live))
+            else:
+                cargs.append(a)
+        ckwargs = {k: _fast_view(v, blocks, live) for k, v in kwargs.items()} if kwargs else kwargs
+    except _NotResident:
+        return _NOT_FAST
+    limit = mgr._limit
+    need = 0
+    if limit is not None and spec.allocates and not live:
+        # Room for the results without evicting: else the generic path makes it.
+        # (in device bytes: each result as the device's allocator gives it)
+        need = estimate_output_bytes(spec, args, kwargs)
+        if need:
+            used = mgr._device_bytes + mgr._inflight_bytes
+            if used + mgr._elsewhere_bytes + need > limit:
                 return _NOT_FAST
-            out, outputs = _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)
-            watch.after_fast_op(index, outputs)
-            return out
-        return _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)[0]
+            if mgr._backend.simulated and used + need > mgr._backend.capacity():
+                return _NOT_FAST  # the simulated device would run out: the generic path recovers
+    watch = mgr._fast_watch
+    if watch is not None:
+        blocks = _blocks_of_list(blocks)
+        index = mgr._op_count
+        if not watch.fast_op(index, spec, blocks, need):
+            return _NOT_FAST
+        out, outputs = _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)
+        watch.after_fast_op(index, outputs)
+        return out
+    return _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)[0]
 
 
 _NO_OUTPUTS = ()
@@ -250,46 +261,50 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
 def run_generic(func, args, kwargs, spec: OpSpec):
     mgr = _mgr
     with mgr._lock:
-        if mgr._trace is not None:
-            mgr._trace.entered = time.perf_counter_ns()  # our host time for this op starts here
-        if mgr._dead:
-            mgr._drain()
-        if mgr._unresolved:
-            # "cuda" set again with blocks alive: fixed (its index, its streams) before a fetch
-            mgr._resolve_device()
-        refs = []
-        _collect(args, refs)
-        if kwargs:
-            _collect(kwargs.values(), refs)
-        blocks = _blocks_of(refs) if refs else []
-        written = _written_blocks(spec, args, kwargs) if spec.write_args else []
-        backend = mgr._backend
-        on_host = False if backend.passthrough else _placement(kwargs, blocks, backend)
-        ctx = OpContext(spec, blocks, written, args, kwargs, on_host)
-        if getattr(backend, "strict", False) and not on_host:
-            _check_devices(spec, args, kwargs, backend.declared, blocks)
-        mgr._prepare(ctx)
+        return _run_generic_locked(mgr, func, args, kwargs, spec)  # (Note [Plain views die under the lock])
+
+
+def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
+    if mgr._trace is not None:
+        mgr._trace.entered = time.perf_counter_ns()  # our host time for this op starts here
+    if mgr._dead:
+        mgr._drain()
+    if mgr._unresolved:
+        # "cuda" set again with blocks alive: fixed (its index, its streams) before a fetch
+        mgr._resolve_device()
+    refs = []
+    _collect(args, refs)
+    if kwargs:
+        _collect(kwargs.values(), refs)
+    blocks = _blocks_of(refs) if refs else []
+    written = _written_blocks(spec, args, kwargs) if spec.write_args else []
+    backend = mgr._backend
+    on_host = False if backend.passthrough else _placement(kwargs, blocks, backend)
+    ctx = OpContext(spec, blocks, written, args, kwargs, on_host)
+    if getattr(backend, "strict", False) and not on_host:
+        _check_devices(spec, args, kwargs, backend.declared, blocks)
+    mgr._prepare(ctx)
+    if on_host:
+        for b in blocks:
+            mgr.sync_host(b)  # the op reads host copies: they must hold the current bytes
+    cargs = [_swap(a, on_host) for a in args]
+    ckwargs = {k: _swap(v, on_host) for k, v in kwargs.items()} if kwargs else {}
+    if ckwargs and "device" in ckwargs and backend.declared != backend.compute:
+        ckwargs = _compute_kwargs(ckwargs, backend)
+    out = mgr._call(ctx, func, cargs, ckwargs)
+    if spec.restrides:
+        _follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
+    elif written:
+        _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
+    if written:
         if on_host:
-            for b in blocks:
-                mgr.sync_host(b)  # the op reads host copies: they must hold the current bytes
-        cargs = [_swap(a, on_host) for a in args]
-        ckwargs = {k: _swap(v, on_host) for k, v in kwargs.items()} if kwargs else {}
-        if ckwargs and "device" in ckwargs and backend.declared != backend.compute:
-            ckwargs = _compute_kwargs(ckwargs, backend)
-        out = mgr._call(ctx, func, cargs, ckwargs)
-        if spec.restrides:
-            _follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
-        elif written:
-            _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
-        if written:
-            if on_host:
-                for b in written:
-                    mgr._host_written(b)
-            else:
-                mgr._mark_written(written)
-        result = _wrap_outputs(out, ctx, spec, args, kwargs, mgr)
-        mgr._finish(ctx)
-        return result
+            for b in written:
+                mgr._host_written(b)
+        else:
+            mgr._mark_written(written)
+    result = _wrap_outputs(out, ctx, spec, args, kwargs, mgr)
+    mgr._finish(ctx)
+    return result
 
 
 # Every op on a TensorRef enters here directly (bound on the class: one Python frame less

@@ -246,6 +246,7 @@ class Region:
             out = self._run(mgr, call, fn, args, kwargs, on_host, training, meter or None)
             with mgr._lock:
                 wrapped, out_bytes = self._finish_outputs(mgr, ctx, call, out, on_host, training)
+                out = None  # (not kept past the lock: Note [Plain views die under the lock] in ops/dispatch.py)
         except BaseException:
             with mgr._lock:
                 for b in blocks:
