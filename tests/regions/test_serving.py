@@ -106,3 +106,49 @@ def test_a_call_bounded_by_a_larger_one_keeps_that_bound_under_its_own_shapes():
     table.record(large, 100, 1000)
     assert table.estimate(small, 100) == 1000  # (bounded by the larger call's measurement)
     assert table.peaks[small] == (100, 1000)  # (looked up at once next time, not searched for)
+
+
+#: requests that reorder, expand and sample: beam search reorders the cache outside the layers'
+#: calls, sampling draws from the generator between them
+SEARCHES = [dict(num_beams=3, max_new_tokens=5, do_sample=False),
+            dict(do_sample=True, top_k=20, temperature=0.9, max_new_tokens=6),
+            dict(num_beams=2, do_sample=True, max_new_tokens=4)]
+
+
+@pytest.mark.parametrize("share", [2, 4], ids=["half", "quarter"])
+def test_beam_search_and_sampling_on_a_padded_batch_through_regions_match_plain_torch(share):
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0  # (the second prompt is shorter: padded on the left)
+
+    def run(model, ids, mask):
+        out = []
+        with torch.no_grad():
+            for search in SEARCHES:
+                torch.manual_seed(5)
+                out.append(model.generate(ids, attention_mask=mask, pad_token_id=0, **search))
+        return out
+
+    with plain_torch():
+        plain = llama().to(tm.torch_device)
+        expected = run(plain, ids.to(tm.torch_device), mask.to(tm.torch_device))
+        del plain
+    gc.collect()  # (the plain model's cycles: its device bytes would count as outside the manager)
+    tm.strategy = Flow()
+    model = llama()
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    tm.budget = budget(weights // share)
+    tm.reset_stats()
+    calls = []
+    handle = tm.add_callback(before=lambda op: calls.append(op.name) if op.name.startswith("region ") else None)
+    try:
+        got = run(model, torchTensorRef.manage(ids.clone()), torchTensorRef.manage(mask.clone()))
+    finally:
+        handle.remove()
+    for want, have in zip(expected, got):
+        assert_identical(want, have)
+    # (the size rule: at half the weights the decoder layers are regions, at a quarter their attention and MLP)
+    assert {"region LlamaDecoderLayer", "region LlamaAttention"} & set(calls), sorted(set(calls))
+    stats = tm.stats()
+    assert stats["evictions"] > 0 and stats["peak_device_bytes"] <= tm.budget
+    assert stats["worst_overshoot_bytes"] == 0
