@@ -23,8 +23,21 @@ The inner graph is kept until autograd frees the node's saved tensors (``retain_
 honoured): a callback at the end of the backward looks.
 
 Kernels are plain torch's, in plain torch's order, and nothing is recomputed: gradients are
-bit for bit plain torch's on the same device. A tensor saved for backward that the program
-changes in place before the backward is refused there, as plain torch refuses it.
+bit for bit plain torch's on the same device, but for Note [Gradients summed inside a
+region]. A tensor saved for backward that the program changes in place before the backward
+is refused there, as plain torch refuses it.
+
+Note [Gradients summed inside a region]: autograd sums a tensor's gradient contributions in
+the order their nodes run. A region's inner graph gives its node one gradient per input, the
+sum of the contributions from inside; plain torch adds each of them to what the uses outside
+the region gave before. A tensor the region reads more than once, and the program reads
+outside it too, gets c + (a + b) where plain torch computes (c + a) + b: the same terms,
+rounded in another order, so its gradient can differ from plain torch's in the last bits. (A decoder layer's
+input is read only by it; a norm's input is also the residual, added outside: with the norms
+regions of their own, a Llama's parameters differ in the last bits from the second step,
+``tests/regions/test_training.py``.) The default rules do not make such modules regions of
+their own: a norm runs fewer than ``min_ops`` aten ops. No fix yet: the inner engine gives one
+sum per input, and the contributions from outside that came first are not known to it.
 """
 
 from __future__ import annotations
