@@ -220,8 +220,12 @@ class Region:
                 elif est is None:
                     measure = True
                     est = 0
-                elif self._needs(need, est, key if grad else None) + mgr._elsewhere_bytes > limit and not self.strict:
-                    raise NotARegion("larger than the budget")
+                elif not self.strict:
+                    needs = self._needs(need, est, key if grad else None)
+                    # (the last reading of what the device holds beside the manager may count
+                    # plain tensors since adopted or freed: read it again before refusing)
+                    if needs + mgr._elsewhere_bytes > limit and needs + mgr._read_outside() > limit:
+                        raise NotARegion("larger than the budget")
                 ctx.estimate = est
         if measure or learn:
             return self._measured(mgr, call, fn, args, kwargs, key)
@@ -407,7 +411,8 @@ class Region:
                 if s._cdata not in inputs:
                     fresh[s._cdata] = s.nbytes()
         nbytes = sum(fresh.values())
-        if nbytes and not on_host and mgr._limit is not None and not mgr._backend.passthrough:
+        paged = nbytes and not on_host and mgr._limit is not None and not mgr._backend.passthrough
+        if paged:
             mgr._make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name)
         wrap = Wrapper(mgr, ctx, given, self.device_views, training is not None)
         for container, k, v in stored:
@@ -420,4 +425,9 @@ class Region:
             if linked:
                 # (the node's outputs are these same TensorRefs, now with its grad_fn)
                 training.link([p for p, _r in linked], [r for _p, r in linked])
+        if paged:
+            # A reading of the device in ``_make_room`` counted the new tensors, allocated and
+            # not yet blocks, as outside the manager; kept, that reading made the next calls
+            # look larger than the budget (a decoder layer ran op by op): read it again.
+            mgr._read_outside()
         return wrapped, nbytes
