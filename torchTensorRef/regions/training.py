@@ -23,26 +23,30 @@ The inner graph is kept until autograd frees the node's saved tensors (``retain_
 honoured): a callback at the end of the backward looks.
 
 Kernels are plain torch's, in plain torch's order, and nothing is recomputed: gradients are
-bit for bit plain torch's on the same device, but for Note [Gradients summed inside a
-region]. A tensor saved for backward that the program changes in place before the backward
+bit for bit plain torch's on the same device (Note [Gradients summed inside a region]).
+A tensor saved for backward that the program changes in place before the backward
 is refused there, as plain torch refuses it.
 
-Note [Gradients summed inside a region]: autograd sums a tensor's gradient contributions in
-the order their nodes run. A region's inner graph gives its node one gradient per input, the
-sum of the contributions from inside; plain torch adds each of them to what the uses outside
-the region gave before. A tensor the region reads more than once, and the program reads
-outside it too, gets c + (a + b) where plain torch computes (c + a) + b: the same terms,
-rounded in another order, so its gradient can differ from plain torch's in the last bits. (A decoder layer's
-input is read only by it; a norm's input is also the residual, added outside: with the norms
-regions of their own, a Llama's parameters differ in the last bits from the second step,
-``tests/regions/test_training.py``.) The default rules do not make such modules regions of
-their own: a norm runs fewer than ``min_ops`` aten ops. No fix yet: the inner engine gives one
-sum per input, and the contributions from outside that came first are not known to it.
+Note [Gradients summed inside a region]: autograd adds a tensor's gradient contributions one
+by one, in the order their nodes run. Asked for one gradient per leaf, the inner graph would
+sum the contributions from inside first, and autograd would add that sum to what the uses
+outside the region gave before: c + (a + b) where plain torch computes (c + a) + b, the same
+terms rounded in another order (a norm's input is also the residual, added outside it: as
+regions of their own, norms made a Llama's parameters differ in the last bits). So the node
+takes a leaf's TensorRef once per read, the inner graph's edges into that leaf
+(:func:`_reads`, found when the call returns), and its backward gives each read's
+contribution apart, recorded by hooks on the reading nodes in the order the inner graph runs
+them, which is plain torch's: autograd adds them to the rest as plain torch would. The graph
+is walked only where the call was given an argument that needs gradients (a walk of a whole
+model's graph in Python cost 5% of a training step with nothing to move): a parameter read
+several times inside and also outside the region, a weight tied across its edge, still gets
+the sum.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -100,7 +104,9 @@ class Training:
         self.sim = sim
         self.paged = paged
         self.inside = inside
-        self.refs = []  # the TensorRefs given as leaves (the node's inputs), in order
+        self.refs = []  # the TensorRefs given as leaves, in order
+        self.reads = []  # per leaf: the inner graph's (node, input) pairs that read it, where several do
+        self.slots = 0  # the node's inputs: each leaf's TensorRef once per read (Note [Gradients summed inside a region])
         self.leaves = []  # their plain leaves
         self.leaf_edges = []
         self.by_storage = {}  # storage key of a working-set block -> a TensorRef of it
@@ -185,7 +191,17 @@ class Training:
         """Make ``outputs`` (TensorRefs of ``plain_outputs``) the outputs of the node."""
         self.out_edges = [get_gradient_edge(p) for p in plain_outputs]
         self.outputs = tuple(outputs)
-        linked = _Link.apply(self, *self.refs)
+        # (only where an argument is a leaf: the graph is walked in Python, and a parameter read
+        # several times inside and outside too is a tied weight across the region's edge)
+        if any(not isinstance(r, torch.nn.Parameter) for r in self.refs):
+            self.reads = _reads(self.leaf_edges, self.out_edges)
+        else:
+            self.reads = [()] * len(self.refs)
+        inputs = []
+        for ref, reads in zip(self.refs, self.reads):
+            inputs += [ref] * max(1, len(reads))
+        self.slots = len(inputs)
+        linked = _Link.apply(self, *inputs)
         self.outputs = ()
         return linked if isinstance(linked, tuple) else (linked,)
 
@@ -203,7 +219,7 @@ class Training:
         try:
             return self._backward(node, grads)
         except Exception as e:
-            return (self._failed(e),) * len(self.refs)
+            return (self._failed(e),) * self.slots
 
     def _backward(self, node, grads):
         if self.released:
@@ -213,7 +229,7 @@ class Training:
         region = self.region
         given = [(e, g) for e, g in zip(self.out_edges, grads) if g is not None]
         if not given:
-            return (None,) * len(self.refs)
+            return (None,) * self.slots
         refs = [s.ref for s in self.saved if s.ref is not None]
         refs += [g for _e, g in given if isinstance(g, TensorRef)]
         with BackwardStep(region, refs, self.key, self.inside) as step:
@@ -228,6 +244,10 @@ class Training:
             edges = [e for e, _g in given]
             plain_grads = [plain(g) for _e, g in given]
             mode = PlainMode() if sim else contextlib.nullcontext()
+            # each read's contribution, in the order the inner graph gives them, where a leaf has several
+            parts = [[] if len(reads) > 1 else None for reads in self.reads]
+            hooks = [node.register_hook(functools.partial(_record, parts[i], j))
+                     for i, reads in enumerate(self.reads) if len(reads) > 1 for node, j in reads]
             previous = context.enter_plain(step.device)
             try:
                 with mode, step.meter():
@@ -235,8 +255,17 @@ class Training:
                                               allow_unused=True)
             finally:
                 context.exit_plain(previous)
+                for h in hooks:
+                    h.remove()
             plain_grads = None
-            result = step.results(out)
+            per_slot = []
+            for g, reads, got in zip(out, self.reads, parts):
+                if got is None:
+                    per_slot.append(g)
+                else:  # (``g``: None, the reads' hooks took its contributions)
+                    per_slot += got + [None] * (len(reads) - len(got))
+            out = parts = None
+            result = step.results(per_slot)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._release_if_freed(node))
         return result
 
@@ -251,9 +280,43 @@ class Training:
         """Let the inner graph go (its saved activations' blocks with it)."""
         self.released = True
         self.out_edges = []
+        self.reads = []  # (its nodes would keep the inner graph, and what it saved, alive)
         self.leaf_edges = []
         self.leaves = []
         self.saved = []
+
+
+def _record(store: list, index: int, grad_inputs, _grad_outputs):
+    """A reading node's hook: keep its contribution to the leaf, and let the inner graph not
+    sum it (its sum would be more bytes, and is not used)."""
+    g = grad_inputs[index]
+    if g is None:
+        return None
+    store.append(g)
+    return grad_inputs[:index] + (None,) + grad_inputs[index + 1:]
+
+
+def _reads(leaf_edges, out_edges) -> list:
+    """Per leaf, the inner graph's ``(node, input index)`` pairs whose gradient goes to it
+    (in a node, in index order: the order autograd adds them)."""
+    # (by id: a node's Python object is one while it lives, and ``seen`` keeps them alive)
+    target = {id(e.node): i for i, e in enumerate(leaf_edges)}
+    reads = [[] for _ in leaf_edges]
+    seen, todo = {}, [e.node for e in out_edges]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or id(node) in target:
+            continue
+        seen[id(node)] = node
+        for j, (child, _nr) in enumerate(node.next_functions):
+            if child is None:
+                continue
+            i = target.get(id(child))
+            if i is not None:
+                reads[i].append((node, j))
+            else:
+                todo.append(child)
+    return reads
 
 
 class BackwardStep:
