@@ -8,6 +8,8 @@ those workspaces (``tensorsManager.sim_workspace``) so that CI shows what a GPU 
 
 from __future__ import annotations
 
+import gc
+
 import threading
 
 import pytest
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.skipif(
 def workspaces():
     """The test device with an emulated 1 MiB workspace per thread; the previous setting afterwards."""
     tm = tensorsManager
+    gc.collect()  # (an earlier test's plain device tensors in reference cycles would read as outside)
     previous = tm.sim_workspace  # (TORCHTENSORREF_SIM_WORKSPACE runs the whole suite with workspaces)
     tm.sim_workspace = WORKSPACE  # (no thread has made its workspace yet)
     yield tm
