@@ -411,18 +411,9 @@ class Region:
                 if s._cdata not in inputs:
                     fresh[s._cdata] = s.nbytes()
         nbytes = sum(fresh.values())
-        if nbytes and not on_host and mgr._limit is not None and not mgr._backend.passthrough:
-            # The new tensors are allocated already: counted as in flight while room is made
-            # for them, so that a reading of the device there does not count them again, as
-            # outside the manager (remembered, that reading made the next calls look larger
-            # than the budget: a decoder layer ran op by op).
-            size = mgr._backend.block_bytes
-            held = sum(size(n) for n in fresh.values())
-            mgr._inflight_bytes += held
-            try:
-                mgr._make_room(0, {b.id for b in ctx.blocks}, ctx.name)
-            finally:
-                mgr._inflight_bytes -= held
+        paged = nbytes and not on_host and mgr._limit is not None and not mgr._backend.passthrough
+        if paged:
+            mgr._make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name)
         wrap = Wrapper(mgr, ctx, given, self.device_views, training is not None)
         for container, k, v in stored:
             container[k] = wrap(v)
@@ -434,4 +425,9 @@ class Region:
             if linked:
                 # (the node's outputs are these same TensorRefs, now with its grad_fn)
                 training.link([p for p, _r in linked], [r for _p, r in linked])
+        if paged:
+            # A reading of the device in ``_make_room`` counted the new tensors, allocated and
+            # not yet blocks, as outside the manager; kept, that reading made the next calls
+            # look larger than the budget (a decoder layer ran op by op): read it again.
+            mgr._read_outside()
         return wrapped, nbytes
