@@ -85,6 +85,34 @@ def test_tensors_made_on_the_device_each_step_keep_the_period(flow):
         assert torch.equal(to_plain(t.clone()), to_plain(12 * (torch.arange(256.0) + 2)))
 
 
+def test_a_factory_is_the_same_op_whether_the_device_is_full_or_not(flow):
+    # A factory whose tensor did not fit the free room was made on the host, with no op: a
+    # generate() step that made its arange while the device was full ran one op fewer than
+    # the step before, and Flow lost its period (integrations/creation.py)
+    tm.budget = budget(4 * KIB)
+
+    def ops_of_a_factory():
+        names = []
+        handle = tm.add_callback(before=lambda op: names.append(op.name))
+        try:
+            made = torch.arange(256.0)
+        finally:
+            handle.remove()
+        return names, made
+
+    roomy, first = ops_of_a_factory()  # the device empty
+    assert first.proxyInfo.on_device
+    del first
+    tensors = [torch.zeros(256) for _ in range(4)]  # 1 KiB each
+    for t in tensors:
+        t.add_(1)  # all four resident: no free room left
+    assert not tm.fits(tm.block_bytes(1 * KIB))
+    full, made = ops_of_a_factory()
+    assert full == roomy and any("arange" in name for name in full)
+    assert made.proxyInfo.on_device and tm.stats()["peak_device_bytes"] <= tm.budget
+    assert torch.equal(to_plain(made), to_plain(torch.arange(256.0)))
+
+
 def test_writes_back_only_dirty_blocks(flow):
     x, y = torch.ones(256), torch.ones(256)
     tm.budget = budget(1 * KIB + 8)  # one block plus a scalar result

@@ -6,13 +6,16 @@ torch behaves as if the accelerator were the default device, with the budget kep
 - ``device="cpu"`` gives a CPU tensor (a host-only block), another device than the
   manager's is left alone, and no device (or the manager's) gives an accelerator tensor;
 - a *factory* (``zeros``, ``arange``, ``randn`` ...) makes its tensor directly on the
-  device when it fits in the budget's free room (and the strategy keeps new tensors there,
-  or ``device`` names the accelerator); random ones always do, after room is made for them,
-  so that their numbers come from the device's generator, as they would under
-  ``torch.set_default_device`` (and as the in-place initialisers of ``nn.Module`` do,
-  since they are ops on the device), unless one is larger than the whole budget: that one
-  is drawn in host memory, from the CPU's generator (on ``"sim"`` the same numbers). Other
-  factories are made in host memory and brought in when used;
+  device, after room is made for it, where the strategy keeps new tensors there or
+  ``device`` names the accelerator, and random ones always, so that their numbers come
+  from the device's generator, as they would under ``torch.set_default_device`` (and as
+  the in-place initialisers of ``nn.Module`` do, since they are ops on the device); one
+  larger than the whole budget is made in host memory (a random one from the CPU's
+  generator: on ``"sim"`` the same numbers) and brought in when used. Whether a factory
+  is an op on the device does not hang on how full the device happens to be: a loop's
+  ops stay the same from step to step, which Flow's period needs (a ``generate()`` step
+  whose ``arange`` was made on the host, the device being full at that moment, lost the
+  period);
 - tensors made from data (``tensor``, ``as_tensor``, ``from_numpy`` ...) and
   ``torch.load`` are made in host memory and brought in when an op needs them, even when
   ``device`` or ``map_location`` names the accelerator: nothing reaches the device without
@@ -79,9 +82,8 @@ def create(fn, args, kwargs):
         generator = kwargs.get("generator")
         if generator is None or mgr.is_accelerator(generator.device):
             nbytes = _bytes_of(fn, args, kwargs)
-            if ((name in RANDOM and _fits_the_budget(mgr, nbytes))
-                    or ((device is not None or mgr._strategy.new_tensors_on_device)
-                        and mgr.fits(mgr.block_bytes(nbytes)))):
+            if ((name in RANDOM or device is not None or mgr._strategy.new_tensors_on_device)
+                    and (mgr.fits(mgr.block_bytes(nbytes)) or _fits_the_budget(mgr, nbytes))):
                 return _on_device(mgr, fn, args, kwargs, nbytes, f"torch.{name}")
     if device is not None:
         kwargs = {k: v for k, v in kwargs.items() if k != "device"}  # made on the host, fetched when used
