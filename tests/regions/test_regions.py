@@ -15,7 +15,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import TensorRef, regions, tensorsManager as tm
 from conftest import TEST_DEVICE
-from paired import assert_identical, budget, device_type, plain_torch
+from paired import assert_identical, budget, device_type, plain_torch, to_plain
 
 transformers = pytest.importorskip("transformers")
 
@@ -304,15 +304,61 @@ def test_no_region_runs_op_by_op_and_region_overrides_the_size_rule(small_region
         regions.region(lambda x: x)
 
 
-def test_a_module_of_few_ops_is_not_a_region_unless_forced():
+def test_a_module_of_few_ops_is_not_a_region_unless_forced_or_under_a_budget():
     layer = torch.nn.Linear(16, 8)  # t and addmm: cheaper op by op than a region's boundary
+    act = torch.nn.SiLU()  # one op and no tensors of its own: nothing for a region to page
     x = torchTensorRef.manage(torch.randn(4, 16))
     with torch.no_grad():
         _, ops = ops_of(lambda: layer(x))
         assert ops == 2
+        # under a budget every op outside a region takes the generic path, dearer than a
+        # region's boundary: a module with tensors of its own is a region whatever its ops
+        tm.budget = budget(64 * 1024)
+        expected, ops = ops_of(lambda: act(layer(x)))
+        assert ops == 2  # the Linear as a region, the SiLU op by op
+    # with gradients it is not: a region's backward has no op-by-op fallback
+    _, ops = ops_of(lambda: layer(x))
+    assert ops == 2
+    with torch.no_grad():
+        tm.budget = None
         regions.region(layer)
         _, ops = ops_of(lambda: layer(x))
         assert ops == 1
+    with plain_torch():
+        plain = torch.nn.SiLU()(torch.nn.functional.linear(to_plain(x), to_plain(layer.weight), to_plain(layer.bias)))
+    assert_identical(plain, expected)
+
+
+@pytest.mark.parametrize("strategy", ["genoa", "flow"])
+def test_a_batch_norm_in_training_mode_keeps_its_running_statistics_as_a_region(strategy):
+    # batch norm's kernel updates the running statistics in place without moving their
+    # version counters, by which a region finds what its call wrote: Genoa sent them back to
+    # the host unwritten after every call, and only the last call's update was kept
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6)).train()
+
+    torch.manual_seed(1)
+    x = torch.randn(8, 6)
+    with plain_torch():
+        plain = model().to(tm.torch_device)
+        px = to_plain(x).to(tm.torch_device)
+        with torch.no_grad():
+            for _ in range(3):
+                plain(px)
+    tm.strategy = strategy
+    managed = model()
+    regions.region(managed)
+    tm.budget = budget(64 * 1024)
+    with torch.no_grad():
+        for _ in range(4):  # (the first call measures op by op)
+            ops_before = tm.stats()["ops"]
+            managed(x)
+    assert tm.stats()["ops"] - ops_before == 1
+    with plain_torch():
+        plain(px)
+    for name, expected in plain.state_dict().items():
+        assert_identical(expected, managed.state_dict()[name])
 
 
 def test_the_switch_turns_regions_off():

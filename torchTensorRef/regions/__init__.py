@@ -23,8 +23,12 @@ Which modules are regions:
   most ``fraction`` of the manager's share of the budget (the budget less what the device
   holds outside the manager; all of them with no budget, or on "cpu"), as ZeRO-3
   pages at module granularity: under a tight budget the decoder layers, or their attention
-  and MLP, not every Linear. A module whose measured call (Note [Regions]) ran fewer than
-  ``min_ops`` aten ops is not one: its ops cost less than a region's boundary. A module
+  and MLP, not every Linear. With nothing to move (no budget, or pass-through), a module
+  whose measured call (Note [Regions]) ran fewer than ``min_ops`` aten ops is not one: its
+  ops on the fast path cost less than a region's boundary. Under a budget, with gradients
+  off, every op outside a region takes the manager's generic path, dearer than the
+  boundary, so a module with tensors of its own and few ops (an embedding, the head's
+  Linear, a norm) is a region there too. A module
   holding a compiled region (``compile_region``) is not one: the compiled region is its own.
 
 ``enabled`` (default ``True``) switches regions off for the whole process, whatever the
@@ -62,7 +66,13 @@ under_budget = True
 #: ``training.py``); ``False``: such calls go op by op
 train = True
 #: a module whose measured call ran fewer aten ops is not a region unless forced: the
-#: region's own work at its boundary would cost more than the ops it saves
+#: region's own work at its boundary would cost more than the ops it saves on the fast
+#: path. Under a budget, with gradients off, a module with tensors of its own is a region
+#: whatever its ops: there an op outside a region takes the generic path, and the
+#: embedding, the head's Linear and the last norm as regions took Llama decoding under
+#: Flow at 50% from 442 to 346 ms a call (the lenient "sim", ``benchmarks/small_ops.py
+#: --regions-only``). With gradients the rule stands: a region's backward has no op-by-op
+#: fallback, and a tiny one's is more boundary than work
 min_ops = 8
 
 _original_call = torch.nn.Module.__call__
@@ -118,7 +128,7 @@ def _check(module, name) -> None:
 class _ModuleInfo:
     """A module's region and what its size rule needs (recomputed when its tensors change)."""
 
-    __slots__ = ("region", "slots", "sizes", "generation", "compiled", "nbytes", "modules")
+    __slots__ = ("region", "slots", "sizes", "generation", "compiled", "nbytes", "modules", "buffers")
 
     def __init__(self, module):
         self.region = Region(f"region {type(module).__name__}")
@@ -128,6 +138,17 @@ class _ModuleInfo:
         self.compiled = False
         self.nbytes = 0
         self.modules = ()
+        self.buffers = ()  # (submodule, or None for the module itself; its buffers) where it has some
+
+    def kernel_written(self, module) -> list:
+        """The buffers of the modules in training mode: a batch norm's kernel updates its
+        running statistics in place without moving their version counters, by which a
+        region finds what its call wrote (Note [Module regions])."""
+        out = []
+        for m, d in self.buffers:
+            if (m or module).training:
+                out.extend(v for v in d.values() if v is not None)
+        return out
 
     def refresh(self, module) -> None:
         """The slots and bytes, if the module's tensors changed since they were read."""
@@ -144,6 +165,7 @@ class _ModuleInfo:
         # (its submodules only: held by the value of a weak dict keyed by the module itself,
         # the module would keep its own entry alive)
         self.modules = tuple(module.modules())[1:]
+        self.buffers = tuple((m if m is not module else None, m._buffers) for m in module.modules() if m._buffers)
         self.compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in self.modules)
 
     def hooked(self, module) -> bool:
@@ -202,17 +224,20 @@ def _call(self, forced, args, kwargs):
         limit = _mgr._limit
         # (the size rule weighs the manager's share: what the device holds outside it, the
         # program's own tensors and libraries' workspaces, is not room for a region)
-        if limit is not None and not _mgr._backend.passthrough and (
+        paged = limit is not None and not _mgr._backend.passthrough
+        if paged and (
                 (_mgr._budget is not None and not under_budget)
                 or _tensor_bytes(info) > fraction * (limit - _mgr._elsewhere_bytes)):
             return _original_call(self, *args, **kwargs)
         ops = info.region.ops
-        if ops is not None and ops < min_ops:
+        if ops is not None and ops < min_ops and not (
+                paged and _mgr._budget is not None and info.slots and not torch.is_grad_enabled()):
             return _original_call(self, *args, **kwargs)
     if not callers.claim():
         return _original_call(self, *args, **kwargs)  # another thread is inside a module call
     try:
-        return info.region.run(lambda *a, **k: _original_call(self, *a, **k), args, kwargs, info.slots, train=train)
+        return info.region.run(lambda *a, **k: _original_call(self, *a, **k), args, kwargs, info.slots, train=train,
+                               kernel_written=info.kernel_written(self) if info.buffers else ())
     except NotARegion:
         pass
     finally:

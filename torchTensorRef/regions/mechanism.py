@@ -13,7 +13,9 @@ aten op (``memory/op_protocol.py``):
    parameters, buffers and object attributes are swapped for their views for the duration
    of the call, arguments are passed as views), with creation functions making plain
    tensors: no per-op interception;
-3. an input whose view the call wrote (its version counter moved) is marked written; each
+3. an input whose view the call wrote (its version counter moved, or it is a buffer of a
+   module in training mode: batch norm's kernels update the running statistics without
+   moving their counters) is marked written; each
    output, and each new tensor the call stored in an object it was given, becomes a
    TensorRef (a view of an input joins its block, anything else is a new resident block),
    room being made for the new ones first;
@@ -128,11 +130,12 @@ class Region:
     def name(self) -> str:
         return self.spec.name
 
-    def run(self, fn, args, kwargs, slots=(), grad_error=None, train=True):
+    def run(self, fn, args, kwargs, slots=(), grad_error=None, train=True, kernel_written=()):
         """``fn(*args, **kwargs)`` as one op, with ``slots`` (``(dict, key)``: a module's
         parameters and buffers) swapped for plain views during the call. A call that needs
         gradients raises ``RuntimeError(grad_error)`` where given, and is not a region
-        without ``train``.
+        without ``train``. ``kernel_written``: TensorRefs the call may write without moving
+        their version counters (batch norm's running statistics), counted as written.
 
         Raises:
             NotARegion: (not ``strict``) the call needs gradients, does not fit the budget,
@@ -147,6 +150,7 @@ class Region:
                 call.slots.append((d, k, v))
                 refs.append(v)
         call.params = len(call.slots)
+        call.kernel_written = kernel_written
         budget = [OBJECT_VALUES]
         seen: set = set()
         for a in args:
@@ -383,6 +387,9 @@ class Region:
     def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):
         views = call.views
         written = [ref._tr_block for ref, given, _p, version in views.values() if given._version != version]
+        for ref in call.kernel_written:
+            if id(ref) in views:
+                written.append(ref._tr_block)
         if written:
             ctx.written = _blocks_of_list(written)
             if on_host:

@@ -19,7 +19,7 @@ _Tensor = torch.Tensor
 class Call:
     """One region call's TensorRefs and where they sit."""
 
-    __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held")
+    __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held", "kernel_written")
 
     def __init__(self):
         self.refs = []  # TensorRefs among the arguments, then the slots'
@@ -30,6 +30,7 @@ class Call:
         self.views = {}  # id(TensorRef) -> (TensorRef, view given to the call, plain view, its version)
         self.shapes = []
         self.all_held = []  # every TensorRef the objects hold, in scan order (of which ``slots`` keeps some)
+        self.kernel_written = ()  # TensorRefs the call may write with no version counter moving
 
 
 def is_object(a) -> bool:
