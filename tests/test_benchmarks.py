@@ -166,9 +166,9 @@ def test_gpu_throughput_plot(gpu_result, tmp_path):
 
 def test_gpu_throughput_unknown_gpu_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
-        gpu_throughput.main(["--device", "sim", "--tiny", "--gpu", "h200"])
+        gpu_throughput.main(["--device", "sim", "--tiny", "--gpu", "h200-nvl"])
     assert info.value.code == 2
-    assert "--gpu: unknown GPU 'h200': accepted are h100-sxm" in capsys.readouterr().err
+    assert "--gpu: unknown GPU 'h200-nvl': accepted are h100-sxm" in capsys.readouterr().err
 
 
 def test_gpu_throughput_without_cuda_says_so(monkeypatch, capsys):

@@ -133,7 +133,7 @@ def test_a_gpu_file_of_numbers(script, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, named", [
-    (["--gpu", "h200"], "--gpu: unknown GPU 'h200': accepted are h100-sxm"),
+    (["--gpu", "h200-nvl"], "--gpu: unknown GPU 'h200-nvl': accepted are h100-sxm"),
     (["--steps", "3:1"], '--steps must be "A:B" with 0 <= A < B'),
     (["--steps", "x"], "(got: 'x')"),
     (["--budget", "lots"], "--budget: "),

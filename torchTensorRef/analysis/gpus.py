@@ -74,7 +74,8 @@ def names() -> List[str]:
 #: what ``torch.cuda.get_device_name()`` says of each row's GPU: words that must all appear
 #: ("!w": must not: a "Ti" is another GPU)
 _DEVICE_NAMES = {
-    "h100-pcie": ("h100", "pcie"), "h100-sxm": ("h100", "hbm3"), "a100-pcie": ("a100", "80gb", "pcie"),
+    "h100-pcie": ("h100", "pcie"), "h100-sxm": ("h100", "hbm3"), "h200": ("h200", "!nvl"),
+    "a100-pcie": ("a100", "80gb", "pcie"),
     "a100-sxm": ("a100", "sxm4", "80gb"), "l4": ("nvidia l4",), "rtx-4090": ("rtx 4090", "!d"),
     "rtx-3090": ("rtx 3090", "!ti"), "rtx-3060-12gb": ("rtx 3060", "!ti"), "t4": ("t4",),
 }
