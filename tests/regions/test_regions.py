@@ -95,6 +95,50 @@ def test_generate_matches_plain_torch_in_fewer_ops(device, fraction):
     assert ops * {None: 3, 0.5: 1.5, 0.25: 1}[fraction] < per_op
 
 
+@pytest.mark.parametrize("strategy,fraction", [("flow", None), ("flow", 0.5), ("genoa", 0.5)])
+def test_generate_under_inference_mode_matches_plain_torch(strategy, fraction):
+    # the views given to a region of tensors made under inference_mode are inference tensors,
+    # which have no version counter: reading one raised at the first call
+    def run(model, ids):
+        with torch.inference_mode():
+            tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            return tokens, model(tokens).logits
+
+    with plain_torch():
+        ids = torch.tensor([[1, 5, 9, 3, 7]])
+        plain = run(llama().to(tm.torch_device), ids.to(tm.torch_device))
+    tm.strategy = strategy
+    model = llama()
+    tm.budget = None if fraction is None else budget(int(fraction * weight_bytes(model)))
+    managed, ops = ops_of(lambda: run(model, torchTensorRef.manage(ids.cpu())))
+    assert_identical(plain, managed)
+    regions.enabled = False
+    _, per_op = ops_of(lambda: run(model, torchTensorRef.manage(ids.cpu())))
+    assert ops < per_op  # (the module calls ran as regions)
+
+
+@pytest.mark.parametrize("strategy", ["genoa", "flow"])
+def test_a_region_s_write_to_an_inference_tensor_is_kept(strategy, small_regions):
+    # an inference tensor has no version counter to show the write: it counts as written
+    class AddInPlace(torch.nn.Module):
+        def forward(self, x):
+            return x.add_(1.0)
+
+    tm.strategy = strategy
+    tm.budget = budget(64 * 1024)
+    module = AddInPlace()
+    with torch.inference_mode():
+        x = torch.zeros(4, 16) + 1.0  # an inference TensorRef
+        for _ in range(4):  # (the first call measures op by op)
+            ops_before = tm.stats()["ops"]
+            module(x)
+        assert tm.stats()["ops"] - ops_before == 1
+        tm.evict_all()
+    with plain_torch():
+        expected = torch.full((4, 16), 5.0, device=tm.torch_device)
+    assert_identical(expected, x)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_a_layer_s_working_set_holds_its_own_layer_s_cache_not_the_whole_cache(cache):
     # Each decoder layer is given the whole cache and reads its own layer's keys and values:

@@ -15,7 +15,8 @@ aten op (``memory/op_protocol.py``):
    tensors: no per-op interception;
 3. an input whose view the call wrote (its version counter moved, or it is a buffer of a
    module in training mode: batch norm's kernels update the running statistics without
-   moving their counters) is marked written; each
+   moving their counters, or an inference tensor, made under ``torch.inference_mode()``,
+   which has no counter) is marked written; each
    output, and each new tensor the call stored in an object it was given, becomes a
    TensorRef (a view of an input joins its block, anything else is a new resident block),
    room being made for the new ones first;
@@ -350,8 +351,9 @@ class Region:
                         given = SimTensor(plain)
                     else:
                         given = plain
-                    # (the version of what the call got: on "sim" the wrapper's counts the writes)
-                    entry = views[id(a)] = (a, given, plain, given._version)
+                    # (the version of what the call got: on "sim" the wrapper's counts the writes;
+                    # an inference tensor has none, and the call may write it: None)
+                    entry = views[id(a)] = (a, given, plain, None if given.is_inference() else given._version)
                 return entry[1]
             cls = a.__class__
             if cls is tuple or cls is list:
@@ -386,7 +388,8 @@ class Region:
 
     def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):
         views = call.views
-        written = [ref._tr_block for ref, given, _p, version in views.values() if given._version != version]
+        written = [ref._tr_block for ref, given, _p, version in views.values()
+                   if version is None or given._version != version]
         for ref in call.kernel_written:
             if id(ref) in views:
                 written.append(ref._tr_block)
