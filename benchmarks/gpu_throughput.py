@@ -5,21 +5,22 @@ intermediate 5632, vocab 32000, about 1.1B parameters, bfloat16) is run
 
 - all resident on the GPU (plain torch): the compute time;
 - under ``accelerate.cpu_offload`` (weights on the host, copied in by its hooks);
-- managed by torchTensorRef with Flow and with Genoa at budgets of 25%, 50% and 100% of
-  its weight bytes,
+- managed by torchTensorRef with no budget (the first strategy given), and with Flow and
+  with Genoa at budgets of 25%, 50% and 100% of its weight bytes,
 
 measuring greedy ``generate()`` tokens per second and the time of an AdamW training step,
 the bytes each moved, and ``torch.cuda.max_memory_allocated`` against the budget. With the
 pinned host-to-device bandwidth measured here (CUDA events around a large copy), the bound
 for a run is ``max(compute time, bytes moved / bandwidth)``; the targets are printed with
 the figures: Flow within 80% of the bound, at least 3x accelerate's tokens/s at the same
-budget, at 100% budget at least 0.95x all-resident, and a real peak within the budget + 10%.
+budget, at 100% budget at least 0.95x all-resident, with no budget at most 1.10x
+all-resident's time, and a real peak within the budget + 10%.
 
     python benchmarks/gpu_throughput.py [--gpu NAME] [--json out.json]
     python benchmarks/gpu_throughput.py --device sim --tiny   # the same harness, no GPU
 
-The managed rows run module calls as regions where they can (the default; training steps
-go op by op); ``--per-op`` runs them op by op, to compare the two paths on the same GPU.
+The managed rows run module calls as regions where they can (the default, training steps
+too); ``--per-op`` runs them op by op, to compare the two paths on the same GPU.
 Each managed ``generate()`` row reports ``manager_ops``: the ops the manager saw (a region
 is one).
 
@@ -79,6 +80,7 @@ FRACTIONS = (0.25, 0.5, 1.0)
 TARGETS = {
     "flow_to_bound": 0.8,       # bound / measured time
     "flow_to_accelerate": 3.0,  # tokens/s
+    "no_budget_to_resident": 1 / 1.10,  # managed with no budget: at most 1.10x all-resident's time
     "full_budget_to_resident": 0.95,
     "peak_over_budget": 1.10,
 }
@@ -333,6 +335,15 @@ def evaluate(rows: list, bandwidth: dict) -> list:
             if "seconds" in m and "seconds" in m.get("predicted", {}):
                 m["predicted_to_measured"] = m["predicted"]["seconds"] / m["seconds"]
         if r["budget_fraction"] is None:
+            if r["config"] in STRATEGIES:
+                for workload in ("generate", "train"):
+                    m, base = r.get(workload, {}), resident.get(workload, {})
+                    if "seconds" in m and "seconds" in base:
+                        m["to_resident"] = base["seconds"] / m["seconds"]
+                        if workload == "generate" and "tokens" in base:
+                            m["tokens_equal_resident"] = bool(torch.equal(m["tokens"], base["tokens"]))
+                        checks.append(_check(f"{r['config']} no budget {workload}: vs all-resident",
+                                             m["to_resident"], ">=", TARGETS["no_budget_to_resident"]))
             continue
         for workload in ("generate", "train"):
             m = r.get(workload, {})
@@ -470,6 +481,7 @@ def main(argv=None) -> dict:
     bandwidth = dev.bandwidth(size["bandwidth_bytes"])
     previous = (tm.device, tm.strategy, tm.budget, torchTensorRef.regions.enabled)
     configs = [("resident", None)] + ([("accelerate", None)] if "generate" in args.workloads else [])
+    configs += [(args.strategies[0], None)]  # managed with no budget: the cost of managing alone
     configs += [(strategy, fraction) for fraction in args.fractions for strategy in args.strategies]
     rows = []
     try:

@@ -119,8 +119,9 @@ def gpu_throughput(result: dict, path: str) -> str:
     """Tokens/s and training step time per configuration, with the bound."""
     plt = _pyplot()
     rows = result["rows"]
-    labels = [r["config"] if r["budget_fraction"] is None else f"{r['config']}\n{r['budget_fraction']:.0%}"
-              for r in rows]
+    labels = [r["config"] if r["config"] in ("resident", "accelerate")
+              else f"{r['config']}\nno budget" if r["budget_fraction"] is None
+              else f"{r['config']}\n{r['budget_fraction']:.0%}" for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     colors = [COLORS.get(r["config"], "#333333") for r in rows]
     ax1.bar(range(len(rows)), [r.get("generate", {}).get("tokens_per_s", 0) for r in rows], color=colors)

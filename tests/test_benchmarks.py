@@ -142,7 +142,14 @@ def test_gpu_throughput_harness_on_sim(gpu_result):
     assert rows[("accelerate", None)]["generate"]["predicted"]["moved"] == size["tokens"] * wbytes
     assert {c["check"] for c in result["checks"]} >= {"flow 50% generate: bound / time",
                                                       "flow 50% generate: tokens/s vs accelerate",
-                                                      "flow 50% train: real peak / budget"}
+                                                      "flow 50% train: real peak / budget",
+                                                      "flow no budget generate: vs all-resident",
+                                                      "flow no budget train: vs all-resident"}
+    # managed with no budget: nothing moves, the tokens and losses are all-resident's
+    free = rows[("flow", None)]
+    assert free["budget"] is None and free["generate"]["moved"] == 0 and free["train"]["moved"] == 0
+    assert free["generate"]["tokens_equal_resident"]
+    assert free["train"]["losses"] == rows[("resident", None)]["train"]["losses"]
 
 
 def test_gpu_throughput_per_op_runs_the_managed_rows_op_by_op(gpu_result, tmp_path):
@@ -150,7 +157,7 @@ def test_gpu_throughput_per_op_runs_the_managed_rows_op_by_op(gpu_result, tmp_pa
     per_op = gpu_throughput.main(args + ["--per-op", "--json", str(tmp_path / "per_op.json")])
     assert torchTensorRef.regions.enabled  # (given back)
     assert gpu_result[0]["regions"] is True and per_op["regions"] is False
-    flow = {r["config"]: r for r in per_op["rows"]}["flow"]["generate"]
+    flow = {(r["config"], r["budget_fraction"]): r for r in per_op["rows"]}[("flow", 0.5)]["generate"]
     with_regions = {(r["config"], r["budget_fraction"]): r for r in gpu_result[0]["rows"]}[("flow", 0.5)]["generate"]
     assert flow["tokens_equal_resident"]
     # a region is one op of the manager: op by op, the same generate() runs many more
