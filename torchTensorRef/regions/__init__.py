@@ -237,7 +237,7 @@ def _call(self, forced, args, kwargs):
         return _original_call(self, *args, **kwargs)  # another thread is inside a module call
     try:
         return info.region.run(lambda *a, **k: _original_call(self, *a, **k), args, kwargs, info.slots, train=train,
-                               kernel_written=info.kernel_written(self) if info.buffers else ())
+                               kernel_written=info.kernel_written(self))
     except NotARegion:
         pass
     finally:
