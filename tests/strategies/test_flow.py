@@ -108,9 +108,13 @@ def test_a_factory_is_the_same_op_whether_the_device_is_full_or_not(flow):
         t.add_(1)  # all four resident: no free room left
     assert not tm.fits(tm.block_bytes(1 * KIB))
     full, made = ops_of_a_factory()
-    assert full == roomy and any("arange" in name for name in full)
+    # (on "sim" the device's empty kernel makes it and arange's out= fills it: an op; on CUDA
+    # the factory's own kernel makes it, adopted: no op. Either way the same, on the device)
+    assert full == roomy
     assert made.proxyInfo.on_device and tm.stats()["peak_device_bytes"] <= tm.budget
-    assert torch.equal(to_plain(made), to_plain(torch.arange(256.0)))
+    with plain_torch():
+        expected = torch.arange(256.0, device=tm.torch_device)
+    assert_identical(expected, made)
 
 
 def test_writes_back_only_dirty_blocks(flow):
