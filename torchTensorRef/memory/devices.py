@@ -58,6 +58,19 @@ def cuda_block_bytes(nbytes: int) -> int:
     return size
 
 
+
+def largest_within(nbytes: int, block_bytes) -> int:
+    """The largest allocation that ``block_bytes`` (a backend's count of an allocation) counts
+    as at most ``nbytes``: room kept as "all that is left" must not round up past it."""
+    if nbytes <= 0:
+        return 0
+    if block_bytes(nbytes) <= nbytes:
+        return nbytes
+    size = nbytes // _MIN_BLOCK * _MIN_BLOCK
+    if block_bytes(size) <= nbytes:
+        return size
+    return nbytes // _ROUND_LARGE * _ROUND_LARGE  # (a whole segment: counted as it is)
+
 class Backend:
     """The device-specific half of the copy protocol (``residency.py`` is the other half)."""
 

@@ -54,6 +54,7 @@ from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from ..core import context
 from ..core.tensor_ref import TensorRef, compute_view
+from ..memory.devices import largest_within
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim import backward_errors
 from ..memory.sim.allocation import PlainMode
@@ -347,8 +348,12 @@ class BackwardStep:
             if self.limited:
                 size = backend.block_bytes
                 self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
-                room = max(0, mgr._limit - mgr._elsewhere_bytes - self.held)
                 seen = self.seen = measured(region.backward_peaks, self.key)
+                # (asked of the device when it keeps all the room: a stale reading would ask
+                # for room that plain tensors made since have taken; counted as the device
+                # counts it, so that the op's check does not round it past the budget)
+                outside = mgr._elsewhere_bytes if seen is not None else mgr._read_outside()
+                room = largest_within(mgr._limit - outside - self.held, size)
                 # Until measured, under a budget all the room it leaves (what a backward's
                 # formulas allocate is not bounded by the forward: recomputing a checkpointed
                 # forward inside it took 4x); with none, twice the blocks and the forward's
