@@ -71,6 +71,18 @@ def largest_within(nbytes: int, block_bytes) -> int:
         return size
     return nbytes // _ROUND_LARGE * _ROUND_LARGE  # (a whole segment: counted as it is)
 
+
+def cuda_allocated(device: torch.device) -> int:
+    """``torch.cuda.memory_allocated(device)``, at a fraction of its cost: that one flattens
+    every statistic of the allocator into a new sorted dict on each call (0.3 ms on an H100
+    machine's CPU; under Flow at 50% of the weights, the manager's 1,342 readings per 16
+    decoded tokens took 38% of the time). This reads the one counter of the nested statistics
+    that it flattens."""
+    nested = getattr(torch._C, "_cuda_memoryStats", None)
+    if nested is None or device.type != "cuda" or device.index is None or not torch.cuda.is_initialized():
+        return torch.cuda.memory_allocated(device)  # (0 before CUDA is initialized; not a CUDA device: raises)
+    return nested(device.index)["allocated_bytes"]["all"]["current"]
+
 class Backend:
     """The device-specific half of the copy protocol (``residency.py`` is the other half)."""
 
@@ -298,7 +310,7 @@ class CudaBackend(Backend):
         return int(free) + torch.cuda.memory_reserved(self.compute)
 
     def in_use_elsewhere(self, managed_bytes: int) -> int:
-        return max(torch.cuda.memory_allocated(self.compute) - managed_bytes, 0)
+        return max(cuda_allocated(self.compute) - managed_bytes, 0)
 
     block_bytes = staticmethod(cuda_block_bytes)
 
