@@ -217,6 +217,14 @@ class SimBackend(Backend):
     def block_bytes(self, nbytes: int) -> int:
         return cuda_block_bytes(nbytes) if self.rounding else nbytes
 
+    def max_allocated(self) -> int:
+        """The most bytes the device held at once since ``reset_peak()``, workspaces included
+        (as ``torch.cuda.max_memory_allocated``)."""
+        return self.allocated.peak() + self.workspace * len(self._workspace_keys)
+
+    def reset_peak(self) -> None:
+        self.allocated.reset_peak()
+
     def set_rounding(self, rounding: bool) -> None:
         """Count allocations at the sizes CUDA's allocator gives them (``True``) or as asked."""
         self.rounding = rounding

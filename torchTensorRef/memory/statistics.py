@@ -37,7 +37,9 @@ class Statistics:
         ``bytes_to_disk``, ``pinned_bytes``, ``outside_bytes`` (device bytes allocated
         outside the manager at the last reading: Note [Budget on CUDA]); on CUDA also
         ``max_memory_allocated`` and ``max_memory_reserved`` (torch.cuda's, since the
-        last ``reset_stats()``).
+        last ``reset_stats()``), and on ``"sim"`` ``max_memory_allocated`` (the most its
+        allocator held at once since then: the manager's blocks, the program's plain
+        tensors and the emulated workspaces).
         """
         with self._lock:
             self._drain()
@@ -59,6 +61,8 @@ class Statistics:
             pinned = self._backend.pinned
             out["pinned_bytes"] = pinned.used if pinned is not None else 0
             out["outside_bytes"] = self._read_outside() if not self._backend.passthrough and not self._unresolved else 0
+            if self._backend.simulated:
+                out["max_memory_allocated"] = self._backend.max_allocated()
             if self._backend.name == "cuda" and self._backend.resolved:
                 out["max_memory_allocated"] = torch.cuda.max_memory_allocated(self._backend.compute)
                 out["max_memory_reserved"] = torch.cuda.max_memory_reserved(self._backend.compute)
@@ -72,6 +76,8 @@ class Statistics:
             self._peak = self._device_bytes + self._inflight_bytes
             self._peak_host = self._host_bytes
             self._overshoot = 0
+            if self._backend.simulated:
+                self._backend.reset_peak()
             if self._backend.name == "cuda" and self._backend.resolved:
                 torch.cuda.reset_peak_memory_stats(self._backend.compute)
 

@@ -112,6 +112,47 @@ def test_a_buffer_a_queued_write_back_still_reads_is_not_reused(fresh_manager):
 
 
 @sim_only
+def test_a_kept_buffer_counts_as_allocated_while_its_write_back_is_queued(fresh_manager):
+    # As CUDA's allocator: a freed block a stream still uses stays allocated until the stream
+    # is done with it. "sim" stopped counting the buffer when its pool kept it, the queued
+    # write-back still reading it; the manager's readings of what the device holds outside it
+    # then came out low by the write-back's bytes, and the device held more than the budget
+    # (Genoa, AdamW: a real peak 2 MiB over) while the manager counted no overshoot.
+    tm = fresh_manager
+    tm.strategy = "flow"  # (no budget: it stays on the device until evicted)
+    with torchTensorRef.disabled():
+        plain = torch.full((512, 1024), 1.0)  # 2 MiB
+    t = torchTensorRef.manage(plain.clone()) + 1  # made on the device: its write-back goes to pinned memory
+    allocated = tm._backend.allocated
+    before = allocated.total()
+    outside = tm.stats()["outside_bytes"]
+    assert t._tr_block.dev is not None and tm._inflight_bytes == 0
+    with tm._lock:
+        tm.evict(t._tr_block)  # (as the strategies do) a write-back queued, reading the buffer the pool keeps
+    assert tm._inflight_bytes == 2 * MIB
+    assert allocated.total() == before  # still allocated, as counted in flight
+    assert tm.stats()["outside_bytes"] == outside
+    tm.synchronize()
+    assert allocated.total() == before - 2 * MIB  # the copy done: cached, not allocated
+    assert tm.stats()["outside_bytes"] == outside
+    assert torch.equal(t.cpu(), plain + 1)
+
+
+@sim_only
+def test_sim_reports_the_most_its_allocator_held_since_the_stats_were_reset(fresh_manager):
+    tm = fresh_manager
+    tm.reset_stats()
+    base = tm.stats()["max_memory_allocated"]
+    with torchTensorRef.disabled(device="sim"):
+        a = torch.empty(MIB, dtype=torch.uint8, device="sim")  # a plain tensor of the program's
+        b = torch.empty(2 * MIB, dtype=torch.uint8, device="sim")
+    del a, b
+    assert tm.stats()["max_memory_allocated"] == base + 3 * MIB
+    tm.reset_stats()
+    assert tm.stats()["max_memory_allocated"] == base
+
+
+@sim_only
 def test_freed_device_buffers_are_left_out_of_the_recorded_host_time(fresh_manager):
     tm = fresh_manager
     tm.strategy = "flow"  # (no budget: nothing moves)

@@ -109,6 +109,8 @@ class Allocated:
         self.block_bytes = block_bytes
         self._live: dict = {}  # storage._cdata -> _Entry
         self._total = 0
+        self._peak = 0  # the most ``_total`` has been since ``reset_peak()``
+        self._in_use: dict = {}  # cdata -> storage: kept by the pool while a tensor still uses it
         self._dead: list = []  # entries whose storage died (appended by the weakref callback)
         self._lock = threading.Lock()
 
@@ -117,6 +119,9 @@ class Allocated:
         key = storage._cdata
         nbytes = self.block_bytes(storage.nbytes())
         entry = self._live.get(key)
+        if self._in_use and key in self._in_use:
+            with self._lock:
+                self._in_use.pop(key, None)  # (handed out again: counted as it is)
         if entry is not None and entry() is not None:
             if entry.nbytes != nbytes:  # (resized in place)
                 with self._lock:
@@ -128,27 +133,61 @@ class Allocated:
         with self._lock:
             self._live[key] = entry  # (a dead entry at this address: its storage is gone)
             self._total += nbytes
+            if self._total > self._peak:
+                self._drain()  # (deaths not counted yet are no part of a peak)
+                if self._total > self._peak:
+                    self._peak = self._total
 
     def untrack(self, storage) -> None:
-        """Stop counting ``storage`` (kept by the pool for reuse)."""
+        """Stop counting ``storage`` (kept by the pool for reuse) once no tensor uses its
+        bytes: a write-back still queued on a copy stream reads them, and CUDA's allocator
+        counts a freed block as allocated until the streams that used it are done with it."""
         with self._lock:
-            entry = self._live.pop(storage._cdata, None)
-            if entry is not None:
-                self._total -= entry.nbytes
-                entry.key = None  # (its death, if queued, is not counted again)
+            users = raw.storage_users(storage)
+            if users is not None and users > 1:
+                self._in_use[storage._cdata] = storage
+                return
+            self._forget(storage._cdata)
+
+    def _forget(self, key) -> None:
+        # (the lock held)
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._total -= entry.nbytes
+            entry.key = None  # (its death, if queued, is not counted again)
 
     def total(self) -> int:
         """Bytes of the live allocations."""
         with self._lock:
-            dead = self._dead
-            while dead:
-                entry = dead.pop()
-                if entry.key is None:
-                    continue
-                self._total -= entry.nbytes
-                if self._live.get(entry.key) is entry:
-                    del self._live[entry.key]
+            self._drain()
             return self._total
+
+    def peak(self) -> int:
+        """The most bytes live at once since ``reset_peak()`` (``torch.cuda.max_memory_allocated``'s count)."""
+        with self._lock:
+            return self._peak
+
+    def reset_peak(self) -> None:
+        """The peak restarts from the bytes live now."""
+        with self._lock:
+            self._drain()
+            self._peak = self._total
+
+    def _drain(self) -> None:
+        # (the lock held) forget the storages that died, and the kept ones no tensor uses now
+        if self._in_use:
+            for key, storage in list(self._in_use.items()):
+                if raw.storage_users(storage) == 1:
+                    del self._in_use[key]
+                    self._forget(key)
+        dead = self._dead
+        while dead:
+            entry = dead.pop()
+            if entry.key is None:
+                continue
+            self._total -= entry.nbytes
+            if self._live.get(entry.key) is entry:
+                del self._live[entry.key]
 
 
 #: the simulated device's allocations (one device: plain SimTensors and blocks share it)
