@@ -134,10 +134,13 @@ class Inside:
 
 
 class Measure(TorchDispatchMode):
-    """Peak live bytes of the new blocks (and plain storages) the ops of a call allocate."""
+    """Peak live bytes of the new blocks (and plain storages) the ops of a call allocate,
+    each counted as ``block_bytes`` counts it (the device's allocator rounds sizes up, and
+    the budget counts what it takes)."""
 
-    def __init__(self, known):
+    def __init__(self, known, block_bytes=None):
         super().__init__()
+        self.block_bytes = block_bytes
         self.known = known  # ids of the blocks that are not the call's: its inputs'
         self.read: set = set()  # ids of the blocks the ops were given
         self.live: dict = {}  # storage key -> [bytes, tensors alive]
@@ -173,6 +176,8 @@ class Measure(TorchDispatchMode):
             return
         if nbytes is None:
             nbytes = t.untyped_storage().nbytes()
+        if self.block_bytes is not None:
+            nbytes = self.block_bytes(nbytes)
         entry = self.live.get(key)
         if entry is None:
             entry = self.live[key] = [0, 0]

@@ -250,7 +250,7 @@ class Region:
         training = Training(self, key, self.device_views and getattr(backend, "strict", False),
                             limit is not None and not passthrough, ctx.estimate) if grad else None
         if meter:
-            meter = Measure({b.dev_key for b in blocks})  # (its inputs' storages are not its own)
+            meter = Measure({b.dev_key for b in blocks}, mgr._backend.block_bytes)  # (its inputs' storages are not its own)
         try:
             out = self._run(mgr, call, fn, args, kwargs, on_host, training, meter or None)
             with mgr._lock:
@@ -300,7 +300,7 @@ class Region:
     def _measured(self, mgr, call: Call, fn, args, kwargs, key):
         """The call op by op (within the budget, as any code), measuring the bytes its ops
         allocate: what the call will need inside as a region."""
-        meter = Measure({r._tr_block.id for r in call.refs})
+        meter = Measure({r._tr_block.id for r in call.refs}, mgr._backend.block_bytes)
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
         try:
             with meter:

@@ -369,7 +369,7 @@ class BackwardStep:
             mgr._prepare(ctx)  # (no op-by-op fallback here: the graph is plain)
             if self.limited and self.seen is None:
                 # (the blocks' storages once resident: views of them are not new bytes)
-                self.measuring = Measure({b.dev_key for b in blocks})
+                self.measuring = Measure({b.dev_key for b in blocks}, mgr._backend.block_bytes)
             for b in blocks:
                 b.pins += 1
             self.base = mgr._device_bytes + mgr._inflight_bytes + mgr._elsewhere_bytes
