@@ -114,10 +114,11 @@ class Device:
             torch.cuda.reset_peak_memory_stats(self.compute)
 
     def peak(self, managed: bool) -> Optional[int]:
-        """The real peak on a GPU; on ``"sim"`` the manager's accounted peak (none for plain runs)."""
+        """The real peak: the most the device's allocator held since the stats were reset
+        (on ``"sim"``, none for plain runs: their stats are not reset)."""
         if self.cuda:
             return torch.cuda.max_memory_allocated(self.compute)
-        return tm.stats()["peak_device_bytes"] if managed else None
+        return tm.stats()["max_memory_allocated"] if managed else None
 
     def free(self) -> None:
         gc.collect()
@@ -315,7 +316,7 @@ def _run_workload(dev, plain, ids, size, config, budget, workload, gpu=None, sce
         if gpu is not None and scenarios == ("recorded",):
             result["predicted"] = result["predicted"]["recorded"]
         if not dev.cuda:
-            result["peak"] = tm.stats()["peak_device_bytes"]
+            result["peak"] = dev.peak(managed=True)  # (the recorded call's, a run like the others)
     finally:
         del model, mids
     return result

@@ -96,7 +96,15 @@ def test_transfer_plot(transfer_result, tmp_path):
 @pytest.fixture(scope="module")
 def gpu_result(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpu") / "gpu.json"
-    result = gpu_throughput.main(["--device", "sim", "--tiny", "--fractions", "0.5", "--json", str(path)])
+    tm = torchTensorRef.tensorsManager
+    previous = tm.sim_rounding, tm.sim_workspace
+    # As on a GPU: allocations rounded up as CUDA's allocator rounds them, workspaces outside
+    # the manager (the real peaks are checked against the budget below)
+    tm.sim_rounding, tm.sim_workspace = True, 64 * 1024
+    try:
+        result = gpu_throughput.main(["--device", "sim", "--tiny", "--fractions", "0.5", "--json", str(path)])
+    finally:
+        tm.sim_rounding, tm.sim_workspace = previous
     return result, path
 
 
@@ -121,7 +129,7 @@ def test_gpu_throughput_harness_on_sim(gpu_result):
     for workload in ("generate", "train"):
         assert flow[workload]["moved"] <= genoa[workload]["moved"]
         for r in (flow, genoa):
-            assert r[workload]["peak"] <= r["budget"]
+            assert r[workload]["peak"] <= r["budget"]  # (the most the device held, workspaces included)
             assert r[workload]["bound_seconds"] >= r[workload]["transfer_seconds"]
     assert flow["generate"]["tokens_equal_resident"] and genoa["generate"]["tokens_equal_resident"]
     assert flow["train"]["losses"] == rows[("resident", None)]["train"]["losses"]
