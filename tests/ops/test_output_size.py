@@ -224,3 +224,17 @@ def test_a_result_sharing_its_input_s_storage_allocates_nothing(fresh_manager):
     x = torch.randn(32, 1000)
     assert estimate_output_bytes(spec_of(aten._unsafe_view.default), (x, [2, 16, 1000]), {}) == 0
     assert estimate_output_bytes(spec_of(aten.clone.default), (x,), {}) == fresh_manager.block_bytes(32 * 1000 * 4)
+
+
+def test_a_result_laid_out_like_an_input_with_gaps_is_sized_by_its_strides():
+    # select_scatter's result keeps its input's strides, gaps included. Sizes were cached by
+    # shape and dtype alone: after a contiguous call, a call on a strided view reused its
+    # 500 bytes for a result of 996 (the OpInfo sweep on CUDA overshot the budget).
+    op = torch.ops.aten.select_scatter.default
+    with torchTensorRef.disabled():
+        dense = torch.zeros(5, 5, 5)
+        gaps = torch.zeros(250).as_strided((5, 5, 5), (50, 10, 2), 1)
+        src = torch.zeros(5, 5)
+        real = op(gaps, src, 1, 2).untyped_storage().nbytes()
+    assert estimate_output_bytes(spec_of(op), (dense, src, 1, 2), {}) == 500
+    assert real >= estimate_output_bytes(spec_of(op), (gaps, src, 1, 2), {}) >= 996

@@ -36,11 +36,13 @@ _MAX_CACHE = 100_000
 
 
 def _key(values) -> tuple:
-    """The cache key of an argument list: tensors by shape and dtype, the rest as they are."""
+    """The cache key of an argument list: tensors by shape, strides and dtype, the rest as they are."""
     out = []
     for v in values:
         if isinstance(v, _Tensor):
-            out.append((v.shape, v.dtype))  # torch.Size hashes as the tuple it is
+            # (strides too: a result laid out like an input with gaps, select_scatter's, takes
+            # the gaps' bytes; keyed by shape alone, a contiguous call's size was reused for it)
+            out.append((v.shape, v.stride(), v.dtype))  # torch.Size hashes as the tuple it is
         elif v.__class__ is list or v.__class__ is tuple:
             out.append(_key(v))
         else:
