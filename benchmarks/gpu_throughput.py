@@ -29,7 +29,8 @@ Each run is also predicted (``torchTensorRef.analysis.timeline``) on the row of
 for another): a strategy's from a recording of one more call or of as many steps more of
 the same run, all-resident and accelerate's from a run managed without a budget. The
 prediction stands beside the measurement in each row (``"predicted"``,
-``"predicted_to_measured"``), so that a run on a GPU checks the model.
+``"predicted_to_measured"``), so that a run on a GPU checks the model. ``--no-predict``
+measures only: recording a call of the 1.1B model takes minutes on a GPU.
 
 Without CUDA (and without ``--device sim``) it says so and exits 0. On ``"sim"`` the times
 are meaningless (the "GPU" is host memory) but the bytes are real.
@@ -66,7 +67,7 @@ SIZES = {
                  bandwidth_bytes=1 << 30),
     # a quarter of that: every configuration runs in a few minutes on one GPU
     "small": dict(model=dict(layers=8, hidden=1024, intermediate=2816, vocab=32000, heads=16, kv_heads=4),
-                  dtype="bfloat16", prompt=64, tokens=16, batch=1, seq=128, calls=2, warmup_steps=2, steps=2,
+                  dtype="bfloat16", prompt=64, tokens=16, batch=1, seq=128, calls=3, warmup_steps=2, steps=2,
                   bandwidth_bytes=256 << 20),
     # thin and several layers, so that every op fits in 25% of the weight bytes; float32,
     # because CPUs without native bfloat16 run bfloat16 matmuls tens of times slower
@@ -411,6 +412,14 @@ def print_report(result: dict) -> None:
             m = r.get(workload, {})
             if "error" in m or "skipped" in m:
                 print(f"{'':>10} {workload}: {m.get('error') or m.get('skipped')}")
+    if "predicted_on" in result:
+        print_predictions(result, cell)
+    print("targets:")
+    for c in result["checks"]:
+        print(f"  {'met ' if c['met'] else 'MISS'} {c['check']}: {c['value']:.3f} (target {c['target']})")
+
+
+def print_predictions(result: dict, cell) -> None:
     print(f"predicted on {result['predicted_on']} (a model of each run, not measured; ratio = predicted / "
           f"measured):")
     for r in result["rows"]:
@@ -424,9 +433,6 @@ def print_report(result: dict) -> None:
                 cells.append(f"{workload} {value} (busiest lane {p['bottleneck']}, ratio "
                              f"{cell(common.ratio(p['seconds'], m.get('seconds')), '.2f')})")
         print(f"{r['config']:>10} {frac:>6} | {'; '.join(cells) or '-'}")
-    print("targets:")
-    for c in result["checks"]:
-        print(f"  {'met ' if c['met'] else 'MISS'} {c['check']}: {c['value']:.3f} (target {c['target']})")
 
 
 def ids_shape(size: dict, workload: str) -> str:
@@ -450,6 +456,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--per-op", action="store_true",
                         help="run the managed rows op by op (torchTensorRef.regions.enabled = False), to compare "
                              "the per-op path with module regions (the default)")
+    parser.add_argument("--no-predict", action="store_true",
+                        help="measure only: no run recorded to predict it (recording a call of the 1.1B model "
+                             "takes minutes on a GPU)")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     command = common.command_line("benchmarks/gpu_throughput.py", argv)
@@ -464,13 +473,13 @@ def main(argv=None) -> dict:
     size = SIZES[size_name]
     dev = Device(args.device)
     gpu = args.gpu
-    if gpu is None:
+    if gpu is None and not args.no_predict:
         gpu = gpus.for_device(torch.cuda.get_device_name(dev.compute)) if dev.cuda else "h100-pcie"
         if gpu is None:
             parser.error(f"--gpu: no row of {', '.join(gpus.names())} is the "
                          f"{torch.cuda.get_device_name(dev.compute)!r}: name the closest, or give a .json of numbers")
     try:
-        gpu = predict_run.load_gpu(gpu)
+        gpu = None if args.no_predict else predict_run.load_gpu(gpu)
     except (ValueError, TypeError) as e:
         parser.error(f"--gpu: {e}")
     plain = common.llama(positions=max(size["seq"], size["prompt"] + size["tokens"]) + 8,
@@ -489,7 +498,7 @@ def main(argv=None) -> dict:
         torchTensorRef.regions.enabled = not args.per_op
         tm.device = dev.name
         outside = tm.outside_bytes()
-        baseline = baseline_predictions(dev, plain, ids, size, gpu)
+        baseline = baseline_predictions(dev, plain, ids, size, gpu) if gpu is not None else {}
         for config, fraction in configs:
             rows.append(run_config(dev, plain, ids, size, config, fraction, wbytes, gpu, baseline, outside,
                                    args.workloads))
@@ -508,10 +517,11 @@ def main(argv=None) -> dict:
         "model": "Llama (random init)", "parameters": sum(p.numel() for p in plain.parameters()),
         "weight_bytes": wbytes, "sizes": size_name, "size": size, "regions": not args.per_op,
         "bandwidth": bandwidth, "targets": TARGETS, "rows": rows, "checks": checks,
-        "predicted_on": gpu.name,
-        "predicted_note": "predicted: torchTensorRef.analysis.timeline on a recording of the same run (docs/timeline.md), "
-                          "not measured",
     }
+    if gpu is not None:
+        result["predicted_on"] = gpu.name
+        result["predicted_note"] = ("predicted: torchTensorRef.analysis.timeline on a recording of the same run "
+                                    "(docs/timeline.md), not measured")
     if not dev.cuda:
         result["note"] = "device 'sim': times are meaningless (the accelerator is host memory), bytes are real"
     print_report(result)

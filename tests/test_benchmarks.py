@@ -172,6 +172,17 @@ def test_gpu_throughput_per_op_runs_the_managed_rows_op_by_op(gpu_result, tmp_pa
     assert flow["manager_ops"] > 2 * with_regions["manager_ops"] > 0
 
 
+def test_gpu_throughput_no_predict_measures_without_recording():
+    args = ["--device", "sim", "--tiny", "--fractions", "0.5", "--strategies", "flow", "--workloads", "generate",
+            "--no-predict"]
+    result = gpu_throughput.main(args)
+    assert "predicted_on" not in result
+    rows = {(r["config"], r["budget_fraction"]): r for r in result["rows"]}
+    for row in rows.values():
+        assert "error" not in row["generate"] and "predicted" not in row["generate"], row
+    assert rows[("flow", 0.5)]["generate"]["tokens_equal_resident"]
+
+
 def test_gpu_throughput_plot(gpu_result, tmp_path):
     pytest.importorskip("matplotlib")
     path = plots.plot("gpu_throughput", gpu_result[0], str(tmp_path))
