@@ -20,7 +20,7 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common, gpu_throughput, op_paths, overhead, plots, run_all, small_ops, transfer  # noqa: E402
+from benchmarks import common, cuda_peak, gpu_throughput, op_paths, overhead, plots, run_all, small_ops, transfer  # noqa: E402
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -426,3 +426,24 @@ def test_predicted_harness_at_a_tiny_size(tmp_path):
         "Flow 50%: step / bound", "Flow 50%: cpu_offload step / Flow step"}
     if png:
         assert png.stat().st_size > 0
+
+
+def test_cuda_peak_replays_allocations_to_the_moment_the_most_was_held():
+    def event(action, addr, size, name="f"):
+        return {"action": action, "addr": addr, "size": size,
+                "frames": [{"filename": "torch/nn/functional.py", "line": 1, "name": "inner"},
+                           {"filename": "torchTensorRef/regions/mechanism.py", "line": 7, "name": name}]}
+
+    events = [event("alloc", 1, 100), event("alloc", 2, 50, "g"), event("free_requested", 1, 100),
+              event("alloc", 3, 30), event("free_completed", 1, 100),  # (a stream still used it until here)
+              event("alloc", 4, 60), event("free_completed", 2, 50)]
+    peak, live = cuda_peak.live_at_peak(events, start=1000)
+    assert peak == 1000 + 100 + 50 + 30
+    assert [e["addr"] for e in live] == [1, 2, 3]  # largest first
+    assert cuda_peak.where(live[1]) == "mechanism.py:7 g"  # (torch's own frames left out)
+
+
+def test_cuda_peak_without_cuda_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cuda_peak.main([]) == 0
+    assert "needs CUDA" in capsys.readouterr().out
