@@ -202,6 +202,7 @@ def test_the_suite_runs_in_workers_with_a_limit_per_test_where_the_plugins_are_t
     assert ("-n 8" in suite) == xdist
     assert ("--timeout 30" in suite) == timeout_plugin
     assert f"--junitxml {tmp_path}/suite.xml" in suite and "-rfE -p no:cacheprovider" in suite
+    assert "--ignore tests/test_benchmarks.py" in suite  # (harness checks on "sim": CI runs them)
     assert argv["demo"][-5:] == ["demo", "--device", "cuda", "--out", f"{tmp_path}/demo"]
     assert " ".join(argv["throughput"]).endswith(
         f"benchmarks/gpu_throughput.py --device cuda --size small --json {tmp_path}/gpu_throughput.json")
