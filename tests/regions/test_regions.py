@@ -47,7 +47,9 @@ def llama():
 
 
 def weight_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    """Device bytes of the model's tensors, each as the device's allocator gives it (CUDA's
+    rounds every allocation up to 512 bytes), so that budgets in weights mean the same on a GPU."""
+    return sum(tm.block_bytes(t.numel() * t.element_size()) for t in model.state_dict().values())
 
 
 def decode(model, ids, cache="dynamic"):
