@@ -306,7 +306,7 @@ def test_a_gpt2_with_compiled_decoder_layers_matches_plain_compiled_torch():
     with torchTensorRef.disabled():
         plain = forward(torch.compile, False)
     tensorsManager.strategy = "flow"
-    tensorsManager.budget = budget(200 * 1024)  # below the weights (about 330 KiB)
+    tensorsManager.budget = budget(240 * 1024)  # below the weights (about 330 KiB; a block about 100 KiB)
     tensorsManager.reset_stats()
     managed = forward(compile_region, True)
     assert_identical(plain, managed)
