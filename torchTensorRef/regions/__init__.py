@@ -179,6 +179,9 @@ class _ModuleInfo:
 
 
 def _tensor_bytes(info: _ModuleInfo) -> int:
+    """Device bytes of the module's tensors, each as the budget counts it (rounded up as the
+    device's allocator rounds it), to weigh against the manager's share."""
+    size = _mgr._backend.block_bytes
     seen = set()
     total = 0
     for d, k in info.slots:
@@ -186,7 +189,7 @@ def _tensor_bytes(info: _ModuleInfo) -> int:
         b = getattr(v, "_tr_block", None)
         if b is not None and b.id not in seen:
             seen.add(b.id)
-            total += b.nbytes
+            total += size(b.nbytes)
     return total
 
 
