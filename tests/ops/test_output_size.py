@@ -244,3 +244,18 @@ def test_a_result_laid_out_like_an_input_with_gaps_is_sized_by_its_strides():
     size = tensorsManager.block_bytes  # (as the device's allocator gives it)
     assert estimate_output_bytes(spec_of(op), (dense, src, 1, 2), {}) == size(500)
     assert size(real) >= estimate_output_bytes(spec_of(op), (gaps, src, 1, 2), {}) >= size(996)
+
+
+def test_an_op_that_aliases_or_copies_is_sized_by_what_it_does():
+    # ``to``, ``reshape`` and ``contiguous`` say their result aliases the argument; they copy
+    # where they must. On inference tensors they reach the manager undecomposed: ``to`` of
+    # another dtype was sized as nothing, and generate() under inference_mode passed the budget.
+    size = tensorsManager.block_bytes
+    with torchTensorRef.disabled():
+        ids = torch.zeros(1, 5, dtype=torch.bool)
+        gaps = torch.zeros(4, 6)[:, :3]
+    assert estimate_output_bytes(spec_of(aten.to.dtype), (ids, torch.int64), {}) == size(40)
+    assert estimate_output_bytes(spec_of(aten.to.dtype), (ids, torch.bool), {}) == 0  # (itself)
+    assert estimate_output_bytes(spec_of(aten.reshape.default), (gaps, [12]), {}) == size(48)
+    assert estimate_output_bytes(spec_of(aten.reshape.default), (gaps, [4, 3]), {}) == 0  # (a view)
+    assert estimate_output_bytes(spec_of(aten.contiguous.default), (gaps,), {}) == size(48)

@@ -63,8 +63,9 @@ class OpSpec:
             if info is not None and info.is_write:
                 index = next((sets[s] for s in info.before_set if s in sets), None)
             self.return_args.append(index)
-        #: whether some result is a new tensor (not a view or an in-place argument)
-        self.allocates: bool = any(r.alias_info is None for r in schema.returns)
+        #: whether some result may be a new tensor (not a view or an in-place argument)
+        self.allocates: bool = (any(r.alias_info is None for r in schema.returns)
+                                or func.overloadpacket.__name__ in _ALIAS_OR_COPY)
         #: whether the op may change the shape, strides or storage of an argument it writes
         # (out= arguments are the keyword-only written ones, whatever their name: ``L``,
         # ``values``, ``output`` ...)
@@ -82,6 +83,12 @@ class OpSpec:
             (i, a.name) for i, a in enumerate(schema.arguments) if a.name in host)
         self.handler: Optional[Handler] = _HANDLERS.get(func)
 
+
+#: ops whose schema says their result aliases the argument, which copy where they must:
+#: ``to`` another dtype, ``reshape`` or ``contiguous`` of a tensor with gaps. They decompose
+#: before the manager sees them, except on inference tensors (no autograd keys): there the
+#: manager sized ``x.to(torch.float32)`` as nothing, and its result passed the budget
+_ALIAS_OR_COPY = frozenset({"to", "reshape", "reshape_as", "contiguous", "flatten", "ravel"})
 
 #: in-place ops that change their argument's metadata, not (only) its values
 _RESTRIDING = frozenset({
