@@ -250,10 +250,14 @@ _READS_VALUES = set()
 #: ops whose meta kernel sizes what they write too small (``_native_batch_norm_legit``'s out=
 #: variants: the meta kernel leaves the out tensors as given, the host kernel gives them new
 #: storage, which the budget then held twice for a moment): sized by their bounds instead
+#: ``_embedding_bag``'s kernels lay out its bookkeeping results as they need (the CPU's
+#: gives ``max_indices`` a result in every mode and ``offset2bag`` one more element), and its
+#: meta kernel as the CPU's does not: sized by a bound of all four
 _META_TOO_SMALL = frozenset(op for op in (
     torch.ops.aten._ctc_loss.Tensor,
     getattr(torch.ops.aten._native_batch_norm_legit, "out", None),
     getattr(torch.ops.aten._native_batch_norm_legit, "no_stats_out", None),
+    torch.ops.aten._embedding_bag.default,
 ) if op is not None)
 
 
@@ -264,6 +268,18 @@ def _bound_batch_norm_out(args, kwargs) -> tuple:
     channels = x.shape[1] if x.dim() > 1 else 1
     stat = channels * max(x.element_size(), 4)
     return (x.numel() * x.element_size(), stat, stat)
+
+
+def _bound_embedding_bag(args, kwargs) -> tuple:
+    """Its four results whole: the bags' sums (bags x embedding size), ``offset2bag`` (one
+    per index, and one more), ``bag_size`` (one per bag) and ``max_indices`` (one per bag
+    and embedding column, as in max mode)."""
+    weight, indices, offsets = args[0], args[1], args[2]
+    include_last = args[5] if len(args) > 5 else kwargs.get("include_last_offset", False)
+    bags = indices.shape[0] if indices.dim() == 2 else offsets.shape[0] - bool(include_last)
+    dim = weight.shape[1]
+    index = indices.element_size()
+    return (bags * dim * weight.element_size(), (indices.numel() + 1) * index, bags * index, bags * dim * index)
 
 
 def _register_bounds() -> None:
@@ -282,6 +298,7 @@ def _register_bounds() -> None:
         ("unique_dim_consecutive", ("default",), _unique_bound((2, 3))),
         ("_ctc_loss", ("Tensor",), _bound_ctc_loss),
         ("_native_batch_norm_legit", ("out", "no_stats_out"), _bound_batch_norm_out),
+        ("_embedding_bag", ("default",), _bound_embedding_bag),
         ("repeat_interleave", ("Tensor",), _bound_repeat_interleave),
         ("bincount", ("default",), _bound_bincount),
     ]
