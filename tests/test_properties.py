@@ -476,9 +476,11 @@ def assert_same_pool(plain, managed):
 
 
 def working_set(trace) -> int:
+    """Device bytes of the largest op's blocks, each as the device's allocator gives it."""
+    size = tensorsManager.block_bytes
     per_op = {}
     for index, block_id, nbytes, _write in trace.accesses:
-        per_op.setdefault(index, {})[block_id] = nbytes
+        per_op.setdefault(index, {})[block_id] = size(nbytes)
     return max((sum(blocks.values()) for blocks in per_op.values()), default=0)
 
 
@@ -496,7 +498,7 @@ def test_programs_match_plain_torch(strategy, data):
         managed, log = replay(steps)
     assert log == plain_log
     assert_same_pool(plain, managed)
-    largest = max([working_set(trace)] + [m.proxyInfo.nbytes for m in managed if m is not None])
+    largest = max([working_set(trace)] + [tm.block_bytes(m.proxyInfo.nbytes) for m in managed if m is not None])
     del managed
 
     floor = data.draw(st.sampled_from([0, 512, 1024, 2048, 4096]), label="budget")

@@ -221,6 +221,20 @@ class OpProtocol:
             self._host_bytes += nbytes - block.nbytes
         block.nbytes = nbytes
 
+    def _op_raised(self, ctx) -> None:
+        """The op raised after ``_prepare``: what it writes counts as written (a kernel may
+        have written part of it before raising, as plain torch keeps), and blocks whose bytes
+        are shared outside torch go back to the host, as after any op (Note [External
+        bytes]): kept resident, a later write through a numpy array was not seen."""
+        if self._backend.passthrough or ctx.on_host:
+            return
+        if ctx.written:
+            self._mark_written(ctx.written)
+        if self._external:
+            for b in ctx.blocks:
+                if b.external and b.dev is not None:
+                    self.evict(b)
+
     def _finish(self, ctx) -> None:
         if self._callbacks:
             self._run_callbacks("after", ctx)

@@ -291,7 +291,11 @@ def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
     ckwargs = {k: _swap(v, on_host) for k, v in kwargs.items()} if kwargs else {}
     if ckwargs and "device" in ckwargs and backend.declared != backend.compute:
         ckwargs = _compute_kwargs(ckwargs, backend)
-    out = mgr._call(ctx, func, cargs, ckwargs)
+    try:
+        out = mgr._call(ctx, func, cargs, ckwargs)
+    except BaseException:
+        mgr._op_raised(ctx)
+        raise
     if spec.restrides:
         _follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
     elif written:
