@@ -58,7 +58,6 @@ def cuda_block_bytes(nbytes: int) -> int:
     return size
 
 
-
 def largest_within(nbytes: int, block_bytes) -> int:
     """The largest allocation that ``block_bytes`` (a backend's count of an allocation) counts
     as at most ``nbytes``: room kept as "all that is left" must not round up past it."""
@@ -82,6 +81,7 @@ def cuda_allocated(device: torch.device) -> int:
     if nested is None or device.type != "cuda" or device.index is None or not torch.cuda.is_initialized():
         return torch.cuda.memory_allocated(device)  # (0 before CUDA is initialized; not a CUDA device: raises)
     return nested(device.index)["allocated_bytes"]["all"]["current"]
+
 
 class Backend:
     """The device-specific half of the copy protocol (``residency.py`` is the other half)."""

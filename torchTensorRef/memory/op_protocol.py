@@ -231,9 +231,14 @@ class OpProtocol:
         if ctx.written:
             self._mark_written(ctx.written)
         if self._external:
-            for b in ctx.blocks:
-                if b.external and b.dev is not None:
-                    self.evict(b)
+            self._send_external_home(ctx)
+
+    def _send_external_home(self, ctx) -> None:
+        """After an op: its blocks whose bytes are shared outside torch leave the device,
+        even if pinned (Note [External bytes])."""
+        for b in ctx.blocks:
+            if b.external and b.dev is not None:
+                self.evict(b)
 
     def _finish(self, ctx) -> None:
         if self._callbacks:
@@ -241,10 +246,8 @@ class OpProtocol:
         if self._backend.passthrough or ctx.on_host:
             return
         self._strategy.after_op(ctx)
-        if self._external:
-            for b in ctx.blocks:
-                if b.external and b.dev is not None:
-                    self.evict(b)  # even if pinned: Note [External bytes]
+        if self._external:  # (checked here: this runs for every op)
+            self._send_external_home(ctx)
         if self._limit is not None and self._device_bytes + self._inflight_bytes + self._elsewhere_bytes > self._limit:
             # The op's results were larger than estimated (its overshoot is recorded): room is
             # made as far as evicting gives it. The op ran and its results are kept: the

@@ -138,7 +138,7 @@ class Measure(TorchDispatchMode):
     each counted as ``block_bytes`` counts it (the device's allocator rounds sizes up, and
     the budget counts what it takes)."""
 
-    def __init__(self, known, block_bytes=None):
+    def __init__(self, known, block_bytes):
         super().__init__()
         self.block_bytes = block_bytes
         self.known = known  # ids of the blocks that are not the call's: its inputs'
@@ -176,8 +176,7 @@ class Measure(TorchDispatchMode):
             return
         if nbytes is None:
             nbytes = t.untyped_storage().nbytes()
-        if self.block_bytes is not None:
-            nbytes = self.block_bytes(nbytes)
+        nbytes = self.block_bytes(nbytes)
         entry = self.live.get(key)
         if entry is None:
             entry = self.live[key] = [0, 0]
