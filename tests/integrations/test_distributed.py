@@ -119,12 +119,23 @@ def test_ddp_on_gpus_with_nccl_is_plain_ddp():
     spawn(workers.ddp_worker, "cuda", runs, "nccl", world=world)
 
 
-def _torchrun(*args, out, port):
+#: what gloo prints when a rank's teardown destroys a thread still running
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun(*args, out):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     env.pop("TORCHTENSORREF_SIM_WORKSPACE", None)  # (the runner's run names "sim" and a 5 KiB budget)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", str(port), *args, out]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S, env=env)
+    for attempt in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                   "127.0.0.1", "--master-port", str(_free_port()), *args, out]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S, env=env)
+        # Gloo's teardown can abort a rank after the script's work is done and written
+        # ("terminate called without an active exception", SIGABRT), in plain torch as under
+        # the runner: once, such a run is run again; a failure before the outputs is not.
+        written = all(os.path.exists(os.path.join(out, f"rank{r}.txt")) for r in (0, 1))
+        if done.returncode == 0 or attempt or not (written and TEARDOWN_ABORT in done.stderr):
+            break
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -140,9 +151,9 @@ def test_torchrun_runs_the_runner_on_every_rank(tmp_path):
     plain, managed = tmp_path / "plain", tmp_path / "managed"
     plain.mkdir()
     managed.mkdir()
-    _torchrun(script, out=str(plain), port=_free_port())
+    _torchrun(script, out=str(plain))
     done = _torchrun("-m", "torchTensorRef", "run", "--device", "sim", "--strategy", "flow", "--budget", "12KiB",
-                     script, out=str(managed), port=_free_port())
+                     script, out=str(managed))
     for rank in (0, 1):  # each rank's own summary
         assert done.stderr.count(f"torchTensorRef (rank {rank}): device sim, strategy flow, budget 12.0 KiB") == 1
     for rank in (0, 1):
