@@ -40,6 +40,13 @@ class Net(nn.Module):
         return self.out(x)
 
 
+
+def teardown() -> None:
+    """Leave the process group with every rank at the same point: a rank leaving while its
+    peer's gloo threads still talk to it can abort in gloo's teardown (plain torch too)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
 def values(t: torch.Tensor) -> torch.Tensor:
     """A plain CPU copy of ``t``'s values."""
     with torchTensorRef.disabled():
@@ -94,7 +101,7 @@ def ddp_worker(rank: int, world: int, init_file: str, device: str, runs: list, b
         del probe
     for strategy, budget_fraction, options in runs:
         ddp_run(rank, world, strategy, budget_fraction, dict(options))
-    dist.destroy_process_group()
+    teardown()
 
 
 def ddp_run(rank: int, world: int, strategy: str, budget_fraction, options: dict) -> None:
@@ -200,7 +207,7 @@ def fsdp_worker(rank: int, world: int, init_file: str, device: str, runs: list) 
     meshes = (init_device_mesh("cpu", (world,)), init_device_mesh(device, (world,)))
     for strategy, budget_fraction, options in runs:
         fsdp_run(rank, meshes, strategy, budget_fraction, dict(options))
-    dist.destroy_process_group()
+    teardown()
 
 
 def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -> None:
@@ -315,7 +322,7 @@ def fsdp_refused_worker(rank: int, world: int, init_file: str, device: str) -> N
     for m in model.modules():
         assert not isinstance(m, FSDPModule), type(m)
         assert vars(m) == state[id(m)], f"{type(m).__name__}'s attributes changed"
-    dist.destroy_process_group()
+    teardown()
 
 
 def collectives_worker(rank: int, world: int, init_file: str, device: str) -> None:
@@ -367,4 +374,4 @@ def collectives_worker(rank: int, world: int, init_file: str, device: str) -> No
     assert stats["peak_device_bytes"] <= 4096 and stats["worst_overshoot_bytes"] == 0, stats
     if device != "cpu":  # (pass-through never moves anything)
         assert stats["evictions"] > 0, stats
-    dist.destroy_process_group()
+    teardown()
