@@ -23,7 +23,7 @@ from ..core import context
 from ..core.tensor_ref import TensorRef, saving
 from ..memory.manager import tensorsManager as _mgr
 from ..ops import raw_kernels
-from . import checkpoint, compiler, creation, distributed, wrapped
+from . import checkpoint, compiler, creation, distributed, generation, wrapped
 from .manage import adopt
 from .plain import disabled
 
@@ -70,6 +70,9 @@ WARMUP_FUNCTIONS: Tuple[Tuple[str, str], ...] = (("transformers.modeling_utils",
 #: where transformers' from_pretrained chooses a device map: the managed device's own, which
 #: needs no accelerate (``checkpoint.device_map_wrapper``)
 DEVICE_MAP_FUNCTIONS: Tuple[Tuple[str, str], ...] = (("transformers.modeling_utils", "check_and_set_device_map"),)
+#: transformers' decoding loop: one region of its model where nothing is paged (Note
+#: [Generation as one region] in ``generation.py``)
+GENERATION_METHODS: Tuple[Tuple[str, str], ...] = (("transformers.generation.utils:GenerationMixin", "generate"),)
 #: raw entry points that launch kernels outside the dispatcher (CUDA's jiterator), which would
 #: read a TensorRef's empty wrapper: a launch on TensorRefs runs as a managed op on their
 #: device copies (Note [Raw kernels] in ``raw_kernels.py``; absent from CPU builds of torch)
@@ -267,11 +270,12 @@ def _targets():
     targets += [(owner, name, _warmup_wrapper) for owner, name in WARMUP_FUNCTIONS]
     targets += [(owner, name, _apply_wrapper) for owner, name in MODULE_METHODS]
     targets += [(owner, name, raw_kernels.jiterator_wrapper) for owner, name in RAW_KERNEL_FUNCTIONS]
+    targets += [(owner, name, generation.generate_wrapper) for owner, name in GENERATION_METHODS]
     return targets
 
 
 #: modules imported on demand, after torch, whose functions are wrapped when they are imported
-LATE_MODULES = distributed.LATE_MODULES + ("safetensors", "transformers.modeling_utils")
+LATE_MODULES = distributed.LATE_MODULES + ("safetensors", "transformers.modeling_utils", "transformers.generation.utils")
 
 
 def _wrap_late(module) -> None:

@@ -128,10 +128,11 @@ def _check(module, name) -> None:
 class _ModuleInfo:
     """A module's region and what its size rule needs (recomputed when its tensors change)."""
 
-    __slots__ = ("region", "slots", "sizes", "generation", "compiled", "nbytes", "modules", "buffers")
+    __slots__ = ("region", "methods", "slots", "sizes", "generation", "compiled", "nbytes", "modules", "buffers")
 
     def __init__(self, module):
         self.region = Region(f"region {type(module).__name__}")
+        self.methods = {}  # name -> the Region of its calls (``run_method``)
         self.slots = []
         self.sizes = ()
         self.generation = -1
@@ -216,11 +217,16 @@ def _module_call(self, *args, **kwargs):
         callers.leave()
 
 
-def _call(self, forced, args, kwargs):
-    info = _info.get(self)
+def _module_info(module) -> _ModuleInfo:
+    info = _info.get(module)
     if info is None:
-        info = _info[self] = _ModuleInfo(self)
-    info.refresh(self)
+        info = _info[module] = _ModuleInfo(module)
+    info.refresh(module)
+    return info
+
+
+def _call(self, forced, args, kwargs):
+    info = _module_info(self)
     if info.compiled or info.hooked(self):
         return _original_call(self, *args, **kwargs)
     if forced is None:
@@ -248,6 +254,39 @@ def _call(self, forced, args, kwargs):
     return _original_call(self, *args, **kwargs)
 
 
+def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
+    """``fn(*args, **kwargs)``, the method ``name`` of ``module`` that computes on the module's
+    tensors and its arguments alone (transformers' ``generate``: Note [Generation as one
+    region] in ``integrations/generation.py``), as one region where it can be one, else as
+    it is. Only with nothing to page (no budget, or pass-through): under a budget the
+    whole model does not fit, and its calls inside are regions of their own. No room is
+    kept for what the method allocates inside: with no budget only the device's capacity
+    bounds it, as it bounds plain torch (and the manager's peak does not count it)."""
+    if torch.compiler.is_compiling() or not enabled or state.depth or _wrapped.depth or context.is_disabled() \
+            or _mgr._trace is not None or _override.get(module) is False \
+            or (_mgr._budget is not None and not _mgr._backend.passthrough):
+        return fn(*args, **kwargs)
+    callers.enter()  # (Note [Regions and threads])
+    try:
+        info = _module_info(module)
+        if info.compiled or info.hooked(module) or module._compiled_call_impl is not None \
+                or not callers.claim():
+            return fn(*args, **kwargs)
+        region = info.methods.get(name)
+        if region is None:
+            region = info.methods[name] = Region(f"{name} {type(module).__name__}")
+        try:
+            return region.run(fn, args, kwargs, info.slots, train=False, kernel_written=info.kernel_written(module),
+                              room=False)
+        except NotARegion:
+            pass
+        finally:
+            callers.release()
+        return fn(*args, **kwargs)
+    finally:
+        callers.leave()
+
+
 def install() -> None:
     """Wrap ``nn.Module.__call__`` (once)."""
     if torch.nn.Module.__call__ is not _module_call:
@@ -263,4 +302,4 @@ def uninstall() -> None:
 install()
 
 __all__ = ["enabled", "fraction", "under_budget", "train", "region", "no_region", "auto", "in_region", "Region", "NotARegion",
-           "install", "uninstall"]
+           "run_method", "install", "uninstall"]

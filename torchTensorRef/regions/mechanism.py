@@ -131,12 +131,14 @@ class Region:
     def name(self) -> str:
         return self.spec.name
 
-    def run(self, fn, args, kwargs, slots=(), grad_error=None, train=True, kernel_written=()):
+    def run(self, fn, args, kwargs, slots=(), grad_error=None, train=True, kernel_written=(), room=True):
         """``fn(*args, **kwargs)`` as one op, with ``slots`` (``(dict, key)``: a module's
         parameters and buffers) swapped for plain views during the call. A call that needs
         gradients raises ``RuntimeError(grad_error)`` where given, and is not a region
         without ``train``. ``kernel_written``: TensorRefs the call may write without moving
         their version counters (batch norm's running statistics), counted as written.
+        ``room=False``: no room is measured or made for what the call allocates inside (with
+        no budget, where only the device's capacity bounds it, as it bounds plain torch).
 
         Raises:
             NotARegion: (not ``strict``) the call needs gradients, does not fit the budget,
@@ -213,7 +215,7 @@ class Region:
                 for b in blocks:
                     need += b.nbytes
             measure = meter = False
-            if limit is None or passthrough or on_host:
+            if limit is None or passthrough or on_host or not room:
                 ctx.estimate = 0
             else:
                 est = self.inside.estimate(key, call.held)
