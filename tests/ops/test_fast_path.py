@@ -245,3 +245,44 @@ def test_an_op_on_a_prefetched_block_takes_the_fast_path(fresh_manager, counted)
     assert stats["prefetch_hits"] > 0
     assert counted["generic"] <= stats["prefetch_misses"]  # (each generic op fetched a block)
     assert counted["fast"] >= stats["prefetch_hits"]
+
+
+@pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
+def test_list_ops_with_nothing_to_slice_take_the_fast_path(fast, monkeypatch):
+    # An optimizer's list (foreach) kernels: with no budget there is nothing to run in
+    # slices, and they cost what any op does on the fast path.
+    from torchTensorRef.ops import foreach
+
+    generic = []  # (op, the TensorRefs of its first list) of each op on the generic path
+    run_generic = dispatch.run_generic
+
+    def counted(func, args, *rest):
+        first = args[0] if args and isinstance(args[0], (list, tuple)) else ()
+        generic.append((str(func), [t for t in first if isinstance(t, torchTensorRef.TensorRef)]))
+        return run_generic(func, args, *rest)
+
+    for module in (dispatch, foreach):
+        monkeypatch.setattr(module, "run_generic", counted)
+
+    def steps(params):
+        opt = torch.optim.AdamW(params, lr=0.1, foreach=True)
+        for _ in range(2):
+            for p in params:
+                p.grad = p.detach() * 0.5 + 1
+            generic.clear()  # (the first step makes AdamW's state: new blocks)
+            opt.step()
+        return params
+
+    torch.manual_seed(0)
+    params = [torch.randn(5, 3, requires_grad=True), torch.randn(7, requires_grad=True)]
+    for p in params:
+        p.toGPU()
+    with torchTensorRef.disabled():
+        expected = steps([p.target.clone().requires_grad_() for p in params])
+    got = steps(params)
+    # the second step's list ops over the parameters and their state ran on the fast path
+    # (its step counts, CPU scalars beside a device's tensors, are host-only blocks)
+    assert [op for op, first in generic if "_foreach" in op and any(t.device == params[0].device for t in first)] == []
+    assert any("_foreach" in op for op, _first in generic) == (fast.device != "cpu")  # (can fail: counts)
+    for e, g in zip(expected, got):
+        assert_identical(e, g)

@@ -20,7 +20,7 @@ from ..core import raw
 from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements
 from . import split
-from .dispatch import run_generic
+from .dispatch import run_generic, run_unhandled
 from .host_arguments import to_host
 from .output_size import estimate_output_bytes
 
@@ -148,14 +148,14 @@ def run_in_slices(func, args, kwargs, spec: OpSpec):
         layout = _layouts[func] = _Layout(func)
     first = _get(args, kwargs, *layout.lists[0]) if layout.lists else None
     if limit is None or not isinstance(first, (list, tuple)) or not first:
-        return run_generic(func, args, kwargs, spec)
+        return run_unhandled(func, args, kwargs, spec)
     n = len(first)
     need = split.refs_bytes(list(args) + list(kwargs.values()), set())
     if spec.allocates:
         need += estimate_output_bytes(spec, args, kwargs)
     if need <= limit:
-        try:
-            return run_generic(func, args, kwargs, spec)
+        try:  # (whole: on the fast path where its lists are resident, as any op)
+            return run_unhandled(func, args, kwargs, spec)
         except OutOfBudgetError:  # (the room was an estimate: see split.may_retry)
             if not split.may_retry(spec):
                 raise
