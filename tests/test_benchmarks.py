@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -286,6 +287,13 @@ def test_small_ops_region_rows_match_plain_torch_within_their_budgets(small_ops_
         # regions run a module call as one op: fewer ops than the per-op path, on every device form
         for device in ("pass-through", "sim, Flow, 50%", "sim-cpu, Flow, 50%"):
             assert rows[f"{device}, regions"]["ops"] < rows[f"{device}, per op"]["ops"], device
+        # a sim-cpu row's copy floor: plain plus its bytes at the host's copy rate
+        for label, r in rows.items():
+            assert ("copy_floor" in r) == label.startswith("sim-cpu"), label
+            if "copy_floor" in r:
+                plain_s = statistics.median(r["plain_times"])
+                assert r["copy_floor"] == pytest.approx(1 + r["bytes_moved"] / r["host_copy_bytes_per_s"] / plain_s)
+                assert r["copy_floor"] > 1 and r["host_copy_bytes_per_s"] > 0
         # the lenient form pages as "sim" does: the same budget, bytes moved alike (decoding:
         # a tiny training step moves a few bytes, where a scalar's block lands differs)
         for fraction in ("50%", "25%") if work["kind"] != "train" else ():
