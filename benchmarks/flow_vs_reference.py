@@ -63,7 +63,7 @@ def run(strategy: str, fraction: float, layers: int, steps: int, seed: int = 0) 
         losses.append(step())
     seconds = time.perf_counter() - start
     stats = tm.stats()
-    ref = reference_moves(trace.accesses, tm.budget, trace.initial, trace.created)
+    ref = reference_moves(trace.accesses, tm.budget, trace.initial, trace.created, trace.block_bytes)
     result = {
         "strategy": strategy, "budget_fraction": fraction, "budget": tm.budget,
         "param_bytes": param_bytes, "bytes_to_device": stats["bytes_to_device"],

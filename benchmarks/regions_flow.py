@@ -56,7 +56,7 @@ def run(model, fraction: float, regions: bool) -> list:
             row = dict(prompt=n, tokens=TOKENS[i], ops=s["ops"], period=flow.period, plan=flow.plan is not None,
                        mib_moved=moved / common.MIB, evictions=s["evictions"], to_reference=None)
             if last:
-                ref = reference_moves(trace.accesses, share, trace.initial, trace.created)
+                ref = reference_moves(trace.accesses, share, trace.initial, trace.created, trace.block_bytes)
                 ref_moved = ref["bytes_to_device"] + ref["bytes_to_host"]
                 row["to_reference"] = moved / ref_moved if ref_moved else None
             rows.append(row)

@@ -95,7 +95,7 @@ def run(plain, ids, reference, strategy: str, fraction: float, steps: int, devic
         # The reference pages within the manager's share: what the device held outside it
         # when the budget was set (library workspaces on CUDA, or on "sim" emulating them)
         # is not room for blocks.
-        ref = reference_moves(trace.accesses, share, trace.initial, trace.created)
+        ref = reference_moves(trace.accesses, share, trace.initial, trace.created, trace.block_bytes)
         moved = stats["bytes_to_device"] + stats["bytes_to_host"]
         ref_moved = ref["bytes_to_device"] + ref["bytes_to_host"]
         row.update(ok=True, max_diff=max((as_plain(p) - r).abs().max().item()

@@ -121,7 +121,7 @@ def managed_run(plain: torch.nn.Module, ids: torch.Tensor, workload: str, strate
         del model
         tm.budget = None
     try:
-        ref = reference_moves(trace.accesses, budget, trace.initial, trace.created)
+        ref = reference_moves(trace.accesses, budget, trace.initial, trace.created, trace.block_bytes)
     except OutOfBudgetError as e:  # one op needs more than the budget: no reference exists
         ref = {"bytes_to_device": None, "bytes_to_host": None, "error": str(e)}
     moved = stats["bytes_to_device"] + stats["bytes_to_host"]

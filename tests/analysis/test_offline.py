@@ -58,6 +58,17 @@ def test_initial_residents_need_no_copy():
     assert r["bytes_to_device"] == 10
 
 
+def test_blocks_take_the_room_the_allocator_gives_them():
+    # a b a b with room for 20 bytes: two 10-byte blocks fit, but not once each takes 16
+    # bytes on the device (rounded up as CUDA's allocator does); the moves stay in bytes
+    rounded = lambda n: -(-n // 16) * 16  # noqa: E731
+    assert reference_moves(reads("a", "b", "a", "b"), budget=20)["bytes_to_device"] == 20
+    r = reference_moves(reads("a", "b", "a", "b"), budget=20, block_bytes=rounded)
+    assert r["bytes_to_device"] == 40 and r["peak_device_bytes"] == 16
+    with pytest.raises(OutOfBudgetError):
+        reference_moves([(0, "a", 10, False), (0, "b", 10, False)], budget=31, block_bytes=rounded)
+
+
 def test_an_op_larger_than_the_budget_is_an_error():
     with pytest.raises(OutOfBudgetError):
         reference_moves([(0, "a", 10, False), (0, "b", 10, False)], budget=15)

@@ -239,7 +239,7 @@ def _encoder_eval_pair():
     pair = harness.build_pair(CASES["transformer_encoder"])
     managed_inputs, plain_inputs = harness.inputs_pair(pair.case)
     out = harness.eval_logits(pair.case, pair.managed, managed_inputs)
-    with torchTensorRef.disabled():
+    with plain_torch():  # (its outputs on the device are given to the budget, as the harness's are)
         expected = harness.eval_logits(pair.case, pair.plain, plain_inputs)
     pair.check_peak("eval")
     return out, expected

@@ -475,11 +475,11 @@ def test_a_recording_with_regions_keeps_them_one_op_and_the_offline_reference_ma
     assert weights | {x._tr_block.id, out._tr_block.id} <= blocks
     scratch = [a for a in trace.accesses if a[1] < 0]  # (the room kept for the inside, less the output)
     assert len(scratch) == 1 and scratch[0][2] > 0 and scratch[0][1] in trace.created
-    ref = reference_moves(trace.accesses, share, trace.initial, trace.created)
+    ref = reference_moves(trace.accesses, share, trace.initial, trace.created, trace.block_bytes)
     # the reference must fit the working set, the output and the inside at once
     assert ref["peak_device_bytes"] >= sum(a[2] for a in trace.accesses)
     with pytest.raises(torchTensorRef.OutOfBudgetError):
-        reference_moves(trace.accesses, sum(a[2] for a in trace.accesses) - 1, trace.initial, trace.created)
+        reference_moves(trace.accesses, sum(a[2] for a in trace.accesses) - 1, trace.initial, trace.created, trace.block_bytes)
 
 
 def test_under_a_budget_regions_are_on_by_default_and_under_budget_makes_them_opt_in(small_regions):

@@ -150,7 +150,7 @@ def test_steady_state_moves_match_the_offline_reference(fresh_manager):
     with tm.recording() as trace:
         step()
     # (the reference gets the manager's room: the budget less what is outside the manager)
-    ref = reference_moves(trace.accesses, managed, trace.initial, trace.created)
+    ref = reference_moves(trace.accesses, managed, trace.initial, trace.created, trace.block_bytes)
     stats = tm.stats()
     assert tm.strategy.period is not None
     assert stats["peak_device_bytes"] <= managed

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 from ..core.errors import OutOfBudgetError
 
@@ -34,6 +34,7 @@ def reference_moves(
     budget: int,
     initial: Optional[Dict[int, Tuple[int, bool]]] = None,
     created: Iterable[int] = (),
+    block_bytes: Optional[Callable[[int], int]] = None,
 ) -> dict:
     """Bytes the offline reference moves for ``accesses`` under ``budget``.
 
@@ -42,6 +43,9 @@ def reference_moves(
         budget: accelerator bytes.
         initial: blocks resident when the trace starts, ``{block_id: (nbytes, dirty)}``.
         created: blocks created by the trace's ops (they need no copy in).
+        block_bytes: the device bytes a block of ``nbytes`` takes, as the budget counts it
+            (``Trace.block_bytes``: CUDA's allocator rounds sizes up, and so does "sim" with
+            ``sim_rounding``); by default ``nbytes``. Moves are counted in ``nbytes``.
 
     Returns:
         ``{"bytes_to_device", "bytes_to_host", "peak_device_bytes", "ops"}``.
@@ -74,8 +78,9 @@ def reference_moves(
             return lst[i]
         return INF if block in created else lst[0] + length  # the next step uses it again
 
+    size = block_bytes or (lambda n: n)
     resident: Dict[int, Tuple[int, bool]] = dict(initial or {})
-    used = sum(n for n, _d in resident.values())
+    used = sum(size(n) for n, _d in resident.values())
     heap = []  # (-next_use, clean_first, block)
     current = {}
 
@@ -91,8 +96,8 @@ def reference_moves(
     seen = set(resident)
     for pos, op in enumerate(order):
         needed = ops[op]
-        need = sum(n for b, (n, _w) in needed.items() if b not in resident)
-        total = sum(n for n, _w in needed.values())
+        need = sum(size(n) for b, (n, _w) in needed.items() if b not in resident)
+        total = sum(size(n) for n, _w in needed.values())
         if total > budget:
             raise OutOfBudgetError(f"op #{op}", total, budget)
         skipped = []
@@ -104,7 +109,7 @@ def reference_moves(
                 skipped.append((nu_neg, _dirty, victim))
                 continue
             nbytes, dirty = resident.pop(victim)
-            used -= nbytes
+            used -= size(nbytes)
             if dirty and -nu_neg != INF:
                 to_host += nbytes
         for entry in skipped:
@@ -114,7 +119,7 @@ def reference_moves(
                 if not (block in created and block not in seen):
                     to_device += nbytes
                 resident[block] = (nbytes, False)
-                used += nbytes
+                used += size(nbytes)
             seen.add(block)
             if write:
                 resident[block] = (nbytes, True)

@@ -50,6 +50,9 @@ class Trace:
         self.initial_host: dict = {}
         #: blocks created by ops while recording (they need no copy in)
         self.created: set = set()
+        #: the device bytes a block of ``nbytes`` takes, as the budget counted it (the
+        #: allocator's rounding): for the offline reference (``reference_moves``)
+        self.block_bytes = None
         #: op_index -> Kernel: the op's own kernel call, timed apart from the bookkeeping
         self.kernels: Dict[int, op_cost.Kernel] = {}
         #: one per entry of ``moves``: a :data:`MOVE_MODES` value

@@ -101,6 +101,7 @@ class Statistics:
         """
         trace = Trace(self.device, self._limit)
         trace.regions = bool(regions)
+        trace.block_bytes = self._backend.block_bytes
         with self._lock:
             self._drain()
             trace.initial = {b.id: (b.nbytes, b.dirty) for b in self._resident.values()}
