@@ -13,8 +13,8 @@ Every copy torchTensorRef makes goes through here, the same code for every backe
 
 Accounting: ``_device_bytes`` is the device bytes of resident blocks, each counted as the
 device's allocator gives it (``block_bytes``: on CUDA and "sim" rounded up to 512 bytes);
-``_inflight_bytes`` those of device copies still being written back (the allocator cannot reuse them until the copy
-ends). Both count against the budget, and so does what else the device has allocated
+``_inflight_bytes`` those of device copies still being written back (the allocator cannot
+reuse them until the copy ends). Both count against the budget, and so does what else the device has allocated
 (``Backend.in_use_elsewhere``). ``stats()["host_syncs"]`` counts every time the protocol
 made the host wait for the device: a copy to or from pageable memory, or a wait on a
 pending write-back that had not finished.
@@ -142,8 +142,9 @@ class Residency:
 
     # -- making room ------------------------------------------------------------------------
 
-    def _make_room(self, nbytes: int, protect, op_name: str) -> None:
-        """Evict (strategy's choice) until ``nbytes`` more fit in the budget."""
+    def _make_room(self, nbytes: int, protect, op_name: str, allocated: int = 0) -> None:
+        """Evict (strategy's choice) until ``nbytes`` more fit in the budget; ``allocated`` of
+        them are already allocated, to become blocks (a region's outputs): not outside too."""
         limit = self._limit
         if limit is None:
             return
@@ -163,7 +164,10 @@ class Residency:
         while True:
             if self._inflight:
                 self._retire_inflight()  # finished write-backs give their bytes back (on "sim": all)
-            if self._used_bytes() + nbytes <= limit:
+            used = self._used_bytes()
+            taken = min(allocated, self._elsewhere_bytes)  # (a reading counts them outside the manager)
+            self._elsewhere_bytes, used = self._elsewhere_bytes - taken, used - taken
+            if used + nbytes <= limit:
                 return
             victim = self._strategy.choose_victim(protect)
             if victim is not None:
@@ -175,7 +179,7 @@ class Residency:
                 continue
             pinned = sum(self._backend.block_bytes(b.nbytes) for b in self._resident.values() if b.pins)
             raise OutOfBudgetError(
-                op_name, self._used_bytes() + nbytes, limit,
+                op_name, used + nbytes, limit,
                 f"{format_size(pinned)} is pinned and the rest is in use by this op",
                 outside=self._elsewhere_bytes,
             )

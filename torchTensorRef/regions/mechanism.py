@@ -415,17 +415,18 @@ class Region:
         for obj in objects:
             collect_object(obj, given, stored, seen, before, OBJECT_DEPTH, [OBJECT_VALUES])
         compute = mgr._backend.compute
+        size = mgr._backend.block_bytes  # (each as the budget counts it: the allocator's rounding)
         activations = training.activations() if training is not None else []
         for t in found + [v for _c, _k, v in stored] + activations:
             t = bytes_of(t)
             if (t is not None and t.layout is torch.strided and (t.device == compute or on_host)):
                 s = t.untyped_storage()
                 if s._cdata not in inputs:
-                    fresh[s._cdata] = s.nbytes()
+                    fresh[s._cdata] = size(s.nbytes())
         nbytes = sum(fresh.values())
         paged = nbytes and not on_host and mgr._limit is not None and not mgr._backend.passthrough
         if paged:
-            mgr._make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name)
+            mgr._make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name, allocated=nbytes)
         wrap = Wrapper(mgr, ctx, given, self.device_views, training is not None)
         for container, k, v in stored:
             container[k] = wrap(v)
