@@ -67,6 +67,17 @@ def fresh_manager():
 
 
 @pytest.fixture
+def regions_on():
+    """Module regions on, under a budget too (whatever the defaults), restored afterwards."""
+    from torchTensorRef import regions
+
+    previous = regions.enabled, regions.under_budget
+    regions.enabled, regions.under_budget = True, True
+    yield
+    regions.enabled, regions.under_budget = previous
+
+
+@pytest.fixture
 def plain():
     """Context manager for computing the plain-torch reference inside a test (on the test device)."""
     from paired import plain_torch

@@ -24,12 +24,7 @@ REQUESTS = [(5, 6), (9, 3), (3, 8)]
 GENERATE = "generate LlamaForCausalLM"
 
 
-@pytest.fixture(autouse=True)
-def regions_on():
-    previous = regions.enabled, regions.under_budget
-    regions.enabled, regions.under_budget = True, True
-    yield
-    regions.enabled, regions.under_budget = previous
+pytestmark = pytest.mark.usefixtures("regions_on")
 
 
 @pytest.fixture(params=["device", "pass-through"])

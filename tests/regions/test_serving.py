@@ -23,12 +23,7 @@ CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
 REQUESTS = [(5, 6), (9, 3), (3, 8), (7, 5), (4, 7), (11, 4)]
 
 
-@pytest.fixture(autouse=True)
-def regions_on():
-    previous = regions.enabled, regions.under_budget
-    regions.enabled, regions.under_budget = True, True
-    yield
-    regions.enabled, regions.under_budget = previous
+pytestmark = pytest.mark.usefixtures("regions_on")
 
 
 def llama():
