@@ -283,6 +283,5 @@ def test_list_ops_with_nothing_to_slice_take_the_fast_path(fast, monkeypatch):
     # the second step's list ops over the parameters and their state ran on the fast path
     # (its step counts, CPU scalars beside a device's tensors, are host-only blocks)
     assert [op for op, first in generic if "_foreach" in op and any(t.device == params[0].device for t in first)] == []
-    assert any("_foreach" in op for op, _first in generic) == (fast.device != "cpu")  # (can fail: counts)
     for e, g in zip(expected, got):
         assert_identical(e, g)
