@@ -14,10 +14,10 @@ Every copy torchTensorRef makes goes through here, the same code for every backe
 Accounting: ``_device_bytes`` is the device bytes of resident blocks, each counted as the
 device's allocator gives it (``block_bytes``: on CUDA and "sim" rounded up to 512 bytes);
 ``_inflight_bytes`` those of device copies still being written back (the allocator cannot
-reuse them until the copy ends). Both count against the budget, and so does what else the device has allocated
-(``Backend.in_use_elsewhere``). ``stats()["host_syncs"]`` counts every time the protocol
-made the host wait for the device: a copy to or from pageable memory, or a wait on a
-pending write-back that had not finished.
+reuse them until the copy ends). Both count against the budget, and so does what else the
+device has allocated (``Backend.in_use_elsewhere``). ``stats()["host_syncs"]`` counts every
+time the protocol made the host wait for the device: a copy to or from pageable memory, or
+a wait on a pending write-back that had not finished.
 
 Note [Budget on CUDA]: the budget bounds what the device has allocated, the manager's
 blocks and what it holds beside them (``_elsewhere_bytes``: libraries' workspaces, the
