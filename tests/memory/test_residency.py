@@ -597,25 +597,3 @@ def test_the_fast_path_never_passes_the_simulated_capacity():
     finally:
         tm.budget = None
         tm.sim_capacity = capacity
-
-
-def test_a_written_block_s_pageable_host_copy_becomes_pinned_at_its_write_back():
-    # A tensor made on the host keeps that pageable copy as its host copy; once written on the
-    # device, the copy is stale. Its write-back and every move after it went through
-    # pageable memory, making the host wait each time: an optimizer's step counts under
-    # torch 2.11 (tiny device tensors, paged once each takes 512 bytes of the budget).
-    tm.strategy = "flow"
-    steps = torch.tensor(0.0)  # (from a Python number: made on the host, then moved)
-    steps.toGPU()
-    assert not tm._backend.pinned.is_pinned(steps._tr_block.host)
-    tm.reset_stats()
-    for _ in range(3):
-        steps.add_(1)  # (written on the device)
-        tm.evict_all()
-        steps.toGPU()
-    tm.synchronize()
-    assert tm._backend.pinned.is_pinned(steps._tr_block.host)
-    stats = tm.stats()
-    assert stats["writebacks"] == 3 and stats["host_syncs"] == 0, stats
-    with plain_torch():
-        assert_identical(torch.full((), 3.0, device=tm.torch_device), steps)

@@ -347,16 +347,13 @@ class Residency:
     def _write_back(self, block: Block) -> None:
         """Start copying ``block``'s device copy to its host copy (asynchronously into pinned memory)."""
         self._inject("writeback", block.nbytes)
-        host, pinned, buffer = block.host, self._backend.pinned, None
-        if host is not None and not (block.host_valid or block.external or block.host_shared
-                                     or block.spilling is not None or pinned.is_pinned(host)):
-            buffer = pinned.allocate(block.nbytes)  # (a stale pageable copy: pinned from now on, if it can be)
-        if host is None or host.nbytes() != block.nbytes or buffer is not None:
+        host = block.host
+        if host is None or host.nbytes() != block.nbytes:
             if host is not None:
                 self._drop_host(block)
             self._make_host_room(block.nbytes, (block.id,), "writing a tensor back to host memory")
             self._host_watch.reserve_bytes(block.nbytes)
-            buffer = buffer if buffer is not None else pinned.allocate(block.nbytes)
+            buffer = self._backend.pinned.allocate(block.nbytes)
             if buffer is None:
                 buffer = raw.empty(block.nbytes, dtype=raw.UINT8)
             host = buffer.untyped_storage()
@@ -366,7 +363,7 @@ class Residency:
         if block.dev_pending is not None:
             block.dev_pending.wait_compute()
             block.dev_pending = None
-        if pinned.is_pinned(host) and not (block.external or block.host_shared):
+        if self._backend.pinned.is_pinned(host) and not (block.external or block.host_shared):
             pending = self._backend.streams.copy_async(raw.flat_bytes(host), dev, prefetch=False)
             block.host_pending = pending
             held = self._backend.block_bytes(block.nbytes)  # (the device copy, until the copy ends)
@@ -405,8 +402,11 @@ class Residency:
         return wrote
 
     def _pin_host(self, block: Block) -> bool:
-        """Move ``block``'s host copy into pinned memory (once); whether it is pinned now. Not
-        for host bytes someone else holds (``TensorRef(t)``'s, numpy's): they stay where they are."""
+        """Move ``block``'s host copy into pinned memory (once); whether it is pinned now.
+
+        Not for host bytes someone else holds (a tensor given to ``TensorRef(t)``, numpy):
+        they must stay where they are.
+        """
         pinned = self._backend.pinned
         if (pinned is None or block.host is None or not block.host_valid or block.external
                 or block.host_shared or block.host_pending is not None or block.spilling is not None):
