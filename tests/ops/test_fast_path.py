@@ -9,7 +9,7 @@ import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.ops import dispatch
 from torchTensorRef.core.op_specs import spec_of
-from paired import EMULATED_WORKSPACES, assert_identical, budget, needs_fast_path
+from paired import EMULATED_WORKSPACES, assert_identical, budget, needs_fast_path, plain_torch, values
 
 aten = torch.ops.aten
 
@@ -277,8 +277,8 @@ def test_list_ops_with_nothing_to_slice_take_the_fast_path(fast, monkeypatch):
     params = [torch.randn(5, 3, requires_grad=True), torch.randn(7, requires_grad=True)]
     for p in params:
         p.toGPU()
-    with torchTensorRef.disabled():
-        expected = steps([p.target.clone().requires_grad_() for p in params])
+    with plain_torch():  # (plain torch on the same device: its list kernels, as the managed step's)
+        expected = steps([values(p).clone().to(fast.torch_device).requires_grad_() for p in params])
     got = steps(params)
     # the second step's list ops over the parameters and their state ran on the fast path
     # (its step counts, CPU scalars beside a device's tensors, are host-only blocks)
