@@ -242,16 +242,22 @@ def _call(self, forced, args, kwargs):
         if ops is not None and ops < min_ops and not (
                 paged and _mgr._budget is not None and info.slots and not torch.is_grad_enabled()):
             return _original_call(self, *args, **kwargs)
-    if not callers.claim():
-        return _original_call(self, *args, **kwargs)  # another thread is inside a module call
-    try:
-        return info.region.run(lambda *a, **k: _original_call(self, *a, **k), args, kwargs, info.slots, train=train,
-                               kernel_written=info.kernel_written(self))
-    except NotARegion:
-        pass
-    finally:
-        callers.release()
-    return _original_call(self, *args, **kwargs)
+    return _as_region(self, info, info.region, lambda *a, **k: _original_call(self, *a, **k), args, kwargs,
+                      train=train)
+
+
+def _as_region(module, info: _ModuleInfo, region: Region, fn, args, kwargs, **options):
+    """``fn(*args, **kwargs)`` as ``region`` with ``module``'s tensors swapped in, where this
+    thread may swap them (no other is inside a module call) and the call can be a region;
+    else as it is."""
+    if callers.claim():
+        try:
+            return region.run(fn, args, kwargs, info.slots, kernel_written=info.kernel_written(module), **options)
+        except NotARegion:
+            pass
+        finally:
+            callers.release()
+    return fn(*args, **kwargs)
 
 
 def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
@@ -269,20 +275,12 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
     callers.enter()  # (Note [Regions and threads])
     try:
         info = _module_info(module)
-        if info.compiled or info.hooked(module) or module._compiled_call_impl is not None \
-                or not callers.claim():
+        if info.compiled or info.hooked(module) or module._compiled_call_impl is not None:
             return fn(*args, **kwargs)
         region = info.methods.get(name)
         if region is None:
             region = info.methods[name] = Region(f"{name} {type(module).__name__}")
-        try:
-            return region.run(fn, args, kwargs, info.slots, train=False, kernel_written=info.kernel_written(module),
-                              room=False)
-        except NotARegion:
-            pass
-        finally:
-            callers.release()
-        return fn(*args, **kwargs)
+        return _as_region(module, info, region, fn, args, kwargs, train=False, room=False)
     finally:
         callers.leave()
 
