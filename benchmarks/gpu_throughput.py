@@ -59,23 +59,31 @@ from benchmarks.common import MIB, tm  # noqa: E402
 from torchTensorRef.analysis import gpus, timeline
 from torchTensorRef import predict_run  # noqa: E402
 from torchTensorRef.core.sizes import format_size  # noqa: E402
+from torchTensorRef.strategies import Flow  # noqa: E402
 
 SIZES = {
     # TinyLlama-1.1B's shape
     "full": dict(model=dict(layers=22, hidden=2048, intermediate=5632, vocab=32000, heads=32, kv_heads=4),
-                 dtype="bfloat16", prompt=128, tokens=32, batch=1, seq=256, calls=3, warmup_steps=3, steps=3,
+                 dtype="bfloat16", prompt=128, tokens=32, batch=1, seq=256, calls=3, timed_calls=2, warmup_steps=3, steps=3,
                  bandwidth_bytes=1 << 30),
     # a quarter of that: every configuration runs in a few minutes on one GPU
     "small": dict(model=dict(layers=8, hidden=1024, intermediate=2816, vocab=32000, heads=16, kv_heads=4),
-                  dtype="bfloat16", prompt=64, tokens=16, batch=1, seq=128, calls=3, warmup_steps=2, steps=2,
+                  dtype="bfloat16", prompt=64, tokens=16, batch=1, seq=128, calls=3, timed_calls=3, warmup_steps=2, steps=2,
                   bandwidth_bytes=256 << 20),
     # thin and several layers, so that every op fits in 25% of the weight bytes; float32,
     # because CPUs without native bfloat16 run bfloat16 matmuls tens of times slower
     "tiny": dict(model=dict(layers=6, hidden=32, intermediate=64, vocab=128, heads=4, kv_heads=2),
-                 dtype="float32", prompt=8, tokens=3, batch=2, seq=8, calls=3, warmup_steps=2, steps=1,
+                 dtype="float32", prompt=8, tokens=3, batch=2, seq=8, calls=3, timed_calls=2, warmup_steps=2, steps=1,
                  bandwidth_bytes=16 << 20),
 }
 STRATEGIES = ("flow", "genoa")
+#: configurations beside the strategies' names (``--strategies``): Flow whose prefetches may
+#: evict clean blocks needed later than the one they bring in, looking two ops (regions) ahead,
+#: so that the next region's weights are copied while this one computes (off by default:
+#: the price is the room of one region more, in bytes moved; a GPU says what it buys)
+STRATEGY_SPECS = {"flow-evicting": lambda: Flow(prefetch_evicts=True, lookahead=2)}
+#: the manager's counters each managed row reports, per call (generate) or per step (train)
+COUNTERS = ("fetches", "prefetches", "prefetch_hits", "evictions", "writebacks", "host_syncs")
 WORKLOADS = ("generate", "train")
 FRACTIONS = (0.25, 0.5, 1.0)
 TARGETS = {
@@ -165,11 +173,16 @@ def measure_generate(dev: Device, model, ids, size: dict, moved: Callable[[], in
     for _ in range(size["calls"] - 1):
         call()
     moved(reset=True)
-    out, seconds = dev.timed(call)
-    result = {"seconds": seconds, "tokens_per_s": ids.shape[0] * size["tokens"] / seconds,
-              "moved": moved(), "peak": dev.peak(managed), "tokens": common.as_plain(out)}
+    timed = [dev.timed(call) for _ in range(size["timed_calls"])]
+    out, seconds = timed[-1][0], statistics.median(t for _o, t in timed)
+    calls = len(timed)
+    result = {"seconds": seconds, "call_seconds": [t for _o, t in timed],
+              "tokens_per_s": ids.shape[0] * size["tokens"] / seconds,
+              "moved": moved() // calls, "peak": dev.peak(managed), "tokens": common.as_plain(out)}
     if managed:  # (a region is one op: the count says how much ran op by op)
-        result["manager_ops"] = tm.stats()["ops"]
+        stats = tm.stats()
+        result["manager_ops"] = stats["ops"] // calls
+        result["counters"] = {k: stats[k] // calls for k in COUNTERS}
     if predict is not None:
         result["predicted"] = predict(call)
     return result
@@ -189,6 +202,9 @@ def measure_train(dev: Device, model, ids, size: dict, moved: Callable[[], int],
         times.append(seconds)
     result = {"seconds": statistics.median(times), "step_seconds": times,
               "moved": moved() // size["steps"], "peak": dev.peak(managed), "losses": losses}
+    if managed:
+        stats = tm.stats()
+        result["counters"] = {k: stats[k] // size["steps"] for k in COUNTERS}
     if predict is not None:
         result["predicted"] = predict(step)
     del step
@@ -305,7 +321,8 @@ def _run_workload(dev, plain, ids, size, config, budget, workload, gpu=None, sce
         s = tm.stats()
         return s["bytes_to_device"] + s["bytes_to_host"]
 
-    model = common.managed_copy(plain, dev.name, config)
+    spec = STRATEGY_SPECS.get(config)
+    model = common.managed_copy(plain, dev.name, config if spec is None else spec())
     tm.budget = budget
     model.train(workload == "train")
     mids = torchTensorRef.manage(ids.clone())
@@ -337,7 +354,7 @@ def evaluate(rows: list, bandwidth: dict) -> list:
             if "seconds" in m and "seconds" in m.get("predicted", {}):
                 m["predicted_to_measured"] = m["predicted"]["seconds"] / m["seconds"]
         if r["budget_fraction"] is None:
-            if r["config"] in STRATEGIES:
+            if r["config"] in STRATEGIES or r["config"] in STRATEGY_SPECS:
                 for workload in ("generate", "train"):
                     m, base = r.get(workload, {}), resident.get(workload, {})
                     if "seconds" in m and "seconds" in base:
@@ -394,7 +411,7 @@ def print_report(result: dict) -> None:
         print("on 'sim' the times are meaningless (the accelerator is host memory); the bytes are real")
     print(f"generate: batch {ids_shape(size, 'generate')}, {size['tokens']} new tokens; "
           f"train: AdamW, batch {ids_shape(size, 'train')}")
-    print(f"{'config':>10} {'budget':>6} | {'tok/s':>8} {'MiB/call':>9} {'bound/t':>7} {'peak MiB':>8} | "
+    print(f"{'config':>13} {'budget':>6} | {'tok/s':>8} {'MiB/call':>9} {'bound/t':>7} {'peak MiB':>8} | "
           f"{'s/step':>7} {'MiB/step':>9} {'bound/t':>7} {'peak MiB':>8}")
 
     def cell(value, spec, scale=1):
@@ -403,7 +420,7 @@ def print_report(result: dict) -> None:
     for r in result["rows"]:
         g, t = r.get("generate", {}), r.get("train", {})
         frac = "-" if r["budget_fraction"] is None else f"{r['budget_fraction']:.0%}"
-        print(f"{r['config']:>10} {frac:>6} | {cell(g.get('tokens_per_s'), '.2f'):>8} "
+        print(f"{r['config']:>13} {frac:>6} | {cell(g.get('tokens_per_s'), '.2f'):>8} "
               f"{cell(g.get('moved'), '.1f', MIB):>9} {cell(g.get('bound_to_measured'), '.2f'):>7} "
               f"{cell(g.get('peak'), '.1f', MIB):>8} | {cell(t.get('seconds'), '.3f'):>7} "
               f"{cell(t.get('moved'), '.1f', MIB):>9} {cell(t.get('bound_to_measured'), '.2f'):>7} "
@@ -411,7 +428,12 @@ def print_report(result: dict) -> None:
         for workload in ("generate", "train"):
             m = r.get(workload, {})
             if "error" in m or "skipped" in m:
-                print(f"{'':>10} {workload}: {m.get('error') or m.get('skipped')}")
+                print(f"{'':>13} {workload}: {m.get('error') or m.get('skipped')}")
+            elif "counters" in m:
+                c = m["counters"]
+                print(f"{'':>13} {workload}, per {'call' if workload == 'generate' else 'step'}: "
+                      f"{c['fetches']} fetches, {c['prefetches']} prefetches ({c['prefetch_hits']} used), "
+                      f"{c['evictions']} evictions, {c['writebacks']} write-backs, {c['host_syncs']} host waits")
     if "predicted_on" in result:
         print_predictions(result, cell)
     print("targets:")
@@ -432,7 +454,7 @@ def print_predictions(result: dict, cell) -> None:
                 value = f"{p['tokens_per_s']:.2f} tok/s" if workload == "generate" else f"{p['seconds']:.4f} s/step"
                 cells.append(f"{workload} {value} (busiest lane {p['bottleneck']}, ratio "
                              f"{cell(common.ratio(p['seconds'], m.get('seconds')), '.2f')})")
-        print(f"{r['config']:>10} {frac:>6} | {'; '.join(cells) or '-'}")
+        print(f"{r['config']:>13} {frac:>6} | {'; '.join(cells) or '-'}")
 
 
 def ids_shape(size: dict, workload: str) -> str:
@@ -446,7 +468,9 @@ def main(argv=None) -> dict:
                         help="the model: full (TinyLlama-1.1B's shape), small, or tiny (checks the harness in seconds)")
     parser.add_argument("--tiny", action="store_true", help="the same as --size tiny")
     parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
+                        help="the managed configurations: strategy names, or flow-evicting (Flow whose "
+                             "prefetches may evict, two ops ahead); the first one also runs with no budget")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
                         help="greedy generate() calls, AdamW training steps, or both (the default)")
     parser.add_argument("--gpu", metavar="NAME", default=None,
