@@ -40,7 +40,8 @@ def live_at_peak(entries: Iterable[dict], start: int = 0) -> Tuple[int, List[dic
     allocated before the first one: the most bytes allocated at once, and the ``alloc``
     events still live at that moment. A block counts from its ``alloc`` until its
     ``free_completed``: a block freed while a stream still uses it stays allocated until
-    then, as ``memory_allocated`` counts it."""
+    then, as ``memory_allocated`` counts it. A block allocated before the first event and
+    freed after it leaves ``start`` then."""
     live: dict = {}
     now = peak = start
     at_peak: List[dict] = []
@@ -53,8 +54,8 @@ def live_at_peak(entries: Iterable[dict], start: int = 0) -> Tuple[int, List[dic
                 peak = now
                 at_peak = list(live.values())
         elif action == "free_completed":
-            if live.pop(e["addr"], None) is not None:
-                now -= e["size"]
+            live.pop(e["addr"], None)
+            now -= e["size"]
     return peak, sorted(at_peak, key=lambda e: -e["size"])
 
 

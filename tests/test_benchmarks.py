@@ -468,6 +468,11 @@ def test_cuda_peak_replays_allocations_to_the_moment_the_most_was_held():
     assert peak == 1000 + 100 + 50 + 30
     assert [e["addr"] for e in live] == [1, 2, 3]  # largest first
     assert cuda_peak.where(live[1]) == "mechanism.py:7 g"  # (torch's own frames left out)
+    # a block allocated before the recording and freed during it leaves the bytes counted at the start
+    peak, live = cuda_peak.live_at_peak([event("free_completed", 9, 400), event("alloc", 5, 300)], start=1000)
+    assert peak == 1000 and live == []
+    peak, live = cuda_peak.live_at_peak([event("free_completed", 9, 400), event("alloc", 5, 500)], start=1000)
+    assert peak == 1100 and [e["addr"] for e in live] == [5]
 
 
 def test_cuda_peak_without_cuda_says_so(monkeypatch, capsys):
