@@ -64,3 +64,43 @@ def test_the_period_is_one_step_in_calls_of_different_lengths(fresh_manager, pla
         assert (flow.plan is not None) == plan
         assert_identical(expected, out)
     assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
+def train_like_step(ws, states, x):
+    """A step whose end runs the same ops on the same long-lived tensors twice in a row, as
+    AdamW's foreach step reads every parameter's step count once for each bias correction."""
+    h = x
+    for w in ws:
+        h = torch.tanh(h @ w)
+    for _ in range(2):
+        for s in states:
+            s.add_(1)
+    return h.sum()
+
+
+def test_a_stretch_that_repeats_within_a_step_does_not_keep_the_plan_from_compiling(fresh_manager):
+    # Note [A look-alike inside the period]: the second pass over the states repeats the first
+    # at a distance of one pass, for a whole window; the op after it does not. Taking that
+    # distance as the period for one op must not restart the count of ops the real period
+    # held, or the plan of a training step with AdamW is never compiled.
+    def run(ws, states, x, steps):
+        return [train_like_step(ws, states, x) for _ in range(steps)], states
+
+    with plain_torch():
+        dev = tm.torch_device
+        plain, plain_states = run([w.to(dev) for w in weights()], [torch.zeros(64, device=dev) for _ in range(20)],
+                                  torch.ones(2, 32, device=dev), 8)
+    ws = [torchTensorRef.manage(w) for w in weights()]
+    states = [torchTensorRef.manage(torch.zeros(64)) for _ in range(20)]
+    x = torchTensorRef.manage(torch.ones(2, 32))
+    flow = Flow()
+    tm.strategy = flow
+    tm.budget = budget(10 * KIB)  # two of the four weights, the states and the activations
+    start = tm.op_index
+    out, states = run(ws, states, x, 8)
+    step = (tm.op_index - start) // 8
+    assert flow.period == step
+    assert flow.plan is not None
+    for a, b in zip(plain + plain_states, out + states):
+        assert_identical(a, b)
+    assert tm.stats()["peak_device_bytes"] <= tm.budget

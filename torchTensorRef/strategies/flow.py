@@ -106,6 +106,7 @@ class Flow(FlowLearning, FlowOrder, FlowPrefetch, Strategy):
         # the candidate cannot be the period while that op is in its window
         self._mismatch: Dict[int, int] = {}
         self._period_since = 0  # op at which the current period was found
+        self._displaced = None  # (period, found at, replaced at) of a period a shorter one replaced
         self.plan: Optional[Plan] = None  # the period compiled, once it repeated whole
         self._plan_from = 0  # first op followed by the plan (not recorded as uses)
         self._ranking: Tuple[int, list] = (-1, [])  # (op, victims best first) while following the plan

@@ -50,6 +50,8 @@ class FlowLearning:
                 t = n - q
                 if t >= self.min_period and self._try_period(n, t):
                     break
+            if self._displaced is not None and self.period is not None:
+                self._restore_displaced(n)
         positions.append(n)
 
     def _try_period(self, n: int, t: int) -> bool:
@@ -81,7 +83,25 @@ class FlowLearning:
         that distance: one decode step, the same in calls of any length.
         """
         if self.min_period <= t < self.period:
-            self._try_period(n, t)
+            held = (self.period, self._period_since)
+            if self._try_period(n, t):
+                self._displaced = held + (n,)
+
+    def _restore_displaced(self, n: int) -> None:
+        """The period found at op ``n`` is the one a shorter distance displaced: it held since it
+        was found, if the window just compared covers every op since it was displaced.
+
+        Note [A look-alike inside the period]: a step may run the same ops on the same
+        long-lived tensors twice in a row (AdamW's foreach step reads each parameter's step
+        count once per bias correction: 2 x 39 ops for a 4-layer Llama), and that stretch
+        repeats at the distance of one pass for a whole window. The shorter distance then
+        replaces the period until the next op, where the step goes on and the period is found
+        again. Counted as found anew, it never held a whole period, and the plan of a
+        training step was never compiled."""
+        period, since, at = self._displaced
+        self._displaced = None
+        if self.period == period and n - at < _span(period):
+            self._period_since = since
 
     def _role(self, block_id: int, m: int, period: int):
         # Note [State carried over a period]: a block made exactly one period before the op
