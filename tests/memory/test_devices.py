@@ -32,17 +32,17 @@ def test_sim_copies_are_real_copies():
     x = torch.arange(16.0)
     with torchTensorRef.disabled():
         expected = torch.arange(16.0)
-    host_ptr = x.target.data_ptr()
+    host = x.target  # held: the host copy's bytes stay where they are (a copy nobody holds may move to pinned memory)
     x.toGPU()
-    assert x.target.data_ptr() != host_ptr  # the "accelerator" copy is other memory
+    assert x.target.data_ptr() != host.data_ptr()  # the "accelerator" copy is other memory
     assert torch.equal(x.target, expected)
     tensorsManager.pin(x)
     x.add_(1)
-    x.toCPU()  # pinned: the write is copied back into the host copy, which stays put
+    x.toCPU()  # pinned: the write is copied back into the host copy
     tensorsManager.unpin(x)
     x.toCPU()
-    assert x.target.data_ptr() == host_ptr
-    assert torch.equal(x.target, expected + 1)
+    assert x.target.data_ptr() == host.data_ptr()
+    assert torch.equal(x.target, expected + 1) and torch.equal(host, expected + 1)
 
 
 def test_sim_moves_bytes_and_keeps_values():

@@ -597,3 +597,35 @@ def test_the_fast_path_never_passes_the_simulated_capacity():
     finally:
         tm.budget = None
         tm.sim_capacity = capacity
+
+
+def test_a_paged_host_copy_only_the_manager_holds_moves_into_pinned_memory():
+    # Fixed: a tensor made from data (torch.tensor) lives in pageable memory, and each of its
+    # fetches made the host wait (on CUDA a copy from pageable memory waits for the stream):
+    # small optimizer state made from Python numbers (torch 2.11's Adam step counts) waited
+    # in every step. Once it is paged (fetched a second time), its host copy moves into
+    # pinned memory, and its moves stop making the host wait. (A tensor fetched once keeps
+    # its pageable copy: pinned memory is not spent on what is used once.)
+    x = torch.tensor([1.0, 2.0, 3.0])  # (made in host memory, from data)
+    block, pinned = x._tr_block, tm._backend.pinned
+    x.toGPU()
+    x.toCPU()
+    after_one = pinned.is_pinned(block.host)  # (not in an assert: pytest would keep the storage named)
+    syncs = tm.stats()["host_syncs"]
+    x.toGPU()  # paged
+    assert tm.stats()["host_syncs"] == syncs  # copied from pinned memory: no wait
+    assert not after_one and pinned.is_pinned(block.host)
+    x.add_(1)
+    x.toCPU()  # written back into the pinned copy
+    assert pinned.is_pinned(block.host)
+    assert x.tolist() == [2.0, 3.0, 4.0]
+
+
+def test_a_host_copy_a_tensor_still_views_stays_where_it_is():
+    x = torch.tensor([1.0, 2.0, 3.0])
+    held = x.target  # a plain tensor over the host copy's bytes
+    x.toGPU()
+    x.add_(1)
+    x.toCPU()  # written back into the bytes it holds, not into new pinned ones
+    assert x.target.data_ptr() == held.data_ptr()
+    assert held.tolist() == [2.0, 3.0, 4.0]

@@ -51,7 +51,7 @@ class Block:
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
         "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched",
         "dev_pending", "host_pending", "external", "host_only", "host_shared", "exposed",
-        "disk", "spilling", "views", "__weakref__",
+        "disk", "spilling", "views", "fetches", "__weakref__",
     )
 
     def __init__(self, nbytes: int, on_ref_dead=None):
@@ -95,6 +95,9 @@ class Block:
         self.spilling = None
         #: weakrefs of the TensorRefs viewing it, whose cached views are dropped with a copy
         self.views: list = []
+        #: times brought to the device on demand: from the second, it is paged, and its host
+        #: copy is worth pinning
+        self.fetches: int = 0
 
     @property
     def resident(self) -> bool:

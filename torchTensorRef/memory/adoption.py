@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import sys
 import weakref
 from typing import Optional
 
@@ -63,12 +62,8 @@ class Adoption:
                 block = getattr(ref, "_tr_block", None)
                 if block is None or not block.host_shared or not block.alive or block.host is None:
                     continue
-                host = block.host
-                # Nobody else: no tensor over the bytes but the block's own storage object
-                # (one use), and no other name for that object (``block.host``, ``host``, the call's).
-                if raw.storage_users(host) != 1 or sys.getrefcount(host) != 3:
+                if not self._host_copy_is_ours(block):
                     continue
-                del host
                 block.host_shared = False
                 taken += 1
                 if not block.host_only and not block.external and block.nbytes >= PIN_AT_ADOPTION_BYTES:

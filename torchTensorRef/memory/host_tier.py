@@ -98,6 +98,41 @@ class HostTier:
             if self._host_bytes > self._peak_host:
                 self._peak_host = self._host_bytes
 
+    def _pin_host(self, block: Block) -> bool:
+        """Move ``block``'s host copy into pinned memory (once); whether it is pinned now.
+
+        Not for host bytes someone else holds (a tensor given to ``TensorRef(t)``, numpy):
+        they must stay where they are.
+        """
+        pinned = self._backend.pinned
+        if (pinned is None or block.host is None or not block.host_valid or block.external
+                or block.host_shared or block.host_pending is not None or block.spilling is not None):
+            return False  # (no accelerator to copy to: nothing to pin for)
+        buffer = pinned.allocate(block.nbytes)
+        if buffer is None:
+            return False
+        buffer.copy_(raw.flat_bytes(block.host))
+        self._forget_host(block)
+        block.set_host(buffer.untyped_storage(), True)
+        self._host_gained(block)
+        return True
+
+    def _may_rehome(self, block: Block) -> bool:
+        """Whether ``block``'s pageable host copy may move into pinned memory: the manager's own
+        (Note [External bytes]), with no copy in flight into it and nothing else holding it."""
+        pinned = self._backend.pinned
+        return not (pinned is None or block.external or block.host_shared or block.host_pending is not None
+                    or block.spilling is not None or pinned.is_pinned(block.host)) and self._host_copy_is_ours(block)
+
+    @staticmethod
+    def _host_copy_is_ours(block: Block) -> bool:
+        """No tensor over ``block``'s host bytes but its own storage object (one use), and no
+        other name for that object than ``block.host`` (where PyTorch cannot count: no). The
+        views its TensorRefs cached are let go first: they are made again when next used."""
+        block._drop_views()
+        host = block.host
+        return raw.storage_users(host) == 1 and sys.getrefcount(host) == 3  # (block.host, host, the call's)
+
     def _count_host_copies(self) -> None:
         """After a device change: the host copies paged now (none on pass-through, where the
         blocks are the program's CPU tensors)."""

@@ -248,6 +248,9 @@ class Residency:
         dev = self._device_alloc(block.nbytes, set(protect) | {block.id}, "fetch")
         if block.host_pending is not None:
             block.host_pending.wait_compute()  # a write-back of these bytes is still running
+        block.fetches += 1
+        if block.fetches > 1 and not self._backend.pinned.is_pinned(block.host) and self._may_rehome(block):
+            self._pin_host(block)  # paged from pageable memory: pinned once, so later moves do not wait
         self._backend.streams.copy_ordered(dev, raw.flat_bytes(block.host))
         mode = "ordered"
         if not self._backend.pinned.is_pinned(block.host):
@@ -348,8 +351,10 @@ class Residency:
         """Start copying ``block``'s device copy to its host copy (asynchronously into pinned memory)."""
         self._inject("writeback", block.nbytes)
         host = block.host
+        if host is not None and not block.host_valid and self._may_rehome(block):
+            host = None  # (stale, pageable and nobody else's: rewritten whole, into pinned memory)
         if host is None or host.nbytes() != block.nbytes:
-            if host is not None:
+            if block.host is not None:
                 self._drop_host(block)
             self._make_host_room(block.nbytes, (block.id,), "writing a tensor back to host memory")
             self._host_watch.reserve_bytes(block.nbytes)
@@ -400,25 +405,6 @@ class Residency:
             self._trace.sync(time.perf_counter_ns(), block.id)  # the host reads these bytes now
         self._wait_pending_host(block)
         return wrote
-
-    def _pin_host(self, block: Block) -> bool:
-        """Move ``block``'s host copy into pinned memory (once); whether it is pinned now.
-
-        Not for host bytes someone else holds (a tensor given to ``TensorRef(t)``, numpy):
-        they must stay where they are.
-        """
-        pinned = self._backend.pinned
-        if (pinned is None or block.host is None or not block.host_valid or block.external
-                or block.host_shared or block.host_pending is not None or block.spilling is not None):
-            return False  # (no accelerator to copy to: nothing to pin for)
-        buffer = pinned.allocate(block.nbytes)
-        if buffer is None:
-            return False
-        buffer.copy_(raw.flat_bytes(block.host))
-        self._forget_host(block)
-        block.set_host(buffer.untyped_storage(), True)
-        self._host_gained(block)
-        return True
 
     def _drop_host(self, block: Block) -> None:
         """``block`` has no host copy any more (it is stale, or another copy holds the bytes)."""
