@@ -9,6 +9,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager as tm
+from torchTensorRef.memory import pinned as pinned_module
 from torchTensorRef.memory.pinned import PinnedMemory, rounded
 from torchTensorRef.strategies import Flow
 from paired import budget
@@ -203,3 +204,29 @@ def test_a_users_tensor_keeps_its_memory_while_flow_pins_and_prefetches_others(l
         assert p.tolist() == [1.0] * 2048
     plains[0].fill_(7.0)
     assert refs[0].sum().item() == 7.0 * 2048
+
+
+def test_a_fetch_of_a_users_small_tensor_is_staged_through_pinned_memory(limit, monkeypatch):
+    # Fixed: every fetch from pageable memory made the host wait (on CUDA, for the whole
+    # stream): a model's plain buffer shared with an attribute (a rotary embedding's
+    # frequencies) did so twice per decoded token. A small one is copied into a transient
+    # pinned buffer first; the user's memory stays where it is and counts nothing pinned.
+    tm.pinned_limit = "1MiB"
+    plain = _user_tensor()  # 8 KiB
+    ref = TensorRef(plain)
+    start, waits = _pinned(), 0
+    for i in range(3):
+        syncs = tm.stats()["host_syncs"]
+        ref.toGPU()
+        waits += tm.stats()["host_syncs"] - syncs
+        assert _pinned() == start
+        assert (ref * 2).tolist() == [2.0 * i] * 2048
+        ref.toCPU()
+        plain.add_(1)  # (the user's writes reach the next fetch)
+    assert waits == 0
+    assert ref._tr_block.host.data_ptr() == plain.untyped_storage().data_ptr()
+    monkeypatch.setattr(pinned_module, "STAGE_MAX", 4 * KIB)  # larger than that: copied from pageable memory
+    syncs = tm.stats()["host_syncs"]
+    ref.toGPU()
+    assert tm.stats()["host_syncs"] == syncs + 1
+    assert ref.tolist() == [3.0] * 2048

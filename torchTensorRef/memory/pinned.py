@@ -6,6 +6,11 @@ memory it does not. Host copies of blocks are therefore allocated pinned, up to
 and too much of it starves the rest of the system. Beyond the limit host copies are
 pageable and their copies synchronous (``stats()["host_syncs"]`` counts them).
 
+A fetch from a pageable host copy of at most ``STAGE_MAX`` bytes is staged through a
+transient pinned buffer (:meth:`PinnedMemory.staged`): the host copies the bytes, and the
+copy to the device is asynchronous. (From pageable memory, CUDA first waits for the stream:
+everything queued before the copy.)
+
 Accounting follows PyTorch's pinned allocator, which rounds every allocation up to a power
 of two; only the buffers allocated here are counted (a tensor the user pinned is not).
 On ``"sim"`` (no CUDA) pinning is emulated: the buffers are ordinary, and this registry is
@@ -21,6 +26,12 @@ import torch
 
 from ..core import raw
 from .sim.pool import BufferPool
+
+
+#: the largest fetch staged through a transient pinned buffer: small tensors that live in
+#: pageable memory (a mask, a model's plain buffer shared with an attribute), whose waits cost
+#: far more than their copies; a larger one is pinned once it is paged, if it can move
+STAGE_MAX = 16 << 20
 
 
 def default_limit() -> int:
@@ -66,6 +77,19 @@ class PinnedMemory:
         self._sizes[buffer.untyped_storage()._cdata] = size
         self.used += size
         return buffer
+
+    def staged(self, src: torch.Tensor) -> Optional[torch.Tensor]:
+        """A pinned copy of the flat bytes ``src`` for one copy to the device, or ``None`` (larger
+        than ``STAGE_MAX``, past the limit, or pinning fails). Not counted: it lives only until
+        its copy ends (PyTorch's pinned allocator keeps it from reuse until then)."""
+        nbytes = src.numel()
+        if nbytes > STAGE_MAX or self.used + rounded(nbytes) > self.limit:
+            return None
+        try:
+            buffer = raw.empty(nbytes, dtype=raw.UINT8, pin_memory=not self.emulated)
+        except RuntimeError:
+            return None
+        return buffer.copy_(src)
 
     def is_pinned(self, storage: torch.UntypedStorage) -> bool:
         if storage._cdata in self._sizes:

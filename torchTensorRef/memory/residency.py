@@ -249,13 +249,17 @@ class Residency:
         if block.host_pending is not None:
             block.host_pending.wait_compute()  # a write-back of these bytes is still running
         block.fetches += 1
-        if block.fetches > 1 and not self._backend.pinned.is_pinned(block.host) and self._may_rehome(block):
+        pinned, mode = self._backend.pinned, "ordered"
+        if not pinned.is_pinned(block.host) and block.fetches > 1 and self._may_rehome(block):
             self._pin_host(block)  # paged from pageable memory: pinned once, so later moves do not wait
-        self._backend.streams.copy_ordered(dev, raw.flat_bytes(block.host))
-        mode = "ordered"
-        if not self._backend.pinned.is_pinned(block.host):
-            self._counters["host_syncs"] += 1  # from pageable memory the host waits
-            mode = "blocking"
+        src = raw.flat_bytes(block.host)
+        if not pinned.is_pinned(block.host):
+            src = pinned.staged(src)  # (a small one: copied by the host, then asynchronously)
+            if src is None:
+                src = raw.flat_bytes(block.host)
+                self._counters["host_syncs"] += 1  # from pageable memory the host waits
+                mode = "blocking"
+        self._backend.streams.copy_ordered(dev, src)
         self._now_resident(block, dev, "to_device", start, mode)
         self._counters["fetches"] += 1
 
