@@ -26,6 +26,13 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 
 
+#: a test of the simulated device itself: it runs where the suite runs on "sim" (in a CUDA
+#: process "sim" is not registered, and plain torch there is the GPU's)
+ON_SIM = os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim") == "sim"
+SIM_ONLY_REASON = 'checks the simulated device itself (the suite runs on "sim")'
+sim_only = pytest.mark.skipif(not ON_SIM, reason=SIM_ONLY_REASON)
+
+
 def outside_floor() -> int:
     """Device bytes the test device holds outside the manager once libraries made their
     workspaces (Note [Budget on CUDA]): 0 on plain "sim", tens of MiB on a GPU. A budget

@@ -8,6 +8,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.memory.devices import CudaBackend, PassthroughBackend, SimBackend, make_backend
+from paired import sim_only
 
 
 @pytest.mark.parametrize("spec, kind", [("cpu", PassthroughBackend), ("CPU", PassthroughBackend),
@@ -28,6 +29,7 @@ def test_make_backend_rejects(spec):
         make_backend(spec)
 
 
+@sim_only
 def test_sim_copies_are_real_copies():
     x = torch.arange(16.0)
     with torchTensorRef.disabled():
@@ -45,6 +47,7 @@ def test_sim_copies_are_real_copies():
     assert torch.equal(x.target, expected + 1) and torch.equal(host, expected + 1)
 
 
+@sim_only
 def test_sim_moves_bytes_and_keeps_values():
     x = torch.arange(12.0).reshape(3, 4)
     assert x.proxyInfo.device == "cpu" and not x.proxyInfo.on_device

@@ -9,7 +9,7 @@ import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.ops import dispatch
 from torchTensorRef.core.op_specs import spec_of
-from paired import EMULATED_WORKSPACES, assert_identical, budget, needs_fast_path, plain_torch, values
+from paired import EMULATED_WORKSPACES, ON_SIM, SIM_ONLY_REASON, assert_identical, budget, needs_fast_path, plain_torch, values
 
 aten = torch.ops.aten
 
@@ -19,6 +19,8 @@ FAST_DEVICES = ("sim", "cpu")
 
 @pytest.fixture
 def fast(fresh_manager, request):
+    if request.param == "sim" and not ON_SIM:
+        pytest.skip(SIM_ONLY_REASON)  # (not registered beside CUDA)
     if request.param == "sim" and EMULATED_WORKSPACES:
         pytest.skip("emulated workspaces: every op on \"sim\" takes the generic path (no fast path)")
     fresh_manager.strategy = "flow"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import io
-import os
 import warnings
 
 import pytest
@@ -22,12 +21,9 @@ from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.memory.sim import device as sim_device
 from torchTensorRef.memory.sim.tensor import SimTensor
 
-from paired import assert_identical, device_type, paging, plain_torch, run_both  # noqa: F401  (paging is a fixture)
+from paired import assert_identical, device_type, paging, plain_torch, run_both, sim_only  # noqa: F401  (paging is a fixture)
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim") != "sim",
-    reason='checks the simulated device itself (the suite runs on "sim")',
-)
+pytestmark = sim_only
 
 # (None where "sim" is not registered, as in a CUDA process: a device name torch does not
 # know fails at collection, and every test here skips there)

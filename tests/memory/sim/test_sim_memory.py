@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -11,11 +10,9 @@ import torchTensorRef
 from torchTensorRef.core import raw
 from torchTensorRef.memory.host_memory import HostMemoryError, HostMemoryWatch
 from torchTensorRef.memory.sim.pool import MIN_BYTES, BufferPool
-from paired import budget
+from paired import budget, sim_only
 
 MIB = 2**20
-sim_only = pytest.mark.skipif(os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim") != "sim",
-                              reason="the simulated device's pool")
 
 
 def _storage(nbytes: int) -> torch.UntypedStorage:
@@ -57,6 +54,7 @@ def test_the_oldest_buffers_go_first_past_the_limit():
     assert pool.take(2 * MIB) is None
 
 
+@sim_only
 def test_a_buffer_is_not_handed_out_while_a_tensor_uses_it():
     pool = BufferPool(limit=8 * MIB)
     with torchTensorRef.disabled():
