@@ -104,11 +104,9 @@ class HostTier:
         Not for host bytes someone else holds (a tensor given to ``TensorRef(t)``, numpy):
         they must stay where they are.
         """
-        pinned = self._backend.pinned
-        if (pinned is None or block.host is None or not block.host_valid or block.external
-                or block.host_shared or block.host_pending is not None or block.spilling is not None):
-            return False  # (no accelerator to copy to: nothing to pin for)
-        buffer = pinned.allocate(block.nbytes)
+        if not block.host_valid or not self._host_copy_movable(block):
+            return False
+        buffer = self._backend.pinned.allocate(block.nbytes)
         if buffer is None:
             return False
         buffer.copy_(raw.flat_bytes(block.host))
@@ -117,12 +115,17 @@ class HostTier:
         self._host_gained(block)
         return True
 
+    def _host_copy_movable(self, block: Block) -> bool:
+        """Whether ``block`` has a host copy the manager may move: its own (Note [External
+        bytes]), with no copy in flight into it or to the disk (and an accelerator to pin for)."""
+        return not (self._backend.pinned is None or block.host is None or block.external or block.host_shared
+                    or block.host_pending is not None or block.spilling is not None)
+
     def _may_rehome(self, block: Block) -> bool:
-        """Whether ``block``'s pageable host copy may move into pinned memory: the manager's own
-        (Note [External bytes]), with no copy in flight into it and nothing else holding it."""
-        pinned = self._backend.pinned
-        return not (pinned is None or block.external or block.host_shared or block.host_pending is not None
-                    or block.spilling is not None or pinned.is_pinned(block.host)) and self._host_copy_is_ours(block)
+        """Whether ``block``'s pageable host copy may move into pinned memory: movable, and
+        nothing else holds it."""
+        return (self._host_copy_movable(block) and not self._backend.pinned.is_pinned(block.host)
+                and self._host_copy_is_ours(block))
 
     @staticmethod
     def _host_copy_is_ours(block: Block) -> bool:

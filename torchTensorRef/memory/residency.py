@@ -249,17 +249,16 @@ class Residency:
         if block.host_pending is not None:
             block.host_pending.wait_compute()  # a write-back of these bytes is still running
         block.fetches += 1
-        pinned, mode = self._backend.pinned, "ordered"
-        if not pinned.is_pinned(block.host) and block.fetches > 1 and self._may_rehome(block):
-            self._pin_host(block)  # paged from pageable memory: pinned once, so later moves do not wait
-        src = raw.flat_bytes(block.host)
-        if not pinned.is_pinned(block.host):
-            src = pinned.staged(src)  # (a small one: copied by the host, then asynchronously)
+        pinned, mode, src = self._backend.pinned, "ordered", None
+        # Paged from pageable memory: pinned once, so later moves do not wait; else a small
+        # one is staged (copied by the host, then asynchronously).
+        if not pinned.is_pinned(block.host) and not (
+                block.fetches > 1 and self._may_rehome(block) and self._pin_host(block)):
+            src = pinned.staged(raw.flat_bytes(block.host))
             if src is None:
-                src = raw.flat_bytes(block.host)
                 self._counters["host_syncs"] += 1  # from pageable memory the host waits
                 mode = "blocking"
-        self._backend.streams.copy_ordered(dev, src)
+        self._backend.streams.copy_ordered(dev, src if src is not None else raw.flat_bytes(block.host))
         self._now_resident(block, dev, "to_device", start, mode)
         self._counters["fetches"] += 1
 
