@@ -104,3 +104,32 @@ def test_a_stretch_that_repeats_within_a_step_does_not_keep_the_plan_from_compil
     for a, b in zip(plain + plain_states, out + states):
         assert_identical(a, b)
     assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
+@pytest.mark.parametrize("plan", [True, False], ids=["plan", "learning"])
+def test_the_history_stays_within_its_window_over_many_calls(fresh_manager, plan):
+    # Note [Pruning the history]: what Flow keeps of the op sequence covers ``max_history``
+    # ops (and the ops since the last prune) and the blocks alive, however long the program
+    # runs; the records of dead blocks leave with the window, also those that leaving the
+    # plan wrote again.
+    ws = [torchTensorRef.manage(w) for w in weights()]
+    flow = Flow(plan=plan, max_history=400)
+    tm.strategy = flow
+    tm.budget = budget(10 * KIB)
+    with plain_torch():
+        expected = call([w.to(tm.torch_device) for w in weights()], 7, 9)
+    pruned = set()
+    for i in range(30):
+        prompt, steps = CALLS[i % len(CALLS)]
+        call(ws, prompt, steps)
+        n = tm.op_index
+        kept = n - flow._pruned_at + max(flow.max_history, 2 * (flow.period or 0) + flow.lookahead + 8)
+        assert min(flow._func) >= n - kept
+        for bid in set(flow._uses) | set(flow._birth):
+            if tm.block(bid) is None:  # dead: kept only while a record of it is in the window
+                last = max(flow._uses.get(bid, [-1])[-1], flow._birth.get(bid, (-1, 0))[0])
+                assert last >= n - kept, (bid, last, n - kept)
+        pruned.add(flow._pruned_at)
+    assert len(pruned) > 10  # (it pruned all along)
+    assert flow.period is not None and (flow.plan is not None) == plan
+    assert_identical(expected, call(ws, 7, 9))  # (what it kept still pages right)

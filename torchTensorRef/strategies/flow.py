@@ -102,6 +102,7 @@ class Flow(FlowLearning, FlowOrder, FlowPrefetch, Strategy):
         self._counter = 0
         self._now = -1
         self._pruned_at = 0
+        self._released: List[int] = []  # ids of dead blocks whose records the next prune may drop
         # candidate period -> an op that did not repeat the op one candidate period before:
         # the candidate cannot be the period while that op is in its window
         self._mismatch: Dict[int, int] = {}
@@ -244,3 +245,4 @@ class Flow(FlowLearning, FlowOrder, FlowPrefetch, Strategy):
 
     def on_release(self, block) -> None:
         self._stamp.pop(block.id, None)
+        self._released.append(block.id)
