@@ -133,3 +133,39 @@ def test_the_history_stays_within_its_window_over_many_calls(fresh_manager, plan
     assert len(pruned) > 10  # (it pruned all along)
     assert flow.period is not None and (flow.plan is not None) == plan
     assert_identical(expected, call(ws, 7, 9))  # (what it kept still pages right)
+
+
+def accumulate(ws, x, state, steps: int):
+    """Steps through the weights, each adding its result to a state it hands to the next
+    step (written at a step's end, read at the next one's end)."""
+    for _ in range(steps):
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w)
+        state = state + h
+    return state
+
+
+@pytest.mark.parametrize("plan", [True, False], ids=["plan", "learning"])
+def test_state_made_at_every_step_is_kept_rather_than_written_back(fresh_manager, plan):
+    # Note [Dirty blocks cost two copies]: the state each step makes (dirty) is read again a
+    # period later, a little farther ahead than any weight the steps cycle through (clean).
+    # Evicting it costs a write-back and a fetch, a weight only its fetch: the weights go,
+    # and the steps write nothing back (by distance alone, the state went at every step).
+    with plain_torch():
+        dev = tm.torch_device
+        expected = [accumulate([w.to(dev) for w in weights()], torch.ones(2, 32, device=dev),
+                               torch.zeros(2, 32, device=dev), steps) for steps in (8, 16)]
+    ws = [torchTensorRef.manage(w) for w in weights()]
+    x, zero = torchTensorRef.manage(torch.ones(2, 32)), torchTensorRef.manage(torch.zeros(2, 32))
+    tm.strategy = Flow(plan=plan)
+    tm.budget = budget(10 * KIB)  # two of the four weights and the activations
+    accumulate(ws, x, zero, 16)  # (learns the period)
+    stats = []
+    for steps, plain in zip((8, 16), expected):
+        tm.reset_stats()
+        assert_identical(plain, accumulate(ws, x, zero, steps))
+        stats.append(tm.stats())
+        assert stats[-1]["peak_device_bytes"] <= tm.budget
+    assert stats[1]["evictions"] - stats[0]["evictions"] >= 8  # (the weights do not fit: they cycle)
+    assert stats[1]["writebacks"] <= stats[0]["writebacks"], stats  # (8 steps more, no write-back more)
