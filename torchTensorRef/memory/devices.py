@@ -194,7 +194,8 @@ class SimBackend(Backend):
         super().__init__(CPU, device if device is not None else CPU)
         self.strict = device is not None
         self._capacity = capacity
-        self.streams = SimStreams()
+        # (asked for the timing form, not poisoned; strict where it cannot be, still poisoned)
+        self.streams = SimStreams(poison=strict)
         self.pinned = PinnedMemory(emulated=True, limit=pinned_limit)
         self.pool = BufferPool(0)
         #: bytes each thread's first kernel leaves allocated for good, as cuBLAS's workspace

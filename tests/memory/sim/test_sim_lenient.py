@@ -140,3 +140,15 @@ def test_the_environment_sets_it_before_the_device():
         assert tm.sim_strict is False and tm.device == "sim" and torch.zeros(1).device.type == "cpu"
     finally:
         tm.sim_strict = True
+
+
+def test_its_deferred_copies_leave_destinations_as_they_are(lenient):
+    # The strict form poisons a pending copy's destination (tests/memory/test_streams.py); the
+    # timing form does not make that pass over the bytes, and the copy still runs when waited on.
+    streams = tm._backend.streams
+    with torchTensorRef.disabled():
+        src, dst = torch.arange(12, dtype=torch.uint8), torch.zeros(12, dtype=torch.uint8)
+        pending = streams.copy_async(dst, src, prefetch=True)
+        assert dst.tolist() == [0] * 12
+        pending.wait_host()
+        assert dst.tolist() == list(range(12))
