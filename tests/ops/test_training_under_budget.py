@@ -8,6 +8,7 @@ device holds, and a random tensor larger than the budget cannot be made under it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, strategies
+from torchTensorRef.ops import split_handlers
 from paired import budget, device_type, plain_torch
 
 aten = torch.ops.aten
@@ -71,6 +73,28 @@ def test_embedding_reads_only_its_rows_and_its_backward_fits(tight):
     assert torch.equal(_plain(w.grad), expected_grad)
     # the forward read 6 rows, not the table
     assert tight.stats()["bytes_to_device"] < 3 * ROWS * DIM * 4
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_an_embedding_that_fits_reads_its_rows_alone_with_no_gradient_to_record(tight, grad):
+    # Note [Rows of a table]: the table fits the budget, but a few rows of it are all the op
+    # needs; with a gradient to record the table is read whole, as a training step does.
+    rows = split_handlers.ROWS_MIN_TABLE // (DIM * 4)  # (the smallest table read by rows)
+    w, pw = _pair(rows, DIM)
+    w.requires_grad_(grad)
+    with plain_torch():
+        pids = torch.tensor([[3, 7, 3, rows - 1], [0, 7, 9, 11]])
+        expected = torch.nn.functional.embedding(pids, pw).cpu()
+    ids = torch.tensor([[3, 7, 3, rows - 1], [0, 7, 9, 11]])
+    table = rows * DIM * 4
+    _tighten(tight, 2 * table)
+    tight.move_to_host(w)  # (as a table evicted to make room for others)
+    with torch.no_grad() if not grad else contextlib.nullcontext():
+        out = torch.nn.functional.embedding(ids, w)
+        again = torch.nn.functional.embedding(ids, w)  # (the table's device copy, if made, is used)
+    assert torch.equal(_plain(out), expected) and torch.equal(_plain(again), expected)
+    moved = tight.stats()["bytes_to_device"]
+    assert moved < table / 4 if not grad else moved >= table
 
 
 @pytest.mark.parametrize("which", ["weight_t", "rows"])

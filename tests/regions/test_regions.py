@@ -532,3 +532,24 @@ def test_inside_data_parallel_the_module_runs_op_by_op(small_regions):
         _, alone = ops_of(lambda: model(x))
         _, wrapped = ops_of(lambda: wrapper(x))
     assert alone == 1 and wrapped == 5  # t, addmm, gelu, t, addmm
+
+
+def test_decoding_under_a_budget_reads_the_embedding_rows_not_the_table():
+    # Note [Rows of a table]: an embedding is not a region under a budget with gradients
+    # off; its op reads the rows it needs from the table's host copy. The table (a vocabulary
+    # of 32768: 4 MiB, as much as the output layer) is never brought in whole.
+    config = dict(CONFIG, vocab_size=32768, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with plain_torch():
+        ids = torch.tensor([[1, 5, 9, 3, 7]])
+        plain = decode(transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval().to(tm.torch_device),
+                       ids.to(tm.torch_device))
+    tm.strategy = "flow"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    table = model.model.embed_tokens.weight
+    tm.budget = budget(weight_bytes(model) // 2)
+    tm.reset_stats()
+    assert_identical(plain, decode(model, torchTensorRef.manage(ids.cpu())))
+    assert table._tr_block.fetches == 0 and not table._tr_block.resident
+    assert tm.stats()["peak_device_bytes"] <= tm.budget

@@ -39,13 +39,52 @@ def _remapped(indices):
     return rows, gathered_piece(inverse.to(values.dtype).reshape(values.shape))
 
 
+#: an embedding whose rows take at most this fraction of its table reads them alone, table
+#: fitting or not, where the table has at least ``ROWS_MIN_TABLE`` bytes (Note [Rows of a table])
+ROWS_FRACTION = 1 / 8
+#: the host waits for indices computed on the device (a round trip of tens of microseconds,
+#: and the device's queue drained): worth it for a table whose copy takes longer (4 MiB:
+#: about 160 µs at 25 GB/s)
+ROWS_MIN_TABLE = 4 << 20
+
+
+def _rows_alone(weight: TensorRef, indices) -> bool:
+    """Note [Rows of a table]: under a budget, with no gradient to record, an embedding whose
+    rows are few reads them from the table's host copy instead of bringing the whole table
+    in. Decoding reads one row per step: brought in whole, a 32,000-token table of a 1.1B
+    Llama (131 MB of bf16) would be moved for each token, or hold a share of the budget the
+    layers need. The host reads the indices to gather the rows: where the device computed
+    them (the last token), it waits for them, as ``.item()`` would, which a decoding loop
+    does at each step anyway; so a table smaller than ``ROWS_MIN_TABLE`` is read whole.
+    Whether an op reads its rows alone hangs on its sizes, not on where the table is at the
+    time, so that a loop's ops stay the same from step to step (Flow's period). The table's
+    device copy, if any, stays (an output layer may share it)."""
+    if mgr._budget is None or mgr._limit is None or mgr._backend.passthrough:
+        return False
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return False  # (training: the table is read and written whole by the step anyway)
+    block = weight._tr_block
+    row = weight.shape[1] * weight.element_size()
+    return (not block.host_only and block.nbytes >= ROWS_MIN_TABLE
+            and indices.numel() * row <= ROWS_FRACTION * block.nbytes)
+
+
 @implements(aten.embedding.default)
 def embedding(func, args, kwargs, spec: OpSpec):
-    """The rows the indices name, read alone when the table does not fit."""
-    left = fits(spec, args, kwargs)
+    """The rows the indices name, read alone when the table does not fit or when they are a
+    small part of it with no gradient to record (Note [Rows of a table])."""
     weight = args[0]
-    if left is None or not isinstance(weight, TensorRef) or kwargs or weight.dim() != 2:
+    if not isinstance(weight, TensorRef) or kwargs or weight.dim() != 2:
         return default(func, args, kwargs, spec)
+    left = fits(spec, args, kwargs)
+    if left is None:
+        if not _rows_alone(weight, args[1]):
+            return default(func, args, kwargs, spec)
+        rows, local = _remapped(args[1])
+        with mgr._lock:
+            mgr.sync_host(weight._tr_block)  # (its device copy stays)
+            table = host_view(weight).detach().index_select(0, rows)
+        return run_generic(func, [gathered_piece(table), local, -1] + list(args[3:]), {}, spec)
     rows, local = _remapped(args[1])
     settle([weight])
     need = rows.numel() * weight.shape[1] * weight.element_size() + local._tr_block.nbytes

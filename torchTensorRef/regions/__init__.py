@@ -27,8 +27,10 @@ Which modules are regions:
   whose measured call (Note [Regions]) ran fewer than ``min_ops`` aten ops is not one: its
   ops on the fast path cost less than a region's boundary. Under a budget, with gradients
   off, every op outside a region takes the manager's generic path, dearer than the
-  boundary, so a module with tensors of its own and few ops (an embedding, the head's
-  Linear, a norm) is a region there too. A module
+  boundary, so a module with tensors of its own and few ops (the head's Linear, a norm)
+  is a region there too; but not an embedding, whose op reads the rows it needs from the
+  table's host copy instead of the whole table (Note [Rows of a table] in
+  ``ops/split_handlers.py``). A module
   holding a compiled region (``compile_region``) is not one: the compiled region is its own.
 
 ``enabled`` (default ``True``) switches regions off for the whole process, whatever the
@@ -85,6 +87,12 @@ _WRAPPERS = frozenset(("OptimizedModule",))
 #: found) and DataParallel (its forward waits on threads that call modules: Note [Regions
 #: and threads])
 _OP_BY_OP_WRAPPERS = frozenset(("DistributedDataParallel", "DataParallel"))
+
+
+#: modules whose call is one embedding op: under a budget with gradients off they run op by
+#: op, where the op reads the rows it needs from the table's host copy instead of the table
+#: (Note [Rows of a table] in ``ops/split_handlers.py``)
+_ROW_READERS = (torch.nn.Embedding,)
 
 
 class _Wrapped(threading.local):
@@ -238,6 +246,8 @@ def _call(self, forced, args, kwargs):
                 (_mgr._budget is not None and not under_budget)
                 or _tensor_bytes(info) > fraction * (limit - _mgr._elsewhere_bytes)):
             return _original_call(self, *args, **kwargs)
+        if paged and _mgr._budget is not None and isinstance(self, _ROW_READERS) and not torch.is_grad_enabled():
+            return _original_call(self, *args, **kwargs)  # (its op reads its rows alone: Note [Rows of a table])
         ops = info.region.ops
         if ops is not None and ops < min_ops and not (
                 paged and _mgr._budget is not None and info.slots and not torch.is_grad_enabled()):
