@@ -48,6 +48,18 @@ ROWS_FRACTION = 1 / 8
 ROWS_MIN_TABLE = 4 << 20
 
 
+def reads_rows_alone(weight) -> bool:
+    """Whether an embedding of the table ``weight`` reads the rows it needs alone, given few
+    enough of them (Note [Rows of a table]): a table of ``ROWS_MIN_TABLE`` bytes or more,
+    under a budget, with no gradient to record."""
+    if not isinstance(weight, TensorRef) or mgr._budget is None or mgr._limit is None or mgr._backend.passthrough:
+        return False
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return False  # (training: the table is read and written whole by the step anyway)
+    block = weight._tr_block
+    return not block.host_only and block.nbytes >= ROWS_MIN_TABLE
+
+
 def _rows_alone(weight: TensorRef, indices) -> bool:
     """Note [Rows of a table]: under a budget, with no gradient to record, an embedding whose
     rows are few reads them from the table's host copy instead of bringing the whole table
@@ -59,14 +71,8 @@ def _rows_alone(weight: TensorRef, indices) -> bool:
     Whether an op reads its rows alone hangs on its sizes, not on where the table is at the
     time, so that a loop's ops stay the same from step to step (Flow's period). The table's
     device copy, if any, stays (an output layer may share it)."""
-    if mgr._budget is None or mgr._limit is None or mgr._backend.passthrough:
-        return False
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return False  # (training: the table is read and written whole by the step anyway)
-    block = weight._tr_block
     row = weight.shape[1] * weight.element_size()
-    return (not block.host_only and block.nbytes >= ROWS_MIN_TABLE
-            and indices.numel() * row <= ROWS_FRACTION * block.nbytes)
+    return reads_rows_alone(weight) and indices.numel() * row <= ROWS_FRACTION * weight._tr_block.nbytes
 
 
 @implements(aten.embedding.default)

@@ -28,9 +28,9 @@ Which modules are regions:
   ops on the fast path cost less than a region's boundary. Under a budget, with gradients
   off, every op outside a region takes the manager's generic path, dearer than the
   boundary, so a module with tensors of its own and few ops (the head's Linear, a norm)
-  is a region there too; but not an embedding, whose op reads the rows it needs from the
-  table's host copy instead of the whole table (Note [Rows of a table] in
-  ``ops/split_handlers.py``). A module
+  is a region there too; but not an embedding of a large table, whose op reads the rows
+  it needs from the table's host copy instead of the whole table (Note [Rows of a table]
+  in ``ops/split_handlers.py``). A module
   holding a compiled region (``compile_region``) is not one: the compiled region is its own.
 
 ``enabled`` (default ``True``) switches regions off for the whole process, whatever the
@@ -47,6 +47,7 @@ from torch.nn.modules import module as _hooks
 
 from ..core import context
 from ..memory.manager import tensorsManager as _mgr
+from ..ops.split_handlers import reads_rows_alone
 from .mechanism import NotARegion, Region, in_region, state
 from .scan import parameter_slots
 from .threads import callers
@@ -89,9 +90,9 @@ _WRAPPERS = frozenset(("OptimizedModule",))
 _OP_BY_OP_WRAPPERS = frozenset(("DistributedDataParallel", "DataParallel"))
 
 
-#: modules whose call is one embedding op: under a budget with gradients off they run op by
-#: op, where the op reads the rows it needs from the table's host copy instead of the table
-#: (Note [Rows of a table] in ``ops/split_handlers.py``)
+#: modules whose call is one embedding op: where its op reads the rows it needs from the
+#: table's host copy instead of the table (a large table, under a budget with gradients off:
+#: Note [Rows of a table] in ``ops/split_handlers.py``), they run op by op
 _ROW_READERS = (torch.nn.Embedding,)
 
 
@@ -246,7 +247,7 @@ def _call(self, forced, args, kwargs):
                 (_mgr._budget is not None and not under_budget)
                 or _tensor_bytes(info) > fraction * (limit - _mgr._elsewhere_bytes)):
             return _original_call(self, *args, **kwargs)
-        if paged and _mgr._budget is not None and isinstance(self, _ROW_READERS) and not torch.is_grad_enabled():
+        if isinstance(self, _ROW_READERS) and reads_rows_alone(self.weight):
             return _original_call(self, *args, **kwargs)  # (its op reads its rows alone: Note [Rows of a table])
         ops = info.region.ops
         if ops is not None and ops < min_ops and not (
