@@ -33,9 +33,10 @@ _TINY_BYTES = 16 * 1024
 # far ahead as the clean one (the greedy rule for caching with costs: farthest distance per
 # copy). Decoding makes a new dirty key/value cache in every layer at every step, needed
 # again at the next step, as far ahead as the layer's weights: ranked by distance alone, it
-# was written back and fetched again at every step. Llama decoding on "sim", 4 layers at
-# 50% of the weights (``benchmarks/small_ops.py``): 233 -> 63 write-backs and 699 -> 570
-# evictions per ``generate()`` call, 199.2 -> 196.3 MB moved; at 25%, 208 -> 2 write-backs.
+# was written back and fetched again at every step. The Llama decoding of
+# ``benchmarks/small_ops.py --size small`` (4 layers) on the lenient "sim" at 50% of the
+# weights: 233 -> 63 write-backs and 699 -> 570 evictions per ``generate()`` call, 199.2 ->
+# 196.3 MB moved; at 25%, 208 -> 2 write-backs.
 
 
 def _first(entry) -> int:
