@@ -2,7 +2,7 @@
 
 Belady's rule on Flow's predictions (``flow_learn.py``): blocks predicted dead first (clean
 ones before dirty ones), then the one needed farthest ahead, a dirty block's distance
-counting half (Note [Dirty blocks cost two copies]); blocks with no prediction after
+from its last use counting half (Note [Dirty blocks cost two copies]); blocks with no prediction after
 those, least recently used first. While learning, Flow keeps the resident blocks in a heap,
 re-ranked after each op that touches them; while following the plan, it ranks them only
 when room has to be made, once per op.
@@ -29,13 +29,16 @@ _TINY_BYTES = 16 * 1024
 
 # Note [Dirty blocks cost two copies]: evicting a clean block costs one copy, its fetch when
 # next needed; a dirty one costs two, its write-back now and its fetch. Per byte of room, a
-# dirty block needed ahead is the better victim only where it is needed more than twice as
-# far ahead as the clean one (the greedy rule for caching with costs: farthest distance per
-# copy). Decoding makes a new dirty key/value cache in every layer at every step, needed
-# again at the next step, as far ahead as the layer's weights: ranked by distance alone, it
-# was written back and fetched again at every step. The Llama decoding of
+# dirty block needed ahead is the better victim only where it is needed much farther ahead
+# than the clean one (the greedy rule for caching with costs: farthest distance per copy),
+# so a dirty block ranks at half the distance from its last use to its next. (From its last
+# use, not from now: a rank that does not move as the ops go by, so that the heap of
+# learning, ranked when a block is used, and the plan, ranked when room is needed, make the
+# same choices.) Decoding makes a new dirty key/value cache in every layer at every step,
+# needed again at the next step, as far ahead as the layer's weights: ranked by distance
+# alone, it was written back and fetched again at every step. The Llama decoding of
 # ``benchmarks/small_ops.py --size small`` (4 layers) on the lenient "sim" at 50% of the
-# weights: 233 -> 63 write-backs and 699 -> 570 evictions per ``generate()`` call, 199.2 ->
+# weights: 233 -> 40 write-backs and 699 -> 547 evictions per ``generate()`` call, 199.2 ->
 # 196.3 MB moved; at 25%, 208 -> 2 write-backs.
 
 
@@ -52,7 +55,8 @@ class FlowOrder:
         if nxt is None:
             return _UNKNOWN - block.last_use  # recency: least recently used first
         if nxt != _DEAD and not block.clean:
-            return n + (nxt - n) // 2  # (Note [Dirty blocks cost two copies])
+            last = block.last_use if 0 <= block.last_use <= n else n
+            return last + (nxt - last) // 2  # (Note [Dirty blocks cost two copies])
         if nxt == _DEAD:
             if block.clean:
                 return _DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
