@@ -23,7 +23,7 @@ from ..core import context
 from ..core.tensor_ref import TensorRef, saving
 from ..memory.manager import tensorsManager as _mgr
 from ..ops import raw_kernels
-from . import checkpoint, compiler, creation, distributed, generation, wrapped
+from . import checkpoint, compiler, creation, distributed, generation, optimizers, wrapped
 from .manage import adopt
 from .plain import disabled
 
@@ -253,6 +253,8 @@ def _wrap(targets) -> None:
         if (module_name, name) in _patched or not hasattr(module, name):
             continue
         original = _attribute(module, name)
+        if original is None:
+            continue  # (a class that inherits it: its base's is wrapped)
         wrapper = _FunctionWrapper(original, how)
         setattr(module, name, wrapper)
         _patched[module_name, name] = (original, wrapper)
@@ -271,6 +273,7 @@ def _targets():
     targets += [(owner, name, _apply_wrapper) for owner, name in MODULE_METHODS]
     targets += [(owner, name, raw_kernels.jiterator_wrapper) for owner, name in RAW_KERNEL_FUNCTIONS]
     targets += [(owner, name, generation.generate_wrapper) for owner, name in GENERATION_METHODS]
+    targets += [(owner, name, optimizers.step_wrapper) for owner, name in optimizers.STEP_METHODS]
     return targets
 
 
