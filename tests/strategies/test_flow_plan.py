@@ -71,11 +71,12 @@ def test_following_the_plan_moves_the_bytes_learning_moves_and_matches_plain_tor
     for losses, params, _bytes, _plans in (learning, following):
         assert losses == plain_losses
         assert_identical(plain_params, params)
-    # The plan's decisions are learning's: the same traffic in the steps it was followed.
+    # The plan's decisions are learning's, or better: learning ranks a dirty block when it
+    # was last used, the plan when room is needed (Note [Dirty blocks cost two copies]).
     followed = [i for i, on in enumerate(following[3]) if on and i > 0 and following[3][i - 1]]
     assert followed
     for i in followed:
-        assert following[2][i] == pytest.approx(learning[2][i], rel=0.02)
+        assert following[2][i] <= learning[2][i] * 1.02
     assert min(following[2][i] for i in followed) > 0  # the budget binds: there is paging to plan
 
 

@@ -2,7 +2,7 @@
 
 Belady's rule on Flow's predictions (``flow_learn.py``): blocks predicted dead first (clean
 ones before dirty ones), then the one needed farthest ahead, a dirty block's distance
-from its last use counting half (Note [Dirty blocks cost two copies]); blocks with no prediction after
+counting half (Note [Dirty blocks cost two copies]); blocks with no prediction after
 those, least recently used first. While learning, Flow keeps the resident blocks in a heap,
 re-ranked after each op that touches them; while following the plan, it ranks them only
 when room has to be made, once per op.
@@ -31,15 +31,19 @@ _TINY_BYTES = 16 * 1024
 # next needed; a dirty one costs two, its write-back now and its fetch. Per byte of room, a
 # dirty block needed ahead is the better victim only where it is needed much farther ahead
 # than the clean one (the greedy rule for caching with costs: farthest distance per copy),
-# so a dirty block ranks at half the distance from its last use to its next. (From its last
-# use, not from now: a rank that does not move as the ops go by, so that the heap of
-# learning, ranked when a block is used, and the plan, ranked when room is needed, make the
-# same choices.) Decoding makes a new dirty key/value cache in every layer at every step,
-# needed again at the next step, as far ahead as the layer's weights: ranked by distance
-# alone, it was written back and fetched again at every step. The Llama decoding of
-# ``benchmarks/small_ops.py --size small`` (4 layers) on the lenient "sim" at 50% of the
-# weights: 233 -> 40 write-backs and 699 -> 547 evictions per ``generate()`` call, 199.2 ->
-# 196.3 MB moved; at 25%, 208 -> 2 write-backs.
+# so a dirty block ranks at half its distance. The distance is from the op that ranks: the
+# plan ranks when room is needed, exactly; learning's heap ranks a block when an op uses
+# it, and a dirty block's half-distance is stale by the ops since, so the two can choose
+# differently where dirty blocks compete (the plan never moved more in the tests). Ranked
+# from its last use instead, both would agree, but a dirty block idle long before its next
+# use (a gradient, an optimizer's moments) would look due and be kept: an AdamW step at 100%
+# of the weights moved 1.176x the offline reference against 1.075x
+# (``benchmarks/train_budget.py``). Decoding makes a new dirty key/value cache in every
+# layer at every step, needed again at the next step, as far ahead as the layer's weights:
+# ranked by distance alone, it was written back and fetched again at every step. The Llama
+# decoding of ``benchmarks/small_ops.py --size small`` (4 layers) on the lenient "sim" at
+# 50% of the weights: 233 -> 63 write-backs and 699 -> 570 evictions per ``generate()``
+# call, 199.2 -> 196.3 MB moved; at 25%, 208 -> 2 write-backs.
 
 
 def _first(entry) -> int:
@@ -55,8 +59,7 @@ class FlowOrder:
         if nxt is None:
             return _UNKNOWN - block.last_use  # recency: least recently used first
         if nxt != _DEAD and not block.clean:
-            last = block.last_use if 0 <= block.last_use <= n else n
-            return last + (nxt - last) // 2  # (Note [Dirty blocks cost two copies])
+            return n + (nxt - n) // 2  # (Note [Dirty blocks cost two copies])
         if nxt == _DEAD:
             if block.clean:
                 return _DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
