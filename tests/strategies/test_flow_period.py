@@ -169,3 +169,18 @@ def test_state_made_at_every_step_is_kept_rather_than_written_back(fresh_manager
         assert stats[-1]["peak_device_bytes"] <= tm.budget
     assert stats[1]["evictions"] - stats[0]["evictions"] >= 8  # (the weights do not fit: they cycle)
     assert stats[1]["writebacks"] <= stats[0]["writebacks"], stats  # (8 steps more, no write-back more)
+
+
+def test_with_nothing_to_page_flow_keeps_no_record_of_the_tensors_a_loop_makes(fresh_manager):
+    # Pass-through has no limit: nothing is learnt, and nothing prunes (Note [Pruning the
+    # history]), so a record of each tensor made would grow for as long as the program runs.
+    tm.device = "cpu"
+    flow = Flow()
+    tm.strategy = flow
+    with torchTensorRef.disabled():
+        expected = torch.zeros(32, 32) + weights()[0]
+    w = torchTensorRef.manage(weights()[0])
+    for _ in range(200):
+        out = torch.zeros(32, 32) + w
+    assert_identical(expected, out)
+    assert (len(flow._birth), len(flow._adopted), len(flow._released), len(flow._uses)) == (0, 0, 0, 0)

@@ -119,6 +119,8 @@ class Flow(FlowLearning, FlowOrder, FlowPrefetch, Strategy):
     # -- learning the sequence -------------------------------------------------------------
 
     def on_adopt(self, block) -> None:
+        if self.manager.limit is None:
+            return  # (see before_op: nothing is learnt, and nothing would prune the record)
         if block.id not in self._birth:  # (else seen at its first op: see before_op)
             self._born_before(block, self.manager.op_index)
 
@@ -245,4 +247,5 @@ class Flow(FlowLearning, FlowOrder, FlowPrefetch, Strategy):
 
     def on_release(self, block) -> None:
         self._stamp.pop(block.id, None)
-        self._released.append(block.id)
+        if block.id in self._uses or block.id in self._birth:
+            self._released.append(block.id)  # (its records go at a prune: Note [Pruning the history])
