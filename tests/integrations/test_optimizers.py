@@ -104,6 +104,7 @@ def test_a_step_with_a_closure_runs_whole(fresh_manager):
 
     opt.step(closure)
     assert len(calls) == 1  # (the loss is evaluated once, not once per part)
+    assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 
 def test_the_step_s_hooks_run_once_per_step(fresh_manager):
@@ -119,3 +120,4 @@ def test_the_step_s_hooks_run_once_per_step(fresh_manager):
     opt.step()
     assert seen == ["pre", "post"]
     assert all(len(g["params"]) for g in opt.param_groups)  # (the groups are whole again)
+    assert tm.stats()["peak_device_bytes"] <= tm.budget

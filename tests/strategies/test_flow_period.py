@@ -133,6 +133,7 @@ def test_the_history_stays_within_its_window_over_many_calls(fresh_manager, plan
     assert len(pruned) > 10  # (it pruned all along)
     assert flow.period is not None and (flow.plan is not None) == plan
     assert_identical(expected, call(ws, 7, 9))  # (what it kept still pages right)
+    assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 
 def accumulate(ws, x, state, steps: int):
