@@ -30,6 +30,8 @@ from ..memory.manager import tensorsManager as _mgr
 SLICED = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Adadelta")
 #: (owner, name) of the steps wrapped by ``patching.patch``
 STEP_METHODS = tuple((f"torch.optim.{name.lower()}:{name}", "step") for name in SLICED)
+#: the classes themselves: a subclass may mix parameters in a step of its own
+_CLASSES = tuple(getattr(torch.optim, name) for name in SLICED)
 
 
 def _bytes(t) -> int:
@@ -50,7 +52,7 @@ def parts(opt: torch.optim.Optimizer):
     """The parameter lists of each part, per group (Note [Optimizer steps in parts]);
     ``None`` where the step runs whole."""
     limit = _mgr._limit
-    if _mgr._budget is None or limit is None or _mgr._backend.passthrough or type(opt).__name__ not in SLICED:
+    if _mgr._budget is None or limit is None or _mgr._backend.passthrough or type(opt) not in _CLASSES:
         return None
     room = (limit - _mgr._elsewhere_bytes) // 2
     groups = [g["params"] for g in opt.param_groups]

@@ -254,8 +254,11 @@ class Residency:
         # one is staged (copied by the host, then asynchronously).
         if not pinned.is_pinned(block.host) and not (
                 block.fetches > 1 and self._may_rehome(block) and self._pin_host(block)):
-            src = pinned.staged(raw.flat_bytes(block.host))
-            if src is None:
+            src = raw.flat_bytes(block.host)
+            staged = pinned.staged(src)
+            if staged is not None:
+                src = staged
+            else:
                 self._counters["host_syncs"] += 1  # from pageable memory the host waits
                 mode = "blocking"
         self._backend.streams.copy_ordered(dev, src if src is not None else raw.flat_bytes(block.host))

@@ -83,23 +83,20 @@ def embedding(func, args, kwargs, spec: OpSpec):
     if not isinstance(weight, TensorRef) or kwargs or weight.dim() != 2:
         return default(func, args, kwargs, spec)
     left = fits(spec, args, kwargs)
-    if left is None:
-        if not _rows_alone(weight, args[1]):
-            return default(func, args, kwargs, spec)
-        rows, local = _remapped(args[1])
-        with mgr._lock:
-            mgr.sync_host(weight._tr_block)  # (its device copy stays)
-            table = host_view(weight).detach().index_select(0, rows)
-        return run_generic(func, [gathered_piece(table), local, -1] + list(args[3:]), {}, spec)
+    if left is None and not _rows_alone(weight, args[1]):
+        return default(func, args, kwargs, spec)
     rows, local = _remapped(args[1])
-    settle([weight])
-    need = rows.numel() * weight.shape[1] * weight.element_size() + local._tr_block.nbytes
-    need += estimate_output_bytes(spec, args, kwargs)
-    if need > left:
-        raise refuse(spec.name, need, left)
-    table = gathered_piece(host_view(weight).detach().index_select(0, rows))
+    if left is not None:  # (the table does not fit: it leaves the device)
+        settle([weight])
+        need = rows.numel() * weight.shape[1] * weight.element_size() + local._tr_block.nbytes
+        need += estimate_output_bytes(spec, args, kwargs)
+        if need > left:
+            raise refuse(spec.name, need, left)
+    with mgr._lock:
+        mgr.sync_host(weight._tr_block)  # (settled: nothing to copy; else its device copy stays)
+        table = host_view(weight).detach().index_select(0, rows)
     # padding_idx changes only the backward: the forward is a gather
-    return run_generic(func, [table, local] + [-1] + list(args[3:]), {}, spec)
+    return run_generic(func, [gathered_piece(table), local, -1] + list(args[3:]), {}, spec)
 
 
 @implements(aten.embedding_dense_backward.default)
