@@ -77,6 +77,11 @@ SIZES = {
     "tiny": dict(llama=dict(layers=2, hidden=64, intermediate=128, vocab=128, heads=4, kv_heads=4),
                  gpt2=dict(layers=2, embd=64, vocab=128), prompt=8, tokens=4, batch=2, seq=16, repeats=2,
                  requests=((5, 3), (9, 2), (3, 4))),
+    # the small shapes at four times the width: what a region computes grows 16x, its blocks
+    # stay as many (where the manager's cost per region stops mattering)
+    "medium": dict(llama=dict(layers=4, hidden=1024, intermediate=2048, vocab=1000, heads=8, kv_heads=8),
+                   gpt2=dict(layers=4, embd=1024, vocab=1000), prompt=8, tokens=24, batch=4, seq=32, repeats=5,
+                   requests=((8, 11), (15, 4), (4, 9), (11, 6))),
 }
 #: the models each work runs
 WORKS = {"decode": ("llama", "gpt2"), "serve": ("llama",), "train": ("llama",)}
@@ -292,7 +297,7 @@ def host_copy_rate(model: torch.nn.Module, repeats: int = 9) -> float:
     return nbytes / best
 
 
-def region_rows(work: Work, repeats: int) -> list:
+def region_rows(work: Work, repeats: int, only: str = "") -> list:
     """``REGION_ROWS`` for ``work``: each a fresh copy, timed against plain torch on its device.
     Budgets are fractions of the weights (decoding) or of a no-budget step's peak (training).
 
@@ -307,6 +312,8 @@ def region_rows(work: Work, repeats: int) -> list:
     torchTensorRef.regions.under_budget = True  # (these rows measure regions under a budget too)
     try:
         for label, device, fraction, on in REGION_ROWS:
+            if only not in label:
+                continue
             if device not in plains:
                 plains[device] = work.plain_runner(device=device)
                 plains[device]()
@@ -348,7 +355,7 @@ def _seconds(fn) -> float:
     return CLOCK() - start
 
 
-def run_work(work: Work, repeats: int, regions: bool = True) -> dict:
+def run_work(work: Work, repeats: int, regions: bool = True, only: str = "") -> dict:
     """Every row of ``ROWS`` for ``work``, one phase per row, each interleaved with plain torch."""
     plain = work.plain_runner()
     plain()
@@ -399,7 +406,7 @@ def run_work(work: Work, repeats: int, regions: bool = True) -> dict:
     out = {"work": work.name, "kind": work.kind, "param_bytes": common.param_bytes(work.model),
            "budget_base": base_name, "budget_base_bytes": base, "rows": rows}
     if regions:
-        out["region_rows"] = region_rows(work, repeats)
+        out["region_rows"] = region_rows(work, repeats, only)
     return out
 
 
@@ -422,13 +429,16 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", choices=tuple(WORKS) + ("all",), default="all")
     parser.add_argument("--size", choices=tuple(SIZES), default="small",
-                        help="tiny: hidden 64, 2 layers, 4 new tokens (checks the harness in seconds)")
+                        help="tiny: hidden 64, 2 layers, 4 new tokens (checks the harness in seconds); "
+                             "medium: the small shapes at hidden 1024")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per row (default: the size's)")
     parser.add_argument("--json", help="write the results (with device, torch, date, command) to this file")
     parser.add_argument("--plot", help="write the plot (PNG) to this file")
     parser.add_argument("--no-regions", action="store_true", help="leave out the module regions table")
     parser.add_argument("--regions-only", action="store_true",
                         help="the module regions tables alone (the per-op rows are left out)")
+    parser.add_argument("--rows", default="", metavar="TEXT",
+                        help="only the module regions rows whose label contains TEXT (e.g. 'sim-cpu')")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     size = SIZES[args.size]
@@ -443,9 +453,9 @@ def main(argv=None) -> dict:
                 work = Work(model, kind, size, repeats)
                 if args.regions_only:
                     works.append({"work": work.name, "kind": kind, "rows": [],
-                                  "region_rows": region_rows(work, repeats)})
+                                  "region_rows": region_rows(work, repeats, args.rows)})
                     continue
-                works.append(run_work(work, repeats, regions=not args.no_regions))
+                works.append(run_work(work, repeats, regions=not args.no_regions, only=args.rows))
     result = {"torch": torch.__version__, "threads": 1, "size": args.size, "repeats": repeats, "warmup": WARMUP,
               "clock": "process CPU time", "tokens": size["tokens"], "prompt": size["prompt"],
               "requests": size["requests"],
