@@ -321,6 +321,13 @@ def test_small_ops_region_rows_match_plain_torch_within_their_budgets(small_ops_
             assert abs(lenient["bytes_moved"] - strict["bytes_moved"]) <= 0.1 * strict["bytes_moved"]
 
 
+def test_small_ops_rows_picks_the_region_rows_by_label():
+    result = small_ops.main(["--size", "tiny", "--work", "decode", "--regions-only", "--rows", "sim-cpu, Flow, 50%"])
+    for work in result["works"]:
+        assert [r["row"] for r in work["region_rows"]] == ["sim-cpu, Flow, 50%, per op", "sim-cpu, Flow, 50%, regions"]
+        assert all(r["equal"] and r["bytes_moved"] > 0 for r in work["region_rows"])
+
+
 def test_small_ops_plot(small_ops_result):
     png = small_ops_result[2]
     if png is None:
