@@ -236,6 +236,20 @@ def test_from_pretrained_inside_disabled_is_plain_torch(saved_llama):
         assert torch.equal(state[name], t), name
 
 
+def test_from_pretrained_inside_disabled_on_the_device_matches_the_model_that_saved_it(saved_llama):
+    # plain torch on the device (disabled(device=...), what tests compare with) built the model
+    # on the device instead of on "meta": its rotary frequencies were left uninitialised
+    folder, plain = saved_llama
+    with plain_torch():
+        model = transformers.LlamaForCausalLM.from_pretrained(folder).to(tensorsManager.torch_device).eval()
+        logits = model(torch.tensor(PROMPT)).logits
+        expected = plain.eval()(torch.tensor(PROMPT)).logits
+        frequencies = model.model.rotary_emb.inv_freq
+        expected_frequencies = plain.model.rotary_emb.inv_freq
+    assert_identical(expected_frequencies, frequencies, "rotary frequencies")
+    assert_identical(expected, logits, "logits")
+
+
 def test_a_sharded_folder_is_read_through_its_index(saved, tmp_path):
     _, plain = saved
     with plain_torch():

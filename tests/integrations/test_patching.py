@@ -226,6 +226,20 @@ def test_disabled_reaches_the_backward_of_plain_tensors_on_autograd_threads():
     assert_identical(x.grad, expected)
 
 
+def test_a_device_context_inside_disabled_gives_its_own_device():
+    # disabled(device=...) made a model built under ``with torch.device("meta")`` on the device
+    # instead: transformers' from_pretrained then initialised its buffers early, and replaced
+    # them with empty ones afterwards (a Llama's rotary frequencies were uninitialised memory)
+    device = torchTensorRef.tensorsManager.torch_device
+    with torchTensorRef.disabled(device=device):
+        with torch.device("meta"):
+            layer = torch.nn.Linear(4, 4)
+            made = torch.zeros(3)
+        outside = torch.zeros(3)
+    assert layer.weight.is_meta and made.is_meta
+    assert outside.device.type == device.type and type(outside) is not TensorRef
+
+
 def test_meta_tensors_stay_plain():
     x = torch.empty(3, device="meta")
     assert type(x) is torch.Tensor and x.is_meta

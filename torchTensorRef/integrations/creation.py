@@ -104,13 +104,20 @@ def _fits_the_budget(mgr, nbytes: int) -> bool:
 def _get_default_device() -> torch.device:
     """The device creation functions use when none is named (``torch.get_default_device``
     without its probe tensor, which would come back here)."""
+    device = device_context()
+    return _CPU if device is None else device
+
+
+def device_context():
+    """The device of the innermost ``with torch.device(...)`` or ``torch.set_default_device``
+    in force, or ``None``: torch gives it to creation functions that name none."""
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._device import DeviceContext
 
     for mode in reversed(_get_current_function_mode_stack()):
         if isinstance(mode, DeviceContext):
             return torch.device(mode.device)
-    return _CPU
+    return None
 
 
 _CPU = torch.device("cpu")

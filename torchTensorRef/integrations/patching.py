@@ -112,8 +112,11 @@ def _plain_call() -> bool:
 def _creation_wrapper(wrapped, instance, args, kwargs):
     if _plain_call():
         device = context.plain_device()
-        if device is not None and kwargs.get("device") is None and wrapped in _takes_device():
-            kwargs = dict(kwargs, device=device)  # disabled(device=...)
+        # disabled(device=...), where torch would give no device of its own: a ``torch.device``
+        # context inside it (transformers builds a model on "meta" before loading it) wins
+        if (device is not None and kwargs.get("device") is None and wrapped in _takes_device()
+                and creation.device_context() is None):
+            kwargs = dict(kwargs, device=device)
         return wrapped(*args, **kwargs)
     return creation.create(wrapped, args, kwargs)
 

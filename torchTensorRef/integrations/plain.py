@@ -27,7 +27,9 @@ def disabled(device=None):
             not told (``torch.zeros``, ``torch.randn``, ``torch.tensor`` ...): plain torch on
             an accelerator, to compare managed tensors with. Unlike ``torch.device(...)`` as a
             context manager, this installs no torch function mode, which would change what
-            PyTorch's modules do (the fast paths of attention and transformer layers).
+            PyTorch's modules do (the fast paths of attention and transformer layers). A
+            ``torch.device(...)`` context or ``torch.set_default_device`` in force gives its
+            own device instead, as in plain torch (a model built on ``"meta"`` to be loaded).
     """
     if device is not None:
         if isinstance(device, str) and device.split(":")[0] == NAME and register() is None:
