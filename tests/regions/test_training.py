@@ -385,15 +385,53 @@ def test_checkpointed_blocks_train_as_in_plain_torch(reentrant):
     assert_identical(plain, managed)
 
 
-def test_a_second_order_gradient_through_a_region_is_refused_with_a_clear_error():
+def _penalty_step(model, x):
+    """A gradient penalty (WGAN-GP): the input's gradient with a graph, its norm in the loss."""
+    out = model(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (out.mean() + g.square().sum(dim=1).mean()).backward()
+    return grads(model)
+
+
+@pytest.mark.parametrize("weights", [None, 2])
+def test_gradients_of_gradients_through_a_region_match_plain_torch(weights):
+    # Regions' backward recorded no graph: from the second call on, the penalty's gradient
+    # had none either, and its terms were silently missing from every parameter's gradient
+    # (Note [Gradients of gradients]).
+    def run(model, x):
+        return [[g.clone() for g in _penalty_step(model, x)] for _ in range(3)]
+
+    with plain_torch():
+        x = torch.randn(4, 16)
+        plain = run(stack().to(tm.torch_device), x.to(tm.torch_device).requires_grad_())
+    model = stack()
+    if weights is not None:
+        tm.budget = budget(weights * weight_bytes(model))
+    managed = run(model, torchTensorRef.manage(x.cpu()).requires_grad_())
+    assert_identical(plain, managed)
+    assert not link_nodes(model(torchTensorRef.manage(x.cpu()).requires_grad_()).sum())  # (op by op from then on)
+
+
+def test_a_graph_recorded_through_a_region_after_plain_backwards_raises_then_runs_op_by_op():
     model = stack(1)
     x = torchTensorRef.manage(torch.randn(4, 16))
-    model(x)
-    loss = model(x).square().sum()
-    assert link_nodes(loss)
-    (g,) = torch.autograd.grad(loss, [model[0].up.weight], create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+    for _ in range(2):  # (plain backwards seen: the calls become regions)
+        model(x).square().sum().backward()
+    x.requires_grad_()
+    out = model(x)
+    assert link_nodes(out)
+    with pytest.raises(RuntimeError, match="create_graph=True went through the region"):
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
         g.sum().backward()
+    model.zero_grad()
+    with plain_torch():
+        plain_model = stack(1).to(tm.torch_device)
+        px = torch.randn(4, 16)
+    got = [g.clone() for g in _penalty_step(model, torchTensorRef.manage(px.cpu()).requires_grad_())]
+    with plain_torch():
+        plain_model.load_state_dict(model.state_dict())
+        expected = _penalty_step(plain_model, px.to(tm.torch_device).requires_grad_())
+    assert_identical(expected, got)
 
 
 def test_training_regions_switched_off_run_op_by_op():

@@ -69,7 +69,7 @@ from .inside import Inside, Measure, measured
 from .op import RegionContext, RegionSpec, Wrapper, bytes_of
 from .scan import (OBJECT_DEPTH, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, objects_of, scan_args,
                    select_object_slots)
-from .training import Training, foreign_hooks
+from .training import Training, foreign_hooks, probe_second_order, watch_backward
 
 #: SimTensors kept per region for the TensorRefs it saw
 _MAX_WRAPPERS = 1024
@@ -126,6 +126,10 @@ class Region:
         self._wrappers: dict = {}
         #: ops of the last measured call (a call of few ops is cheaper op by op)
         self.ops = None
+        #: whether a backward of its calls asked for gradients of the gradients (``None``: no
+        #: backward seen yet; Note [Gradients of gradients] in ``training.py``)
+        self.second_order = None
+        self.probes = 0  # calls with gradients run op by op to see their backward
 
     @property
     def name(self) -> str:
@@ -183,11 +187,15 @@ class Region:
         select_object_slots(call, used)
         if not refs:
             return fn(*args, **kwargs)  # nothing managed: the call as it is
+        probe = False
         if grad:
             if grad_error is not None:
                 raise RuntimeError(grad_error)
             if not train or not self.measure:
                 raise NotARegion("needs gradients")
+            if self.second_order:
+                raise NotARegion("gradients of its gradients were asked")
+            probe = probe_second_order(self)
             if foreign_hooks():
                 raise NotARegion("saved-tensor hooks of another are on (checkpointing)")
             for _d, _k, t in call.slots[call.params:]:
@@ -234,8 +242,8 @@ class Region:
                     if needs + mgr._elsewhere_bytes > limit and needs + mgr._read_outside() > limit:
                         raise NotARegion("larger than the budget")
                 ctx.estimate = est
-        if measure or learn:
-            return self._measured(mgr, call, fn, args, kwargs, key)
+        if measure or learn or probe:
+            return self._measured(mgr, call, fn, args, kwargs, key, grad)
         with mgr._lock:
             try:
                 mgr._prepare(ctx)
@@ -299,9 +307,10 @@ class Region:
             return 2 * need + 3 * inside
         return max(need + inside, seen[0] + seen[1])
 
-    def _measured(self, mgr, call: Call, fn, args, kwargs, key):
+    def _measured(self, mgr, call: Call, fn, args, kwargs, key, grad: bool = False):
         """The call op by op (within the budget, as any code), measuring the bytes its ops
-        allocate: what the call will need inside as a region."""
+        allocate: what the call will need inside as a region; with ``grad``, whether its
+        backward asks for gradients of the gradients."""
         meter = Measure({r._tr_block.id for r in call.refs}, mgr._backend.block_bytes)
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
         try:
@@ -309,6 +318,8 @@ class Region:
                 out = fn(*args, **kwargs)
         finally:
             state.depth -= 1
+        if grad:
+            watch_backward(self, out)
         held = call.all_held
         used = self.inside.learn_uses(key, held, meter.read)
         self.inside.record(key, sum(held[i]._tr_block.nbytes for i in used), meter.peak)

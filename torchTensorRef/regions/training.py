@@ -41,6 +41,17 @@ is walked only where the call was given an argument that needs gradients (a walk
 model's graph in Python cost 5% of a training step with nothing to move): a parameter read
 several times inside and also outside the region, a weight tied across its edge, still gets
 the sum.
+
+Note [Gradients of gradients]: the node's backward runs the inner graph without recording
+a graph of its own (its plain leaves are not the TensorRefs autograd differentiates), so a
+backward with ``create_graph=True`` through a region (a gradient penalty, a Hessian-vector
+product) would give gradients with no graph: the second-order terms silently lost. So the
+first call of a region that needs gradients runs op by op (under a limit its measured call
+does anyway), and a hook on its outputs' nodes sees whether its backward records a graph.
+If it does, the region's calls with gradients run op by op from then on; if it does not,
+or no backward came before the region's next call with gradients, they are regions. A backward that records
+a graph through a region call after that raises, saying so, and the region's later calls
+run op by op.
 """
 
 from __future__ import annotations
@@ -49,7 +60,6 @@ import contextlib
 import functools
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from ..core import context
@@ -64,6 +74,46 @@ from .inside import Measure, measured
 from .op import RegionContext, Wrapper
 
 _Tensor = torch.Tensor
+
+
+#: calls with gradients run op by op before a region without a backward seen becomes one
+PROBES = 1
+
+
+def probe_second_order(region) -> bool:
+    """Whether this call of ``region``, which needs gradients, runs op by op to see whether
+    its backward asks for gradients of the gradients (Note [Gradients of gradients])."""
+    if region.second_order is not None:
+        return False
+    if region.probes >= PROBES:
+        region.second_order = False  # (no backward came: calls with gradients, none taken)
+        return False
+    region.probes += 1
+    return True
+
+
+def watch_backward(region, out) -> None:
+    """Note in ``region.second_order`` whether the backward of ``out``'s nodes records a graph."""
+    def seen(_grad_outputs):
+        region.second_order = region.second_order or torch.is_grad_enabled()  # (create_graph)
+
+    nodes = {}
+    for t in _tensors(out, 3):
+        if t.grad_fn is not None:
+            nodes[id(t.grad_fn)] = t.grad_fn
+    for node in nodes.values():
+        node.register_prehook(seen)
+
+
+def _tensors(out, depth: int):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif depth and isinstance(out, (list, tuple)):
+        for v in out:
+            yield from _tensors(v, depth - 1)
+    elif depth and isinstance(out, dict):  # (transformers' outputs are dicts)
+        for v in out.values():
+            yield from _tensors(v, depth - 1)
 
 
 def foreign_hooks() -> bool:
@@ -218,7 +268,16 @@ class Training:
 
     def backward(self, node, grads):
         try:
-            return self._backward(node, grads)
+            if torch.is_grad_enabled():  # (create_graph: Note [Gradients of gradients])
+                self.region.second_order = True
+                raise RuntimeError(
+                    f"a backward with create_graph=True went through the region {self.region.name!r}, "
+                    "whose backward records no graph: the gradients of these gradients would be lost. "
+                    "Its later calls run op by op, so this step works when run again; to have it work the "
+                    "first time, call torchTensorRef.no_region(module) before, or set "
+                    "torchTensorRef.regions.train = False")
+            with torch.no_grad():
+                return self._backward(node, grads)
         except Exception as e:
             return (self._failed(e),) * self.slots
 
@@ -422,6 +481,5 @@ class _Link(torch.autograd.Function):
         return training.outputs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
         return (None,) + tuple(ctx.training.backward(ctx, grads))
