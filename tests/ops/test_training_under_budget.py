@@ -127,6 +127,29 @@ def test_elementwise_in_chunks_equals_one_call(tight):
     assert torch.equal(_plain(a), expected)
 
 
+def test_transposed_tensors_in_chunks_equal_one_call(tight):
+    # A weight used several times gets its gradients summed, each a transpose (a Linear's);
+    # the sum was refused as unsplittable: pieces were cut for contiguous tensors only.
+    a, pa = _pair(ROWS, DIM)
+    b, pb = _pair(ROWS, DIM, seed=1)
+    with plain_torch():
+        expected = pa.t() + pb.t()
+        expected_stride = expected.stride()
+        expected = expected.cpu()
+        mixed = pa.t().contiguous()
+    _tighten(tight)
+    got = a.t() + b.t()
+    assert got.stride() == expected_stride  # (laid out as plain torch lays it out)
+    assert torch.equal(_plain(got), expected)
+    a.t().mul_(2)  # (in place, through the transposed view)
+    with plain_torch():
+        pa.t().mul_(2)
+        expected_a = pa.cpu()
+    assert torch.equal(_plain(a), expected_a)
+    with pytest.raises(OutOfBudgetError, match="add"):  # (laid out differently: still refused)
+        a.t() + torchTensorRef.manage(mixed.cpu())
+
+
 def test_foreach_position_larger_than_budget_in_chunks(tight):
     (a, b), (pa, pb) = zip(_pair(ROWS, DIM), _pair(ROWS, DIM, seed=1))
     small, psmall = _pair(16)

@@ -182,12 +182,26 @@ def _manage(plain: torch.Tensor) -> TensorRef:
 
 
 def flat_host(ref: TensorRef) -> torch.Tensor:
-    """The settled, contiguous ``ref`` as a flat plain view of its host copy."""
-    return host_view(ref).detach().view(-1)
+    """The settled, dense ``ref`` as a flat plain view of its host copy, in the order of its
+    bytes (its elements' order where it is contiguous)."""
+    v = host_view(ref).detach()
+    return v.view(-1) if v.is_contiguous() else v.as_strided((v.numel(),), (1,), v.storage_offset())
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one range of its bytes, each once: contiguous, or its
+    dimensions in another order (a transpose of a contiguous tensor)."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def alias_piece(ref: TensorRef, start: int, stop: int) -> TensorRef:
-    """A piece over elements ``start:stop`` of settled contiguous ``ref`` (aliasing its host bytes)."""
+    """A piece over elements ``start:stop`` (in the order of its bytes) of settled dense
+    ``ref``, aliasing its host bytes."""
     return _manage(_plain_alias(flat_host(ref)[start:stop]))
 
 
@@ -211,9 +225,10 @@ def to_host(result: TensorRef) -> torch.Tensor:
         return host_view(result).detach()
 
 
-def host_result(size, dtype, zero: bool = False) -> TensorRef:
-    """A new contiguous TensorRef whose only copy is in host memory (a big result)."""
-    plain = raw.empty(tuple(size), dtype=dtype)
+def host_result(size, dtype, zero: bool = False, stride=None) -> TensorRef:
+    """A new TensorRef whose only copy is in host memory (a big result), contiguous or with
+    ``stride``."""
+    plain = raw.empty(tuple(size), dtype=dtype) if stride is None else raw.empty_strided(tuple(size), stride, dtype=dtype)
     if zero:
         plain.zero_()
     ref = mgr.manage_tensor(plain, requires_grad=False, shared=False)
@@ -258,17 +273,22 @@ def _tensors(values):
                     yield e
 
 
-def _plan(func, args, kwargs, spec: OpSpec, left: int):
-    """How ``run_chunked`` splits the op; raises ``OutOfBudgetError`` where it cannot."""
+def _plan(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
+    """How ``run_chunked`` splits the op; raises ``OutOfBudgetError`` where it cannot.
+
+    The big tensors are cut in ranges of their bytes: they must be laid out alike, contiguous
+    or dense in the same other order (gradients of a transposed weight, summed over its
+    uses), and contiguous where the op works on rows."""
     name = spec.name
     tensors = list(_tensors(list(args) + list(kwargs.values())))
     numel = max((t.numel() for t in tensors), default=0)
     big = [t for t in tensors if t.numel() == numel]
     if not big or numel == 0:
         raise refuse(name, op_bytes(spec, args, kwargs), left)
-    shape = big[0].shape
+    shape, stride = big[0].shape, big[0].stride()
     # (pieces alias ranges of the bytes: a lazily conjugated or negated view has no such range)
-    if any(t.shape != shape or not t.is_contiguous() or t.is_conj() or t.is_neg() for t in big):
+    if (any(t.shape != shape or t.stride() != stride or t.is_conj() or t.is_neg() for t in big)
+            or not (big[0].is_contiguous() if row > 1 else dense(big[0]))):
         raise refuse(name, op_bytes(spec, args, kwargs), left)
     seen: set = set()
     refs_bytes(big, seen)
@@ -310,7 +330,7 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
     ``row`` > 1 the op works on each row of its last dimension alone (``log_softmax`` over
     it): chunks are whole rows, and each piece is seen as a matrix of them.
     """
-    big, numel, shape, chunk, reduction, out_meta = _plan(func, args, kwargs, spec, left)
+    big, numel, shape, chunk, reduction, out_meta = _plan(func, args, kwargs, spec, left, row)
     if row > 1:
         if chunk < row:
             per_row = (numel and op_bytes(spec, args, kwargs) * row // numel) or row
@@ -320,7 +340,9 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
     packet = func.overloadpacket.__name__
     outs = None
     if out_meta is not None:
-        outs = [host_result(shape, d) for d in out_meta]
+        # (laid out as the big tensors, as plain torch lays out an elementwise op's result)
+        stride = None if big[0].is_contiguous() else big[0].stride()
+        outs = [host_result(shape, d, stride=stride) for d in out_meta]
     partial: List = []
     retry = may_retry(spec)
     with held_on_host(big + (outs or [])):
