@@ -195,7 +195,6 @@ class Region:
                 raise NotARegion("needs gradients")
             if self.second_order:
                 raise NotARegion("gradients of its gradients were asked")
-            probe = probe_second_order(self)
             if foreign_hooks():
                 raise NotARegion("saved-tensor hooks of another are on (checkpointing)")
             for _d, _k, t in call.slots[call.params:]:
@@ -204,6 +203,7 @@ class Region:
                         raise NotARegion("an object it is given holds a tensor it reads that needs gradients")
                     learn = True  # (unmeasured: which of them it reads is not known yet)
                     break
+            probe = probe_second_order(self)  # (Note [Gradients of gradients])
         if mgr._lock._is_owned():
             raise NotARegion("inside a managed op")  # its blocks must stay where they are
         with mgr._lock:

@@ -49,9 +49,9 @@ product) would give gradients with no graph: the second-order terms silently los
 first call of a region that needs gradients runs op by op (under a limit its measured call
 does anyway), and a hook on its outputs' nodes sees whether its backward records a graph.
 If it does, the region's calls with gradients run op by op from then on; if it does not,
-or no backward came before the region's next call with gradients, they are regions. A backward that records
-a graph through a region call after that raises, saying so, and the region's later calls
-run op by op.
+or no backward came before the region's next call with gradients, they are regions. A
+backward that records a graph through a region call after that raises, saying so, and the
+region's later calls run op by op.
 """
 
 from __future__ import annotations
@@ -88,12 +88,13 @@ def probe_second_order(region) -> bool:
     if region.probes >= PROBES:
         region.second_order = False  # (no backward came: calls with gradients, none taken)
         return False
-    region.probes += 1
     return True
 
 
 def watch_backward(region, out) -> None:
     """Note in ``region.second_order`` whether the backward of ``out``'s nodes records a graph."""
+    region.probes += 1
+
     def seen(_grad_outputs):
         region.second_order = region.second_order or torch.is_grad_enabled()  # (create_graph)
 
