@@ -553,3 +553,32 @@ def test_decoding_under_a_budget_reads_the_embedding_rows_not_the_table():
     assert_identical(plain, decode(model, torchTensorRef.manage(ids.cpu())))
     assert table._tr_block.fetches == 0 and not table._tr_block.resident
     assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
+@pytest.mark.filterwarnings("ignore:.*nested tensors.*:UserWarning")
+@pytest.mark.parametrize("strategy", ["genoa", "flow"])
+def test_a_call_given_a_nested_tensor_runs_op_by_op(strategy):
+    # In eval with a padding mask, TransformerEncoder packs the batch into a nested tensor and
+    # calls its layers with it; a layer as a region read the nested tensor's shape for its
+    # key and raised "NestedTensorImpl doesn't support sizes" (seen on CUDA too).
+    def encoder():
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        return torch.nn.TransformerEncoder(layer, num_layers=3).eval()
+
+    def run(model, x, mask):
+        with torch.no_grad():
+            return [model(x, src_key_padding_mask=mask) for _ in range(3)]
+
+    torch.manual_seed(1)
+    x = torch.randn(4, 10, 32)
+    mask = torch.zeros(4, 10, dtype=torch.bool)
+    mask[0, 7:] = True
+    mask[2, 5:] = True
+    with plain_torch():
+        expected = run(encoder().to(tm.torch_device), x.to(tm.torch_device), mask.to(tm.torch_device))
+    tm.strategy = strategy
+    model = encoder()
+    tm.budget = budget(weight_bytes(model))  # (the layers are regions, the encoder is not)
+    got = run(model, torchTensorRef.manage(x.clone()), torchTensorRef.manage(mask.clone()))
+    assert_identical(expected, got)

@@ -165,6 +165,9 @@ class Region:
         if kwargs:
             for a in kwargs.values():
                 scan_args(a, call, seen, budget)
+        if call.nested:
+            # (the encoder's fast path packs a padded batch: its layers' kernels take it as it is)
+            raise NotARegion("a nested tensor among its arguments")
         grad = learn = False
         if torch.is_grad_enabled():
             for t in refs:

@@ -19,7 +19,8 @@ _Tensor = torch.Tensor
 class Call:
     """One region call's TensorRefs and where they sit."""
 
-    __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held", "kernel_written")
+    __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held", "kernel_written",
+                 "nested")
 
     def __init__(self):
         self.refs = []  # TensorRefs among the arguments, then the slots'
@@ -31,6 +32,7 @@ class Call:
         self.shapes = []
         self.all_held = []  # every TensorRef the objects hold, in scan order (of which ``slots`` keeps some)
         self.kernel_written = ()  # TensorRefs the call may write with no version counter moving
+        self.nested = False  # a nested tensor among the arguments (it has no shape)
 
 
 def is_object(a) -> bool:
@@ -41,6 +43,9 @@ def is_object(a) -> bool:
 def scan_args(a, call: Call, seen: set, budget: list) -> None:
     """The TensorRefs among arguments ``a`` (containers walked, objects searched)."""
     if isinstance(a, _Tensor):
+        if a.is_nested:
+            call.nested = True
+            return
         if isinstance(a, TensorRef):
             call.refs.append(a)
         call.shapes.append((tuple(a.shape), a.dtype))
