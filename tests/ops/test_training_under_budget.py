@@ -114,6 +114,28 @@ def test_mm_in_tiles_equals_one_call(tight, which):
     assert torch.equal(_plain(out), expected)
 
 
+@pytest.mark.parametrize("which", ["columns", "rows"])
+def test_addmm_in_tiles_equals_one_call(tight, which):
+    # A Linear with a bias on a 2-D input is an addmm: refused as unsplittable where its
+    # weight and activations did not fit together, while the same product without bias ran
+    # in tiles.
+    w, pw = _pair(ROWS, DIM)
+    bias, pbias = _pair(ROWS if which == "columns" else DIM, seed=2)
+    x, px = _pair(8 if which == "columns" else ROWS, DIM, seed=1)
+    if which == "columns":  # x @ W.T + b: tiles of W's rows, each with its part of the bias
+        with plain_torch():
+            expected = torch.nn.functional.linear(px, pw, pbias).cpu()
+        _tighten(tight)
+        out = torch.nn.functional.linear(x, w, bias)
+    else:  # W @ v + b over a tall W: tiles of W's rows as the output's rows, the bias whole
+        small, psmall = _pair(DIM, DIM, seed=3)
+        with plain_torch():
+            expected = torch.addmm(pbias, pw, psmall).cpu()
+        _tighten(tight)
+        out = torch.addmm(bias, w, small)
+    assert torch.equal(_plain(out), expected)
+
+
 def test_elementwise_in_chunks_equals_one_call(tight):
     a, pa = _pair(ROWS, DIM)
     b, pb = _pair(ROWS, DIM, seed=1)

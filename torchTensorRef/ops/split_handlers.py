@@ -134,26 +134,44 @@ def mm(func, args, kwargs, spec: OpSpec):
     if left is None or kwargs:
         return default(func, args, kwargs, spec)
     a, b = args
+    return _matmul_tiles(func, args, kwargs, spec, left, a, b, None)
+
+
+@implements(aten.addmm.default)
+def addmm(func, args, kwargs, spec: OpSpec):
+    """``bias + a @ b`` (a ``Linear`` with a bias) in tiles as ``mm``, each with its part of a
+    bias of one value per column."""
+    left = fits(spec, args, kwargs)
+    if left is None or kwargs or len(args) != 3:
+        return default(func, args, kwargs, spec)
+    bias, a, b = args
+    if not (isinstance(bias, TensorRef) and bias.dim() == 1 and bias.shape[0] == b.shape[-1]):
+        return default(func, args, kwargs, spec)
+    return _matmul_tiles(func, args, kwargs, spec, left, a, b, bias)
+
+
+def _matmul_tiles(func, args, kwargs, spec: OpSpec, left: int, a, b, bias):
     if not (isinstance(a, TensorRef) and isinstance(b, TensorRef)):
         return default(func, args, kwargs, spec)
     a_bytes, b_bytes = refs_bytes([a]), refs_bytes([b])
+    bias_bytes = refs_bytes([bias]) if bias is not None else 0
     m, k = a.shape
     n = b.shape[1]
     out_size = a.element_size()
     if a_bytes <= b_bytes:
-        # Tiles of columns: all of a, then b[:, j:j+w] and out[:, j:j+w] per tile.
-        pieces = (k * b.element_size(), m * out_size)
+        # Tiles of columns: all of a, then b[:, j:j+w], the bias's [j:j+w] and out[:, j:j+w] per tile.
+        pieces = (k * b.element_size(), m * out_size) + ((bias.element_size(),) if bias is not None else ())
         width = chunk_elements(sum(pieces), a_bytes, left, n, spec.name, _TILE_ALIGNS, pieces)
-        return _tiles(func, a, b, width, n, columns=True)
+        return _tiles(func, a, b, width, n, columns=True, bias=bias)
     pieces = (k * a.element_size(), n * out_size)
-    height = chunk_elements(sum(pieces), b_bytes, left, m, spec.name, _TILE_ALIGNS, pieces)
-    return _tiles(func, a, b, height, m, columns=False)
+    height = chunk_elements(sum(pieces), b_bytes + bias_bytes, left, m, spec.name, _TILE_ALIGNS, pieces)
+    return _tiles(func, a, b, height, m, columns=False, bias=bias)
 
 
-def _tiles(func, a, b, step, count, columns: bool):
+def _tiles(func, a, b, step, count, columns: bool, bias=None):
     spec = spec_of(func)
     tiled = b if columns else a
-    settle([tiled])
+    settle([tiled] + ([bias] if bias is not None and columns else []))
     whole = host_view(tiled).detach()
     out = host_result((a.shape[0], b.shape[1]), a.dtype)  # (mm takes one dtype)
     with held_on_host([out]):
@@ -162,13 +180,17 @@ def _tiles(func, a, b, step, count, columns: bool):
             stop = min(start + step, count)
             if columns:
                 piece = gathered_piece(_columns(whole, start, stop))
-                result = run_generic(func, [a, piece], {}, spec)
+                operands = [a, piece]
+                if bias is not None:
+                    operands.insert(0, gathered_piece(host_view(bias).detach()[start:stop].clone()))
+                result = run_generic(func, operands, {}, spec)
                 out_host[:, start:stop].copy_(to_host(result))
             else:
                 piece = gathered_piece(whole[start:stop].clone(memory_format=torch.preserve_format))
-                result = run_generic(func, [piece, b], {}, spec)
+                operands = [piece, b] if bias is None else [bias, piece, b]
+                result = run_generic(func, operands, {}, spec)
                 out_host[start:stop].copy_(to_host(result))
-            del piece, result
+            del piece, result, operands
     return out
 
 
