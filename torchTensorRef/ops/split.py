@@ -117,8 +117,9 @@ def default(func, args, kwargs, spec: OpSpec):
     return dispatch.run_unhandled(func, args, kwargs, spec)
 
 
-def fits(spec: OpSpec, args, kwargs) -> Optional[int]:
-    """``None`` when the op fits (or there is no budget), else the room left.
+def fits(spec: OpSpec, args, kwargs, out_bytes: Optional[int] = None) -> Optional[int]:
+    """``None`` when the op fits (or there is no budget), else the room left. ``out_bytes``:
+    its results' bytes where the caller knows them (else estimated from its schema).
 
     Without a budget nothing is split: the device's capacity is then the limit, and checking
     every add and view against it cost more than it ever saved (``benchmarks/op_paths.py``).
@@ -126,7 +127,10 @@ def fits(spec: OpSpec, args, kwargs) -> Optional[int]:
     limit = mgr._limit
     if mgr._budget is None or limit is None or mgr._backend.passthrough:
         return None
-    need = op_bytes(spec, args, kwargs)
+    if out_bytes is None:
+        need = op_bytes(spec, args, kwargs)
+    else:
+        need = refs_bytes(list(args) + list(kwargs.values())) + out_bytes
     if need + mgr._elsewhere_bytes <= limit:
         return None  # the common case, without reading the device or the pins
     left = room()

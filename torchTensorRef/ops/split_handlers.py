@@ -130,10 +130,12 @@ _TILE_ALIGNS = (64, 8, 1)
 @implements(aten.mm.default)
 def mm(func, args, kwargs, spec: OpSpec):
     """``a @ b`` in tiles of the output's columns (or rows) when it does not fit."""
-    left = fits(spec, args, kwargs)
-    if left is None or kwargs:
+    if kwargs:
         return default(func, args, kwargs, spec)
     a, b = args
+    left = fits(spec, args, kwargs, _product_bytes(a, b))
+    if left is None:
+        return default(func, args, kwargs, spec)
     return _matmul_tiles(func, args, kwargs, spec, left, a, b, None)
 
 
@@ -141,13 +143,21 @@ def mm(func, args, kwargs, spec: OpSpec):
 def addmm(func, args, kwargs, spec: OpSpec):
     """``bias + a @ b`` (a ``Linear`` with a bias) in tiles as ``mm``, each with its part of a
     bias of one value per column."""
-    left = fits(spec, args, kwargs)
-    if left is None or kwargs or len(args) != 3:
+    if kwargs or len(args) != 3:
         return default(func, args, kwargs, spec)
     bias, a, b = args
+    left = fits(spec, args, kwargs, _product_bytes(a, b))
+    if left is None:
+        return default(func, args, kwargs, spec)
     if not (isinstance(bias, TensorRef) and bias.dim() == 1 and bias.shape[0] == b.shape[-1]):
         return default(func, args, kwargs, spec)
     return _matmul_tiles(func, args, kwargs, spec, left, a, b, bias)
+
+
+def _product_bytes(a, b) -> int:
+    """Bytes of ``a @ b`` as the device allocates them (cheaper than the schema's estimate,
+    on a path every ``Linear`` takes)."""
+    return block_bytes(a.shape[0] * b.shape[-1] * a.element_size())
 
 
 def _matmul_tiles(func, args, kwargs, spec: OpSpec, left: int, a, b, bias):
