@@ -96,10 +96,13 @@ def refs_bytes(values, seen=None) -> int:
     return total
 
 
-def op_bytes(spec: OpSpec, args, kwargs) -> int:
-    """What the op needs resident at once: its TensorRefs' blocks and its new results."""
+def op_bytes(spec: OpSpec, args, kwargs, out_bytes: Optional[int] = None) -> int:
+    """What the op needs resident at once: its TensorRefs' blocks and its new results
+    (``out_bytes`` where the caller knows them, else estimated from its schema)."""
     need = refs_bytes(list(args) + list(kwargs.values()))
-    if spec.allocates:
+    if out_bytes is not None:
+        need += out_bytes
+    elif spec.allocates:
         need += estimate_output_bytes(spec, args, kwargs)
     return need
 
@@ -118,8 +121,8 @@ def default(func, args, kwargs, spec: OpSpec):
 
 
 def fits(spec: OpSpec, args, kwargs, out_bytes: Optional[int] = None) -> Optional[int]:
-    """``None`` when the op fits (or there is no budget), else the room left. ``out_bytes``:
-    its results' bytes where the caller knows them (else estimated from its schema).
+    """``None`` when the op fits (or there is no budget), else the room left (``out_bytes``:
+    as in :func:`op_bytes`).
 
     Without a budget nothing is split: the device's capacity is then the limit, and checking
     every add and view against it cost more than it ever saved (``benchmarks/op_paths.py``).
@@ -127,10 +130,7 @@ def fits(spec: OpSpec, args, kwargs, out_bytes: Optional[int] = None) -> Optiona
     limit = mgr._limit
     if mgr._budget is None or limit is None or mgr._backend.passthrough:
         return None
-    if out_bytes is None:
-        need = op_bytes(spec, args, kwargs)
-    else:
-        need = refs_bytes(list(args) + list(kwargs.values())) + out_bytes
+    need = op_bytes(spec, args, kwargs, out_bytes)
     if need + mgr._elsewhere_bytes <= limit:
         return None  # the common case, without reading the device or the pins
     left = room()

@@ -148,17 +148,21 @@ def objects_of(args, kwargs):
     return out
 
 
-def collect_plain(out, given, found, seen) -> None:
-    """Tensors among outputs ``out`` that are not TensorRefs (objects searched too)."""
+def output_tensors(out):
+    """The tensors among outputs ``out``, in lists, tuples and dicts (transformers' outputs)."""
     if isinstance(out, _Tensor):
-        if not isinstance(out, TensorRef) and id(out) not in given:
-            found.append(out)
+        yield out
     elif isinstance(out, (list, tuple)):
         for o in out:
-            collect_plain(o, given, found, seen)
+            yield from output_tensors(o)
     elif isinstance(out, dict):
         for o in out.values():
-            collect_plain(o, given, found, seen)
+            yield from output_tensors(o)
+
+
+def collect_plain(out, given, found, seen) -> None:
+    """Tensors among outputs ``out`` that are not TensorRefs."""
+    found.extend(t for t in output_tensors(out) if not isinstance(t, TensorRef) and id(t) not in given)
 
 
 def collect_object(obj, given, stored, seen, before, depth, budget) -> None:

@@ -72,6 +72,7 @@ from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import _blocks_of_list
 from .inside import Measure, measured
 from .op import RegionContext, Wrapper
+from .scan import output_tensors
 
 _Tensor = torch.Tensor
 
@@ -99,22 +100,11 @@ def watch_backward(region, out) -> None:
         region.second_order = region.second_order or torch.is_grad_enabled()  # (create_graph)
 
     nodes = {}
-    for t in _tensors(out, 3):
+    for t in output_tensors(out):
         if t.grad_fn is not None:
             nodes[id(t.grad_fn)] = t.grad_fn
     for node in nodes.values():
         node.register_prehook(seen)
-
-
-def _tensors(out, depth: int):
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif depth and isinstance(out, (list, tuple)):
-        for v in out:
-            yield from _tensors(v, depth - 1)
-    elif depth and isinstance(out, dict):  # (transformers' outputs are dicts)
-        for v in out.values():
-            yield from _tensors(v, depth - 1)
 
 
 def foreign_hooks() -> bool:
