@@ -23,7 +23,7 @@ from ..core import context
 from ..core.tensor_ref import TensorRef, saving
 from ..memory.manager import tensorsManager as _mgr
 from ..ops import raw_kernels
-from . import checkpoint, compiler, creation, distributed, generation, optimizers, wrapped
+from . import backward, checkpoint, compiler, creation, distributed, generation, optimizers, wrapped
 from .manage import adopt
 from .plain import disabled
 
@@ -277,6 +277,7 @@ def _targets():
     targets += [(owner, name, raw_kernels.jiterator_wrapper) for owner, name in RAW_KERNEL_FUNCTIONS]
     targets += [(owner, name, generation.generate_wrapper) for owner, name in GENERATION_METHODS]
     targets += [(owner, name, optimizers.step_wrapper) for owner, name in optimizers.STEP_METHODS]
+    targets += [(owner, name, backward.guard_wrapper) for owner, name in backward.FUNCTIONS]
     return targets
 
 

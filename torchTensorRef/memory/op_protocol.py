@@ -30,6 +30,13 @@ _CAPTURE_ERROR = (
     '(mode="default" or "max-autotune-no-cudagraphs")')
 
 
+#: why a refusal inside a backward cannot be retried (Note [Refused before a backward runs]
+#: in ``integrations/backward.py``)
+_MIDWAY = ("refused inside a backward: the nodes that ran before it freed their saved tensors and accumulated "
+           "their gradients, so raise the budget, zero the gradients and run the forward and backward again")
+_in_backward = torch._C._current_graph_task_id
+
+
 class OpProtocol:
     """The ``TensorsManager`` methods of the op protocol (state lives in the manager)."""
 
@@ -60,7 +67,8 @@ class OpProtocol:
             if need + self._elsewhere_bytes > limit:
                 outside = self._read_outside()  # (a reading of the device, not a stale one)
                 if need + outside > limit:
-                    raise OutOfBudgetError(ctx.name, need + outside, limit, outside=outside)
+                    raise OutOfBudgetError(ctx.name, need + outside, limit, outside=outside,
+                                           detail=_MIDWAY if _in_backward() != -1 else "")
         if self._callbacks:
             self._run_callbacks("before", ctx)  # may veto: nothing has changed yet
         ctx.index = self._op_count

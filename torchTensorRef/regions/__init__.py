@@ -48,6 +48,7 @@ from torch.nn.modules import module as _hooks
 from ..core import context
 from ..memory.manager import tensorsManager as _mgr
 from ..ops.split_handlers import reads_rows_alone
+from . import stores
 from .mechanism import NotARegion, Region, in_region, state
 from .scan import parameter_slots
 from .threads import callers
@@ -162,7 +163,7 @@ class _ModuleInfo:
 
     def refresh(self, module) -> None:
         """The slots and bytes, if the module's tensors changed since they were read."""
-        if self.generation == generation[0]:
+        if self.generation == generation[0] + stores.structure[0]:
             sizes = self.sizes  # ((dict, its length), ...): a loop, not a walk of the modules
             for d, n in sizes:
                 if len(d) != n:
@@ -171,7 +172,7 @@ class _ModuleInfo:
                 return
         self.slots = parameter_slots(module)
         self.sizes = tuple((d, len(d)) for m in module.modules() for d in (m._parameters, m._buffers))
-        self.generation = generation[0]
+        self.generation = generation[0] + stores.structure[0]  # (both only grow)
         # (its submodules only: held by the value of a weak dict keyed by the module itself,
         # the module would keep its own entry alive)
         self.modules = tuple(module.modules())[1:]
@@ -297,15 +298,17 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
 
 
 def install() -> None:
-    """Wrap ``nn.Module.__call__`` (once)."""
+    """Wrap ``nn.Module.__call__`` and ``__setattr__`` (once)."""
     if torch.nn.Module.__call__ is not _module_call:
         torch.nn.Module.__call__ = _module_call
+    stores.install()
 
 
 def uninstall() -> None:
-    """Give ``nn.Module.__call__`` back."""
+    """Give ``nn.Module.__call__`` and ``__setattr__`` back."""
     if torch.nn.Module.__call__ is _module_call:
         torch.nn.Module.__call__ = _original_call
+    stores.uninstall()
 
 
 install()

@@ -60,6 +60,7 @@ import threading
 import torch
 
 from ..core import context
+from ..core.errors import OutOfBudgetError
 from ..core.tensor_ref import TensorRef, compute_view, host_view
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim.allocation import PlainMode
@@ -67,6 +68,7 @@ from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import _blocks_of_list, _wrap_one
 from .inside import Inside, Measure, measured
 from .op import RegionContext, RegionSpec, Wrapper, bytes_of
+from . import stores
 from .scan import (OBJECT_DEPTH, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, objects_of, scan_args,
                    select_object_slots)
 from .training import Training, foreign_hooks, probe_second_order, watch_backward
@@ -147,7 +149,16 @@ class Region:
         Raises:
             NotARegion: (not ``strict``) the call needs gradients, does not fit the budget,
                 has host-only blocks or runs inside a managed op; nothing changed.
+            RuntimeError: (``strict``) where it would raise ``NotARegion``, saying why.
         """
+        try:
+            return self._call(fn, args, kwargs, slots, grad_error, train, kernel_written, room)
+        except NotARegion as e:
+            if self.strict:
+                raise RuntimeError(f"{self.name} cannot run as one op of the manager: {e}") from None
+            raise
+
+    def _call(self, fn, args, kwargs, slots, grad_error, train, kernel_written, room):
         mgr = _mgr
         call = Call()
         refs = call.refs
@@ -250,8 +261,8 @@ class Region:
         with mgr._lock:
             try:
                 mgr._prepare(ctx)
-            except Exception as e:
-                if not self.strict and e.__class__.__name__ == "OutOfBudgetError":
+            except OutOfBudgetError as e:
+                if not self.strict and type(e) is OutOfBudgetError:
                     raise NotARegion("larger than the budget") from e
                 raise
             for b in blocks:
@@ -266,6 +277,18 @@ class Region:
             meter = Measure({b.dev_key for b in blocks}, mgr._backend.block_bytes)  # (its inputs' storages are not its own)
         try:
             out = self._run(mgr, call, fn, args, kwargs, on_host, training, meter or None)
+        except BaseException:
+            # (what the call wrote before raising stays written, and what it stored on its
+            # modules or objects is kept, as plain torch keeps both)
+            with mgr._lock:
+                try:
+                    self._finish_outputs(mgr, ctx, call, None, on_host, training)
+                finally:
+                    for b in blocks:
+                        b.pins -= 1
+                    mgr._op_raised(ctx)
+            raise
+        try:
             with mgr._lock:
                 wrapped, out_bytes = self._finish_outputs(mgr, ctx, call, out, on_host, training)
                 out = None  # (not kept past the lock: Note [Plain views die under the lock] in ops/dispatch.py)
@@ -386,15 +409,17 @@ class Region:
         counting = meter if meter is not None else contextlib.nullcontext()
         state.depth += 1
         previous = context.enter_plain(device)
+        running, stores.running.call = stores.running.call, call  # (Note [Stores on modules])
         try:
             for d, k, v in call.slots:
                 d[k] = swap(v)
             with plain_mode, hooks, counting:
                 out = fn(*cargs, **ckwargs)
         finally:
+            stores.running.call = running
             context.exit_plain(previous)
             state.depth -= 1
-            for d, k, v in call.slots:
+            for d, k, v in call.slots + call.restores:
                 if get_item(d, k) is views[id(v)][1]:
                     d[k] = v
             # (``swap`` calls itself: a cycle through its cell that would keep the views, and
@@ -428,10 +453,11 @@ class Region:
         objects = objects_of(ctx.args, ctx.kwargs)
         for obj in objects:
             collect_object(obj, given, stored, seen, before, OBJECT_DEPTH, [OBJECT_VALUES])
+        on_modules = stores.stored(call) if call.stores else ()
         compute = mgr._backend.compute
         size = mgr._backend.block_bytes  # (each as the budget counts it: the allocator's rounding)
         activations = training.activations() if training is not None else []
-        for t in found + [v for _c, _k, v in stored] + activations:
+        for t in found + [v for _c, _k, v in stored] + [v for _c, _k, v in on_modules] + activations:
             t = bytes_of(t)
             if (t is not None and t.layout is torch.strided and (t.device == compute or on_host)):
                 s = t.untyped_storage()
@@ -444,6 +470,7 @@ class Region:
         wrap = Wrapper(mgr, ctx, given, self.device_views, training is not None)
         for container, k, v in stored:
             container[k] = wrap(v)
+        stores.wrap_stored(on_modules, wrap)
         wrapped = wrap.tree(out)
         if training is not None:
             linked = wrap.linked

@@ -20,7 +20,7 @@ class Call:
     """One region call's TensorRefs and where they sit."""
 
     __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held", "kernel_written",
-                 "nested")
+                 "nested", "stores", "restores")
 
     def __init__(self):
         self.refs = []  # TensorRefs among the arguments, then the slots'
@@ -33,6 +33,8 @@ class Call:
         self.all_held = []  # every TensorRef the objects hold, in scan order (of which ``slots`` keeps some)
         self.kernel_written = ()  # TensorRefs the call may write with no version counter moving
         self.nested = False  # a nested tensor among the arguments (it has no shape)
+        self.stores = []  # (module, attribute name) the call assigned (Note [Stores on modules])
+        self.restores = []  # (dict, key, TensorRef) given back after the call, as ``slots``
 
 
 def is_object(a) -> bool:

@@ -155,6 +155,7 @@ class Training:
         self.saved = []  # Saved, in the order the call saved them
         self.out_edges = []
         self.outputs = ()  # the node's outputs (TensorRefs)
+        self.grad_bytes = ()  # bytes of the gradients its backward is given, one per output
         self.released = False
 
     # ---- the forward: leaves and saved tensors
@@ -233,6 +234,7 @@ class Training:
         """Make ``outputs`` (TensorRefs of ``plain_outputs``) the outputs of the node."""
         self.out_edges = [get_gradient_edge(p) for p in plain_outputs]
         self.outputs = tuple(outputs)
+        self.grad_bytes = [p.numel() * p.element_size() for p in plain_outputs]
         # (only where an argument is a leaf: the graph is walked in Python, and a parameter read
         # several times inside and outside too is a tied weight across the region's edge)
         if any(not isinstance(r, torch.nn.Parameter) for r in self.refs):
@@ -248,6 +250,18 @@ class Training:
         return linked if isinstance(linked, tuple) else (linked,)
 
     # ---- the backward
+
+    def resident_need(self, size) -> int:
+        """Bytes its backward must hold resident at once, before any room for what it
+        allocates: the blocks its saved tensors are on and the gradients it is given
+        (``size``: an allocation's bytes as the budget counts them)."""
+        if self.released:
+            return 0
+        blocks = {}
+        for s in self.saved:
+            if s.ref is not None:
+                blocks[s.ref._tr_block.id] = s.ref._tr_block
+        return sum(size(b.nbytes) for b in blocks.values() if not b.host_only) + sum(map(size, self.grad_bytes))
 
     def _failed(self, error: Exception):
         """Raise ``error``; on strict "sim", inside backward, keep it for ``backward()`` to
@@ -370,6 +384,11 @@ def _reads(leaf_edges, out_edges) -> list:
     return reads
 
 
+#: the most bytes a region's backward has held resident (``BackwardStep.held``): a budget
+#: below it may refuse a pending one (Note [Refused before a backward runs])
+largest_held = [0]
+
+
 class BackwardStep:
     """A region call's backward as one op: ``refs`` (the blocks its saved tensors are on, the
     incoming gradients) resident and pinned while it runs, with room for what it allocates:
@@ -398,6 +417,8 @@ class BackwardStep:
             if self.limited:
                 size = backend.block_bytes
                 self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
+                if self.held > largest_held[0]:
+                    largest_held[0] = self.held  # (Note [Refused before a backward runs])
                 seen = self.seen = measured(region.backward_peaks, self.key)
                 # (asked of the device: a reading from before the forward's end can be tens of
                 # MiB off, on an H100 62.8 MiB low under Genoa, and the room then more than the

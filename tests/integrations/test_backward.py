@@ -1,0 +1,105 @@
+"""Backwards refused before they run (Note [Refused before a backward runs] in
+integrations/backward.py): the graph stays whole, so the advice of the error can be followed."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from torchTensorRef import OutOfBudgetError, regions, tensorsManager as tm
+from paired import budget, plain_torch
+
+
+@pytest.fixture(autouse=True)
+def forced_regions():
+    previous = regions.enabled, regions.min_ops, regions.under_budget
+    regions.enabled, regions.min_ops, regions.under_budget = True, 0, True
+    yield
+    regions.enabled, regions.min_ops, regions.under_budget = previous
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+                                 for _ in range(3)])
+
+
+def loss_of(m, x):
+    return m(x).square().mean()
+
+
+def plain_grads():
+    """The gradients of four steps' losses summed, on plain torch on the device."""
+    with plain_torch():
+        m = model().to(tm.torch_device)
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)).to(tm.torch_device)
+        for _ in range(4):
+            loss_of(m, x).backward()
+        return [p.grad.cpu() for p in m.parameters()]
+
+
+def managed_steps(limit):
+    """A managed model that took three steps under ``limit``, and the loss of a fourth forward."""
+    m = model()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    tm.budget = limit
+    for _ in range(3):
+        loss_of(m, x).backward()
+    return m, loss_of(m, x)
+
+
+@pytest.mark.parametrize("strategy", ["genoa", "flow"])
+def test_a_budget_lowered_below_a_region_s_backward_is_refused_before_anything_runs(strategy):
+    # the region's backward refused the lower budget after the loss's nodes had run: raising
+    # the budget back and calling backward() again gave "Trying to backward through the
+    # graph a second time", the advice of the error could not be followed
+    tm.strategy = strategy
+    weights = 3 * 2 * (32 * 32 + 32) * 4
+    m, loss = managed_steps(budget(weights))
+    assert tm.stats()["ops"] > 0
+    tm.budget = budget(weights // 4)  # (the loss's own nodes fit, its regions' backward do not)
+    with pytest.raises(OutOfBudgetError, match="refused before the backward ran") as info:
+        loss.backward()
+    assert " backward needs " in str(info.value) and str(info.value).startswith("op region ")
+    tm.budget = budget(weights)
+    loss.backward()
+    for p, expected in zip(m.parameters(), plain_grads()):
+        torch.testing.assert_close(p.grad.cpu(), expected, rtol=0, atol=0)
+
+
+def test_an_op_refused_inside_a_backward_says_the_backward_stopped_midway():
+    # an op of the per-op path refused inside a backward advised only to raise the budget,
+    # after which the same backward could not run again
+    regions.enabled = False
+    tm.strategy = "flow"
+    weights = 3 * 2 * (32 * 32 + 32) * 4
+    m, loss = managed_steps(budget(weights))
+    tm.budget = budget(5 * 1024)
+    with pytest.raises(OutOfBudgetError, match="refused inside a backward") as info:
+        loss.backward()
+    assert "run the forward and backward again" in str(info.value)
+
+
+@pytest.mark.parametrize("first,then", [("cpu", "sim"), ("sim", "cpu"), ("sim", "lenient")])
+def test_a_backward_after_the_device_changed_is_refused_and_runs_once_it_is_back(first, then):
+    # a graph recorded on one device ran its backward on another: from "cpu" to "sim" an op
+    # midway refused the mix of devices (the graph then half consumed), on CUDA the engine's
+    # own assert (opt_ready_stream && opt_parent_stream); now a clear error with nothing run,
+    # and the backward works once the device is set back
+    tm.device = first
+    m, loss = managed_steps(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the device changes with TensorRefs alive)
+        if then == "lenient":
+            tm.sim_strict = False
+        else:
+            tm.device = then
+        with pytest.raises(RuntimeError, match="backward of a graph recorded on .*nothing has run"):
+            loss.backward()
+        tm.sim_strict = True
+        tm.device = first
+    loss.backward()
+    for p, expected in zip(m.parameters(), plain_grads()):
+        torch.testing.assert_close(p.grad.cpu(), expected, rtol=0, atol=0)

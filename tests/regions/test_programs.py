@@ -1,0 +1,197 @@
+"""Property-based module programs under regions, managed against plain torch on the device.
+
+Each example draws a module whose forward is a random list of steps (Linears, tensors stored
+on ``self``, parameters aliased and re-assigned, buffers written in place or replaced,
+parameters written in place, an error midway) and a list of calls (with or without
+gradients, failing or not, with a submodule replaced, a hook registered or every block
+evicted between them), under either strategy at a random budget or none, with the module a
+region. After every call and after ``evict_all()``, the outputs, the gradients and every
+tensor the modules hold (their values, whether each is a TensorRef, and which parameter
+each attribute is) must be plain torch's, and an error must be the same error: where a
+region cannot keep plain torch's semantics the call runs op by op, nothing is silently
+different (Note [Stores on modules] in regions/stores.py).
+
+``TORCHTENSORREF_PROGRAM_EXAMPLES`` sets how many programs (a fixed set: the same on every run).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchTensorRef import TensorRef, regions, tensorsManager as tm
+from paired import budget, plain_torch
+
+WIDTH = 16
+LAYERS = 3
+PROGRAMS = settings(
+    max_examples=int(os.environ.get("TORCHTENSORREF_PROGRAM_EXAMPLES", "30")),
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+layer = st.integers(0, LAYERS - 1)
+STEP = st.one_of(
+    st.tuples(st.just("linear"), layer),
+    st.tuples(st.just("relu"), st.just(0)),
+    st.tuples(st.just("store_new"), st.integers(0, 1)),
+    st.tuples(st.just("store_detached_weight"), layer),
+    st.tuples(st.just("store_tuple"), layer),
+    st.tuples(st.just("store_list"), st.just(0)),
+    st.tuples(st.just("alias_param"), layer),
+    st.tuples(st.just("buffer_in_place"), st.just(0)),
+    st.tuples(st.just("replace_buffer"), st.just(0)),
+    st.tuples(st.just("param_in_place"), layer),
+    st.tuples(st.just("raise"), st.just(0)),
+)
+CALL = st.tuples(st.booleans(), st.booleans(), st.sampled_from([None, None, None, "replace", "hook", "evict"]), layer)
+
+
+class Program(torch.nn.Module):
+    """A module whose forward runs ``steps`` (and raises at a ``raise`` step when ``fail``)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+        self.register_buffer("count", torch.zeros(WIDTH))
+        self.fail = False
+
+    def forward(self, x):
+        for kind, i in self.steps:
+            if kind == "linear":
+                x = self.layers[i](x)
+            elif kind == "relu":
+                x = torch.relu(x)
+            elif kind == "store_new":
+                setattr(self, f"kept{i}", x * 2)
+            elif kind == "store_detached_weight":
+                self.weight_seen = self.layers[i].weight.detach()
+            elif kind == "store_tuple":
+                self.pair = (x + 1, self.layers[i].bias.detach())
+            elif kind == "store_list":
+                self.history = [x.sum(), x.mean()]
+            elif kind == "alias_param":
+                self.alias = self.layers[i].weight
+            elif kind == "buffer_in_place":
+                with torch.no_grad():
+                    self.count.add_(x.detach().mean(0))
+            elif kind == "replace_buffer":
+                self.count = self.count * 0.5 + 1
+            elif kind == "param_in_place":
+                with torch.no_grad():
+                    self.layers[i].weight.mul_(0.5)
+            elif kind == "raise" and self.fail:
+                raise ValueError("midway")
+        return x
+
+
+def snapshot(module) -> dict:
+    """Every tensor the modules hold, by path: its values, whether it is a TensorRef, and the
+    parameter it is (by identity), if any."""
+    params = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    out = {}
+    for prefix, m in module.named_modules():
+        for name, value in sorted(vars(m).items()):
+            if name in ("_parameters", "_buffers"):
+                entries = sorted(value.items())
+            else:
+                entries = [(name, value)]
+            for key, v in entries:
+                container = type(v).__name__ if isinstance(v, (list, tuple)) else None
+                for i, t in enumerate(v if container else [v]):
+                    if isinstance(t, torch.Tensor):
+                        out[f"{prefix}.{key}[{i}]"] = (t.detach().cpu().clone(), isinstance(t, TensorRef),
+                                                       params.get(id(t)), container)
+    return out
+
+
+def run(steps, calls, managed: bool, setting) -> list:
+    """What the program shows after each call: its output or error, gradients, snapshot."""
+    torch.manual_seed(0)
+    seen = []
+    if managed:
+        module, x = Program(steps), torch.randn(4, WIDTH)
+        regions.region(module)
+        strategy, nbytes = setting
+        tm.strategy = strategy
+        tm.budget = None if nbytes is None else budget(nbytes)
+        return _calls(module, x, calls, seen, managed)
+    with plain_torch():
+        module, x = Program(steps).to(tm.torch_device), torch.randn(4, WIDTH).to(tm.torch_device)
+        return _calls(module, x, calls, seen, managed)
+
+
+def _calls(module, x, calls, seen, managed):
+    hooked = []
+    handles = []
+    try:
+        for n, (grad, fail, between, which) in enumerate(calls):
+            if between == "replace":
+                torch.manual_seed(100 + n)
+                module.layers[which] = torch.nn.Linear(WIDTH, WIDTH).to(x.device)
+            elif between == "hook":
+                handles.append(module.layers[which].register_forward_hook(
+                    lambda _m, _i, out: hooked.append(out.detach().cpu().clone())))
+            elif between == "evict" and managed:
+                tm.evict_all()
+            module.fail = fail
+            module.zero_grad(set_to_none=True)
+            try:
+                with torch.set_grad_enabled(grad):
+                    out = module(x)
+                    if grad and out.requires_grad:
+                        out.square().mean().backward()
+                result = out.detach().cpu().clone()
+            except (ValueError, RuntimeError) as e:
+                result = type(e).__name__
+            grads = [(name, p.grad.cpu().clone()) for name, p in module.named_parameters() if p.grad is not None]
+            seen.append((result, grads, snapshot(module), list(hooked)))
+            if managed:
+                tm.evict_all()
+            seen.append(snapshot(module))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def assert_same(plain, managed, where="") -> None:
+    if isinstance(plain, torch.Tensor):
+        assert isinstance(managed, torch.Tensor), where
+        torch.testing.assert_close(managed, plain, rtol=0, atol=0, msg=where)
+    elif isinstance(plain, dict):
+        assert sorted(managed) == sorted(plain), where
+        for k in plain:
+            assert_same(plain[k], managed[k], f"{where}/{k}")
+    elif isinstance(plain, (list, tuple)):
+        assert len(managed) == len(plain), where
+        for i, (p, m) in enumerate(zip(plain, managed)):
+            assert_same(p, m, f"{where}[{i}]")
+    else:
+        assert managed == plain, f"{where}: {managed!r} != {plain!r}"
+
+
+@PROGRAMS
+@given(steps=st.lists(STEP, min_size=1, max_size=8), calls=st.lists(CALL, min_size=1, max_size=6),
+       setting=st.tuples(st.sampled_from(["genoa", "flow"]), st.sampled_from([None, 3 * 1024, 8 * 1024, 64 * 1024])))
+def test_module_programs_under_regions_match_plain_torch(steps, calls, setting):
+    previous = regions.enabled, regions.min_ops, regions.under_budget
+    regions.enabled, regions.min_ops, regions.under_budget = True, 0, True
+    try:
+        plain = run(steps, calls, False, setting)
+        managed = run(steps, calls, True, setting)
+    finally:
+        regions.enabled, regions.min_ops, regions.under_budget = previous
+        tm.budget = None
+    # plain torch's tensors on the device are not TensorRefs; every managed one must be
+    for entry in plain:
+        for state in ([entry] if isinstance(entry, dict) else [entry[2]]):
+            for key, value in state.items():
+                state[key] = (value[0], True) + value[2:]
+    assert_same(plain, managed)

@@ -1,0 +1,219 @@
+"""What a region's forward stores on modules, and other semantics regions keep (Note [Stores
+on modules] in regions/stores.py): every test runs the same module program on plain torch
+on the same device and managed, with the module a region, and compares."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+import torchTensorRef
+from torchTensorRef import regions, tensorsManager as tm
+from paired import budget, plain_torch
+
+#: (strategy, budget of the test's module in bytes or None)
+SETTINGS = [("genoa", None), ("flow", None), ("flow", 24 * 1024), ("genoa", 24 * 1024)]
+IDS = ["genoa-no-budget", "flow-no-budget", "flow-budget", "genoa-budget"]
+
+
+@pytest.fixture(autouse=True)
+def forced_regions():
+    previous = regions.enabled, regions.min_ops, regions.under_budget
+    regions.enabled, regions.min_ops, regions.under_budget = True, 0, True
+    yield
+    regions.enabled, regions.min_ops, regions.under_budget = previous
+
+
+class Stack(torch.nn.Module):
+    """Layers of a few Linears whose forward calls ``store(self, x)`` before its last one
+    (a tensor it returns replaces ``x``)."""
+
+    def __init__(self, store=None, width=8):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(3))
+        self.store = store
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        if self.store is not None:
+            y = self.store(self, x)
+            x = x if y is None else y
+        return self.lin(x)
+
+
+def both(store, program, setting, calls=3, grad=False):
+    """``program(module, x)`` after ``calls`` calls of a new ``Stack(store)``: once on plain
+    torch, once managed with the module a region under ``setting`` (its blocks evicted
+    before ``program``); returns both results."""
+    results = []
+    for managed in (False, True):
+        torch.manual_seed(0)
+        if managed:
+            strategy, nbytes = setting
+            tm.strategy = strategy
+            module, x = Stack(store), torch.randn(4, 8)
+            regions.region(module)
+            tm.budget = None if nbytes is None else budget(nbytes)
+            ops = run_calls(module, x, calls, grad)
+            assert grad or ops == 1, "the module's last call did not run as a region"
+            tm.evict_all()
+            results.append(program(module, x))
+        else:
+            with plain_torch():
+                module, x = Stack(store).to(tm.torch_device), torch.randn(4, 8).to(tm.torch_device)
+                run_calls(module, x, calls, grad)
+                results.append(program(module, x))
+    return results
+
+
+def run_calls(module, x, calls, grad):
+    """The module called ``calls`` times; the ops its last call took."""
+    ops = 0
+    for _ in range(calls):
+        before = tm.stats()["ops"]
+        with torch.set_grad_enabled(grad):
+            out = module(x)
+        ops = tm.stats()["ops"] - before
+        if grad:
+            out.sum().backward()
+    return ops
+
+
+def values(t):
+    return t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_a_detached_alias_stored_in_forward_follows_the_weight(setting):
+    # a view the forward stored on its module was the region's plain view of the weight's
+    # device copy: after an eviction it no longer followed the weight (equal: False)
+    def store(self, x):
+        self.w_alias = self.lin.weight.detach()
+
+    def program(module, x):
+        with torch.no_grad():
+            module.lin.weight.add_(1.0)
+        return torch.equal(module.w_alias, module.lin.weight), values(module.w_alias)
+
+    plain, managed = both(store, program, setting)
+    assert plain[0] is True and managed[0] is True
+    torch.testing.assert_close(managed[1], plain[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_a_parameter_assigned_in_forward_is_registered_as_in_plain_torch(setting, grad):
+    # the forward's ``self.w_alias = self.lin.weight`` got the region's plain view: from the
+    # second call nn.Module refused it ("cannot assign 'torch.sim.FloatTensor' as parameter")
+    def store(self, x):
+        self.w_alias = self.lin.weight
+
+    def program(module, x):
+        names = [n for n, _ in module.named_parameters()]
+        return names, module.w_alias is module.lin.weight, values(module(x)), values(module.lin.weight.grad)
+
+    plain, managed = both(store, program, setting, grad=grad)
+    assert managed[0] == plain[0] and managed[1] is plain[1] is True
+    torch.testing.assert_close(managed[2], plain[2], rtol=0, atol=0)
+    torch.testing.assert_close(managed[3], plain[3], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_tensors_stored_in_forward_become_tensorrefs_with_plain_values(setting):
+    # a new tensor, a tuple and a list of them, a replaced buffer: left as the region's plain
+    # tensors, they held device memory outside the manager and were not TensorRefs
+    def store(self, x):
+        self.last = x * 2
+        self.pair = (x + 1, self.lin.bias.detach())
+        self.history = [x.sum()]
+        self.register_buffer("seen", x.mean(0), persistent=False)
+        self.seen = x.amax(0)
+
+    def program(module, x):
+        stored = [module.last, *module.pair, *module.history, module.seen]
+        return [type(t).__name__ for t in stored], [values(t) for t in stored], isinstance(module.pair, tuple)
+
+    plain, managed = both(store, program, setting)
+    assert set(managed[0]) == {"TensorRef"} and managed[2] is plain[2] is True
+    for p, m in zip(plain[1], managed[1]):
+        torch.testing.assert_close(m, p, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_a_submodule_made_in_forward_is_managed(setting):
+    # the Linear was made with the region's plain creation: its weights stayed plain tensors
+    def store(self, x):
+        if not hasattr(self, "extra"):
+            self.extra = torch.nn.Linear(8, 8)
+        return self.extra(x)
+
+    def program(module, x):
+        return (type(module.extra.weight).__name__, isinstance(module.extra.weight, torch.nn.Parameter),
+                values(module(x)))
+
+    plain, managed = both(store, program, setting)
+    assert managed[0] == "TensorRef" and managed[1] is plain[1] is True
+    torch.testing.assert_close(managed[2], plain[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_an_in_place_write_before_an_error_inside_a_region_is_kept(setting):
+    # an exception inside the call skipped the bookkeeping that marks what it wrote: the
+    # device copy held the write, the host copy did not, and an eviction dropped the write
+    fail = [False]
+
+    def store(self, x):
+        if fail[0]:
+            with torch.no_grad():
+                self.lin.weight.mul_(2.0)
+            raise ValueError("midway")
+
+    def program(module, x):
+        fail[0] = True
+        with pytest.raises(ValueError, match="midway"):
+            with torch.no_grad():
+                module(x)
+        fail[0] = False
+        tm.evict_all()
+        return values(module.lin.weight)
+
+    plain, managed = both(store, program, setting)
+    torch.testing.assert_close(managed, plain, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_a_submodule_replaced_between_calls_is_in_the_working_set_and_the_old_one_is_freed(setting):
+    # the region's record of its module's tensors was read again only when their counts
+    # changed: a layer replaced by one of the same shape kept the old layer's weights alive
+    # and in the working set, and the new layer's ops ran op by op inside the region
+    freed = []
+
+    def program(module, x):
+        torch.manual_seed(1)
+        old = module.layers[1].weight
+        weakref.finalize(old, freed.append, True)
+        module.layers[1] = torch.nn.Linear(8, 8)
+        del old
+        with torch.no_grad():
+            module(x)
+            before = tm.stats()["ops"]
+            out = module(x)
+            ops = tm.stats()["ops"] - before
+        return values(out), ops, bool(freed)
+
+    plain, managed = both(None, program, setting)
+    torch.testing.assert_close(managed[0], plain[0], rtol=0, atol=0)
+    assert managed[1] == 1 and managed[2] is plain[2] is True
+
+
+def test_a_compiled_region_given_a_nested_tensor_says_why_it_cannot_run():
+    # a strict region raised the internal NotARegion for a nested tensor argument
+    region = torchTensorRef.compile_region(lambda t: t, backend="eager")
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(RuntimeError, match="nested tensor") as info:
+        region(nested)
+    assert type(info.value) is RuntimeError

@@ -1,0 +1,94 @@
+"""Checks made before autograd runs a backward of managed tensors (Note [Refused before a backward runs]).
+
+Note [Refused before a backward runs]: autograd frees each node's saved tensors as it runs
+it and accumulates gradients into ``.grad`` as they come, so a backward that fails midway
+cannot be run again: what ran is consumed, and a second run would add the gradients that
+arrived twice. What the manager can know before the engine starts is therefore checked
+before it starts (``torch.autograd.backward``, which ``Tensor.backward`` calls, and
+``torch.autograd.grad`` are wrapped), and refused with the graph untouched:
+
+- a graph recorded while ``tensorsManager.device`` was another device: its tensors report
+  that device, and the engine would mix the two;
+- a region's backward whose saved blocks and incoming gradients alone exceed the budget in
+  force now (the budget was lowered after the forward): it could not be made resident.
+
+What cannot be known before (an op of the per-op path whose working set no longer fits) is
+refused when it comes, saying that the backward stopped midway.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.errors import OutOfBudgetError
+from ..core.tensor_ref import TensorRef
+from ..memory.manager import tensorsManager as _mgr
+from ..regions import training
+
+#: autograd's entry points, wrapped by ``patching``
+FUNCTIONS = (("torch.autograd", "backward"), ("torch.autograd", "grad"))
+
+
+def guard_wrapper(wrapped, instance, args, kwargs):
+    """``torch.autograd.backward`` / ``grad``, after the checks of the Note."""
+    roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+    check(roots)
+    return wrapped(*args, **kwargs)
+
+
+def check(roots) -> None:
+    """Refuse, before anything runs, a backward of ``roots`` that would fail midway.
+
+    Raises:
+        RuntimeError: a root was computed on another device than the manager's now.
+        OutOfBudgetError: a region's backward in the graph cannot fit the budget now.
+    """
+    if isinstance(roots, torch.Tensor):
+        roots = (roots,)
+    elif not isinstance(roots, (tuple, list)):
+        return
+    nodes = []
+    mgr = _mgr
+    for t in roots:
+        if isinstance(t, TensorRef):
+            _check_device(mgr, t)
+            if t.grad_fn is not None:
+                nodes.append(t.grad_fn)
+    limit = mgr.limit
+    if nodes and limit is not None and training.largest_held[0] and not mgr._backend.passthrough:
+        outside = mgr.outside_bytes()
+        if training.largest_held[0] + outside > limit:
+            _check_regions(mgr, nodes, limit, outside)
+
+
+def _check_device(mgr, t: TensorRef) -> None:
+    if t._tr_block.host_only:
+        return  # (a CPU tensor: its graph may still run on the device; ops there check)
+    device = t.device
+    if mgr.is_accelerator(device) or (mgr._backend.passthrough and device.type == "cpu"):
+        return
+    raise RuntimeError(
+        f"backward of a graph recorded on {device}, but tensorsManager.device is now {mgr.device!r}: "
+        f"its tensors stay on the device they were made for, and the engine cannot run it on another. "
+        f"Set tensorsManager.device back before calling backward() (nothing has run)")
+
+
+def _check_regions(mgr, nodes, limit: int, outside: int) -> None:
+    """Walk the graph from ``nodes``: every region's backward in it must fit the budget."""
+    size = mgr._backend.block_bytes
+    seen = set()
+    todo = list(nodes)
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        pending = getattr(node, "training", None)
+        if isinstance(pending, training.Training):
+            need = pending.resident_need(size)
+            if need + outside > limit:
+                raise OutOfBudgetError(
+                    pending.region.backward_spec.name, need + outside, limit,
+                    detail="refused before the backward ran: the graph is untouched, so raising the budget "
+                           "and calling backward() again works", outside=outside)
+        todo.extend(child for child, _ in node.next_functions)
