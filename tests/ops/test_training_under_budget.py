@@ -324,6 +324,61 @@ def test_log_softmax_and_its_backward_in_rows_equal_one_call(tight, dtype):
     assert torch.equal(_plain(x.grad), px.grad.cpu())
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_over_a_vocabulary_larger_than_the_budget_equals_one_call(tight, reduction):
+    # nll_loss_forward and nll_loss_backward were refused: the logits of a large vocabulary
+    # (a 2-layer Llama's at 50% of its weights) did not fit, and nothing split them
+    x, px = _pair(64, ROWS)
+    x.requires_grad_(True)
+    px.requires_grad_(True)
+    target = torch.randint(0, ROWS, (64,), generator=torch.Generator().manual_seed(3))
+    target[::7] = -100  # (ignored rows, as a causal language model's padding)
+    with plain_torch():
+        ploss = torch.nn.functional.cross_entropy(px, target.to(px.device), reduction=reduction)
+        ploss.sum().backward()
+    _tighten(tight)
+    loss = torch.nn.functional.cross_entropy(x, torchTensorRef.manage(target), reduction=reduction)
+    loss.sum().backward()
+    assert torch.equal(_plain(loss), ploss.detach().cpu())
+    assert torch.equal(_plain(x.grad), px.grad.cpu())
+
+
+def test_a_class_weighted_nll_loss_larger_than_the_budget_is_refused_saying_why(tight):
+    x, px = _pair(64, ROWS)
+    weight = torch.rand(ROWS)
+    target = torchTensorRef.manage(torch.randint(0, ROWS, (64,)))
+    _tighten(tight)
+    with pytest.raises(OutOfBudgetError, match="cannot be split"):
+        torch.nn.functional.nll_loss(x, target, weight=weight)
+    tight.reset_stats()
+
+
+def test_safe_softmax_in_rows_equals_one_call(tight):
+    # scaled_dot_product_attention's math path on masked rows: refused as larger than the budget
+    x, px = _pair(64, ROWS)
+    with plain_torch():
+        py = aten._safe_softmax.default(px, -1)
+    _tighten(tight)
+    y = aten._safe_softmax.default(x, -1)
+    assert torch.equal(_plain(y), py.cpu())
+
+
+@pytest.mark.parametrize("op", ["bmm", "baddbmm", "baddbmm-broadcast"])
+def test_batched_products_larger_than_the_budget_in_batch_groups_equal_one_call(tight, op):
+    # attention's scores (bmm, baddbmm) larger than the budget were refused
+    a, pa = _pair(16, 32, 48)
+    b, pb = _pair(16, 48, 40, seed=1)
+    bias, pbias = _pair(1 if op.endswith("broadcast") else 16, 32, 40, seed=2)
+    run = ((lambda a, b, bias: torch.bmm(a, b)) if op == "bmm"
+           else (lambda a, b, bias: torch.baddbmm(bias, a, b, beta=0.5, alpha=2.0)))
+    with plain_torch():
+        expected = run(pa, pb, pbias)
+    _tighten(tight, room=64 * 1024)
+    got = run(a, b, bias)
+    assert tight.stats()["peak_device_bytes"] < 2 * 16 * 32 * 40 * 4
+    assert torch.equal(_plain(got), expected.cpu())
+
+
 def _train_mixed(model, ids, mode, device, steps=2):
     """One of three mixed-precision loops a user writes."""
     if mode == "master":  # bf16 weights, fp32 master copies and optimizer state

@@ -11,3 +11,4 @@ from . import host_arguments  # noqa: F401,E402  (registers _pack_padded_sequenc
 from . import metadata_only  # noqa: F401,E402  (registers empty_like, new_zeros ...)
 from . import collectives  # noqa: F401,E402  (registers torch.distributed's c10d ops)
 from . import split_handlers  # noqa: F401,E402  (registers embedding, mm and elementwise ops larger than the budget)
+from . import split_losses  # noqa: F401,E402  (registers nll_loss larger than the budget)

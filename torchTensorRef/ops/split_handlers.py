@@ -204,6 +204,37 @@ def _tiles(func, a, b, step, count, columns: bool, bias=None):
     return out
 
 
+@implements([aten.bmm.default, aten.baddbmm.default])
+def bmm(func, args, kwargs, spec: OpSpec):
+    """A batched product (attention's scores and their use) in groups of whole batch
+    elements when it does not fit: each element's product is computed alone, as in one call."""
+    left = fits(spec, args, kwargs)
+    if left is None:
+        return default(func, args, kwargs, spec)
+    bias, (a, b) = (None, args) if func is aten.bmm.default else (args[0], args[1:3])
+    refs = [t for t in (bias, a, b) if t is not None]
+    if (len(args) != (2 if bias is None else 3) or not all(isinstance(t, TensorRef) and t.dim() == 3 for t in refs)
+            or any(t.shape[0] not in (1, a.shape[0]) for t in refs)):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    count, n, m = a.shape[0], a.shape[1], b.shape[2]
+    batched = [t for t in refs if t.shape[0] == count]
+    shared = refs_bytes([t for t in refs if t.shape[0] != count])  # (broadcast over the batch: whole)
+    pieces = [t.numel() // count * t.element_size() for t in batched] + [n * m * a.element_size()]
+    step = chunk_elements(sum(pieces), shared, left, count, spec.name, (1,), pieces)
+    settle(refs)
+    out = host_result((count, n, m), a.dtype)
+    with held_on_host([out]):
+        out_host = host_view(out)
+        for start in range(0, count, step):
+            stop = min(start + step, count)
+            operands = [gathered_piece(host_view(t).detach()[start:stop].clone()) if t.shape[0] == count else t
+                        for t in refs]
+            result = run_generic(func, operands, kwargs, spec)
+            out_host[start:stop].copy_(to_host(result))
+            del operands, result
+    return out
+
+
 # -- elementwise ops a training step runs on whole parameters -------------------------------
 
 #: in-place and out-of-place elementwise ops that meet tensors as large as a parameter
@@ -253,7 +284,7 @@ def conversion(func, args, kwargs, spec: OpSpec):
 
 
 #: ops that compute each row of their last dimension alone: the position of their ``dim``
-_ROW_OPS = {aten._log_softmax.default: 1, aten._softmax.default: 1,
+_ROW_OPS = {aten._log_softmax.default: 1, aten._softmax.default: 1, aten._safe_softmax.default: 1,
             aten._log_softmax_backward_data.default: 2, aten._softmax_backward_data.default: 2}
 
 
