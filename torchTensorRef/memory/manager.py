@@ -13,6 +13,7 @@ backward on other threads.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 import time
@@ -56,6 +57,7 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
     def __init__(self):
         self._lock = threading.RLock()
         self._forked = False  # a child of the process that made this manager (Note [Forked workers])
+        self._exiting = False  # the interpreter is shutting down: TensorRefs dying now release nothing
         self._sim_capacity = SIM_CAPACITY_BYTES
         self._sim_workspace = 0
         self._sim_rounding = False
@@ -329,6 +331,8 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
         comes back when plain torch would free it, not at the next op (allocations then
         reuse it instead of taking fresh pages, and on an accelerator the budget sees it).
         """
+        if self._exiting:
+            return  # (the process ends: its memory goes with it, and the modules the release uses may be gone)
         self._dead.append(block)
         lock = self._lock
         if lock._is_owned() or not lock.acquire(blocking=False):
@@ -406,6 +410,13 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
 
 tensorsManager = TensorsManager()
 context.install_manager(tensorsManager)
+
+
+def _exiting() -> None:
+    tensorsManager._exiting = True
+
+
+atexit.register(_exiting)
 
 
 def _initial_device() -> None:
