@@ -333,7 +333,9 @@ class Settings:
         """Folder of the spill file for host copies past ``host_budget`` (``None``: a temporary
         folder removed at exit). Checkpoint files are read where they are, never written.
         After a change, new spills go to the new folder; the old file is removed once the
-        tensors spilled there are read back, written or freed."""
+        tensors spilled there are read back, written or freed. Spill files are removed at a
+        normal exit too, in any folder; a folder given here and its other files are left as
+        they are (Note [Spill files at exit] in ``disk.py``)."""
         return self._offload_dir
 
     @offload_dir.setter
