@@ -148,6 +148,8 @@ def test_environment_configures_the_runner(tmp_path):
     (["--strategy", "lru"], '"genoa"'),
     (["--budget", "lots"], '"512MiB"'),
     (["--budget", "-1"], ">= 0"),
+    # (a size too large for a float: an OverflowError's traceback, not a usage error)
+    (["--budget", "9" * 400 + "GiB"], "2**63 - 1"),
     (["--host-budget", "lots"], "--host-budget"),
     (["--offload-dir", "/proc/none"], "offload_dir"),
     ([], "script.py"),

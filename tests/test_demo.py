@@ -98,3 +98,15 @@ def test_demo_default_budget_holds_beside_a_gpus_workspaces(tmp_path):
         assert rows[name][1:3] == ["identical", "identical"], done.stdout
         peak_percent = int(rows[name][5].strip("()%"))
         assert peak_percent <= 100, done.stdout
+
+
+def test_an_out_folder_that_cannot_be_written_is_a_usage_error(tmp_path):
+    # --out below a file (a folder that cannot be made or written) ended in a traceback from
+    # os.makedirs, after the runs' setup.
+    (tmp_path / "a-file").write_text("")
+    done = _demo("--quick", "--layers", "1", "--tokens", "1", "--out", str(tmp_path / "a-file" / "out"),
+                 cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--out must be a folder the demo can write" in done.stderr and "a-file" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert (tmp_path / "a-file").read_text() == ""

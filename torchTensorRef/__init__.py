@@ -26,7 +26,7 @@ from .core.proxy_info import ProxyInfo
 from .core.tensor_ref import TensorRef
 from .integrations.compiled_region import compile_region
 from .regions import no_region, region  # (wraps nn.Module.__call__: Note [Module regions])
-from . import strategies
+from . import regions, strategies
 from .analysis import gpus, timeline, trace
 from .core import sizes
 from .integrations import compiler, patching
@@ -71,14 +71,22 @@ def configure_from_environment(environ=None) -> None:
         ValueError: naming the variable and what it accepts.
     """
     environ = os.environ if environ is None else environ
-    for var, attr in ENVIRONMENT.items():
-        value = environ.get(var)
-        if value is None or value == "":
-            continue
-        try:
-            setattr(tensorsManager, attr, value)
-        except ValueError as e:
-            raise ValueError(f"environment variable {var}: {e}") from e
+    applied = []  # (setting, its value before): given back if a later variable is refused
+    try:
+        for var, attr in ENVIRONMENT.items():
+            value = environ.get(var)
+            if value is None or value == "":
+                continue
+            previous = getattr(tensorsManager, attr)
+            try:
+                setattr(tensorsManager, attr, value)
+            except ValueError as e:
+                raise ValueError(f"environment variable {var}: {e}") from e
+            applied.append((attr, previous))
+    except BaseException:
+        for attr, previous in reversed(applied):
+            setattr(tensorsManager, attr, previous)
+        raise
 
 
 # Note [Registering "sim" early]: autograd sizes its per-device worker queues once, at the
@@ -91,5 +99,16 @@ if not torch.cuda.is_available():
 
     sim_device.register()
 
-patch()
-configure_from_environment()
+# Note [A failed import]: an import that raises (a bad TORCHTENSORREF_ variable) leaves torch
+# as it found it: its functions unwrapped and nn.Module.__call__ its own. A later import runs
+# this again with the submodules already loaded, so the module regions are installed here
+# too, not only by importing ``regions``. The simulated device stays registered: PyTorch
+# cannot take a device's registration back, and it changes nothing for plain tensors.
+try:
+    patch()
+    regions.install()
+    configure_from_environment()
+except BaseException:
+    unpatch()
+    regions.uninstall()
+    raise

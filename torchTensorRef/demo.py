@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional
 
@@ -188,6 +189,17 @@ def _plot(traces: Dict[str, object], budget: int, param_bytes: int, path: str) -
     return path
 
 
+def _check_out(parser: argparse.ArgumentParser, out: str) -> None:
+    """Make the ``--out`` folder and write a file there, or stop with a usage error."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        parser.error(f"--out must be a folder the demo can write its plot and traces to (got: {out!r}: "
+                     f"{e.strerror or e}): give another folder")
+
+
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Run the demo; returns 0 when every strategy reproduced plain torch's outputs."""
     try:
@@ -196,6 +208,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error('the demo needs the transformers package: pip install "torchTensorRef[demo]" '
                      "(or pip install transformers)")
     transformers.logging.set_verbosity_error()
+    _check_out(parser, args.out)  # (before the runs: they take minutes, then write there)
     from .running import default_device
 
     device_name = args.device or default_device()
@@ -217,7 +230,6 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     names = list(strategies.NAMES)
     config = _config(size)
-    os.makedirs(args.out, exist_ok=True)
 
     # -- plain torch: the reference ------------------------------------------------------
     # On the managed tensors' device: initialised by the same generator and run by the same

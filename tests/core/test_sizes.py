@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
@@ -44,6 +45,31 @@ def test_bad_sizes_name_what_is_accepted(value):
     assert message.startswith("budget must be")
     assert '"512MiB"' in message and "None" in message
     assert repr(value) in message
+
+
+@pytest.mark.parametrize("value", ["9" * 400 + "GiB", "8388608TiB", "1" + "0" * 5000, 2**63, 1e300])
+def test_sizes_too_large_are_refused_naming_what_is_accepted(value):
+    # A size string too large for a float raised OverflowError ("cannot convert float infinity
+    # to integer"), naming neither the setting nor what is accepted.
+    with pytest.raises(ValueError) as info:
+        parse_size(value, "host_budget")
+    message = str(info.value)
+    assert message.startswith("host_budget must be") and '"512MiB"' in message
+    assert repr(value) in message
+
+
+def test_sizes_are_read_exactly_up_to_the_largest_torch_can_count():
+    assert parse_size(2**63 - 1) == parse_size("8388607.999999999999999999TiB") == 2**63 - 1
+    assert parse_size("2.01MB") == 2_010_000  # (a float times the unit gave 2009999)
+
+
+@pytest.mark.parametrize("value", [np.int64(2**40), np.int32(4096), np.uint8(7)])
+def test_integers_of_any_integral_type_are_accepted(value):
+    # numpy.int64 was refused while numpy.float64 was accepted.
+    nbytes = parse_size(value)
+    assert nbytes == int(value) == parse_size(np.float64(value)) and type(nbytes) is int
+    with pytest.raises(ValueError, match="np.True_"):
+        parse_size(np.True_)  # (a bool, of numpy's or Python's, is no size)
 
 
 def test_the_setting_is_named():

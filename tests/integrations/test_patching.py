@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -324,3 +325,40 @@ def test_import_order(order):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+# A failed import, then the same import with the variable fixed; each prints what torch is.
+_FAILED_IMPORT = """
+import os, sys
+import torch
+originals = (torch.zeros, torch.load, torch.nn.Module.__call__, torch.nn.Module.__setattr__)
+os.environ.update(TORCHTENSORREF_DEVICE="gpu", TORCHTENSORREF_BUDGET="1MiB")
+try:
+    import torchTensorRef
+except ValueError as e:
+    print("ValueError", "TORCHTENSORREF_DEVICE" in str(e))
+now = (torch.zeros, torch.load, torch.nn.Module.__call__, torch.nn.Module.__setattr__)
+print("unpatched", [a is b for a, b in zip(now, originals)], type(torch.zeros(2)).__name__,
+      torch.equal(torch.zeros(2), torch.tensor([0.0, 0.0])))
+print("manager", sys.modules["torchTensorRef.memory.manager"].tensorsManager.device)
+os.environ["TORCHTENSORREF_DEVICE"] = "sim"
+import torchTensorRef
+print("patched", torchTensorRef.is_patched(), type(torch.zeros(2)).__name__,
+      torch.nn.Module.__call__ is not originals[2], torchTensorRef.tensorsManager.device,
+      torchTensorRef.tensorsManager.budget)
+"""
+
+
+def test_a_failed_import_leaves_torch_unpatched():
+    # With TORCHTENSORREF_DEVICE=gpu the import raised ValueError but left torch patched:
+    # torch.zeros made TensorRefs, torch.load and nn.Module.__call__ stayed wrapped.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHTENSORREF_")}
+    done = subprocess.run([sys.executable, "-c", _FAILED_IMPORT], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "ValueError True",
+        "unpatched [True, True, True, True] Tensor True",
+        "manager cpu",
+        f"patched True TensorRef True sim {2**20}",
+    ]

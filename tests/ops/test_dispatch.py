@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 import torchTensorRef
-from paired import budget, outside, plain_torch, tiny_room, values
+from paired import ROOT, budget, outside, plain_torch, sim_only, tiny_room, values
 from torchTensorRef import TensorRef
 from torchTensorRef.strategies import NAMES
 
@@ -204,3 +208,66 @@ def test_an_op_keeps_no_plain_view_of_a_copy_once_it_lets_the_lock_go(fresh_mana
         px, pw = _on_test_device(values(x).cpu()), _on_test_device(values(w).cpu())
         expected = torch.addcmul(px * pw, px, pw)
     assert _same(z, expected)
+
+
+# A model whose backward runs on autograd's device thread ("sim"), where a hook raises the
+# interrupt at its second call; then a second backward, compared with plain torch's gradients.
+_INTERRUPTED_BACKWARD = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torchTensorRef
+    from torchTensorRef import tensorsManager as tm
+
+    hook, error = sys.argv[1], {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit,
+                                 "RuntimeError": RuntimeError}[sys.argv[2]]
+    tm.device = "sim"
+    with torchTensorRef.disabled():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        x = torch.randn(3, 8)
+        model(x).sum().backward()
+        expected = [p.grad.tolist() for p in model.parameters()]
+        model.zero_grad()
+    torchTensorRef.manage(model)
+    x = torchTensorRef.manage(x)
+    loss = model(x).sum()
+    calls = []
+
+    def interrupt(_what):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error("interrupted")
+
+    if hook == "fault_injector":
+        tm.fault_injector = interrupt
+    else:
+        handle = tm.add_callback(before=interrupt)
+    try:
+        loss.backward()
+        raised = None
+    except BaseException as e:
+        raised = type(e).__name__
+    tm.fault_injector = None
+    if hook == "callback":
+        handle.remove()
+    model.zero_grad()
+    model(x).sum().backward()
+    got = [p.grad.cpu().tolist() for p in model.parameters()]
+    print(json.dumps({"raised": raised, "got": got, "expected": expected}))
+""")
+
+
+@sim_only
+@pytest.mark.parametrize("hook", ["fault_injector", "callback"])
+@pytest.mark.parametrize("error", ["KeyboardInterrupt", "SystemExit", "RuntimeError"])
+def test_an_interrupt_raised_inside_backward_reaches_the_caller(hook, error):
+    # A KeyboardInterrupt (or SystemExit) from a fault injector or a callback inside an op of
+    # backward on "sim" aborted the process ("terminate called without an active exception"):
+    # only Exceptions were kept for backward() to raise.
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED_BACKWARD, hook, error], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["raised"] == error
+    for got, expected in zip(result["got"], result["expected"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected))

@@ -142,12 +142,16 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
 
         ``fault`` is a :class:`~torchTensorRef.memory.residency.Fault` (``kind`` "op", "fetch",
         "prefetch", "writeback" or "create"); raising ``torch.OutOfMemoryError`` from it
-        simulates the device running out of memory there. ``None`` to stop.
+        simulates the device running out of memory there. ``None`` to stop; anything else
+        that cannot be called raises ``TypeError`` and changes nothing.
         """
         return self._fault_injector
 
     @fault_injector.setter
     def fault_injector(self, fn) -> None:
+        if fn is not None and not callable(fn):
+            raise TypeError(f"fault_injector must be a callable taking a Fault, or None (got: {fn!r}, "
+                            f"which is not callable)")
         with self._lock:
             self._fault_injector = fn
             self._refresh_fast()

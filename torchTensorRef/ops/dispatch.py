@@ -64,7 +64,9 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         if spec.handler is not None:
             return spec.handler(func, args, kwargs, spec)
         return run_unhandled(func, args, kwargs, spec)
-    except Exception as e:
+    except BaseException as e:
+        # (not only Exceptions: a KeyboardInterrupt or SystemExit from a callback or the fault
+        # injector, left pending inside backward, aborts the process as any other error would)
         if getattr(_mgr._backend, "strict", False) and sim_errors.in_backward():
             sim_errors.keep_for_backward(e)  # Note [Errors in backward on sim]
             return sim_errors.failed_result(func)
