@@ -11,6 +11,7 @@ memory-over-time plot and one Chrome trace per strategy.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -239,19 +240,14 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         param_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
         ids = torch.randint(0, size["vocab"], (1, size["prompt"]), device="cpu",
                             generator=torch.Generator().manual_seed(1)).to(declared)
-        # The budget covers what libraries keep allocated on the device (cuBLAS's workspaces,
-        # tens of MiB on a GPU: Note [Budget on CUDA]); by default half the weights on top.
-        outside = tensorsManager.outside_bytes()
         try:
-            budget = parse_size(args.budget) if args.budget is not None else outside + param_bytes // 2
+            asked = parse_size(args.budget) if args.budget is not None else None
         except ValueError as e:
             parser.error(f"--budget: {e}")
         layers = f"{size['layers']} layer{'s' if size['layers'] > 1 else ''}"
         print(f"GPT-2, {layers}, {size['embd']} wide, vocabulary {size['vocab']}: "
-              f"{format_size(param_bytes)} of parameters. Device {tensorsManager.device}, budget "
-              f"{format_size(budget)} ({format_size(outside)} of it allocated outside the manager: "
-              f"library workspaces); forward pass on {size['prompt']} tokens, then generate() "
-              f"{size['tokens']} more.", file=sys.stderr)
+              f"{format_size(param_bytes)} of parameters, on {tensorsManager.device}; forward pass on "
+              f"{size['prompt']} tokens, then generate() {size['tokens']} more.", file=sys.stderr)
         with torch.no_grad():  # generate()'s first call sets things up: keep it out of the timings
             plain.generate(ids[:, :2], max_new_tokens=1, pad_token_id=0)
         if compute.type == "cuda":
@@ -261,7 +257,17 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         progress.close()
         plain_peak = torch.cuda.max_memory_allocated(compute) if compute.type == "cuda" else None
         plain_ids = ids.cpu().clone()
-        del plain
+        want_logits, want_tokens = want_logits.cpu(), want_tokens.cpu()
+        del plain, ids
+
+    # The budget covers what libraries keep allocated on the device (cuBLAS's workspaces, tens
+    # of MiB on a GPU: Note [Budget on CUDA]), read once the reference model is gone (the
+    # device counts a plain model's tensors too); by default half the weights on top.
+    gc.collect()
+    outside = tensorsManager.outside_bytes()
+    budget = asked if asked is not None else outside + param_bytes // 2
+    print(f"Budget {format_size(budget)} ({format_size(outside)} of it allocated outside the manager: "
+          f"library workspaces), against {format_size(param_bytes)} of weights.", file=sys.stderr)
 
     rows = [["plain", "reference", "reference",
              format_size(plain_peak) if plain_peak is not None else f">= {format_size(param_bytes)} (weights)",
