@@ -176,7 +176,7 @@ def _copy(tree, managed: bool, grad: bool = True, on_device: bool = False):
                 else:
                     c = t.detach().clone()
             if managed and c.layout == torch.strided:
-                c = TensorRef(c)
+                c = _on_the_device(TensorRef(c))
             elif (managed or on_device) and c.layout in (torch.strided, torch.sparse_coo):
                 c = _on_test_device(c)  # a sparse input of a managed run is a plain device tensor
             memo[id(t)] = c.requires_grad_(grad and t.requires_grad)
@@ -190,6 +190,13 @@ def _test_device() -> torch.device:
     manager's own record is a placeholder (the CPU) until its first tensor resolves "cuda"."""
     name = tensorsManager.device
     return torch.device(name) if name.startswith("cuda") else tensorsManager._declared
+
+
+def _on_the_device(ref):
+    """A TensorRef the program put on the test device, as the reference's tensors are
+    (``_on_test_device``): beside a CPU tensor its ops fail as on CUDA, where one made without
+    a device would run on the host (Note [Default-device tensors] in ops/device_checks.py)."""
+    return ref.to(_test_device())
 
 
 def _on_test_device(t):
@@ -262,7 +269,7 @@ def _grads(op, sample, tree, out, managed: bool):
             if _is_tensor(o) and o.requires_grad and (o.is_floating_point() or o.is_complex())]
     if not diff:
         return None
-    weights = [TensorRef(w) if managed else _on_test_device(w) for w in _weights(diff)]
+    weights = [_on_the_device(TensorRef(w)) if managed else _on_test_device(w) for w in _weights(diff)]
     torch.manual_seed(1)
     return torch.autograd.grad(_loss(diff, weights), leaves, allow_unused=True)
 

@@ -19,7 +19,11 @@ write through any view is seen by all of them. A block has up to two copies: ``h
 
 A *host-only* block (``host_only``) is a CPU tensor in the manager's books: made with
 ``device="cpu"``, by ``.cpu()``, or a CPU result of an accelerator op. It reports ``cpu``,
-is never moved to the accelerator and takes no accelerator memory.
+is never moved to the accelerator and takes no accelerator memory. An *explicit* block
+(``explicit``) is one the program put on the accelerator itself: made with the device named,
+moved there with ``.to(...)``, or computed from such a block; the others the manager holds
+for the accelerator are the program's *default-device* tensors, made without a device (Note
+[Default-device tensors] in ``ops/device_checks.py``).
 
 Note [External bytes]: a block is *external* when its host copy is memory that code outside
 torchTensorRef reads and writes directly: a numpy array from ``x.numpy()`` (while the array
@@ -51,7 +55,7 @@ class Block:
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
         "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched",
         "dev_pending", "host_pending", "external", "host_only", "host_shared", "exposed",
-        "disk", "spilling", "views", "fetches", "__weakref__",
+        "disk", "spilling", "views", "fetches", "explicit", "__weakref__",
     )
 
     def __init__(self, nbytes: int, on_ref_dead=None):
@@ -98,6 +102,9 @@ class Block:
         #: times brought to the device on demand: from the second, it is paged, and its host
         #: copy is worth pinning
         self.fetches: int = 0
+        #: the program put it on the accelerator (a device named), or it was computed from such
+        #: a block: mixed with CPU tensors, its ops fail as on CUDA
+        self.explicit: bool = False
 
     @property
     def resident(self) -> bool:

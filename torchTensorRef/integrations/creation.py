@@ -21,6 +21,11 @@ torch behaves as if the accelerator were the default device, with the budget kep
   ``device`` or ``map_location`` names the accelerator: nothing reaches the device without
   room made for it first.
 
+A tensor made with the accelerator named (``device=``, a ``torch.device`` context,
+``set_default_device``) is the program's own device tensor (*explicit*); one made without a
+device is its default-device tensor, which ops mixed with CPU tensors run on the host (Note
+[Default-device tensors] in ``ops/device_checks.py``).
+
 A device allocation that fails with an out-of-memory error evicts every unpinned block,
 empties the allocator's cache and is tried once more.
 """
@@ -51,8 +56,6 @@ RANDOM = frozenset({"rand", "randn", "randint", "randperm", "normal"})
 
 def create(fn, args, kwargs):
     """Call the creation function ``fn`` as torch would with the accelerator as default device."""
-    _adopt = adopt
-    name = getattr(fn, "__name__", "")
     device = kwargs.get("device")
     if device is None:
         default = _get_default_device()  # ``with torch.device("meta"):``, ``set_default_device``
@@ -60,6 +63,18 @@ def create(fn, args, kwargs):
             device = default
     if device is not None:
         device = torch.device(device)
+    result = _create(fn, args, kwargs, device)
+    if device is not None and result.__class__ is TensorRef and mgr.is_accelerator(device):
+        # the accelerator named (a device context too): the program's own device tensor; made
+        # without a device, a default-device tensor (Note [Default-device tensors])
+        result._tr_block.explicit = True
+    return result
+
+
+def _create(fn, args, kwargs, device):
+    _adopt = adopt
+    name = getattr(fn, "__name__", "")
+    if device is not None:
         if mgr._backend.is_host(device):
             return _adopt(fn(*args, **kwargs), host_only=True)
         if device.type == "meta" or not mgr.is_accelerator(device):
@@ -168,6 +183,7 @@ def _on_device(mgr, fn, args, kwargs, nbytes: int, what: str):
                     mgr._inject("create", nbytes)  # (on "sim" the device's empty kernel does)
                 result = fn(*args, **kwargs)
                 if isinstance(result, TensorRef):  # made by the sim device's empty kernel
+                    result._tr_block.explicit = False  # (which took it for an allocation the program named)
                     mgr._strategy.on_adopt(result._tr_block)
                     return result
                 return _adopt(result)

@@ -25,7 +25,7 @@ from ..memory.manager import tensorsManager as _mgr
 from ..ops import raw_kernels
 from . import backward, checkpoint, compiler, creation, distributed, generation, optimizers, wrapped
 from .manage import adopt
-from .plain import disabled
+from .plain import disabled, probe_wrapper
 
 #: torch functions that create tensors without a tensor input
 CREATION_FUNCTIONS: Tuple[str, ...] = (
@@ -70,6 +70,10 @@ WARMUP_FUNCTIONS: Tuple[Tuple[str, str], ...] = (("transformers.modeling_utils",
 #: where transformers' from_pretrained chooses a device map: the managed device's own, which
 #: needs no accelerate (``checkpoint.device_map_wrapper``)
 DEVICE_MAP_FUNCTIONS: Tuple[Tuple[str, str], ...] = (("transformers.modeling_utils", "check_and_set_device_map"),)
+#: where a library probes for a ``torch.device`` context: ``disabled(device=...)`` is none
+#: (Note [Probes for a device context] in ``plain.py``)
+DEVICE_PROBE_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
+    ("transformers.modeling_utils", "get_torch_context_manager_or_global_device"),)
 #: transformers' decoding loop: one region of its model where nothing is paged (Note
 #: [Generation as one region] in ``generation.py``)
 GENERATION_METHODS: Tuple[Tuple[str, str], ...] = (("transformers.generation.utils:GenerationMixin", "generate"),)
@@ -109,7 +113,17 @@ def _plain_call() -> bool:
             or sys._getframe(2).f_globals.get("__name__", "").startswith(_PLAIN_PREFIXES))
 
 
+#: callers whose tensors made without a device are CPU tensors, as in plain torch: PyTorch's
+#: optimizers keep their step counters on the host on purpose (a kernel launch and a host
+#: read per parameter and step cost more than the host's arithmetic), which torch >= 2.13
+#: says with ``device="cpu"`` and earlier versions by naming no device (Note
+#: [Default-device tensors] in ``ops/device_checks.py``)
+_HOST_CALLERS = ("torch.optim",)
+
+
 def _creation_wrapper(wrapped, instance, args, kwargs):
+    if kwargs.get("device") is None and sys._getframe(1).f_globals.get("__name__", "").startswith(_HOST_CALLERS):
+        kwargs = dict(kwargs, device="cpu")
     if _plain_call():
         device = context.plain_device()
         # disabled(device=...), where torch would give no device of its own: a ``torch.device``
@@ -272,6 +286,7 @@ def _targets():
     targets += [(owner, name, distributed.wrapper_for(owner, name)) for owner, name in distributed.FUNCTIONS]
     targets += [(owner, name, checkpoint.safe_open_wrapper) for owner, name in LAZY_LOAD_FUNCTIONS]
     targets += [(owner, name, checkpoint.device_map_wrapper) for owner, name in DEVICE_MAP_FUNCTIONS]
+    targets += [(owner, name, probe_wrapper) for owner, name in DEVICE_PROBE_FUNCTIONS]
     targets += [(owner, name, _warmup_wrapper) for owner, name in WARMUP_FUNCTIONS]
     targets += [(owner, name, _apply_wrapper) for owner, name in MODULE_METHODS]
     targets += [(owner, name, raw_kernels.jiterator_wrapper) for owner, name in RAW_KERNEL_FUNCTIONS]

@@ -30,6 +30,10 @@ def disabled(device=None):
             PyTorch's modules do (the fast paths of attention and transformer layers). A
             ``torch.device(...)`` context or ``torch.set_default_device`` in force gives its
             own device instead, as in plain torch (a model built on ``"meta"`` to be loaded).
+            Libraries that look for a device context (transformers' ``from_pretrained``,
+            which would then load to that device with a device map, and ask for accelerate
+            to do it) find none: they do what they do in plain torch without one (Note
+            [Probes for a device context]).
     """
     if device is not None:
         if isinstance(device, str) and device.split(":")[0] == NAME and register() is None:
@@ -40,5 +44,27 @@ def disabled(device=None):
     try:
         with mode:  # (plain tensors of the sim device are made in backward too)
             yield
+    finally:
+        context.exit_plain(previous)
+
+
+# Note [Probes for a device context]: transformers decides where ``from_pretrained`` loads a
+# model given no ``device_map`` by probing where ``torch.tensor([])`` lands: anywhere but
+# ``torch.get_default_device()`` means a ``torch.device`` context is in force, which it
+# honours with a one-device map, and without accelerate installed it refuses
+# ("... requires `accelerate`"). Inside ``disabled(device=...)`` that probe lands on the
+# device, so the same call raised or not, and loaded to the device or the CPU, by whether
+# accelerate was installed. Such a probe (``patching.DEVICE_PROBE_FUNCTIONS``) runs with
+# the device set aside: it sees what plain torch without a device context shows, and the
+# model loads as it does there (on the CPU, or where a ``device_map`` says). Creations
+# elsewhere inside ``disabled(device=...)`` still land on the device.
+def probe_wrapper(wrapped, instance, args, kwargs):
+    """A library's probe for a ``torch.device`` context, run with ``disabled()``'s device set
+    aside (Note [Probes for a device context]): it is not such a context."""
+    if context.plain_device() is None:
+        return wrapped(*args, **kwargs)
+    previous = context.enter_plain(None)  # (still disabled: plain tensors, made on the CPU)
+    try:
+        return wrapped(*args, **kwargs)
     finally:
         context.exit_plain(previous)

@@ -90,6 +90,7 @@ class Adoption:
                     # Made on the device outside the manager (a GPU tensor given to it): it
                     # counts from now on, and the budget is restored by evicting others.
                     block.set_dev(storage)
+                    block.explicit = True  # (the program put it there: Note [Default-device tensors])
                     self._resident[block.id] = block
                     self._add_device_bytes(self._backend.block_bytes(block.nbytes))
                     block.last_use = self._op_count

@@ -3,10 +3,35 @@
 On ``"sim"`` (strict) and on CUDA, an op whose tensors are on the accelerator and on the
 host fails in plain torch; the manager, which moves blocks itself, must not hide that
 from the user's code, nor refuse what the accelerator's kernels accept (CPU scalars,
-indices of some ops).
+indices of some ops). Tensors the program made without a device are the exception: mixed
+with CPU tensors, their ops run on the host, as in plain torch (Note [Default-device tensors]).
+
+Note [Default-device tensors]: under an accelerator manager a tensor made without a device
+(``torch.randn(3)``, ``torch.tensor([...])``, a module's parameters) is the program's
+*default-device* tensor: the manager places it on the accelerator and it reports the
+accelerator, as under ``torch.set_default_device`` (PyTorch chooses kernels, autocast and
+optimizer implementations by the device a tensor reports, and model code makes new tensors
+on ``x.device``). In plain torch those tensors are CPU tensors, and code that mixes them with
+CPU tensors runs (``torch.allclose(out.cpu(), expected)`` with ``expected`` made without a
+device); under the manager it failed with CUDA's device error. So an op that mixes
+default-device tensors with CPU tensors runs on the host, as plain torch runs it with
+everything on the CPU, and its results are CPU tensors. Tensors the program put on the
+accelerator itself are *explicit* (``Block.explicit``): made with a device named
+(``device=x.device`` too), in a ``torch.device`` context or under ``set_default_device``,
+moved with ``.to(device)`` / ``.cuda()`` (``TensorRef.to``, bound here: such a call on a
+tensor already there returns it without an op), a plain accelerator tensor given to an op,
+and whatever an op computes from one of these. Mixed with CPU tensors they fail as on CUDA.
+"CPU tensors" are the manager's host-only ones (``device="cpu"``, ``.cpu()``, results on the
+host) of at least one dimension: a 0-dim one is a scalar, which accelerator kernels take.
+Plain CPU tensors the manager does not hold (a DataLoader's batches) are brought to the
+accelerator as before, and the ops whose accelerator kernels take CPU tensors
+(``_TAKES_CPU_TENSORS``: copies, indexing) run there.
 """
 
 from __future__ import annotations
+
+import sys
+import warnings
 
 import torch
 
@@ -107,3 +132,110 @@ def _tensor_args(args, kwargs):
             for e in a:
                 if isinstance(e, _Tensor):
                     yield e
+
+
+# -- default-device tensors (Note [Default-device tensors]) ----------------------------------
+def runs_on_host(spec, refs, args, kwargs) -> bool:
+    """Whether an op that mixes default-device TensorRefs with CPU TensorRefs runs on the host.
+
+    Asked on the generic path, where the manager holds CPU TensorRefs and the op was not
+    placed on the host already; ``refs``: the op's TensorRef arguments.
+    """
+    if kwargs and kwargs.get("device") is not None:
+        return False  # (the device asked for places the op)
+    host = default = None
+    for r in refs:
+        b = r._tr_block
+        if b.host_only:
+            if host is None and r.dim():  # (0-dim: a scalar, which accelerator kernels take)
+                host = r
+        elif b.explicit:
+            return False  # the program's own device tensor beside a CPU one: CUDA's error
+        elif default is None:
+            default = r
+    if host is None or default is None or spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
+        return False
+    if _plain_device_tensor_in(args, kwargs):
+        return False  # (a plain accelerator tensor: the program's choice of device)
+    if any(r.requires_grad and not r._tr_block.host_only for r in refs):
+        warnings.warn(
+            f"{spec.name} mixes accelerator tensors made without a device with a CPU tensor: it runs on "
+            f"the host, as plain torch on the CPU would, and so do the ops on its results and their "
+            f"gradients; move the CPU tensor with .to(device) to keep the work on the accelerator",
+            stacklevel=_caller_level())
+    return True
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the program's frame that ran the op: the first outside torch and
+    this package, for a warning issued where ``_caller_level`` is called."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_INTERNAL = ("torch", "torchTensorRef")
+
+
+def explicit_results(ctx, args, kwargs) -> None:
+    """Mark the new results of an op on the device explicit where the program chose the device:
+    an explicit argument, a device named, or a plain accelerator tensor among its arguments."""
+    if not (ctx.explicit() or _names_the_device(kwargs) or _plain_device_tensor_in(args, kwargs)):
+        return
+    for b in ctx.outputs:
+        b.explicit = True
+
+
+def _names_the_device(kwargs) -> bool:
+    target = kwargs.get("device") if kwargs else None
+    return target is not None and _mgr.is_accelerator(torch.device(target))
+
+
+def _plain_device_tensor_in(args, kwargs) -> bool:
+    """Whether a plain accelerator tensor (a ``SimTensor``, a plain CUDA tensor) is an argument."""
+    if not _plain_tensor_in(args) and not (kwargs and _plain_tensor_in(kwargs.values())):
+        return False
+    for a in _tensor_args(args, kwargs):
+        if not isinstance(a, TensorRef) and (isinstance(a, SimTensor) or a.device.type not in ("cpu", "meta")):
+            return True
+    return False
+
+
+_tensor_to = torch.Tensor.to
+_tensor_cuda = torch.Tensor.cuda
+
+
+def _to(self, *args, **kwargs):
+    """``Tensor.to`` of a TensorRef: ``.to(device)`` of a default-device tensor, which returns it
+    as it is, makes it the program's choice of device (explicit)."""
+    out = _tensor_to(self, *args, **kwargs)
+    if out is self:
+        block = self._tr_block
+        if not (block.explicit or block.host_only) and _names_a_device(args, kwargs):
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            if device is not None and _mgr.is_accelerator(device):
+                block.explicit = True
+    return out
+
+
+def _cuda(self, *args, **kwargs):
+    """``Tensor.cuda`` of a TensorRef: as ``_to``, for a tensor already on the GPU."""
+    out = _tensor_cuda(self, *args, **kwargs)
+    if out is self and not self._tr_block.host_only:
+        self._tr_block.explicit = True
+    return out
+
+
+def _names_a_device(args, kwargs) -> bool:
+    """Whether ``.to(*args, **kwargs)`` may name a device (``.to(dtype)`` names none)."""
+    if kwargs.get("device") is not None:
+        return True
+    for a in args:
+        if a.__class__ is not torch.dtype and a.__class__ is not bool:
+            return True
+    return False
+
+
+TensorRef.to = _to
+TensorRef.cuda = _cuda

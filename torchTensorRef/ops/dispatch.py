@@ -38,7 +38,7 @@ from ..memory.op_protocol import tight_result
 from ..memory.residency import is_out_of_memory
 from ..memory.sim import backward_errors as sim_errors
 from . import workers
-from .device_checks import _check_devices
+from .device_checks import _check_devices, explicit_results, runs_on_host
 from .op_context import (OpContext, _blocks_of, _blocks_of_list, _collect, _compute_kwargs, _follow_resizes,
                          _follow_restrides, _placement, _swap, _wrap_nested, _wrap_one, _wrap_outputs, _written_blocks)
 from .output_size import estimate_output_bytes
@@ -257,6 +257,10 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
         if tight is not out:
             out, storage = tight, tight.untyped_storage()
     block = mgr._result_block(out, index, storage=storage)
+    for b in blocks:
+        if b.explicit:  # (computed from the program's own device tensor: Note [Default-device tensors])
+            block.explicit = True
+            break
     return make_ref(block, out, mgr._declared), (block,)
 
 
@@ -282,6 +286,8 @@ def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
     written = _written_blocks(spec, args, kwargs) if spec.write_args else []
     backend = mgr._backend
     on_host = False if backend.passthrough else _placement(kwargs, blocks, backend)
+    if not on_host and mgr._host_only_blocks and not backend.passthrough:
+        on_host = runs_on_host(spec, refs, args, kwargs)  # (Note [Default-device tensors])
     ctx = OpContext(spec, blocks, written, args, kwargs, on_host)
     if getattr(backend, "strict", False) and not on_host:
         _check_devices(spec, args, kwargs, backend.declared, blocks)
@@ -309,6 +315,8 @@ def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
         else:
             mgr._mark_written(written)
     result = _wrap_outputs(out, ctx, spec, args, kwargs, mgr)
+    if ctx.outputs and not on_host:
+        explicit_results(ctx, args, kwargs)
     mgr._finish(ctx)
     return result
 

@@ -40,13 +40,20 @@ def metadata_only(func, args, kwargs, spec):
         return run_generic(func, args, kwargs, spec)
     stand_in = raw.empty_strided(source.size(), source.stride(), dtype=source.dtype, device=_META)
     kwargs = dict(kwargs)
-    if kwargs.get("device") is None:
+    named = kwargs.get("device") is not None
+    if not named:
         kwargs["device"] = source.device  # the declared device: a CPU tensor's result stays on the CPU
+    out = None
     if func in _FILLS and torch.device(kwargs["device"]) == mgr._declared:
-        big = _made_on_host(func, stand_in, args, kwargs)
-        if big is not None:
-            return big
-    return run_generic(func, (stand_in,) + tuple(args[1:]), kwargs, spec)
+        out = _made_on_host(func, stand_in, args, kwargs)
+    if out is None:
+        out = run_generic(func, (stand_in,) + tuple(args[1:]), kwargs, spec)
+    if isinstance(out, TensorRef) and not out._tr_block.host_only:
+        # made like the source, not on a device the program named: a default-device tensor's
+        # result is one too (Note [Default-device tensors] in ``device_checks.py``)
+        named = named and mgr.is_accelerator(torch.device(kwargs["device"]))
+        out._tr_block.explicit = source._tr_block.explicit or named
+    return out
 
 
 #: the deterministic fills: the same bits made on the host as on the device

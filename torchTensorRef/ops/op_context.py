@@ -33,7 +33,7 @@ class OpContext:
     """
 
     __slots__ = ("index", "spec", "blocks", "written", "outputs", "args", "kwargs", "on_host", "_estimate",
-                 "_start")
+                 "_start", "_explicit")
 
     def __init__(self, spec, blocks, written, args, kwargs, on_host=False):
         self.index = -1
@@ -46,10 +46,18 @@ class OpContext:
         self.args = args
         self.kwargs = kwargs
         self._estimate = None
+        self._explicit = None
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def explicit(self) -> bool:
+        """Whether a block of the op's arguments is explicit, and so are its results (Note
+        [Default-device tensors] in ``device_checks.py``)."""
+        if self._explicit is None:
+            self._explicit = any(b.explicit for b in self.blocks)
+        return self._explicit
 
     def output_estimate(self) -> int:
         """Bytes of new tensors the op will allocate (see ``output_size.py``)."""
@@ -207,5 +215,8 @@ def _wrap_one(t, ctx, mgr):
     for b in ctx.outputs:
         if b.dev_key == key:
             return make_ref(b, t, mgr._declared)  # shares the storage of another of its results
-    return mgr._adopt_output(t, ctx)
+    ref = mgr._adopt_output(t, ctx)
+    if ctx.explicit():
+        ref._tr_block.explicit = True
+    return ref
 

@@ -122,7 +122,11 @@ def _empty(size, stride, dtype, memory_format):
             plain = raw.empty_strided(size, stride, dtype=dtype)
         return SimTensor(plain)
     try:
-        return tensorsManager.new_device_tensor(size, stride, dtype, memory_format)
+        ref = tensorsManager.new_device_tensor(size, stride, dtype, memory_format)
+        # (an allocation on the device named: ``cpu_tensor.to("sim")``, ``torch.empty(..., device="sim")``
+        # in torch's code; the creation functions say which of theirs are default-device tensors)
+        ref._tr_block.explicit = True
+        return ref
     except Exception as e:
         if not in_backward():
             raise

@@ -24,7 +24,8 @@ This module registers the device with PyTorch once, the first time ``"sim"`` is 
 - an autocast policy for the device, the CPU's own lists, so that
   ``torch.autocast("sim")`` casts what ``torch.autocast("cpu")`` would (and results stay
   bit-identical to the CPU reference; ``autocast.py``);
-- the report of errors raised inside backward ops (``backward_errors.py``).
+- the report of errors raised inside backward ops (``backward_errors.py``);
+- ``torch.Generator(device="sim")`` (Note [Generators of sim]).
 
 Where registration is not possible (older torch, or another backend already renamed the
 private-use device) ``"sim"`` falls back to its lenient form, whose TensorRefs report
@@ -87,6 +88,7 @@ def register() -> Optional[torch.device]:
             _register_autocast()
             sim_kernels.register()
             _report_backward_errors()
+            _install_generators()
         # Optimizers choose their list (``_foreach``) implementation for exact tensors on an
         # accelerator and for the subclasses listed: plain tensors of "sim" must get CUDA's choice.
         from torch.optim import optimizer
@@ -167,3 +169,78 @@ class _SimModule:
 
     def __getattr__(self, name: str):
         raise AttributeError(f"module 'torch.{NAME}' has no attribute {name!r}")
+
+
+# Note [Generators of sim]: the simulated device computes with the CPU's kernels, whose random
+# ops draw from CPU generators; its own generator is therefore one: a CPU generator, seeded,
+# stepped and saved as the CPU's (``torch.randn(n, generator=g, device="sim")`` draws the
+# numbers the CPU does from a CPU generator seeded alike), that reports ``sim:0`` as its
+# device, so that code choosing by ``generator.device`` (the creation functions under the
+# manager) treats it as the device's. PyTorch makes a private-use device's generators in C++
+# only (``PrivateUse1HooksInterface::getNewGenerator``, which a Python backend cannot provide:
+# ``torch.Generator(device="sim")`` raised NotImplementedError), so the registration names
+# ``torch.Generator`` a subclass of PyTorch's class that makes one for "sim" and PyTorch's own
+# generator for any other device; every generator is an instance of it, as before.
+_TorchGenerator = torch._C.Generator
+
+
+class _GeneratorType(type(_TorchGenerator)):
+    """The type of what ``torch.Generator`` names once "sim" is registered."""
+
+    def __call__(cls, *args, **kwargs):
+        if cls is not Generator:
+            return super().__call__(*args, **kwargs)  # (a subclass: SimGenerator, or the user's own)
+        if _names_sim(args, kwargs):
+            return SimGenerator()
+        return _TorchGenerator(*args, **kwargs)
+
+    def __instancecheck__(cls, instance):
+        if cls is Generator:
+            return isinstance(instance, _TorchGenerator)
+        return super().__instancecheck__(instance)
+
+    def __subclasscheck__(cls, subclass):
+        if cls is Generator:
+            return issubclass(subclass, _TorchGenerator)
+        return super().__subclasscheck__(subclass)
+
+
+class Generator(_TorchGenerator, metaclass=_GeneratorType):
+    """``torch.Generator``: PyTorch's generator, and the simulated device's for ``device="sim"``."""
+
+
+Generator.__module__, Generator.__qualname__ = "torch", "Generator"
+
+
+class SimGenerator(Generator):
+    """A random number generator of the simulated device (Note [Generators of sim])."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(NAME, 0)
+
+    def clone_state(self) -> "SimGenerator":
+        clone = SimGenerator()
+        clone.set_state(self.get_state())
+        return clone
+
+    def __reduce__(self):
+        # (PyTorch's rebuilds a CPU generator: the state is the CPU's, the class says "sim")
+        return SimGenerator, (), _TorchGenerator.__reduce__(self)[2]
+
+
+def _names_sim(args, kwargs) -> bool:
+    """Whether ``torch.Generator(*args, **kwargs)`` asks for the simulated device."""
+    device = kwargs.get("device", args[0] if args else None)
+    if not isinstance(device, (str, torch.device)):
+        return False
+    device = torch.device(device)
+    if device.type != NAME:
+        return False
+    if device.index not in (None, 0):
+        raise RuntimeError(f'"{NAME}" has one device, {NAME}:0 (got: torch.Generator(device={str(device)!r}))')
+    return True
+
+
+def _install_generators() -> None:
+    torch.Generator = Generator

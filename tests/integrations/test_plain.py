@@ -1,0 +1,54 @@
+"""``disabled()``: plain torch in a scope, and on a device with ``disabled(device=...)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchTensorRef
+from paired import assert_identical, plain_torch
+from torchTensorRef import TensorRef, tensorsManager
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=2)
+
+
+@pytest.fixture
+def saved_llama(tmp_path):
+    """A tiny Llama's checkpoint folder, written by plain torch on the CPU."""
+    with torchTensorRef.disabled():
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _placement(model) -> set:
+    return {(type(t).__name__, t.device.type) for t in list(model.parameters()) + list(model.buffers())}
+
+
+@pytest.mark.parametrize("accelerate", [False, True], ids=["without-accelerate", "with-accelerate"])
+def test_from_pretrained_inside_disabled_on_the_device_loads_as_plain_torch_without_a_device_context(
+        saved_llama, accelerate, monkeypatch):
+    # Inside disabled(device=...) transformers' probe for a torch.device context found one (its
+    # torch.tensor([]) landed on the device): without accelerate from_pretrained raised
+    # "Using a `device_map`, `tp_plan`, `torch.device` context manager ... requires `accelerate`",
+    # and with it the model was loaded to the device by worker threads, where disabled() does not
+    # reach, as managed TensorRefs instead of plain tensors.
+    from transformers.integrations import accelerate as hf_accelerate
+
+    if not accelerate:
+        monkeypatch.setattr(hf_accelerate, "is_accelerate_available", lambda: False)
+    elif not hf_accelerate.is_accelerate_available():
+        pytest.skip("accelerate is not installed")
+    with torchTensorRef.disabled():  # plain torch, no device context: the CPU
+        expected = transformers.LlamaForCausalLM.from_pretrained(saved_llama)
+    with plain_torch():  # disabled(device=<the managed device>)
+        model = transformers.LlamaForCausalLM.from_pretrained(saved_llama)
+        made = torch.zeros(2)
+    assert _placement(model) == _placement(expected) == {("Parameter", "cpu"), ("Tensor", "cpu")}
+    assert_identical(dict(expected.state_dict()), dict(model.state_dict()))
+    assert_identical(expected.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+    # creations inside still land on the device, as plain tensors
+    assert made.device.type == tensorsManager.torch_device.type and type(made) is not TensorRef

@@ -1,0 +1,134 @@
+"""Tensors made without a device beside CPU tensors, and the device errors of explicit ones
+(Note [Default-device tensors] in ``torchTensorRef/ops/device_checks.py``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchTensorRef
+from paired import assert_identical, device_type, paging, plain_torch  # noqa: F401  (paging is a fixture)
+from torchTensorRef import TensorRef, tensorsManager
+
+CPU = torch.device("cpu")
+SAME_DEVICE = "Expected all tensors to be on the same device"
+
+
+def _host_only(t) -> bool:
+    return isinstance(t, TensorRef) and t._tr_block.host_only
+
+
+def _checks(out, expected):
+    """What test code does with a model's output and values made without a device."""
+    host = out.detach().cpu()
+    return [torch.allclose(host, expected, atol=1e3), host - expected, torch.cat([host, expected]),
+            torch.where(host > 0, host, expected), (host == expected).sum(), torch.maximum(expected, host)]
+
+
+def test_tensors_made_without_a_device_meet_cpu_results_as_in_plain_torch(paging):
+    # expected = torch.tensor([...]) is the manager's accelerator tensor and out.cpu() a CPU
+    # one: torch.allclose(out.cpu(), expected) raised "Expected all tensors to be on the same
+    # device ... sim:0 and cpu", where plain torch has both on the CPU.
+    def run():
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(4, 3)
+        out = layer(torch.randn(5, 4))
+        expected = torch.tensor([[0.5, -0.25, 1.0]] * 5)
+        return out, expected
+
+    with plain_torch():  # the same program in plain torch on the device, its CPU tensors on the CPU
+        out, expected = run()
+        plain = _checks(out, expected.cpu())
+    out, expected = run()
+    managed = _checks(out, expected)
+    assert_identical(plain, managed)
+    assert expected.device.type == device_type()  # made without a device: on the accelerator
+    assert all(r.device == CPU for r in managed[1:]) and all(_host_only(r) for r in managed[1:])
+    assert managed[0] is True
+    assert (managed[1].numpy() == plain[1].numpy()).all()  # CPU tensors: numpy reads them
+
+
+def test_a_tensor_made_without_a_device_written_by_host_ops_stays_on_the_accelerator(paging):
+    def run():
+        total = torch.zeros(3)
+        for i in range(3):
+            total += (torch.arange(3.0) * i).cpu()  # an op mixing it with a CPU tensor, on the host
+        return total * 2, (total * 2).device
+
+    with torchTensorRef.disabled():  # plain torch on the CPU: both tensors are CPU tensors there
+        plain = run()
+    managed = run()
+    assert_identical(plain[0], managed[0])
+    assert managed[1].type == device_type() and not _host_only(managed[0])
+
+
+@pytest.mark.parametrize("made", [
+    lambda: torch.rand(3, 3, device=device_type()),
+    lambda: torch.rand(3, 3).to(device_type()),
+    lambda: torch.rand(3, 3).to(device=torch.device(device_type())),
+    lambda: torch.rand(3, 3, device=device_type()) * 2,
+    lambda: torch.zeros_like(torch.rand(3, 3, device=device_type())),
+    lambda: torch.rand(3, 3, device="cpu").to(device_type()),
+    lambda: torch.nn.Linear(3, 3).to(device_type()).weight,
+], ids=["device=", ".to(device) of one made without", ".to(device=)", "computed from one", "zeros_like of one",
+        ".to(device) of a CPU tensor", "module.to(device)"])
+@pytest.mark.parametrize("op", [
+    lambda x, c: x + c,
+    lambda x, c: x @ c,
+    lambda x, c: torch.cat([x, c]),
+    lambda x, c: c.add_(x),
+], ids=["add", "matmul", "cat", "add_ cpu"])
+def test_tensors_the_program_put_on_the_device_fail_beside_cpu_tensors_as_on_cuda(made, op):
+    x = made()
+    c = torch.rand(3, 3, device="cpu")
+    before = c.target.clone()
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        op(x.detach(), c)
+    assert torch.equal(c.target, before)
+
+
+def test_in_a_device_context_tensors_are_the_programs_own():
+    with torch.device(device_type()):
+        x = torch.rand(3, 3)
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        x + torch.rand(3, 3, device="cpu")
+
+
+def test_unmodified_model_code_stays_on_the_accelerator(paging):
+    # (what must not change: tensors made without a device are managed and paged on the device)
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    y = layer(x) * torch.tensor(2.0, device="cpu")  # a 0-dim CPU tensor is a scalar
+    rows = y[torch.tensor([1, 0], device="cpu")]  # indexing takes CPU indices
+    for t in (layer.weight, x, y, rows):
+        assert t.device.type == device_type() and not _host_only(t)
+
+
+def test_a_gradient_pulled_to_the_host_warns_and_matches_plain_torch():
+    def run():
+        w = torch.nn.Parameter(torch.arange(9.0).reshape(3, 3) / 7)
+        c = torch.arange(9.0, device="cpu").reshape(3, 3) - 4
+        (w * c).sum().backward()
+        return w.grad
+
+    with torchTensorRef.disabled():  # plain torch on the CPU, where all of it runs
+        expected = run()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grad = run()
+    assert any("runs on the host" in str(w.message) for w in caught)
+    assert_identical(expected, grad)
+
+
+def test_optimizer_step_counters_are_cpu_tensors_as_in_plain_torch():
+    # torch < 2.13 makes Adam's step counters without a device: the manager put them on the
+    # accelerator, where plain torch keeps them on the CPU (a kernel launch and a host read per
+    # parameter and step)
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.1)
+    layer(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    steps = [s["step"] for s in optimizer.state.values()]
+    assert [(s.device, s.item()) for s in steps] == [(CPU, 1.0)] * 2
