@@ -178,6 +178,11 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
         """Bytes of resident blocks now."""
         return self._device_bytes
 
+    @property
+    def disk_blocks(self) -> int:
+        """Live blocks with a copy on disk (strategies read ahead while there are any)."""
+        return self._disk_blocks
+
     def is_accelerator(self, device: torch.device) -> bool:
         """Whether ``device`` is the manager's accelerator (``"cuda"`` matches ``"cuda:N"``)."""
         if self._backend.passthrough:

@@ -198,7 +198,7 @@ class Flow(FlowLearning, FlowOrder, FlowPrefetch, Strategy):
                 self._plan_prefetch(op.index, op.blocks, op.output_estimate())
             else:
                 self._prefetch(op.index, op.output_estimate())
-        if self.plan is not None and self.disk_lookahead and mgr._disk_blocks:
+        if self.plan is not None and self.disk_lookahead and mgr.disk_blocks:
             self._read_ahead(op.index)
 
     # -- following the plan --------------------------------------------------------------
@@ -213,7 +213,7 @@ class Flow(FlowLearning, FlowOrder, FlowPrefetch, Strategy):
         mgr = self.manager
         if self.lookahead and not mgr.all_resident():
             self._plan_prefetch(n, blocks, reserved)
-        if self.disk_lookahead and mgr._disk_blocks:
+        if self.disk_lookahead and mgr.disk_blocks:
             self._read_ahead(n)
         return True
 
