@@ -315,11 +315,11 @@ def test_a_prefetch_evicts_only_when_asked_on_every_device(fresh_manager, monkey
     fresh_manager.strategy = flow
     monkeypatch.setattr(type(fresh_manager), "device_kind", property(lambda self: "cuda"))
     flow.device_changed()
-    assert not flow._evicting_prefetch
+    assert not flow.prefetch_evicts
     evicting = Flow(prefetch_evicts=True)
     fresh_manager.strategy = evicting
     evicting.device_changed()
-    assert evicting._evicting_prefetch
+    assert evicting.prefetch_evicts
 
 
 def test_a_tiny_block_predicted_dead_is_evicted_after_the_weights(fresh_manager):

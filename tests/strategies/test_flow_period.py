@@ -123,13 +123,14 @@ def test_the_history_stays_within_its_window_over_many_calls(fresh_manager, plan
         prompt, steps = CALLS[i % len(CALLS)]
         call(ws, prompt, steps)
         n = tm.op_index
-        kept = n - flow._pruned_at + max(flow.max_history, 2 * (flow.period or 0) + flow.lookahead + 8)
-        assert min(flow._func) >= n - kept
-        for bid in set(flow._uses) | set(flow._birth):
+        learning = flow.learning
+        kept = n - learning.pruned_at + max(flow.max_history, 2 * (flow.period or 0) + flow.lookahead + 8)
+        assert min(learning.funcs) >= n - kept
+        for bid in set(learning.uses) | set(learning.births):
             if tm.block(bid) is None:  # dead: kept only while a record of it is in the window
-                last = max(flow._uses.get(bid, [-1])[-1], flow._birth.get(bid, (-1, 0))[0])
+                last = max(learning.uses.get(bid, [-1])[-1], learning.births.get(bid, (-1, 0))[0])
                 assert last >= n - kept, (bid, last, n - kept)
-        pruned.add(flow._pruned_at)
+        pruned.add(learning.pruned_at)
     assert len(pruned) > 10  # (it pruned all along)
     assert flow.period is not None and (flow.plan is not None) == plan
     assert_identical(expected, call(ws, 7, 9))  # (what it kept still pages right)
@@ -184,4 +185,5 @@ def test_with_nothing_to_page_flow_keeps_no_record_of_the_tensors_a_loop_makes(f
     for _ in range(200):
         out = torch.zeros(32, 32) + w
     assert_identical(expected, out)
-    assert (len(flow._birth), len(flow._adopted), len(flow._released), len(flow._uses)) == (0, 0, 0, 0)
+    learning = flow.learning
+    assert (len(learning.births), len(learning.adopted), len(learning.released), len(learning.uses)) == (0, 0, 0, 0)

@@ -5,6 +5,13 @@ manager does: it calls ``manager.fetch(block)`` / ``manager.evict(block)`` and n
 touches a block's copies itself. Whatever a strategy does, the manager guarantees the
 op's own blocks are resident when the op runs and that the budget holds.
 
+A strategy uses the manager through its public strategy interface only, each member
+listed with what it does in ``docs/custom-strategy.md``: reads (``limit``, ``op_index``,
+``under_pressure``, ``device_kind``, ``device_bytes``, ``disk_blocks``, ``room()``,
+``in_use()``, ``fits(n)``, ``block_bytes(n)``, ``block(id)``, ``resident_block(id)``,
+``resident_blocks()``, ``all_resident()``, ``host_room()``, ``host_copies()``) and requests
+(``evict``, ``fetch``, ``prefetch``, ``read_ahead``, ``drop_host_copy``, ``hooks_changed()``).
+
 A minimal custom strategy (``docs/custom-strategy.md`` develops it)::
 
     from torchTensorRef.strategies import Strategy
@@ -29,8 +36,9 @@ from typing import Iterable, Optional
 class Strategy:
     """Base paging policy. Subclass it and override the hooks you need.
 
-    Hooks (``op`` is an :class:`~torchTensorRef.ops.dispatch.OpContext` with ``index``,
-    ``name``, ``blocks`` (inputs), ``written`` and, after the op, ``outputs``):
+    Hooks (``op`` is an :class:`~torchTensorRef.ops.op_context.OpContext` with ``index``,
+    ``name``, ``spec``, ``blocks`` (inputs), ``written``, ``output_estimate()`` and, after the
+    op, ``outputs``):
 
     - ``before_op(op)``: before the op's blocks are made resident (prefetch, plan).
     - ``before_run(op)``: its blocks are resident and it is about to run (prefetch).
@@ -38,9 +46,13 @@ class Strategy:
     - ``choose_victim(protect)``: the block to evict when room is needed, or ``None``.
     - ``on_release(block)``: a block died (no TensorRef views it any more).
     - ``on_adopt(block)``: a creation function made a new block (not an op).
+    - ``device_changed()``: the manager's device changed.
     - ``attach(manager)`` / ``detach()``: the strategy was installed / replaced.
+    - ``needs_every_op()``: whether the three per-op hooks must see every op.
     - ``follows_fast_ops()``, ``fast_op(...)``, ``after_fast_op(...)``: a cheaper way to see
       the ops that move nothing, for a strategy that knows what to expect (Flow's plan).
+    - ``choose_host_victim(candidates, index)``, ``host_room_for(block, index)``: under a
+      host budget, which host copy leaves host memory, and whether to keep one.
 
     The default victim is the least recently used unpinned resident block.
     """

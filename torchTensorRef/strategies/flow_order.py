@@ -1,29 +1,28 @@
 """Flow's eviction order: the resident block whose next use is farthest away goes first.
 
-Belady's rule on Flow's predictions (``flow_learn.py``): blocks predicted dead first (clean
-ones before dirty ones), then the one needed farthest ahead, a dirty block's distance
-counting half (Note [Dirty blocks cost two copies]); blocks with no prediction after
-those, least recently used first. While learning, Flow keeps the resident blocks in a heap,
-re-ranked after each op that touches them; while following the plan, it ranks them only
-when room has to be made, once per op.
+Belady's rule on the learning part's predictions (``flow_learn.py``): blocks predicted dead
+first (clean ones before dirty ones), then the one needed farthest ahead, a dirty block's
+distance counting half (Note [Dirty blocks cost two copies]); blocks with no prediction
+after those, least recently used first. While learning, the resident blocks are kept in a
+heap, re-ranked after each op that touches them; while following the plan, they are ranked
+only when room has to be made, once per op.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+from .flow_learn import DEAD, Learning
 
 #: priority of blocks with no prediction: evicted after the predicted-dead, LRU among them
-_UNKNOWN = 1 << 60
-_DEAD = 1 << 62
-
+UNKNOWN = 1 << 60
 
 #: a dirty block predicted dead and smaller than this is evicted last, as if the next op
 #: needed it: writing it back costs a copy's fixed cost (host time, a launch, the link's
-#: latency) for almost no room, and it is about to be freed anyway. (Batch-1 decoding
-#: leaves hundreds of such vectors per call: Llama at 50% of its weights, 565 -> 172
-#: write-backs and 1113 -> 721 evictions per ``generate()`` call, bytes 1% fewer; a
-#: training step's activations are larger and keep their rank.)
+#: latency) for almost no room, and it is about to be freed anyway. Batch-1 decoding leaves
+#: hundreds of such vectors per call; a training step's activations are larger and keep
+#: their rank. (Measured: docs/benchmarks/README.md, "Flow's choices, as measured".)
 _TINY_BYTES = 16 * 1024
 
 
@@ -34,64 +33,98 @@ _TINY_BYTES = 16 * 1024
 # so a dirty block ranks at half its distance. The distance is from the op that ranks: the
 # plan ranks when room is needed, exactly; learning's heap ranks a block when an op uses
 # it, and a dirty block's half-distance is stale by the ops since, so the two can choose
-# differently where dirty blocks compete (the plan never moved more in the tests). Ranked
-# from its last use instead, both would agree, but a dirty block idle long before its next
-# use (a gradient, an optimizer's moments) would look due and be kept: an AdamW step at 100%
-# of the weights moved 1.176x the offline reference against 1.075x
-# (``benchmarks/train_budget.py``). Decoding makes a new dirty key/value cache in every
-# layer at every step, needed again at the next step, as far ahead as the layer's weights:
-# ranked by distance alone, it was written back and fetched again at every step. The Llama
-# decoding of ``benchmarks/small_ops.py --size small`` (4 layers) on the lenient "sim" at
-# 50% of the weights: 233 -> 63 write-backs and 699 -> 570 evictions per ``generate()``
-# call, 199.2 -> 196.3 MB moved; at 25%, 208 -> 2 write-backs.
+# differently where dirty blocks compete. Ranked from its last use instead, both would
+# agree, but a dirty block idle long before its next use (a gradient, an optimizer's
+# moments) would look due and be kept, and an AdamW step would move more. Decoding makes a
+# new dirty key/value cache in every layer at every step, needed again at the next step, as
+# far ahead as the layer's weights: ranked by distance alone, it would be written back and
+# fetched again at every step. (Measured: docs/benchmarks/README.md, "Flow's choices, as
+# measured".)
 
 
 def _first(entry) -> int:
     return entry[0]
 
 
-class FlowOrder:
-    """Flow's ranking of resident blocks and its choice of a victim."""
+class Order:
+    """Flow's ranking of the resident blocks and its choice of a victim.
 
-    def _priority(self, block, n: int) -> int:
-        plan = self.plan
-        nxt = plan.next_use(block.id, n, self._birth, _DEAD) if plan is not None else self.next_use(block.id, n)
+    It owns the heap of resident blocks ranked while learning and the ranking made once per
+    op while following the plan; the predictions come from the learning part, the blocks
+    from the manager (``resident_blocks()``, ``resident_block(id)``).
+    """
+
+    learning: Learning
+    manager: Any  # the TensorsManager (its strategy interface), or None before attach
+    _heap: List[Tuple[int, int, int]]  # (-priority, stamp, block id)
+    _stamp: Dict[int, int]  # block id -> stamp of its live entry in the heap
+    _counter: int  # the last stamp given
+    _ranking: Tuple[int, list]  # (op, [(priority, id, block)], best victim last) while following the plan
+
+    def __init__(self, learning: Learning, manager):
+        self.learning = learning
+        self.manager = manager
+        self._heap = []
+        self._stamp = {}
+        self._counter = 0
+        self._ranking = (-1, [])
+
+    def priority(self, block, n: int) -> int:
+        """How good a victim ``block`` is at op ``n``: the higher, the sooner it goes."""
+        nxt = self.learning.predict(block.id, n)
         if nxt is None:
-            return _UNKNOWN - block.last_use  # recency: least recently used first
-        if nxt != _DEAD and not block.clean:
+            return UNKNOWN - block.last_use  # recency: least recently used first
+        if nxt != DEAD and not block.clean:
             return n + (nxt - n) // 2  # (Note [Dirty blocks cost two copies])
-        if nxt == _DEAD:
+        if nxt == DEAD:
             if block.clean:
-                return _DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
+                return DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
             if block.nbytes < _TINY_BYTES:
                 return n + 1  # evicted last: see _TINY_BYTES
         return nxt
 
-    def _push(self, block, n: int) -> None:
+    def push(self, block, n: int) -> None:
+        """Rank ``block`` at op ``n`` in the heap (its earlier entry goes stale)."""
         self._counter += 1
         self._stamp[block.id] = self._counter
-        heapq.heappush(self._heap, (-self._priority(block, n), self._counter, block.id))
+        heapq.heappush(self._heap, (-self.priority(block, n), self._counter, block.id))
 
-    def _rebuild_heap(self) -> None:
+    def rebuild(self, n: int) -> None:
+        """Rank every resident block anew at op ``n`` (the predictions changed)."""
         if self.manager is None:
             return
         self._heap = []
         self._stamp = {}
         for block in self.manager.resident_blocks():
-            self._push(block, self._now)
+            self.push(block, n)
+
+    def forget(self, block_id: int) -> None:
+        """Block ``block_id`` died: its heap entry is stale."""
+        self._stamp.pop(block_id, None)
+
+    def forget_ranking(self) -> None:
+        """A plan was compiled: the next victim is chosen from a ranking by it."""
+        self._ranking = (-1, [])
+
+    def victim(self, protect, n: int, worse_than: Optional[int] = None, clean_only: bool = False):
+        """The best victim at op ``n``: resident, unpinned, its id not in ``protect``, clean if
+        ``clean_only``, ranked above ``worse_than`` if given; ``None`` if there is none."""
+        if self.learning.plan is not None:
+            return self._plan_victim(protect, n, worse_than, clean_only)
+        return self._pop_victim(protect, worse_than, clean_only)
 
     def _plan_rank(self, n: int) -> list:
         """Resident blocks, best victim last, ranked by the plan at op ``n`` (once per op)."""
         if self._ranking[0] == n:
             return self._ranking[1]
-        priority = self._priority
+        priority = self.priority
         ranked = [(priority(block, n), block.id, block) for block in self.manager.resident_blocks()]
         ranked.sort(key=_first)
         self._ranking = (n, ranked)
         return ranked
 
-    def _plan_victim(self, protect, worse_than: Optional[int] = None, clean_only: bool = False):
-        ranked = self._plan_rank(self._now)
+    def _plan_victim(self, protect, n: int, worse_than: Optional[int], clean_only: bool):
+        ranked = self._plan_rank(n)
         resident = self.manager.resident_block
         for i in range(len(ranked) - 1, -1, -1):
             priority, bid, block = ranked[i]
@@ -106,7 +139,7 @@ class FlowOrder:
             return block
         return None
 
-    def _pop_victim(self, protect, worse_than: Optional[int] = None, clean_only: bool = False):
+    def _pop_victim(self, protect, worse_than: Optional[int], clean_only: bool):
         heap = self._heap
         stamp = self._stamp
         resident = self.manager.resident_block

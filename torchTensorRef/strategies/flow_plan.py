@@ -1,9 +1,9 @@
 """Flow's plan: one period of the program, compiled so that following it costs little per op.
 
 While Flow learns (``flow_learn.py``) it records every op, checks every op against the op one
-period earlier and ranks every block it touches: tens of microseconds per op. Once the
-sequence has repeated for a whole period, none of that tells it anything new. It compiles
-the last period into a :class:`Plan` and from then on only checks that each op follows it:
+period earlier and ranks every block it touches. Once the sequence has repeated for a whole
+period, none of that tells it anything new. It compiles the last period into a
+:class:`Plan` and from then on only checks that each op follows it:
 
 - per offset ``k`` in the period: the aten op and the *roles* of its blocks (a long-lived
   block by its id, a block made ``age`` ops earlier by output ``slot``), which is what a
