@@ -486,3 +486,62 @@ def test_cuda_peak_without_cuda_says_so(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cuda_peak.main([]) == 0
     assert "needs CUDA" in capsys.readouterr().out
+
+
+def test_real_models_small_on_sim_equal_to_plain_within_their_budgets(tmp_path):
+    """``benchmarks/real_models.py --size small --device sim``, in its own process as on a GPU:
+    every row runs, the managed rows' tokens, losses and latents are plain torch's bit for bit
+    and their real peaks stay within their budgets."""
+    import importlib.util
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "real_models.json"
+    # as on a GPU: allocations counted as CUDA's allocator rounds them, workspaces outside the manager
+    env = dict(os.environ, TORCHTENSORREF_SIM_ROUNDING="1", TORCHTENSORREF_SIM_WORKSPACE=str(64 * 1024))
+    argv = ["--size", "small", "--device", "sim", "--json", str(path)]
+    done = subprocess.run([sys.executable, "benchmarks/real_models.py", *argv], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    saved = json.loads(path.read_text())
+    for key in METADATA:
+        assert saved[key], key
+    assert saved["command"] == "python benchmarks/real_models.py " + " ".join(argv)
+    result = saved["result"]
+    assert result["failures"] == []
+    rows = {(r["group"], r["config"]): r for r in result["rows"]}
+    missing = {name for name in ("peft", "diffusers") if importlib.util.find_spec(name) is None}
+    for r in result["rows"]:
+        assert "error" not in r, r
+        if r["config"] == "cpu":  # (plain torch on "sim" runs on the CPU already)
+            assert "accelerator is the host's CPU" in r["skipped"], r
+        elif "skipped" in r:
+            assert r["skipped"] in {f"{name} is not installed" for name in missing}, r
+    managed = [r for r in result["rows"] if r.get("strategy") in ("flow", "genoa") and "skipped" not in r]
+    expected = {"llama decode b1", "llama decode b8"}
+    expected |= set() if "peft" in missing else {"llama lora step"}
+    expected |= set() if "diffusers" in missing else {"unet denoise 2 steps"}
+    assert {r["group"] for r in managed} == expected
+    for r in managed:
+        assert r["equal"] is True, r
+        assert r["budget"] > r["outside_bytes"] > 0, r
+        assert r["peak"] <= r["budget"] and r["allocator_peak"] <= r["budget"] and r["overshoot"] == 0, r
+        assert r["moved"] == r["bytes_to_device"] + r["bytes_to_host"] > 0, r
+        plain = rows[(r["group"], "plain")]
+        assert r["to_plain"] == pytest.approx(r["seconds_per_unit"] / plain["seconds_per_unit"])
+        assert r["bound_per_unit"] >= plain["seconds_per_unit"] and r["to_bound"] > 0
+    # the budgets: the shares of the 7B model's weights that 8 GiB and 4 GiB are, on top of the outside bytes
+    weights = result["models"]["llama"]["weight_bytes"]
+    shares = {}
+    for r in managed:
+        if r["group"].startswith("llama decode"):
+            shares.setdefault(r["strategy"], set()).add(round((r["budget"] - r["outside_bytes"]) / weights, 2))
+    assert shares == {"flow": {0.64, 0.32}, "genoa": {0.64}}
+    # accelerate's hooks copy in, every token, what its device map left on the host
+    accelerate = [r for r in result["rows"] if r.get("strategy") == "accelerate device_map"]
+    assert len(accelerate) == 4
+    for r in accelerate:
+        assert r["moved"] > 0 and r["budget"] > r["outside_bytes"] and "equal" in r, r
+    if "diffusers" not in missing:
+        offload = rows[("unet denoise 2 steps", "diffusers group offload")]
+        assert offload["moved"] == 2 * result["models"]["denoiser"]["weight_bytes"] and "equal" in offload
