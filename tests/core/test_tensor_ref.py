@@ -355,6 +355,41 @@ def test_data_setter_rebinds_the_parameter():
     assert p.tolist() == [3.0, 3.0]
 
 
+def test_a_tensor_rebound_by_data_leaves_its_old_bytes_to_their_other_users(paging):
+    # ``b.data = t`` left b's old liveness weakref in the old block's list of views: b's
+    # death was counted against the old block too, which was released under ``other``
+    # (reading it then raised "'NoneType' object has no attribute 'device'").
+    def run():
+        b = torch.arange(4.0)
+        other = b.detach()  # the same bytes, not a view with b as its base
+        b.data = torch.zeros(4)
+        del b
+        gc.collect()
+        torch.ones(1).add_(1)  # (an op: deaths queued meanwhile are applied)
+        return other.tolist(), other * 2
+
+    plain, managed = run_both(run)
+    assert managed[0] == plain[0]
+    assert_identical(plain[1], managed[1])
+
+
+def test_a_parameter_rebound_to_its_own_bytes_stays_readable(paging):
+    # ``p.data = p.detach()`` counted p's later death twice against its own block, which
+    # was then released under the tensors still viewing it.
+    def run():
+        p = torch.nn.Parameter(torch.arange(3.0))
+        view = p.detach()
+        p.data = p.detach()
+        del p
+        gc.collect()
+        torch.ones(1).add_(1)
+        return view.tolist(), view + 1
+
+    plain, managed = run_both(run)
+    assert managed[0] == plain[0]
+    assert_identical(plain[1], managed[1])
+
+
 def test_resize_of_a_tensor_numpy_shares_is_refused_like_torch():
     # resize_ ran on the accelerator copy, which is resizable: the resize succeeded where
     # plain torch refuses, and the array was left behind.

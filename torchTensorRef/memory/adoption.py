@@ -146,7 +146,11 @@ class Adoption:
             # Count the new view first: ``p.data = p`` (Module.to on a tied parameter that
             # already has the dtype) rebinds a block to itself and must not release it.
             block.refs += 1
-            ref._tr_wr = None  # the old liveness weakref goes, and its callback with it
+            # The old liveness weakref goes, and its callback with it: the old block's list
+            # of views holds it too, and kept there it would count this tensor's death
+            # against the old block a second time (releasing it under its other views).
+            old_wr, ref._tr_wr = ref._tr_wr, None
+            old.views = [v for v in old.views if v is not old_wr]
             old.refs -= 1
             if old.refs == 0 and old.alive:
                 self._release(old)
