@@ -77,9 +77,9 @@ class PeakRSS:
         from torchTensorRef import tensorsManager as tm
 
         while not self._stop.is_set():
-            device = tm._device_bytes + tm._inflight_bytes  # (read without the lock: a sample)
+            device = tm.accounting.resident + tm.accounting.pending_bytes  # (read without the lock: a sample)
             rss = self._process.memory_info().rss
-            device = min(device, tm._device_bytes + tm._inflight_bytes)  # (either side of the reading)
+            device = min(device, tm.accounting.resident + tm.accounting.pending_bytes)  # (either side of the reading)
             self.peak = max(self.peak, rss)
             self.peak_less_device = max(self.peak_less_device, rss - device)
             time.sleep(self._every)

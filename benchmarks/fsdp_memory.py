@@ -24,8 +24,8 @@ if __package__ in (None, ""):
 def _block_bytes() -> int:
     from torchTensorRef import tensorsManager
 
-    with tensorsManager._lock:
-        return sum(b.nbytes for b in tensorsManager._blocks.values())
+    with tensorsManager.lock:
+        return sum(b.nbytes for b in tensorsManager.books.blocks.values())
 
 
 def _rank(rank: int, world: int, init_file: str, layers: int, width: int, discard: bool) -> None:

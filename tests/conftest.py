@@ -50,7 +50,7 @@ def fresh_manager():
     # The budget is a promise: no test may have gone above it (a test that shows an
     # overshoot on purpose resets the stats).
     overshoot = tm.stats()["worst_overshoot_bytes"]
-    leaked = list(tm._callbacks)
+    leaked = list(tm.callbacks.handles)
     for handle in leaked:
         handle.remove()  # (a callback left behind would turn the fast path off for later tests)
     tm.fault_injector = None

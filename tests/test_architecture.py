@@ -156,3 +156,84 @@ def test_the_module_paths_the_documentation_names_still_import():
     from torchTensorRef.timeline import predict  # noqa: F401
     from torchTensorRef.compiler import FullGraphError  # noqa: F401
     from torchTensorRef.patching import CREATION_FUNCTIONS  # noqa: F401
+
+
+# -- private names stay in the module that defines them ----------------------------------
+
+#: private names of torch's that the package reads on torch's objects (not the package's own)
+TORCH_PRIVATES = {"_is_param": "torch marks an instance of a Parameter subclass with it"}
+
+
+def _private_definitions(tree: ast.AST) -> Set[str]:
+    """Private names a module defines: ``self._x = ...`` (or ``cls.``), class-level names and
+    ``__slots__``, functions and classes, module-level assignments."""
+    found: Set[str] = set()
+
+    def private(name) -> bool:
+        return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls") and private(node.attr)):
+            found.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and private(node.name):
+            found.add(node.name)
+        elif isinstance(node, (ast.Module, ast.ClassDef)):
+            for stmt in node.body:
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else (
+                    [stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
+                for target in targets:
+                    if isinstance(target, ast.Name) and private(target.id):
+                        found.add(target.id)
+                    if (isinstance(target, ast.Name) and target.id == "__slots__"
+                            and isinstance(stmt.value, (ast.Tuple, ast.List))):
+                        found.update(e.value for e in stmt.value.elts if isinstance(e, ast.Constant) and private(e.value))
+    return found
+
+
+def _private_uses(tree: ast.AST):
+    """(name, line, what) of private attributes read or written, and private names imported
+    from the package's modules; attributes of torch's own objects are left out."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            receiver = ast.unparse(node.value)
+            if not receiver.startswith("torch.") and receiver != "torch":
+                yield node.attr, node.lineno, f"{receiver}.{node.attr}"
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(PACKAGE)):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield alias.name, node.lineno, f"import {alias.name}"
+
+
+def _private_accesses(sources: Dict[str, str]) -> List[str]:
+    """Private names of the package's modules used outside the module that defines them."""
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    defined = {name: _private_definitions(tree) for name, tree in trees.items()}
+    owners: Dict[str, Set[str]] = {}
+    for name, names in defined.items():
+        for private in names:
+            owners.setdefault(private, set()).add(name)
+    found = []
+    for name, tree in trees.items():
+        for private, line, what in _private_uses(tree):
+            if private in defined[name] or private in TORCH_PRIVATES or private not in owners:
+                continue
+            found.append(f"{name}:{line} {what} (defined in {', '.join(sorted(owners[private]))})")
+    return found
+
+
+def test_no_private_name_is_used_outside_the_module_that_defines_it():
+    # A private name read from another module is an import the import graph cannot see: the
+    # manager's parts, the strategies' parts and the layers above reach each other through
+    # public methods and attributes only (docs/architecture.md)
+    sources = {name: path.read_text() for name, path in _modules().items()}
+    assert _private_accesses(sources) == []
+
+
+def test_the_private_name_check_finds_reads_writes_and_imports():
+    sources = {
+        "pkg.a": "class A:\n    def __init__(self):\n        self._state = 0\n\ndef _helper():\n    pass\n",
+        "pkg.b": ("from .a import _helper\n\ndef f(a):\n    a._state += 1\n    return torch._C._state, a.public\n"),
+    }
+    found = sorted(f.split(" (")[0] for f in _private_accesses(sources))
+    assert found == ["pkg.b:1 import _helper", "pkg.b:4 a._state"]  # (not torch's, not a public name)

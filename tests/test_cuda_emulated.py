@@ -106,13 +106,13 @@ def cuda(monkeypatch):
 def test_cuda_assigned_again_keeps_its_backend_resolved_or_not(cuda):
     tm = tensorsManager
     tm.device = "cuda"
-    unresolved = tm._backend
+    unresolved = tm.backend
     tm.device = "cuda"
-    assert tm._backend is unresolved and tm.device == "cuda"
+    assert tm.backend is unresolved and tm.device == "cuda"
     assert tm.torch_device == torch.device("cuda", 0)  # resolves
     tm.device = "cuda"
     tm.device = "cuda:0"
-    assert tm._backend is unresolved and tm.device == "cuda:0"
+    assert tm.backend is unresolved and tm.device == "cuda:0"
 
 
 def test_a_budget_on_unresolved_cuda_counts_the_workspaces_and_refuses_less(cuda):
@@ -154,7 +154,7 @@ def test_an_op_that_does_not_fit_beside_the_workspaces_says_so(cuda):
     tm.device = "cuda"
     tm.budget = 2 * WORKSPACE + MiB
     with pytest.raises(OutOfBudgetError, match="66.0 MiB is allocated outside the manager"):
-        tm._make_room(2 * MiB, (), "aten.mm.default")
+        tm.make_room(2 * MiB, (), "aten.mm.default")
 
 
 def test_a_new_threads_workspace_is_made_and_counted_before_its_kernels(cuda):
@@ -164,11 +164,11 @@ def test_a_new_threads_workspace_is_made_and_counted_before_its_kernels(cuda):
     tm.device = "cuda"
     tm.budget = "200MiB"
     assert tm.stats()["outside_bytes"] == 2 * WORKSPACE
-    worker = threading.Thread(target=lambda: tm._make_room(MiB, (), "aten.mm.default"))
+    worker = threading.Thread(target=lambda: tm.make_room(MiB, (), "aten.mm.default"))
     worker.start()
     worker.join(timeout=30)
     assert not worker.is_alive()
-    assert tm._elsewhere_bytes == 3 * WORKSPACE  # read when it was made, not 64 checks later
+    assert tm.accounting.elsewhere_bytes == 3 * WORKSPACE  # read when it was made, not 64 checks later
 
 
 def test_releasing_host_copies_does_not_ask_cuda_for_its_capacity(cuda):
@@ -177,7 +177,7 @@ def test_releasing_host_copies_does_not_ask_cuda_for_its_capacity(cuda):
     tm.budget = "200MiB"
     reads = cuda.capacity_reads
     for _ in range(10):
-        assert tm._kept_limit() == 0  # (CUDA's allocators keep freed memory themselves)
+        assert tm.residency.kept_limit() == 0  # (CUDA's allocators keep freed memory themselves)
     assert cuda.capacity_reads == reads
 
 
@@ -188,7 +188,7 @@ def test_the_budget_reads_the_allocator_s_counter_not_its_flattened_statistics(c
     cuda.flattened_reads = cuda.counter_reads = 0
     cuda.allocated += 3 * MiB  # (a plain tensor of the program's)
     for _ in range(5):
-        tm._make_room(MiB, (), "aten.mm.default")
+        tm.make_room(MiB, (), "aten.mm.default")
         assert tm.stats()["outside_bytes"] == 2 * WORKSPACE + 3 * MiB  # (a reading of the device)
     assert cuda.counter_reads >= 5 and cuda.flattened_reads == 0
 

@@ -224,7 +224,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if getattr(args, key) is not None:
             size[key] = getattr(args, key)
     declared = tensorsManager.torch_device  # (resolves "cuda" to "cuda:N")
-    compute = tensorsManager._backend.compute
+    compute = tensorsManager.backend.compute
     if compute.type == "cpu":
         # The ops of a model this small are too short for intra-op threads to pay off; on a
         # busy machine waking them dominates, and the timings would measure that.

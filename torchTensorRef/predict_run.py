@@ -151,7 +151,7 @@ class StepRecorder:
         if self._depth == 0 and self._top is None:
             self._top = module
         self._depth += 1
-        trace = tensorsManager._trace
+        trace = tensorsManager.trace
         if trace is not None and trace is self.trace:
             params = list(module.parameters(recurse=False))
             if params:  # what an offloading hook copies in before this forward

@@ -114,7 +114,7 @@ def test_the_disk_reference_bounds_what_flow_reads():
 
     tm.evict_all()
     gc.collect()
-    tm.host_budget = 4 * n + sum(b.nbytes for b in tm._hosted.values() if b.host_shared or b.external)
+    tm.host_budget = 4 * n + sum(b.nbytes for b in tm.host_tier.hosted.values() if b.host_shared or b.external)
     for _ in range(3):
         step()
     tm.reset_stats()

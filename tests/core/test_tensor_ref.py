@@ -13,6 +13,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, tensorsManager
 from torchTensorRef.strategies import NAMES
+from torchTensorRef.core.tensor_ref import block_of
 
 from paired import assert_identical, budget, device_type, paging, run_both  # noqa: F401  (paging is a fixture)
 
@@ -279,10 +280,10 @@ def test_a_block_is_cached_again_once_its_arrays_are_gone():
     tm.strategy = "flow"
     w = torch.ones(4)
     view = w.numpy()[1:]
-    assert w._tr_block.external
+    assert block_of(w).external
     del view
     gc.collect()
-    assert not w._tr_block.external
+    assert not block_of(w).external
     w.toGPU()
     assert _where(w) == device_type()
 

@@ -14,6 +14,7 @@ import torch
 import torchTensorRef
 from paired import assert_identical, budget, plain_torch, to_plain
 from torchTensorRef import CheckpointChangedError, TensorRef, tensorsManager
+from torchTensorRef.core.tensor_ref import block_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,7 +63,7 @@ def _tight(model) -> int:
     leave it) of the weights."""
     weights = _weight_bytes(model)
     gc.collect()
-    held = sum(b.nbytes for b in tensorsManager._hosted.values() if b.host_shared or b.external)
+    held = sum(b.nbytes for b in tensorsManager.host_tier.hosted.values() if b.host_shared or b.external)
     tensorsManager.budget = budget(weights // 10)
     tensorsManager.host_budget = held + weights // 3
     tensorsManager.reset_stats()
@@ -92,7 +93,7 @@ def test_loading_reads_nothing_and_keeps_ties(saved):
     assert model.lm_head.weight is model.transformer.wte.weight
     w = model.transformer.h[0].mlp.c_fc.weight
     assert isinstance(w, TensorRef) and isinstance(w, torch.nn.Parameter) and w.requires_grad
-    assert w._tr_block.disk is not None and w._tr_block.host is None
+    assert block_of(w).disk is not None and block_of(w).host is None
 
 
 @pytest.mark.parametrize("strategy", ["flow", "genoa"])
@@ -144,7 +145,7 @@ def test_from_pretrained_of_a_local_folder_loads_lazily(saved):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     stats = tensorsManager.stats()
     assert stats["bytes_from_disk"] == 0 and stats["host_bytes"] == host_before
-    assert model.transformer.h[3].attn.c_attn.weight._tr_block.disk is not None
+    assert block_of(model.transformer.h[3].attn.c_attn.weight).disk is not None
     _generates_as_plain_within_budgets(model, plain, 4)
 
 
@@ -168,7 +169,7 @@ def test_from_pretrained_then_to_converts_as_plain_torch(saved_llama, conversion
     # model.to(device) after from_pretrained raised AttributeError: a weight whose bytes were
     # only in the file had no copy for ``p.data = p`` to view
     folder, plain = saved_llama
-    device = tensorsManager._declared
+    device = tensorsManager.declared
     convert = {"device": lambda m: m.to(device.type), "cpu": lambda m: m.to("cpu"),
                "bfloat16": lambda m: m.to(torch.bfloat16), "half": lambda m: m.half()}[conversion]
     model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
@@ -177,7 +178,7 @@ def test_from_pretrained_then_to_converts_as_plain_torch(saved_llama, conversion
     weight = model.model.layers[1].mlp.up_proj.weight
     assert isinstance(weight, TensorRef) and model.lm_head.weight is model.model.embed_tokens.weight
     if conversion == "device":  # (already there: nothing is read)
-        assert tensorsManager.stats()["bytes_from_disk"] == start and weight._tr_block.disk is not None
+        assert tensorsManager.stats()["bytes_from_disk"] == start and block_of(weight).disk is not None
     ids = torch.tensor(PROMPT, device="cpu" if conversion == "cpu" else None)
     logits = model(ids).logits
     tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
@@ -206,7 +207,7 @@ def test_from_pretrained_without_accelerate_loads_to_the_managed_device(saved_ll
     model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
     assert tensorsManager.stats()["bytes_from_disk"] == start  # still loaded lazily
     weight = model.model.layers[1].mlp.up_proj.weight
-    assert isinstance(weight, TensorRef) and weight._tr_block.disk is not None
+    assert isinstance(weight, TensorRef) and block_of(weight).disk is not None
     assert weight.device == plain.model.layers[1].mlp.up_proj.weight.device  # the managed device
     logits = model(torch.tensor(PROMPT)).logits
     tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
@@ -308,7 +309,7 @@ def test_torch_load_with_mmap_reads_nothing_and_generates_within_a_host_budget(s
     state = torch.load(path, mmap=True, weights_only=True)
     stats = tensorsManager.stats()
     assert stats["bytes_from_disk"] == start["bytes_from_disk"] and stats["host_bytes"] == start["host_bytes"]
-    assert all(type(v) is TensorRef and v._tr_block.host is None and v._tr_block.disk is not None
+    assert all(type(v) is TensorRef and block_of(v).host is None and block_of(v).disk is not None
                for v in state.values())
     # tied weights: one storage in the file, one block here
     assert state["lm_head.weight"].proxyInfo.block_id == state["transformer.wte.weight"].proxyInfo.block_id
@@ -340,7 +341,7 @@ def test_torch_load_with_mmap_keeps_views_parameters_and_writes_apart_from_the_f
     assert_identical(saved, loaded)
     loaded["base"][12] = -1.0  # a write: the loaded tensor changes, the file does not
     assert loaded["tail"][2].item() == -1.0 and path.read_bytes() == before
-    assert loaded["base"]._tr_block.disk is None  # (its range no longer holds its bytes)
+    assert block_of(loaded["base"]).disk is None  # (its range no longer holds its bytes)
 
 
 def test_torch_load_with_mmap_of_a_pickled_module_adopts_it(tmp_path):
@@ -369,7 +370,7 @@ def test_from_pretrained_of_a_pytorch_model_bin_folder_loads_lazily(saved, tmp_p
     model = transformers.AutoModelForCausalLM.from_pretrained(bin_folder).eval()
     stats = tensorsManager.stats()
     assert stats["bytes_from_disk"] - start["bytes_from_disk"] < weights // 20  # (it reads a few small ones)
-    assert model.transformer.h[3].attn.c_attn.weight._tr_block.disk is not None
+    assert block_of(model.transformer.h[3].attn.c_attn.weight).disk is not None
     assert _generates_as_plain_within_budgets(model, plain, 4)["bytes_to_disk"] == 0
 
 

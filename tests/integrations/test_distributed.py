@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torchTensorRef.core.tensor_ref import block_of
 
 import distributed_workers as workers
 from paired import ROOT, TESTS
@@ -242,8 +243,8 @@ def test_fsdp2_on_cuda_is_refused_before_it_shards(monkeypatch):
     model = workers.Stack(depth=1)
     params = dict(model.named_parameters())
     state = {id(m): dict(vars(m)) for m in model.modules()}
-    monkeypatch.setattr(type(tm._backend), "name", "cuda")
-    monkeypatch.setattr(tm._backend, "resolved", False, raising=False)  # (read by tm.device)
+    monkeypatch.setattr(type(tm.backend), "name", "cuda")
+    monkeypatch.setattr(tm.backend, "resolved", False, raising=False)  # (read by tm.device)
     with pytest.raises(RuntimeError, match=r"FSDP2 \(fully_shard\) cannot run on TensorRefs on device .*CUDA "
                                            r"streams of its own.*Use DistributedDataParallel"):
         fully_shard(model.layers[0])
@@ -264,16 +265,16 @@ def test_discard_drops_the_device_copy_without_writing_it_back():
     t = torch.ones(256, device="sim")
     t.add_(1)
     tm.discard(t)  # no host copy yet: written back once to get one
-    assert not t._tr_block.resident and tm.stats()["writebacks"] == 1
+    assert not block_of(t).resident and tm.stats()["writebacks"] == 1
     t.mul_(3)  # dirty again, with a host copy
     moved = tm.stats()["bytes_to_host"]
     tm.discard(t)
-    assert not t._tr_block.resident
+    assert not block_of(t).resident
     assert (tm.stats()["writebacks"], tm.stats()["bytes_to_host"]) == (1, moved)
     tm.pin(t)
     t.add_(1)
     tm.discard(t)  # a pinned block stays
-    assert t._tr_block.resident
+    assert block_of(t).resident
     tm.unpin(t)
 
 

@@ -11,6 +11,7 @@ import torchTensorRef
 from torchTensorRef.memory.adoption import PIN_AT_ADOPTION_BYTES
 from torchTensorRef import TensorRef
 from torchTensorRef import manage
+from torchTensorRef.core.tensor_ref import block_of
 
 from paired import assert_identical, budget, device_type, paging, plain_torch  # noqa: F401  (paging is a fixture)
 
@@ -175,9 +176,9 @@ def test_a_managed_module_s_tensors_nobody_else_holds_become_the_managers_own(fr
     torchTensorRef.manage(model)
     torchTensorRef.manage(other)
     if tm.device != "cpu":
-        assert all(tm._backend.pinned.is_pinned(p._tr_block.host) for p in model.parameters() if p.numel() >= 1024)
-    assert not any(p._tr_block.host_shared for p in model.parameters())
-    assert other.weight._tr_block.host_shared and not other.bias._tr_block.host_shared
+        assert all(tm.backend.pinned.is_pinned(block_of(p).host) for p in model.parameters() if p.numel() >= 1024)
+    assert not any(block_of(p).host_shared for p in model.parameters())
+    assert block_of(other.weight).host_shared and not block_of(other.bias).host_shared
     tm.strategy = "flow"
     tm.budget = budget("40KiB")  # fetched and evicted around every op: asynchronous copies only
     xr = torch.empty(4, 64)

@@ -24,7 +24,7 @@ def saved_llama(tmp_path):
     return tmp_path
 
 
-def _placement(model) -> set:
+def placement(model) -> set:
     return {(type(t).__name__, t.device.type) for t in list(model.parameters()) + list(model.buffers())}
 
 
@@ -47,7 +47,7 @@ def test_from_pretrained_inside_disabled_on_the_device_loads_as_plain_torch_with
     with plain_torch():  # disabled(device=<the managed device>)
         model = transformers.LlamaForCausalLM.from_pretrained(saved_llama)
         made = torch.zeros(2)
-    assert _placement(model) == _placement(expected) == {("Parameter", "cpu"), ("Tensor", "cpu")}
+    assert placement(model) == placement(expected) == {("Parameter", "cpu"), ("Tensor", "cpu")}
     assert_identical(dict(expected.state_dict()), dict(model.state_dict()))
     assert_identical(expected.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
     # creations inside still land on the device, as plain tensors

@@ -14,6 +14,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.strategies import NAMES
+from torchTensorRef.core.tensor_ref import block_of
 
 from paired import assert_identical, paging, run_both  # noqa: F401  (paging is a fixture)
 
@@ -251,7 +252,7 @@ def test_load_with_mmap_ties_the_file_without_get_record_size(tmp_path, monkeypa
     monkeypatch.setattr(torch._C, "PyTorchFileReader", _ReaderOfTorch211)
     before = tensorsManager.stats()["bytes_from_disk"]
     loaded = torch.load(tmp_path / "m.pt", mmap=True, weights_only=True)
-    assert all(type(v) is TensorRef and v._tr_block.disk is not None and v._tr_block.host is None
+    assert all(type(v) is TensorRef and block_of(v).disk is not None and block_of(v).host is None
                for v in loaded.values())  # tied to the file's ranges, nothing read
     assert tensorsManager.stats()["bytes_from_disk"] == before
     assert_identical(plain, loaded)

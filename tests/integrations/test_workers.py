@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchTensorRef
 from torchTensorRef import tensorsManager
+from torchTensorRef.core.tensor_ref import block_of
 
 from paired import assert_identical
 
@@ -36,11 +37,11 @@ def test_dataloader_workers_index_a_dataset_of_tensor_refs(where, tmp_path):
         tensorsManager.evict_all()
     if where == "disk":
         tensorsManager.offload_dir = tmp_path
-        tensorsManager.host_budget = sum(b.nbytes for b in tensorsManager._hosted.values()) - x.nbytes
+        tensorsManager.host_budget = sum(b.nbytes for b in tensorsManager.host_tier.hosted.values()) - x.nbytes
         tensorsManager.synchronize()
-        assert x._tr_block.host is None and x._tr_block.disk is not None
+        assert block_of(x).host is None and block_of(x).disk is not None
     else:
-        assert (x._tr_block.dev is not None) is (where == "device")
+        assert (block_of(x).dev is not None) is (where == "device")
     managed = _worker_batches(data)
     tensorsManager.host_budget = None
     with torchTensorRef.disabled():  # plain torch: a dataset of CPU tensors gives CPU batches

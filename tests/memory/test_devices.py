@@ -8,6 +8,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.memory.devices import CudaBackend, PassthroughBackend, SimBackend, make_backend
+from torchTensorRef.core.tensor_ref import block_of
 from paired import sim_only
 
 
@@ -84,7 +85,7 @@ def test_cpu_pass_through_never_moves():
 @pytest.mark.cuda
 def test_cuda_backend_moves_to_the_gpu():
     tensorsManager.device = "cuda"
-    assert isinstance(tensorsManager._backend, CudaBackend)
+    assert isinstance(tensorsManager.backend, CudaBackend)
     x = torch.rand(256, 256)
     with torchTensorRef.disabled():
         expected = x.target.clone() @ x.target.clone()
@@ -119,13 +120,13 @@ def test_graph_capture_of_tensorref_ops_is_refused_on_every_path(strategy):
     x = torch.ones(4)
     x.toGPU()
     before = tensorsManager.op_index
-    tensorsManager._set_capturing(True)
+    tensorsManager.set_capturing(True)
     try:
         with pytest.raises(RuntimeError, match="CUDA graph capture of ops on TensorRefs is not supported"):
             x + 1
         assert tensorsManager.op_index == before  # refused before anything changed
     finally:
-        tensorsManager._set_capturing(False)
+        tensorsManager.set_capturing(False)
     assert (x + 1).tolist() == [2.0] * 4
 
 
@@ -148,7 +149,7 @@ def test_cuda_graph_capture_of_tensorref_ops_raises():
     with pytest.raises(RuntimeError, match="CUDA graph capture"):
         with torch.cuda.graph(graph):
             x + 1
-    assert not tensorsManager._capturing and (x + 1).tolist() == [2.0] * 4
+    assert not tensorsManager.capturing and (x + 1).tolist() == [2.0] * 4
 
 
 @pytest.mark.cuda
@@ -157,7 +158,7 @@ def test_cuda_data_ptr_is_the_device_copy():
     tensorsManager.device = "cuda"
     x = torch.arange(8.0)
     address = x.data_ptr()
-    assert x.is_cuda and x.proxyInfo.on_device and address == x._tr_block.dev.data_ptr()
+    assert x.is_cuda and x.proxyInfo.on_device and address == block_of(x).dev.data_ptr()
 
 
 @pytest.mark.cuda

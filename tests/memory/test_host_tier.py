@@ -10,6 +10,7 @@ import torch
 import torchTensorRef
 from paired import budget, plain_torch, values
 from torchTensorRef import DiskError, HostBudgetError, tensorsManager
+from torchTensorRef.core.tensor_ref import block_of
 
 N = 64 * 64 * 4  # bytes of one weight
 
@@ -19,7 +20,7 @@ def held() -> int:
     tensors or numpy): the budgets below are set above them."""
     gc.collect()
     tensorsManager.synchronize()
-    return sum(b.nbytes for b in tensorsManager._hosted.values() if b.host_shared or b.external)
+    return sum(b.nbytes for b in tensorsManager.host_tier.hosted.values() if b.host_shared or b.external)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -80,9 +81,9 @@ def test_a_written_block_leaves_its_disk_copy_and_is_spilled_again():
     a, b, c = (torch.ones(64, 64) * i for i in (1, 2, 3))
     tm.evict_all()
     tm.host_budget = held() + N
-    assert tm.stats()["host_bytes"] <= tm.host_budget and a._tr_block.disk is not None
+    assert tm.stats()["host_bytes"] <= tm.host_budget and block_of(a).disk is not None
     a.add_(10)  # read back, written: the spilled copy is stale now
-    assert a._tr_block.disk is None
+    assert block_of(a).disk is None
     tm.evict_all()
     b.sum()  # makes room on the host: a is spilled again
     tm.synchronize()
@@ -96,7 +97,7 @@ def test_host_only_readers_get_bytes_from_disk():
     tm.evict_all()
     tm.host_budget = held() + 0
     tm.synchronize()
-    assert t._tr_block.host is None and t._tr_block.disk is not None
+    assert block_of(t).host is None and block_of(t).disk is not None
     tm.host_budget = None
     assert t.tolist() == list(range(4096))
     with torchTensorRef.disabled():
@@ -128,7 +129,7 @@ def test_host_budget_settings_are_checked_and_a_refused_one_changes_nothing(tmp_
     t = torchTensorRef.TensorRef(plain)  # shares a plain tensor's bytes: cannot leave
     with pytest.raises(HostBudgetError):
         tm.host_budget = base + 16
-    assert tm.host_budget is None and t._tr_block.host is not None
+    assert tm.host_budget is None and block_of(t).host is not None
     tm.host_budget = "1GiB"
     assert tm.host_budget == 2**30 and tm.stats()["host_budget"] == 2**30
 
@@ -163,12 +164,12 @@ def test_a_full_disk_raises_and_keeps_the_host_copy(monkeypatch, tmp_path):
     tm.offload_dir = tmp_path  # a new spill file, not yet opened
     t = torch.full((64, 64), 7.0)
     tm.evict_all()
-    monkeypatch.setattr(tm._spill(), "path", "/dev/full")
+    monkeypatch.setattr(tm.host_tier.spill(), "path", "/dev/full")
     with pytest.raises(DiskError, match="disk is full"):
         tm.host_budget = held() + 0
         tm.synchronize()
     tm.host_budget = None
-    assert t._tr_block.host is not None and t._tr_block.disk is None
+    assert block_of(t).host is not None and block_of(t).disk is None
     assert torch.equal(_host(t), _full((64, 64), 7.0))
 
 

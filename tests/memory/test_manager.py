@@ -14,6 +14,7 @@ from paired import budget, outside, plain_torch, values
 from torchTensorRef import BudgetBelowFloorError, OutOfBudgetError, TensorRef, strategies, tensorsManager
 from torchTensorRef.memory.settings import CUDA_RESERVE_BYTES
 from torchTensorRef.strategies import Genoa, Strategy
+from torchTensorRef.core.tensor_ref import block_of
 
 STAT_KEYS = {"bytes_to_device", "bytes_to_host", "peak_device_bytes", "device_bytes", "ops", "evictions"}
 #: the suite's device (tests/conftest.py)
@@ -404,7 +405,7 @@ def test_a_tensor_dying_mid_op_is_released_after_the_op(fresh_manager):
     fresh_manager.strategy = "flow"
     x = torch.ones(4)
     held = [x * 3]
-    dead_block = held[0]._tr_block
+    dead_block = block_of(held[0])
     released_in_op = []
 
     def drop(op):
@@ -427,11 +428,11 @@ def test_a_tensor_dying_while_another_thread_holds_the_lock_is_released_later(fr
     fresh_manager.strategy = "flow"
     x = torch.ones(4)
     y = x * 3
-    block = y._tr_block
+    block = block_of(y)
     holding, done = threading.Event(), threading.Event()
 
     def hold():
-        with fresh_manager._lock:
+        with fresh_manager.lock:
             holding.set()
             done.wait(10)
 
@@ -478,7 +479,7 @@ def test_a_device_resolved_at_first_use_is_resolved_before_an_op_fetches(monkeyp
     # device is made to resolve as "cuda" does.
     x = torch.arange(10.0)
     tensorsManager.evict_all()
-    backend = tensorsManager._backend
+    backend = tensorsManager.backend
     streams = backend.streams
     resolved = []
 
@@ -488,8 +489,8 @@ def test_a_device_resolved_at_first_use_is_resolved_before_an_op_fetches(monkeyp
 
     monkeypatch.setattr(backend, "streams", None)
     monkeypatch.setattr(backend, "resolve", resolve, raising=False)
-    monkeypatch.setattr(tensorsManager, "_unresolved", True)
-    monkeypatch.setattr(tensorsManager, "_limit", None)  # (no limit is known until it is resolved)
+    monkeypatch.setattr(tensorsManager, "unresolved", True)
+    monkeypatch.setattr(tensorsManager.accounting, "limit", None)  # (no limit is known until it is resolved)
     w = x + 1
     assert resolved == [True]
     with torchTensorRef.disabled():

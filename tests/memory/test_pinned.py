@@ -15,6 +15,7 @@ from torchTensorRef import TensorRef, tensorsManager as tm
 from torchTensorRef.memory import pinned as pinned_module
 from torchTensorRef.memory.pinned import PinnedMemory, rounded
 from torchTensorRef.strategies import Flow
+from torchTensorRef.core.tensor_ref import block_of
 from paired import budget
 
 KIB = 1024
@@ -33,7 +34,7 @@ def _pinned() -> int:
 
 
 def _is_pinned(ref) -> bool:
-    return tm._backend.pinned.is_pinned(ref._tr_block.host)
+    return tm.backend.pinned.is_pinned(block_of(ref).host)
 
 
 def _written_back(n, nbytes=1000):
@@ -66,7 +67,7 @@ def test_pinned_limit_set_on_another_device_applies_when_sim_is_chosen(limit):
     tm.device = "cpu"
     tm.pinned_limit = "3MiB"
     tm.device = "sim"
-    assert tm.pinned_limit == 3 * 2**20 and tm._backend.pinned.limit == 3 * 2**20
+    assert tm.pinned_limit == 3 * 2**20 and tm.backend.pinned.limit == 3 * 2**20
 
 
 # -- accounting ------------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def test_a_tensorref_over_a_users_tensor_shares_its_memory_both_ways(limit, how)
     ref = {"TensorRef": TensorRef, "manage": torchTensorRef.manage, "manage_tensor": tm.manage_tensor}[how](plain)
     ref.add_(1)  # Genoa: brought in, written, written back (at once: the user may read it)
     assert _pinned() == start  # the user's memory stayed where it is
-    assert ref._tr_block.host.data_ptr() == plain.untyped_storage().data_ptr()
+    assert block_of(ref).host.data_ptr() == plain.untyped_storage().data_ptr()
     assert plain.tolist() == [1.0] * 2048  # the user's tensor sees the write
     plain.fill_(5.0)
     assert ref.tolist() == [5.0] * 2048  # and the TensorRef sees the user's
@@ -203,7 +204,7 @@ def test_a_users_tensor_keeps_its_memory_while_flow_pins_and_prefetches_others(l
     tm.evict_all()
     tm.synchronize()
     for r, p in zip(refs, plains):
-        assert r._tr_block.host.data_ptr() == p.untyped_storage().data_ptr() and not _is_pinned(r)
+        assert block_of(r).host.data_ptr() == p.untyped_storage().data_ptr() and not _is_pinned(r)
         assert p.tolist() == [1.0] * 2048
     plains[0].fill_(7.0)
     assert refs[0].sum().item() == 7.0 * 2048
@@ -227,7 +228,7 @@ def test_a_fetch_of_a_users_small_tensor_is_staged_through_pinned_memory(limit, 
         ref.toCPU()
         plain.add_(1)  # (the user's writes reach the next fetch)
     assert waits == 0
-    assert ref._tr_block.host.data_ptr() == plain.untyped_storage().data_ptr()
+    assert block_of(ref).host.data_ptr() == plain.untyped_storage().data_ptr()
     monkeypatch.setattr(pinned_module, "STAGE_MAX", 4 * KIB)  # larger than that: copied from pageable memory
     syncs = tm.stats()["host_syncs"]
     ref.toGPU()

@@ -12,8 +12,9 @@ import torch
 from paired import (assert_identical, budget, needs_fast_path, paging, plain_torch, run_both,  # noqa: F401 (a fixture)
                     small_sim_capacity)
 from torchTensorRef import DeviceOutOfMemoryError, HostMemoryError, tensorsManager as tm
-from torchTensorRef.memory.residency import is_out_of_memory
+from torchTensorRef.memory.room import is_out_of_memory
 from torchTensorRef.strategies import Flow
+from torchTensorRef.core.tensor_ref import block_of
 
 KIB = 1024
 
@@ -294,14 +295,14 @@ def _prefetched_ones():
     a = torch.ones(256)
     a.toCPU()
     tm.reset_stats()
-    assert tm.prefetch(a._tr_block)
+    assert tm.prefetch(block_of(a))
     return a
 
 
 def test_a_prefetch_evicted_unused_counts_as_one_miss_not_also_a_hit():
     # Fixed: the demand fetch that followed counted as both a hit and a miss.
     a = _prefetched_ones()
-    tm.evict(a._tr_block)  # never used
+    tm.evict(block_of(a))  # never used
     a.add_(1)
     stats = tm.stats()
     assert (stats["prefetches"], stats["prefetches_unused"]) == (1, 1)
@@ -573,7 +574,7 @@ def test_the_fast_path_recovers_a_cublas_out_of_memory():
     tm.strategy = "flow"  # no budget: the fast path
     x = torch.ones(4)
     x.toGPU()
-    assert tm._fast
+    assert tm.fast
     _fast_failures.append(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
     assert torch.ops.ttr_fast_oom.double(x).tolist() == [2.0] * 4
     assert not _fast_failures
@@ -582,7 +583,7 @@ def test_the_fast_path_recovers_a_cublas_out_of_memory():
 @needs_fast_path
 def test_the_fast_path_never_passes_the_simulated_capacity():
     # Defect: only the budget was checked there, so "sim" ran past its capacity unnoticed.
-    if tm._backend.name != "sim":
+    if tm.backend.name != "sim":
         pytest.skip("the simulated device's capacity")
     capacity = tm.sim_capacity
     try:
@@ -607,7 +608,7 @@ def test_a_paged_host_copy_only_the_manager_holds_moves_into_pinned_memory():
     # pinned memory, and its moves stop making the host wait. (A tensor fetched once keeps
     # its pageable copy: pinned memory is not spent on what is used once.)
     x = torch.tensor([1.0, 2.0, 3.0])  # (made in host memory, from data)
-    block, pinned = x._tr_block, tm._backend.pinned
+    block, pinned = block_of(x), tm.backend.pinned
     x.toGPU()
     x.toCPU()
     after_one = pinned.is_pinned(block.host)  # (not in an assert: pytest would keep the storage named)

@@ -15,6 +15,7 @@ import torchTensorRef
 from torchTensorRef.core import raw
 from torchTensorRef import tensorsManager as tm
 from torchTensorRef.memory.streams import POISON, SimStreams
+from torchTensorRef.core.tensor_ref import block_of
 from paired import outside
 
 pytestmark = pytest.mark.skipif(
@@ -39,13 +40,13 @@ def _syncs() -> int:
 
 def _host_values(ref) -> list:
     """What the block's host copy holds right now, read without waiting for anything."""
-    block = ref._tr_block
+    block = block_of(ref)
     return raw.typed_view(block.host, ref.dtype, ref.shape, ref.stride(), ref.storage_offset()).tolist()
 
 
 def _device_values(ref) -> list:
     """What the block's device copy holds right now, read without waiting for anything."""
-    block = ref._tr_block
+    block = block_of(ref)
     return raw.typed_view(block.dev, ref.dtype, ref.shape, ref.stride(), ref.storage_offset()).tolist()
 
 
@@ -100,8 +101,8 @@ def test_an_ordered_copy_is_visible_at_once():
 def _prefetched(value=5.0, n=256):
     x = torch.full((n,), value)
     x.toCPU()
-    assert tm.prefetch(x._tr_block)
-    assert x._tr_block.dev_pending is not None
+    assert tm.prefetch(block_of(x))
+    assert block_of(x).dev_pending is not None
     return x
 
 
@@ -110,7 +111,7 @@ def test_target_of_a_tensor_being_prefetched_waits_for_the_copy():
     assert _is_poison(_device_values(x))  # the copy has not run yet
     start = _syncs()
     assert x.target.tolist() == [5.0] * 256
-    assert x._tr_block.dev_pending is None and x.proxyInfo.on_device
+    assert block_of(x).dev_pending is None and x.proxyInfo.on_device
     assert _syncs() == start  # ordered on the device: the host did not wait
 
 
@@ -126,8 +127,8 @@ def test_an_op_on_a_tensor_being_prefetched_waits_for_the_copy():
 
 def test_a_prefetch_evicted_before_it_was_waited_on_leaves_the_host_copy_valid():
     x = _prefetched()
-    tm.evict(x._tr_block)
-    assert x._tr_block.dev_pending is None and not x.proxyInfo.on_device
+    tm.evict(block_of(x))
+    assert block_of(x).dev_pending is None and not x.proxyInfo.on_device
     assert x.tolist() == [5.0] * 256 and (x + 1).tolist() == [6.0] * 256
 
 
@@ -137,7 +138,7 @@ def test_a_prefetch_evicted_before_it_was_waited_on_leaves_the_host_copy_valid()
 def _written_back(value=2.0, n=256):
     """A result Genoa has just sent back: its write-back to pinned memory still runs."""
     y = torch.full((n,), value - 1) + 1
-    block = y._tr_block
+    block = block_of(y)
     assert block.dev is None and block.host_pending is not None and not block.host_pending.done()
     assert _is_poison(_host_values(y))
     return y
@@ -173,7 +174,7 @@ def test_the_host_waits_once_for_a_write_back_it_reads(read):
     start = _syncs()
     assert READERS[read](y) == [2.0] * 256
     assert _syncs() == start + 1  # it waited for the copy
-    assert y._tr_block.host_pending is None
+    assert block_of(y).host_pending is None
     assert READERS[read](y) == [2.0] * 256
     assert _syncs() == start + 1  # and not again
 
@@ -197,7 +198,7 @@ def test_a_fetch_of_a_block_being_written_back_waits_on_the_device_not_the_host(
 
 def test_a_prefetch_of_a_block_being_written_back_copies_the_written_bytes():
     y = _written_back()
-    assert tm.prefetch(y._tr_block)
+    assert tm.prefetch(block_of(y))
     assert y.target.tolist() == [2.0] * 256
     assert (y * 1).tolist() == [2.0] * 256
 
@@ -233,7 +234,7 @@ def test_synchronize_completes_every_write_back_in_flight():
     tm.synchronize()
     assert _syncs() == start + len(results)  # it waited for each copy
     for i, r in enumerate(results):
-        assert r._tr_block.host_pending is None and r._tr_block.host_valid
+        assert block_of(r).host_pending is None and block_of(r).host_valid
         assert _host_values(r) == [2.0 * i] * 256
     assert tm.in_use() == floor + tm.device_bytes
     tm.synchronize()

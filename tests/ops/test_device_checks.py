@@ -11,13 +11,14 @@ import torch
 import torchTensorRef
 from paired import assert_identical, device_type, paging, plain_torch  # noqa: F401  (paging is a fixture)
 from torchTensorRef import TensorRef, tensorsManager
+from torchTensorRef.core.tensor_ref import block_of
 
 CPU = torch.device("cpu")
 SAME_DEVICE = "Expected all tensors to be on the same device"
 
 
 def _host_only(t) -> bool:
-    return isinstance(t, TensorRef) and t._tr_block.host_only
+    return isinstance(t, TensorRef) and block_of(t).host_only
 
 
 def _checks(out, expected):

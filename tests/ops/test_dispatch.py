@@ -183,7 +183,7 @@ class _ReadingLock:
         self._depth -= 1
         if not self._depth:
             m = self._manager
-            self.readings.append(m._backend.in_use_elsewhere(m._device_bytes + m._inflight_bytes))
+            self.readings.append(m.backend.in_use_elsewhere(m.accounting.resident + m.accounting.pending_bytes))
         self._inner.release()
         return False
 
@@ -197,8 +197,8 @@ def test_an_op_keeps_no_plain_view_of_a_copy_once_it_lets_the_lock_go(fresh_mana
     gc.collect()
     fresh_manager.budget = budget("16KiB")
     floor = outside()
-    lock = _ReadingLock(fresh_manager._lock, fresh_manager)
-    monkeypatch.setattr(fresh_manager, "_lock", lock)
+    lock = _ReadingLock(fresh_manager.lock, fresh_manager)
+    monkeypatch.setattr(fresh_manager, "lock", lock)
     y = x * w
     z = torch.addcmul(y, x, w)
     monkeypatch.undo()

@@ -25,7 +25,7 @@ def fast(fresh_manager, request):
         pytest.skip("emulated workspaces: every op on \"sim\" takes the generic path (no fast path)")
     fresh_manager.strategy = "flow"
     fresh_manager.device = request.param
-    assert fresh_manager._fast
+    assert fresh_manager.fast
     return fresh_manager
 
 
@@ -109,13 +109,13 @@ def test_stats_count_the_same_ops_as_the_generic_path(fast):
     fast_ops = tensorsManager.stats()["ops"]
     handle = tensorsManager.add_callback(before=lambda op: None)  # every op is seen: generic path
     try:
-        assert not tensorsManager._fast
+        assert not tensorsManager.fast
         tensorsManager.reset_stats()
         work()
         assert tensorsManager.stats()["ops"] == fast_ops
     finally:
         handle.remove()
-    assert tensorsManager._fast
+    assert tensorsManager.fast
 
 
 @pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
@@ -149,19 +149,19 @@ def test_a_block_that_must_be_fetched_takes_the_generic_path(fresh_manager, coun
 
 @needs_fast_path
 def test_genoa_and_a_flow_budget_under_pressure_need_every_op(fresh_manager):
-    assert not fresh_manager._fast  # conftest: Genoa on "sim"
+    assert not fresh_manager.fast  # conftest: Genoa on "sim"
     fresh_manager.strategy = "flow"
-    assert fresh_manager._fast
+    assert fresh_manager.fast
     fresh_manager.budget = budget(7168)  # everything fits so far: nothing to learn yet
-    assert fresh_manager._fast
+    assert fresh_manager.fast
     a, b = torch.ones(512), torch.ones(512)  # 2 KiB each
     c = a + b  # 6 KiB resident
     d = c + a  # the budget is full: room is made by evicting, so Flow learns from now on
-    assert fresh_manager.under_pressure and not fresh_manager._fast
+    assert fresh_manager.under_pressure and not fresh_manager.fast
     fresh_manager.budget = None
-    assert fresh_manager._fast
+    assert fresh_manager.fast
     fresh_manager.fault_injector = lambda op: None
-    assert not fresh_manager._fast
+    assert not fresh_manager.fast
     del c, d
 
 

@@ -17,6 +17,7 @@ import torch.cuda.jiterator as jiterator
 import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, tensorsManager
 from torchTensorRef.ops.raw_kernels import output_bytes
+from torchTensorRef.core.tensor_ref import block_of
 
 from paired import assert_identical, budget, plain_torch, values
 
@@ -110,7 +111,7 @@ def test_multi_output_jiterator_gives_each_result_as_a_tensorref(entry):
     for got, want in zip(out, expected):
         assert type(got) is TensorRef and got.shape == want.shape
         assert_identical(want, got)
-    assert out[0]._tr_block is not out[1]._tr_block
+    assert block_of(out[0]) is not block_of(out[1])
     assert tensorsManager.stats()["worst_overshoot_bytes"] == 0
 
 

@@ -189,7 +189,7 @@ def _test_device() -> torch.device:
     """The device managed tensors report: read from the public setting for CUDA, where the
     manager's own record is a placeholder (the CPU) until its first tensor resolves "cuda"."""
     name = tensorsManager.device
-    return torch.device(name) if name.startswith("cuda") else tensorsManager._declared
+    return torch.device(name) if name.startswith("cuda") else tensorsManager.declared
 
 
 def _on_the_device(ref):

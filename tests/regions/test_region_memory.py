@@ -82,19 +82,19 @@ def test_a_region_s_outputs_do_not_stay_counted_as_outside_the_manager(monkeypat
     tm.strategy = "flow"
     tm.budget = budget(layer_bytes(layer) * 4)
     floor = tm.outside_bytes()
-    room = tm._make_room
+    room = tm.device_room.make
 
-    def reading_room(nbytes, protect, name, **kwargs):
-        tm._read_outside()  # (as a room check that reads the device)
-        return room(nbytes, protect, name, **kwargs)
+    def reading_room(*args, **kwargs):
+        tm.read_outside()  # (as a room check that reads the device)
+        return room(*args, **kwargs)
 
     x = torch.randn(64, 64)
     with torch.no_grad():
         layer(x)  # (measured op by op)
-        monkeypatch.setattr(tm, "_make_room", reading_room)
+        monkeypatch.setattr(tm.device_room, "make", reading_room)
         out = layer(x)
         monkeypatch.undo()
-    assert tm._elsewhere_bytes <= floor + 4096, (tm._elsewhere_bytes, floor)
+    assert tm.accounting.elsewhere_bytes <= floor + 4096, (tm.accounting.elsewhere_bytes, floor)
     with plain_torch():
         plain = layers()[0].to(tm.torch_device)
         with torch.no_grad():

@@ -14,6 +14,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef, regions, tensorsManager as tm
+from torchTensorRef.core.tensor_ref import block_of
 from conftest import TEST_DEVICE
 from paired import assert_identical, budget, device_type, plain_torch, to_plain
 
@@ -267,7 +268,7 @@ def test_a_region_returning_a_view_of_its_input_shares_its_block(small_regions):
     with torch.no_grad():
         (view, doubled), ops = ops_of(lambda: half(x))
     assert ops == 1
-    assert view._tr_block is x._tr_block and doubled._tr_block is not x._tr_block
+    assert block_of(view) is block_of(x) and block_of(doubled) is not block_of(x)
     assert_identical(torch.arange(4.0).reshape(2, 2), view)
 
 
@@ -470,9 +471,9 @@ def test_a_recording_with_regions_keeps_them_one_op_and_the_offline_reference_ma
             out = model(x)
     assert [name for _i, name, *_ in trace.ops] == ["region Sequential"]
     (index,) = {a[0] for a in trace.accesses}
-    weights = {p._tr_block.id for p in model.parameters()}
+    weights = {block_of(p).id for p in model.parameters()}
     blocks = {a[1] for a in trace.accesses}
-    assert weights | {x._tr_block.id, out._tr_block.id} <= blocks
+    assert weights | {block_of(x).id, block_of(out).id} <= blocks
     scratch = [a for a in trace.accesses if a[1] < 0]  # (the room kept for the inside, less the output)
     assert len(scratch) == 1 and scratch[0][2] > 0 and scratch[0][1] in trace.created
     ref = reference_moves(trace.accesses, share, trace.initial, trace.created, trace.block_bytes)
@@ -551,7 +552,7 @@ def test_decoding_under_a_budget_reads_the_embedding_rows_not_the_table():
     tm.budget = budget(weight_bytes(model) // 2)
     tm.reset_stats()
     assert_identical(plain, decode(model, torchTensorRef.manage(ids.cpu())))
-    assert table._tr_block.fetches == 0 and not table._tr_block.resident
+    assert block_of(table).fetches == 0 and not block_of(table).resident
     assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 

@@ -15,6 +15,7 @@ import torch.utils.checkpoint
 
 import torchTensorRef
 from torchTensorRef import TensorRef, regions, tensorsManager as tm
+from torchTensorRef.core.tensor_ref import block_of
 from conftest import TEST_DEVICE
 from paired import assert_identical, budget, plain_torch
 
@@ -459,7 +460,7 @@ def test_a_region_s_backward_is_one_op_whose_working_set_holds_the_weights_it_sa
     first = next(i for i, name, *_ in trace.ops if name == "region Block backward")
     read = {block for i, block, _n, _w in trace.accesses if i == first}
     # the last block's backward: its weights (saved by its matmuls), not the other blocks'
-    assert model[2].up.weight._tr_block.id in read and model[0].up.weight._tr_block.id not in read
+    assert block_of(model[2].up.weight).id in read and block_of(model[0].up.weight).id not in read
     assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 
@@ -473,12 +474,12 @@ def test_activations_become_blocks_only_where_the_manager_pages(device, paged):
         tm.budget = budget(weight_bytes(model) * 8)  # (a limit on any device: CUDA has none without one)
     x = torchTensorRef.manage(torch.randn(4, 16))
     model(x)
-    before = len(tm._blocks)
+    before = len(tm.books.blocks)
     out = model(x)
     (node,) = link_nodes(out.sum())
-    added = len(tm._blocks) - before
-    activations = [s for s in node.training.saved if s.ref is not None and s.ref._tr_block is not x._tr_block
-                   and all(s.ref._tr_block is not p._tr_block for p in model.parameters())]
+    added = len(tm.books.blocks) - before
+    activations = [s for s in node.training.saved if s.ref is not None and block_of(s.ref) is not block_of(x)
+                   and all(block_of(s.ref) is not block_of(p) for p in model.parameters())]
     assert (added > 1) is paged and bool(activations) is paged
     out.sum().backward()
     assert all(isinstance(p.grad, TensorRef) for p in model.parameters())

@@ -123,29 +123,27 @@ class Block:
 
     def set_dev(self, storage: Optional[torch.UntypedStorage]) -> None:
         if self.dev is not None:
-            self._drop_views()
+            self.drop_views()
         self.dev = storage
         self.gen += 1
         self.dev_key = storage._cdata if storage is not None else 0
 
     def set_host(self, storage: Optional[torch.UntypedStorage], valid: bool) -> None:
         if self.host is not None and storage is not self.host:
-            self._drop_views()
+            self.drop_views()
         self.host = storage
         self.host_valid = valid
         self.gen += 1
 
-    def _drop_views(self) -> None:
+    #: ``forget_views(views)``: the TensorRefs behind ``views`` (weakrefs) forget the views
+    #: they cached; returns the weakrefs still alive (installed by ``core.tensor_ref``, which
+    #: owns those caches)
+    forget_views = staticmethod(lambda views: views)
+
+    def drop_views(self) -> None:
         """A copy goes: the views TensorRefs cached of it go too, or they would keep its
         memory allocated (device memory past the budget, host memory past the host budget)."""
-        live = []
-        for wr in self.views:
-            ref = wr()
-            if ref is not None:
-                ref._tr_view = None
-                ref._tr_gen = -1  # (never a generation: the next use makes a view afresh)
-                live.append(wr)
-        self.views = live
+        self.views = Block.forget_views(self.views)
 
     def __repr__(self) -> str:
         where = "host only" if self.host_only else ("device" if self.dev is not None else "host")

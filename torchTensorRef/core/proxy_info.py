@@ -12,14 +12,11 @@ class ProxyInfo:
     coherence] in ``blocks.py``), so they always say how things are now.
     """
 
-    __slots__ = ("_ref",)
+    __slots__ = ("_ref", "_block")
 
-    def __init__(self, ref):
+    def __init__(self, ref, block):
         self._ref = ref
-
-    @property
-    def _block(self):
-        return self._ref._tr_block
+        self._block = block  # (the TensorRef's block: ``ref.data = t`` gives it another, so read it at once)
 
     @property
     def device(self) -> str:

@@ -15,6 +15,7 @@ here to read the host copy.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import threading
 import weakref
@@ -106,7 +107,7 @@ class TensorRef(torch.Tensor):
     def target(self) -> torch.Tensor:
         """The plain tensor holding this TensorRef's data right now (copies in flight waited on)."""
         mgr = _manager()
-        with mgr._lock:
+        with mgr.lock:
             block = self._tr_block
             if block.dev_pending is not None:
                 block.dev_pending.wait_compute()  # a prefetch may still be writing it
@@ -121,7 +122,7 @@ class TensorRef(torch.Tensor):
         """Where the data is and what the manager tracks (a ``ProxyInfo``)."""
         from .proxy_info import ProxyInfo
 
-        return ProxyInfo(self)
+        return ProxyInfo(self, self._tr_block)
 
     @_apart_from_modes
     def toGPU(self) -> "TensorRef":
@@ -147,7 +148,7 @@ class TensorRef(torch.Tensor):
         # behind an accelerator copy (Note [External bytes]).
         mgr = _manager()
         block = self._tr_block
-        with mgr._lock:
+        with mgr.lock:
             mgr.mark_external(block)  # writes back and drops the accelerator copy
             array = host_view(self).numpy()
         # Every numpy view of the array keeps its base (a tensor) alive: when the last one
@@ -174,7 +175,7 @@ class TensorRef(torch.Tensor):
         address longer, ``tensorsManager.pin`` the tensor.
         """
         mgr = _manager()
-        if self._tr_block.host_only or mgr._backend.passthrough:
+        if self._tr_block.host_only or mgr.backend.passthrough:
             storage = self.untyped_storage()
             return storage.data_ptr() + self.storage_offset() * self.element_size()
         return mgr.expose(self).data_ptr()
@@ -310,10 +311,13 @@ _CPU = torch.device("cpu")
 _inference_mode = torch.is_inference_mode_enabled
 
 
-def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_grad=False) -> TensorRef:
+def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_grad=False,
+             geometry_only: bool = False) -> TensorRef:
     """Wrap the plain ``view`` (a view of ``block``'s current copy) in a new TensorRef.
 
     ``declared``: the device an accelerator TensorRef reports; a host-only block reports ``cpu``.
+    ``geometry_only``: ``view`` gives the geometry only (a meta tensor, a checkpoint's
+    tensor not read yet), never bytes to run on: the first use makes a view of a copy.
     """
     inference = view.is_inference()
     if inference is not _inference_mode():
@@ -321,7 +325,7 @@ def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_
         # gives its base's version counter (an inference tensor has none): the wrapper is
         # what the plain result is.
         with torch.inference_mode(inference):
-            return make_ref(block, view, declared, requires_grad)
+            return make_ref(block, view, declared, requires_grad, geometry_only)
     ref = _make_wrapper(
         TensorRef, view.size(), strides=view.stride(), storage_offset=view.storage_offset(),
         dtype=view.dtype, device=_CPU if block.host_only else declared, requires_grad=requires_grad,
@@ -332,7 +336,7 @@ def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_
         torch._C._set_neg(ref, True)
     ref._tr_block = block
     ref._tr_view = view
-    ref._tr_gen = block.gen
+    ref._tr_gen = -1 if geometry_only else block.gen
     block.refs += 1
     ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
     views = block.views
@@ -340,6 +344,49 @@ def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_
     if len(views) > 2 * block.refs + 8:  # (views that died since: a weight's list would grow forever)
         block.views = [v for v in views if v() is not None]
     return ref
+
+
+#: the block a TensorRef views (for the layers above the core: its slot is the core's)
+block_of = operator.attrgetter("_tr_block")
+
+
+def _forget_views(views: list) -> list:
+    """``Block.forget_views``: the TensorRefs still alive among ``views`` drop their cached
+    view (the next use makes one afresh); returns their weakrefs."""
+    live = []
+    for wr in views:
+        ref = wr()
+        if ref is not None:
+            ref._tr_view = None
+            ref._tr_gen = -1  # (never a generation: the next use makes a view afresh)
+            live.append(wr)
+    return live
+
+
+Block.forget_views = staticmethod(_forget_views)
+
+
+def set_view(ref: TensorRef, view: torch.Tensor) -> None:
+    """``view`` is ``ref``'s view of its block's current copy (its geometry changed in place)."""
+    ref._tr_view, ref._tr_gen = view, ref._tr_block.gen
+
+
+def rebind_view(ref: TensorRef, new: TensorRef) -> None:
+    """``ref`` views ``new``'s block from now on (``ref.data = new``; the caller counts the
+    blocks' views). ``ref``'s liveness weakref on the old block goes, with its callback: left
+    in the old block's list of views it would count ``ref``'s death against the old block a
+    second time, releasing it under its other views."""
+    old = ref._tr_block
+    old_wr, ref._tr_wr = ref._tr_wr, None
+    old.views = [v for v in old.views if v is not old_wr]
+    block = new._tr_block
+    ref._tr_block = block
+    # ``new``'s view as it is, made afresh at the next use where stale: a block whose only
+    # copy is a checkpoint's range (``from_pretrained``, then ``model.to(device)``) has no
+    # copy to view yet.
+    ref._tr_view, ref._tr_gen = new._tr_view, new._tr_gen
+    ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
+    block.views.append(wr)
 
 
 def compute_view(ref: TensorRef) -> torch.Tensor:
@@ -389,7 +436,7 @@ def host_copy(ref: TensorRef, share: bool = False) -> torch.Tensor:
     which ``torch.save`` preserves); otherwise it is an independent copy.
     """
     mgr = _manager()
-    with mgr._lock:
+    with mgr.lock:
         mgr.sync_host(ref._tr_block)
         view = host_view(ref)
         return view if share else view.clone()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..core.errors import OutOfBudgetError
-from ..core.tensor_ref import TensorRef
+from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..regions import training
 
@@ -55,17 +55,17 @@ def check(roots) -> None:
             if t.grad_fn is not None:
                 nodes.append(t.grad_fn)
     limit = mgr.limit
-    if nodes and limit is not None and training.largest_held[0] and not mgr._backend.passthrough:
+    if nodes and limit is not None and training.largest_held[0] and not mgr.backend.passthrough:
         outside = mgr.outside_bytes()
         if training.largest_held[0] + outside > limit:
             _check_regions(mgr, nodes, limit, outside)
 
 
 def _check_device(mgr, t: TensorRef) -> None:
-    if t._tr_block.host_only:
+    if block_of(t).host_only:
         return  # (a CPU tensor: its graph may still run on the device; ops there check)
     device = t.device
-    if mgr.is_accelerator(device) or (mgr._backend.passthrough and device.type == "cpu"):
+    if mgr.is_accelerator(device) or (mgr.backend.passthrough and device.type == "cpu"):
         return
     raise RuntimeError(
         f"backward of a graph recorded on {device}, but tensorsManager.device is now {mgr.device!r}: "
@@ -75,7 +75,7 @@ def _check_device(mgr, t: TensorRef) -> None:
 
 def _check_regions(mgr, nodes, limit: int, outside: int) -> None:
     """Walk the graph from ``nodes``: every region's backward in it must fit the budget."""
-    size = mgr._backend.block_bytes
+    size = mgr.backend.block_bytes
     seen = set()
     todo = list(nodes)
     while todo:

@@ -100,8 +100,8 @@ def file_backed(header: Header, name: str, parameter: bool = False, requires_gra
     from ..memory.manager import tensorsManager as mgr
 
     entry = header.entries[name]
-    with mgr._lock:
-        mgr._drain()
+    with mgr.lock:
+        mgr.drain()
         block = _file_block(FileRange(header.path, entry.offset, entry.nbytes, identity=header.identity))
         like = raw.empty(entry.shape, dtype=entry.dtype, device="meta")
         return _file_ref(block, like, parameter, requires_grad)
@@ -111,9 +111,9 @@ def _file_block(range_: FileRange):
     """A new block whose only copy is ``range_`` (the caller holds the manager's lock)."""
     from ..memory.manager import tensorsManager as mgr
 
-    block = mgr._new_block(range_.nbytes)
-    mgr._set_disk(block, range_)
-    mgr._strategy.on_adopt(block)
+    block = mgr.new_block(range_.nbytes)
+    mgr.host_tier.set_disk(block, range_)
+    mgr.strategy.on_adopt(block)
     return block
 
 
@@ -122,8 +122,7 @@ def _file_ref(block, like: torch.Tensor, parameter: bool, requires_grad: bool):
     from ..core.tensor_ref import make_ref
     from ..memory.manager import tensorsManager as mgr
 
-    ref = make_ref(block, like, mgr._declared, requires_grad=requires_grad)
-    ref._tr_gen = -1  # (a geometry without bytes: ``like`` is never a copy to run on)
+    ref = make_ref(block, like, mgr.declared, requires_grad=requires_grad, geometry_only=True)
     if parameter:
         ref._is_param = True
     return ref
@@ -151,8 +150,8 @@ def tie_mmapped(result, path):
     if ranges is None:
         return None
     identity = file_identity(path)
-    with mgr._lock:
-        mgr._drain()
+    with mgr.lock:
+        mgr.drain()
         blocks, refs = {}, {}
         for t in tensors:
             key = t.untyped_storage().data_ptr()
@@ -451,7 +450,7 @@ def safe_open_wrapper(wrapped, instance, args, kwargs):
         return handle
     if context.is_disabled():
         return PlainFile(handle)
-    if str(device) != "cpu" or path is None or mgr._backend.passthrough:
+    if str(device) != "cpu" or path is None or mgr.backend.passthrough:
         return handle
     return LazyFile(handle, path)
 
@@ -471,7 +470,7 @@ def device_map_wrapper(wrapped, instance, args, kwargs):
 
     device_map = kwargs.get("device_map", args[0] if args else None)
     zero3 = getattr(wrapped, "__globals__", {}).get("is_deepspeed_zero3_enabled", lambda: False)
-    if (device_map is not None or context.is_disabled() or mgr._backend.passthrough or zero3()
+    if (device_map is not None or context.is_disabled() or mgr.backend.passthrough or zero3()
             or torch.get_default_device().type != "cpu"):
         return wrapped(*args, **kwargs)
     probe = torch.tensor([]).device  # (transformers' probe: the managed device when the manager put it there)

@@ -10,7 +10,7 @@ differences: the compiled code gets plain views of the copies the kernels run on
 refused rather than run op by op, and a region whose blocks are all on the host runs there:
 
 1. the region's TensorRefs (in its arguments, and the parameters and buffers of a module)
-   are its op's blocks: ``_prepare`` refuses the call with ``OutOfBudgetError`` if they
+   are its op's blocks: ``prepare`` refuses the call with ``OutOfBudgetError`` if they
    and the region's outputs cannot fit in the budget together, makes room and fetches
    them as one working set, and the strategy sees one op;
 2. the blocks are pinned and the compiled code runs on their plain views (a module's
@@ -19,7 +19,7 @@ refused rather than run op by op, and a region whose blocks are all on the host 
 3. an input whose view the compiled code wrote (its version counter moved) is marked
    written; each output becomes a TensorRef (a view of an input joins its block, anything
    else is a new resident block), room being made for the new ones first;
-4. the blocks are unpinned and ``_finish`` lets the strategy react, as after any op.
+4. the blocks are unpinned and ``finish`` lets the strategy react, as after any op.
 
 The outputs' size is known after the first call with given input shapes; from then on it
 is part of the working set checked and made room for before the call. The compiled code's

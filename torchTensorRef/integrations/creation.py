@@ -38,9 +38,9 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..core.errors import DeviceOutOfMemoryError
-from ..core.tensor_ref import TensorRef
+from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as mgr
-from ..memory.residency import is_out_of_memory
+from ..memory.room import is_out_of_memory
 from .manage import adopt
 
 #: creation functions whose result depends only on their (non-tensor) arguments
@@ -67,7 +67,7 @@ def create(fn, args, kwargs):
     if device is not None and result.__class__ is TensorRef and mgr.is_accelerator(device):
         # the accelerator named (a device context too): the program's own device tensor; made
         # without a device, a default-device tensor (Note [Default-device tensors])
-        result._tr_block.explicit = True
+        block_of(result).explicit = True
     return result
 
 
@@ -75,7 +75,7 @@ def _create(fn, args, kwargs, device):
     _adopt = adopt
     name = getattr(fn, "__name__", "")
     if device is not None:
-        if mgr._backend.is_host(device):
+        if mgr.backend.is_host(device):
             return _adopt(fn(*args, **kwargs), host_only=True)
         if device.type == "meta" or not mgr.is_accelerator(device):
             return _adopt(fn(*args, **kwargs))  # another device: left alone (see _adopt)
@@ -83,21 +83,21 @@ def _create(fn, args, kwargs, device):
         args, kwargs = _load_on_host(mgr, args, kwargs)
         result = fn(*args, **kwargs)
         source = args[0] if args else kwargs.get("f")
-        if kwargs.get("mmap") and isinstance(source, (str, os.PathLike)) and not mgr._backend.passthrough:
+        if kwargs.get("mmap") and isinstance(source, (str, os.PathLike)) and not mgr.backend.passthrough:
             from .checkpoint import tie_mmapped
 
             tied = tie_mmapped(result, source)  # the bytes stay in the file until used
             if tied is not None:
                 return tied
         return _adopt(result)
-    if mgr._backend.passthrough:
+    if mgr.backend.passthrough:
         return _adopt(fn(*args, **kwargs))
     if (name in FACTORIES and "out" not in kwargs and kwargs.get("layout") in (None, torch.strided)
             and not _tensor_arguments(args, kwargs)):
         generator = kwargs.get("generator")
         if generator is None or mgr.is_accelerator(generator.device):
             nbytes = _bytes_of(fn, args, kwargs)
-            if ((name in RANDOM or device is not None or mgr._strategy.new_tensors_on_device)
+            if ((name in RANDOM or device is not None or mgr.strategy.new_tensors_on_device)
                     and (mgr.fits(mgr.block_bytes(nbytes)) or _fits_the_budget(mgr, nbytes))):
                 return _on_device(mgr, fn, args, kwargs, nbytes, f"torch.{name}")
     if device is not None:
@@ -111,9 +111,9 @@ def _fits_the_budget(mgr, nbytes: int) -> bool:
     own device tensors), read now, and the allocator's rounding (Note [Budget on CUDA])."""
     if mgr.limit is None:
         return True
-    with mgr._lock:
+    with mgr.lock:
         limit = mgr.limit
-        return limit is None or mgr.block_bytes(nbytes) + mgr._read_outside() <= limit
+        return limit is None or mgr.block_bytes(nbytes) + mgr.read_outside() <= limit
 
 
 def _get_default_device() -> torch.device:
@@ -169,36 +169,36 @@ _BYTES_CACHE_SIZE = 10_000
 def _on_device(mgr, fn, args, kwargs, nbytes: int, what: str):
     _adopt = adopt
     kwargs = dict(kwargs)
-    with mgr._lock:
-        mgr._drain()
+    with mgr.lock:
+        mgr.drain()
         # (torch_device resolves "cuda" first: the first tensor after ``device = "cuda"`` was
         # made on the CPU, from the CPU's generator)
         kwargs["device"] = mgr.torch_device
         with _disable_current_modes():  # (evicting copies bytes: a mode the program entered, FSDP2's
             # FakeTensorMode, must not see the manager's own copies)
-            mgr._make_room(mgr.block_bytes(nbytes), (), what)  # (as the device's allocator counts it)
+            mgr.make_room(mgr.block_bytes(nbytes), (), what)  # (as the device's allocator counts it)
         for attempt in (0, 1):
             try:
-                if not mgr._backend.simulated:
-                    mgr._inject("create", nbytes)  # (on "sim" the device's empty kernel does)
+                if not mgr.backend.simulated:
+                    mgr.device_room.inject("create", nbytes)  # (on "sim" the device's empty kernel does)
                 result = fn(*args, **kwargs)
                 if isinstance(result, TensorRef):  # made by the sim device's empty kernel
-                    result._tr_block.explicit = False  # (which took it for an allocation the program named)
-                    mgr._strategy.on_adopt(result._tr_block)
+                    block_of(result).explicit = False  # (which took it for an allocation the program named)
+                    mgr.strategy.on_adopt(block_of(result))
                     return result
                 return _adopt(result)
             except Exception as e:
                 if not is_out_of_memory(e):
                     raise
                 if attempt:
-                    raise DeviceOutOfMemoryError(what, nbytes, mgr._free_estimate()) from e
-                mgr._recover_memory(())
+                    raise DeviceOutOfMemoryError(what, nbytes, mgr.device_room.free_estimate()) from e
+                mgr.device_room.recover(())
     raise AssertionError("unreachable")
 
 
 def _load_on_host(mgr, args, kwargs):
     """``torch.load``'s arguments with no ``map_location``, or the accelerator's, made the CPU."""
-    if mgr._backend.passthrough:
+    if mgr.backend.passthrough:
         return args, kwargs
     positional = len(args) > 1
     location = args[1] if positional else kwargs.get("map_location")

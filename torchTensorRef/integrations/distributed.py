@@ -117,7 +117,7 @@ def ddp_wrapper(wrapped, instance, args, kwargs):
     """``DistributedDataParallel.__init__``: refuse what cannot run on ``"sim"``, before DDP starts."""
     from ..memory.manager import tensorsManager
 
-    if tensorsManager._backend.name == "sim":
+    if tensorsManager.backend.name == "sim":
         bound = inspect.signature(wrapped).bind(*args, **kwargs).arguments  # (wrapped: bound to the instance)
         module = bound.get("module")
         if bound.get("find_unused_parameters") and isinstance(module, torch.nn.Module) and _managed([module]):
@@ -143,7 +143,7 @@ def fully_shard_wrapper(wrapped, instance, args, kwargs):
 
         if isinstance(kwargs.get("offload_policy"), CPUOffloadPolicy):
             raise ValueError(FSDP_OFFLOAD_ERROR)
-        if tensorsManager._backend.name == "cuda":
+        if tensorsManager.backend.name == "cuda":
             raise RuntimeError(FSDP_CUDA_ERROR.format(device=tensorsManager.device))
     return wrapped(*args, **kwargs)
 

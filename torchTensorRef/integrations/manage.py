@@ -85,7 +85,7 @@ def adopt(obj, memo=None, host_only: bool = False):
         # (is_meta, is_cpu: ``device.type`` costs a microsecond)
         if obj.layout is not torch.strided or obj.is_meta:
             return obj
-        if not obj.is_cpu and obj.device != tensorsManager._backend.compute:
+        if not obj.is_cpu and obj.device != tensorsManager.backend.compute:
             return obj  # explicitly asked for another device than the managed one
         memo[id(obj)] = ref = tensorsManager.manage_tensor(obj, host_only=host_only and obj.is_cpu, shared=False)
         return ref

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.tensor_ref import TensorRef
+from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as _mgr
 
 #: optimizers whose step updates each parameter from its own gradient and state alone
@@ -36,7 +36,7 @@ _CLASSES = tuple(getattr(torch.optim, name) for name in SLICED)
 
 def _bytes(t) -> int:
     if isinstance(t, TensorRef):
-        return _mgr.block_bytes(t._tr_block.nbytes)
+        return _mgr.block_bytes(block_of(t).nbytes)
     return 0
 
 
@@ -51,10 +51,10 @@ def _param_bytes(opt: torch.optim.Optimizer, p) -> int:
 def parts(opt: torch.optim.Optimizer):
     """The parameter lists of each part, per group (Note [Optimizer steps in parts]);
     ``None`` where the step runs whole."""
-    limit = _mgr._limit
-    if _mgr._budget is None or limit is None or _mgr._backend.passthrough or type(opt) not in _CLASSES:
+    limit = _mgr.limit
+    if _mgr.settings.budget_value is None or limit is None or _mgr.backend.passthrough or type(opt) not in _CLASSES:
         return None
-    room = (limit - _mgr._elsewhere_bytes) // 2
+    room = (limit - _mgr.accounting.elsewhere_bytes) // 2
     groups = [g["params"] for g in opt.param_groups]
     sizes = [[_param_bytes(opt, p) for p in ps] for ps in groups]
     if sum(map(sum, sizes)) <= room:

@@ -20,7 +20,7 @@ import torch
 import wrapt
 
 from ..core import context
-from ..core.tensor_ref import TensorRef, saving
+from ..core.tensor_ref import TensorRef, saving, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..ops import raw_kernels
 from . import backward, checkpoint, compiler, creation, distributed, generation, optimizers, wrapped
@@ -109,7 +109,7 @@ def _plain_call() -> bool:
     """Whether this creation must stay plain torch: disabled, torch building its own tensors,
     or a kernel written in Python (a custom op, a decomposition) computing inside a managed
     op, which holds the manager's lock: its tensors are the op's internals, on plain views."""
-    return (context.is_disabled() or _mgr._lock._is_owned()
+    return (context.is_disabled() or _mgr.lock._is_owned()
             or sys._getframe(2).f_globals.get("__name__", "").startswith(_PLAIN_PREFIXES))
 
 
@@ -144,7 +144,7 @@ def _sharing_wrapper(wrapped, instance, args, kwargs):
     if isinstance(ref, TensorRef) and not isinstance(source, _NOT_SHARED):
         from ..memory.manager import tensorsManager
 
-        tensorsManager.mark_external(ref._tr_block)
+        tensorsManager.mark_external(block_of(ref))
     return ref
 
 
@@ -158,7 +158,7 @@ def _takes_device():
 def _asks_cpu(kwargs) -> bool:
     """Whether the call asks for the host, not the manager's device."""
     device = kwargs.get("device")
-    return device is not None and _mgr._backend.is_host(torch.device(device))
+    return device is not None and _mgr.backend.is_host(torch.device(device))
 
 
 def _save_wrapper(wrapped, instance, args, kwargs):
@@ -184,19 +184,19 @@ def _capture_wrapper(wrapped, instance, args, kwargs):
 
     if wrapped.__name__ == "capture_begin":
         result = wrapped(*args, **kwargs)
-        tensorsManager._set_capturing(True)  # (once the capture really began)
+        tensorsManager.set_capturing(True)  # (once the capture really began)
         return result
     try:
         return wrapped(*args, **kwargs)
     finally:
-        tensorsManager._set_capturing(False)
+        tensorsManager.set_capturing(False)
 
 
 def _warmup_wrapper(wrapped, instance, args, kwargs):
     """Skipped under an accelerator manager (``WARMUP_FUNCTIONS``)."""
     from ..memory.manager import tensorsManager
 
-    if context.is_disabled() or tensorsManager._backend.passthrough:
+    if context.is_disabled() or tensorsManager.backend.passthrough:
         return wrapped(*args, **kwargs)
     return None
 

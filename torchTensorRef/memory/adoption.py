@@ -10,14 +10,19 @@ import torch
 
 from ..core import raw
 from ..core.blocks import Block
-from ..core.tensor_ref import TensorRef, make_ref, user_attributes, with_math_bits
+from ..core.tensor_ref import TensorRef, block_of, make_ref, rebind_view, user_attributes, with_math_bits
+from .host_tier import host_copy_is_ours
 
 #: host copies of at least this size are moved into pinned memory when a tensor is adopted
 PIN_AT_ADOPTION_BYTES = 4096
 
 
 class Adoption:
-    """The ``TensorsManager`` methods that make TensorRefs over existing bytes."""
+    """TensorRefs made over existing bytes: plain tensors, deep copies, rebinding ``p.data``."""
+
+
+    def __init__(self, manager) -> None:
+        self.m = manager
 
     def manage_tensor(self, t: torch.Tensor, requires_grad: Optional[bool] = None, *, host_only: bool = False,
                       shared: bool = True):
@@ -57,79 +62,86 @@ class Adoption:
         bytes]). ``manage(module)`` calls it once the module's plain tensors are replaced.
         Returns how many blocks it took over."""
         taken = 0
-        with self._lock:
+        with self.m.lock:
             for ref in refs:
-                block = getattr(ref, "_tr_block", None)
+                block = block_of(ref) if isinstance(ref, TensorRef) else None
                 if block is None or not block.host_shared or not block.alive or block.host is None:
                     continue
-                if not self._host_copy_is_ours(block):
+                if not host_copy_is_ours(block):
                     continue
                 block.host_shared = False
                 taken += 1
                 if not block.host_only and not block.external and block.nbytes >= PIN_AT_ADOPTION_BYTES:
-                    self._pin_host(block)
+                    self.m.host_tier.pin_host(block)
         return taken
 
     def _wrap_plain(self, t: torch.Tensor, requires_grad: bool, host_only: bool = False,
                     shared: bool = True) -> TensorRef:
-        with self._lock:
-            self._drain()
-            if self._unresolved:
-                self._resolve_device()
-            backend = self._backend
+        m = self.m
+        with m.lock:
+            m.drain()
+            if m.unresolved:
+                m.resolve_device()
+            backend = m.backend
             on_device = (not backend.passthrough and not backend.simulated and not host_only
                          and t.device == backend.compute)
             if not on_device and t.device.type != "cpu":
                 t = t.to("cpu")
             storage = t.untyped_storage()
             key = storage._cdata
-            block = self._by_host_storage.get(key) if not on_device else None
+            block = m.books.by_host_storage.get(key) if not on_device else None
             if block is None:
-                block = self._new_block(storage.nbytes())
-                if on_device:
-                    # Made on the device outside the manager (a GPU tensor given to it): it
-                    # counts from now on, and the budget is restored by evicting others.
-                    block.set_dev(storage)
-                    block.explicit = True  # (the program put it there: Note [Default-device tensors])
-                    self._resident[block.id] = block
-                    self._add_device_bytes(self._backend.block_bytes(block.nbytes))
-                    block.last_use = self._op_count
-                    self._make_room(0, (block.id,), "adopting a device tensor")
-                else:
-                    block.host_only = host_only
-                    self._host_only_blocks += block.host_only
-                    block.host_shared = shared
-                    if not host_only:
-                        self._make_host_room(block.nbytes, (), "a new tensor")  # (counted within the budget)
-                    self._set_host_only(block, storage)
-                    self._by_host_storage[key] = block
-                    if not shared and not block.host_only and block.nbytes >= PIN_AT_ADOPTION_BYTES:
-                        self._pin_host(block)  # once, now, rather than on the way to the device
-                self._strategy.on_adopt(block)
+                block = self._new_block_for(storage, key, on_device, host_only, shared)
             # t views the block's storage unless an existing block's current copy is elsewhere
             current = block.dev if block.dev is not None else block.host
             view = t if current is storage else compute_view_of(block, t)
-            return make_ref(block, view, self._declared, requires_grad=requires_grad)
+            return make_ref(block, view, m.declared, requires_grad=requires_grad)
+
+    def _new_block_for(self, storage, key: int, on_device: bool, host_only: bool, shared: bool) -> Block:
+        """The block of a plain tensor's ``storage`` (its bytes, not a copy)."""
+        m = self.m
+        books = m.books
+        block = books.new_block(storage.nbytes())
+        if on_device:
+            # Made on the device outside the manager (a GPU tensor given to it): it counts
+            # from now on, and the budget is restored by evicting others.
+            books.made_resident(block, storage)
+            block.explicit = True  # (the program put it there: Note [Default-device tensors])
+            block.last_use = m.op_count
+            m.device_room.make(0, (block.id,), "adopting a device tensor")
+        else:
+            block.host_only = host_only
+            books.host_only += block.host_only
+            block.host_shared = shared
+            if not host_only:
+                m.host_tier.make_room(block.nbytes, (), "a new tensor")  # (counted within the budget)
+            books.set_host_only(block, storage)
+            books.by_host_storage[key] = block
+            if not shared and not block.host_only and block.nbytes >= PIN_AT_ADOPTION_BYTES:
+                m.host_tier.pin_host(block)  # once, now, rather than on the way to the device
+        m.strategy.on_adopt(block)
+        return block
 
     def clone_ref(self, ref: TensorRef, memo: dict):
         """A deep copy of leaf ``ref`` with its own block (``copy.deepcopy``)."""
-        with self._lock:
-            block = ref._tr_block
+        m = self.m
+        with m.lock:
+            block = block_of(ref)
             key = ("torchTensorRef.block", block.id)
             new_block = memo.get(key)
             if new_block is None:
-                self.sync_host(block)
-                self._make_host_room(block.nbytes, (block.id,), "a copy of a tensor")
-                self._host_watch.reserve_bytes(block.nbytes)
+                m.residency.sync_host(block)
+                m.host_tier.make_room(block.nbytes, (block.id,), "a copy of a tensor")
+                m.host_tier.watch.reserve_bytes(block.nbytes)
                 storage = raw.flat_bytes(block.host).clone().untyped_storage()
-                new_block = self._new_block(block.nbytes)
-                self._set_host_only(new_block, storage)
+                new_block = m.books.new_block(block.nbytes)
+                m.books.set_host_only(new_block, storage)
                 memo[key] = new_block
             else:
-                self.sync_host(new_block)  # (it may have left host memory since)
+                m.residency.sync_host(new_block)  # (it may have left host memory since)
             view = with_math_bits(raw.typed_view(new_block.host, ref.dtype, ref.size(), ref.stride(),
                                                  ref.storage_offset()), ref)
-            new = make_ref(new_block, view, self._declared, requires_grad=ref.requires_grad)
+            new = make_ref(new_block, view, m.declared, requires_grad=ref.requires_grad)
         if getattr(ref, "_is_param", False):
             new = torch.nn.Parameter(new, requires_grad=ref.requires_grad)
         if ref.grad is not None:
@@ -140,27 +152,17 @@ class Adoption:
 
     def rebind(self, ref: TensorRef, new: TensorRef) -> None:
         """Point ``ref`` at ``new``'s block (after ``ref.data = new``)."""
-        with self._lock:
-            old = ref._tr_block
-            block = new._tr_block
+        m = self.m
+        with m.lock:
+            old = block_of(ref)
+            block = block_of(new)
             # Count the new view first: ``p.data = p`` (Module.to on a tied parameter that
             # already has the dtype) rebinds a block to itself and must not release it.
             block.refs += 1
-            # The old liveness weakref goes, and its callback with it: the old block's list
-            # of views holds it too, and kept there it would count this tensor's death
-            # against the old block a second time (releasing it under its other views).
-            old_wr, ref._tr_wr = ref._tr_wr, None
-            old.views = [v for v in old.views if v is not old_wr]
+            rebind_view(ref, new)  # (the old liveness weakref goes, with its callback)
             old.refs -= 1
             if old.refs == 0 and old.alive:
-                self._release(old)
-            ref._tr_block = block
-            # ``new``'s view as it is, made afresh at the next use where stale: a block whose
-            # only copy is a checkpoint's range (``from_pretrained``, then ``model.to(device)``)
-            # has no copy to view yet.
-            ref._tr_view, ref._tr_gen = new._tr_view, new._tr_gen
-            ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
-            block.views.append(wr)
+                m.books.release(old)
 
 
 def compute_view_of(block: Block, t: torch.Tensor) -> torch.Tensor:

@@ -2,27 +2,35 @@
 
 from __future__ import annotations
 
+from typing import List
+
 from ..core.errors import OpVetoedError
 
 
 class OpCallback:
     """Handle of callbacks added with ``tensorsManager.add_callback``."""
 
-    def __init__(self, manager, before, after):
-        self.manager, self.before, self.after = manager, before, after
+    def __init__(self, callbacks: "Callbacks", before, after):
+        self.callbacks, self.before, self.after = callbacks, before, after
 
     def remove(self) -> None:
         """Stop calling these callbacks (idempotent)."""
-        with self.manager._lock:
-            if self in self.manager._callbacks:
-                self.manager._callbacks.remove(self)
-                self.manager._refresh_fast()
+        self.callbacks.remove(self)
 
 
 class Callbacks:
-    """The ``TensorsManager`` methods for callbacks (it owns ``_callbacks`` and ``_lock``)."""
+    """The callbacks added with ``add_callback``, run around every managed op.
 
-    def add_callback(self, before=None, after=None) -> "OpCallback":
+    Attributes:
+        handles: the callbacks in force, in the order they were added.
+    """
+
+
+    def __init__(self, manager) -> None:
+        self.m = manager
+        self.handles: List[OpCallback] = []
+
+    def add(self, before=None, after=None) -> OpCallback:
         """Run ``before(op)`` / ``after(op)`` around every managed op; returns a handle.
 
         ``op`` is the op in flight (``op.name``, ``op.index``, ``op.blocks``, ``op.args``
@@ -44,13 +52,21 @@ class Callbacks:
             if fn is not None and not callable(fn):
                 raise ValueError(f"{name} must be callable (got: {type(fn).__name__})")
         handle = OpCallback(self, before, after)
-        with self._lock:
-            self._callbacks.append(handle)
-            self._refresh_fast()
+        with self.m.lock:
+            self.handles.append(handle)
+            self.m.refresh_fast()
         return handle
 
-    def _run_callbacks(self, when: str, ctx) -> None:
-        for handle in list(self._callbacks):
+    def remove(self, handle: OpCallback) -> None:
+        """Stop calling ``handle``'s callbacks (idempotent)."""
+        with self.m.lock:
+            if handle in self.handles:
+                self.handles.remove(handle)
+                self.m.refresh_fast()
+
+    def run(self, when: str, ctx) -> None:
+        """The ``before`` or ``after`` callbacks of op ``ctx``; a ``before`` returning ``False`` vetoes it."""
+        for handle in list(self.handles):
             fn = handle.before if when == "before" else handle.after
             if fn is not None and fn(ctx) is False and when == "before":
                 raise OpVetoedError(ctx.name)

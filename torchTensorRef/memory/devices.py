@@ -210,6 +210,10 @@ class SimBackend(Backend):
     def capacity(self) -> Optional[int]:
         return self._capacity
 
+    def set_capacity(self, nbytes: int) -> None:
+        """The simulated device's memory is ``nbytes`` from now on."""
+        self._capacity = nbytes
+
     def in_use_elsewhere(self, managed_bytes: int) -> int:
         # As CUDA's: what the device's allocator holds, less the manager's blocks
         allocated = self.allocated.total() + self.workspace * len(self._workspace_keys)

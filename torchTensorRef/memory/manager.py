@@ -1,23 +1,28 @@
 """``tensorsManager``: the pager that moves TensorRef blocks between host and accelerator.
 
-The manager is a facade over the parts it mixes in: its settings (``device``, ``strategy``,
-``budget`` and the tiers' limits) in ``settings.py``, its counters and recordings in
-``statistics.py``, the copy protocol and the byte accounting in ``residency.py``, the host
-and disk tiers in ``host_tier.py``, what happens around one op in ``op_protocol.py``,
-adoption of existing tensors in ``adoption.py`` and callbacks in ``callbacks.py``. What it
-keeps itself: what strategies read, explicit moves, pinning and the blocks' lifetime. The strategy only decides; the manager guarantees, around
-every op, that the op's blocks are resident when it runs and that the device bytes stay
-within the budget. All of it runs under one re-entrant lock, because autograd runs
+The manager is a facade over the parts it owns, each with its state declared in one place:
+``settings`` (device, strategy, budget and the tiers' limits), ``accounting`` (the device
+bytes counted against the budget, and their peaks), ``books`` (the live and resident
+blocks, their births and deaths), ``device_room`` (readings of the device, room made within
+the budget, allocations), ``residency`` (the copies between host and device), ``host_tier``
+(host copies within the host budget, the disk below them), ``protocol`` (what happens
+around one op), ``adoption`` (TensorRefs over existing bytes), ``statistics`` and
+``callbacks``. The strategy only decides; the manager guarantees, around every op, that
+the op's blocks are resident when it runs and that the device bytes stay within the
+budget. All of it runs under one re-entrant lock (``lock``), because autograd runs
 backward on other threads.
+
+Its public methods serve three kinds of callers: programs (the documented API: settings,
+``stats()``, explicit moves), strategies (what they read and the moves they ask for:
+``docs/custom-strategy.md``) and the layers above (``ops``, ``regions``, ``integrations``:
+the op protocol, the lock, the backend, readings of the device).
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import threading
-import time
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 
@@ -25,21 +30,23 @@ from ..analysis.trace import Trace
 from ..core import context
 from ..core.blocks import Block
 from ..core.errors import OutOfBudgetError
-from ..core.tensor_ref import TensorRef
-from ..strategies import DEFAULT, Strategy, by_name
+from ..core.tensor_ref import TensorRef, block_of
+from ..strategies import Strategy
+from .accounting import Accounting
 from .adoption import Adoption
 from .callbacks import Callbacks, OpCallback
-from .devices import SIM_CAPACITY_BYTES, Backend, PassthroughBackend, default_device
-from .host_memory import HostMemoryWatch
+from .devices import Backend, PassthroughBackend, default_device
 from .host_tier import HostTier
+from .lifetime import Books
+from .moves import Moves
 from .op_protocol import OpProtocol
-from .pinned import default_limit
 from .residency import Residency
-from .settings import Settings
-from .statistics import STAT_KEYS, Statistics
+from .room import Room
+from .settings import Setting, Settings
+from .statistics import Statistics
 
 
-class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adoption, Callbacks):
+class TensorsManager:
     """The global pager; use the ``torchTensorRef.tensorsManager`` instance.
 
     Example::
@@ -54,93 +61,101 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
         print(tm.stats()["bytes_to_device"])
     """
 
-    def __init__(self):
-        self._lock = threading.RLock()
-        self._forked = False  # a child of the process that made this manager (Note [Forked workers])
-        self._exiting = False  # the interpreter is shutting down: TensorRefs dying now release nothing
-        self._sim_capacity = SIM_CAPACITY_BYTES
-        self._sim_workspace = 0
-        self._sim_rounding = False
-        self._sim_strict = True
-        self._pinned_limit = default_limit()
-        self._backend: Backend = PassthroughBackend()
-        self._declared = self._backend.declared
-        self._unresolved = False  # "cuda" without an index, until the first tensor
-        self._elsewhere = False  # whether the device has allocations beside ours to ask about
-        self._strategy: Strategy = by_name(DEFAULT)
-        self._strategy.attach(self)
-        self._budget: Optional[int] = None
-        self._limit: Optional[int] = None  # the budget in force (None: the device's capacity)
-        self._blocks: Dict[int, Block] = {}
-        self._resident: Dict[int, Block] = {}
+    device = Setting()
+    torch_device = Setting()
+    strategy = Setting()
+    budget = Setting()
+    sim_workspace = Setting()
+    sim_rounding = Setting()
+    sim_strict = Setting()
+    pinned_limit = Setting()
+    sim_capacity = Setting()
+    host_reserve = Setting()
+    host_budget = Setting()
+    offload_dir = Setting()
+
+    def __init__(self) -> None:
+        #: the one lock over the manager's state (re-entrant: autograd's threads run ops too)
+        self.lock = threading.RLock()
+        #: a child of the process that made this manager (Note [Forked workers])
+        self.forked: bool = False
+        #: the interpreter is shutting down: TensorRefs dying now release nothing
+        self.exiting: bool = False
+        #: copies, streams and allocations of the device in use
+        self.backend: Backend = PassthroughBackend()
+        #: the device managed tensors report (Note [Declared device])
+        self.declared: torch.device = self.backend.declared
+        #: "cuda" without an index, until the first tensor
+        self.unresolved: bool = False
+        #: a CUDA graph capture is under way (ops on TensorRefs refuse it)
+        self.capturing: bool = False
+        #: room had to be made by evicting since the budget or device was set
+        self.pressured: bool = False
+        #: whether ops may take the fast path (Note [Fast path] in ops/dispatch.py)
+        self.fast: bool = False
+        #: the strategy, when it sees the fast path's ops through its fast_op hooks
+        self.fast_watch: Optional[Strategy] = None
+        #: ops ever run: the index of the next op
+        self.op_count: int = 0
+        #: the recording in progress (``recording()``), or ``None``
+        self.trace: Optional[Trace] = None
+        self._fault_injector = None
+        self.accounting = Accounting()
+        self.settings = Settings(self)
+        self.statistics = Statistics(self)
+        self.callbacks = Callbacks(self)
+        self.books = Books(self)
+        self.device_room = Room(self)
+        self.residency = Residency(self)
+        self.host_tier = HostTier(self)
+        self.protocol = OpProtocol(self)
+        self.adoption = Adoption(self)
+        self.moves = Moves(self)
+        self.settings.strategy_value.attach(self)
         # For strategies, which look blocks up by id many times per op: the dicts' own get,
         # with no Python frame per call (neither dict is ever replaced).
         #: ``block(id)``: the live block with this id, or ``None``
-        self.block = self._blocks.get
+        self.block = self.books.blocks.get
         #: ``resident_block(id)``: the resident block with this id, or ``None``
-        self.resident_block = self._resident.get
-        self._by_host_storage: Dict[int, Block] = {}
-        self._dead: List[Block] = []
-        self._device_bytes = 0
-        self._inflight: list = []  # (Pending, nbytes) of write-backs still running
-        self._inflight_bytes = 0
-        self._elsewhere_bytes = 0  # last reading of Backend.in_use_elsewhere (CUDA)
-        self._warmed: set = set()  # workspace_key()s whose workspaces the device has made
-        self._room_checks = 0
-        self._peak = 0
-        self._overshoot = 0  # most bytes ever in use above the budget (should stay 0)
-        self._pressured = False  # something had to be evicted to make room
-        self._op_count = 0  # ops ever run: the index of the next op
-        self._ops_at_reset = 0
-        self._counters = dict.fromkeys(STAT_KEYS, 0)
-        self._trace: Optional[Trace] = None
-        self._fault_injector = None
-        self._callbacks: List[OpCallback] = []
-        self._host_watch = HostMemoryWatch()
-        self._host_watch.release = lambda: self._backend.release_cached()  # (on "sim": host memory)
-        self._init_host_tier()
-        self._external = 0  # live external blocks (Note [External bytes])
-        self._host_only_blocks = 0
-        self._capturing = False  # a CUDA graph capture is under way (ops on TensorRefs refuse it)
-        #: whether ops may take the fast path (Note [Fast path] in ops/dispatch.py)
-        self._fast = False
-        self._fast_watch = None  # the strategy, when it sees fast ops through its fast_op hooks
-        self._refresh_fast()
+        self.resident_block = self.books.resident.get
+        self.refresh_fast()
 
-    def _refresh_fast(self) -> None:
-        """Recompute ``_fast``; every setting it depends on calls this when it changes."""
-        strategy = self._strategy
-        watching = not self._backend.passthrough and strategy.needs_every_op()
+    # -- the fast path's switch ------------------------------------------------------------
+
+    def refresh_fast(self) -> None:
+        """Recompute ``fast``; every setting it depends on calls this when it changes."""
+        strategy = self.settings.strategy_value
+        watching = not self.backend.passthrough and strategy.needs_every_op()
         # A strategy that sees every op may still let the ops that move nothing skip the
         # generic path, telling it of them through its fast_op hooks.
-        self._fast_watch = strategy if watching and strategy.follows_fast_ops() else None
-        self._fast = (not self._callbacks and self._trace is None and self._fault_injector is None
-                      and not self._capturing and (not watching or self._fast_watch is not None)
-                      # (emulated workspaces are made on the generic path: OpProtocol._before_kernel)
-                      and not getattr(self._backend, "workspace", 0))
+        self.fast_watch = strategy if watching and strategy.follows_fast_ops() else None
+        self.fast = (not self.callbacks.handles and self.trace is None and self._fault_injector is None
+                     and not self.capturing and (not watching or self.fast_watch is not None)
+                     # (emulated workspaces are made on the generic path: OpProtocol._before_kernel)
+                     and not getattr(self.backend, "workspace", 0))
 
     def hooks_changed(self) -> None:
         """The strategy's ``needs_every_op()`` or ``follows_fast_ops()`` changed its answer."""
-        with self._lock:
-            self._refresh_fast()
+        with self.lock:
+            self.refresh_fast()
 
-    def _set_capturing(self, capturing: bool) -> None:
+    def set_capturing(self, capturing: bool) -> None:
         """A CUDA graph capture began or ended (ops on TensorRefs refuse to be captured)."""
-        with self._lock:
-            self._capturing = capturing
-            self._refresh_fast()
+        with self.lock:
+            self.capturing = capturing
+            self.refresh_fast()
 
-    def _pressure(self) -> None:
+    def note_pressure(self) -> None:
         """Room had to be made by evicting: strategies that learn from every op start now."""
-        if not self._pressured:
-            self._pressured = True
-            self._refresh_fast()
+        if not self.pressured:
+            self.pressured = True
+            self.refresh_fast()
 
     @property
     def fault_injector(self):
         """Test hook: a callable(fault) called before every op and every device allocation.
 
-        ``fault`` is a :class:`~torchTensorRef.memory.residency.Fault` (``kind`` "op", "fetch",
+        ``fault`` is a :class:`~torchTensorRef.memory.room.Fault` (``kind`` "op", "fetch",
         "prefetch", "writeback" or "create"); raising ``torch.OutOfMemoryError`` from it
         simulates the device running out of memory there. ``None`` to stop; anything else
         that cannot be called raises ``TypeError`` and changes nothing.
@@ -152,74 +167,59 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
         if fn is not None and not callable(fn):
             raise TypeError(f"fault_injector must be a callable taking a Fault, or None (got: {fn!r}, "
                             f"which is not callable)")
-        with self._lock:
+        with self.lock:
             self._fault_injector = fn
-            self._refresh_fast()
+            self.refresh_fast()
 
-    # -- what strategies read ---------------------------------------------------------------
+    # -- what strategies read (docs/custom-strategy.md) -------------------------------------
 
     @property
     def limit(self) -> Optional[int]:
         """The budget in force in bytes (the device's capacity when ``budget`` is ``None``)."""
-        return self._limit
+        return self.accounting.limit
 
     @property
     def op_index(self) -> int:
         """Index of the next op."""
-        return self._op_count
+        return self.op_count
 
     @property
     def device_kind(self) -> str:
         """``"cpu"``, ``"sim"`` or ``"cuda"``."""
-        return self._backend.kind
+        return self.backend.kind
 
     @property
     def device_bytes(self) -> int:
         """Bytes of resident blocks now."""
-        return self._device_bytes
+        return self.accounting.resident
 
     @property
     def disk_blocks(self) -> int:
         """Live blocks with a copy on disk (strategies read ahead while there are any)."""
-        return self._disk_blocks
-
-    def is_accelerator(self, device: torch.device) -> bool:
-        """Whether ``device`` is the manager's accelerator (``"cuda"`` matches ``"cuda:N"``)."""
-        if self._backend.passthrough:
-            return False
-        if self._unresolved:
-            self._resolve_device()
-        declared = self._declared
-        return device.type == declared.type and (device.index is None or device.index == declared.index)
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more fit under the budget without evicting anything."""
-        limit = self._limit
-        return limit is None or (self._device_bytes + self._inflight_bytes + self._elsewhere_bytes + nbytes <= limit)
-
-    def resident_blocks(self):
-        """The blocks with a valid accelerator copy (for strategies)."""
-        return self._resident.values()
-
-    def all_resident(self) -> bool:
-        """Whether every live block that can be resident (not host-only) is."""
-        return len(self._resident) == len(self._blocks) - self._host_only_blocks
+        return self.host_tier.disk_blocks
 
     @property
     def under_pressure(self) -> bool:
         """Whether room had to be made by evicting since the budget or device was set."""
-        return self._pressured
+        return self.pressured
 
-    def outside_bytes(self) -> int:
-        """Device bytes allocated now outside the manager's blocks: library workspaces (made
-        first, as the budget setter does), the program's own device tensors. The budget
-        covers them (Note [Budget on CUDA]): a budget must be larger. 0 on ``"cpu"``."""
-        with self._lock:
-            if self._backend.passthrough:
-                return 0
-            if self._unresolved:
-                self._resolve_device()
-            return self._warm_up()
+    def is_accelerator(self, device: torch.device) -> bool:
+        """Whether ``device`` is the manager's accelerator (``"cuda"`` matches ``"cuda:N"``)."""
+        if self.backend.passthrough:
+            return False
+        if self.unresolved:
+            self.resolve_device()
+        declared = self.declared
+        return device.type == declared.type and (device.index is None or device.index == declared.index)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit under the budget without evicting anything."""
+        return self.accounting.fits(nbytes)
+
+    def in_use(self) -> int:
+        """Device bytes counted against the budget now: resident blocks, buffers copies still
+        use and (CUDA) what else the device last said it holds."""
+        return self.accounting.in_use()
 
     def room(self) -> Optional[int]:
         """Accelerator bytes that still fit under the budget now; ``None`` when unlimited.
@@ -227,194 +227,254 @@ class TensorsManager(Settings, Statistics, Residency, HostTier, OpProtocol, Adop
         For strategies that bring blocks in ahead of time: ``fetch`` does not check the
         budget, so a prefetch must fit in ``room()`` (less what the op in flight will add).
         """
-        with self._lock:
-            limit = self._limit
-            if limit is None:
-                return None
-            return max(limit - self._device_bytes - self._inflight_bytes - self._elsewhere_bytes, 0)
+        with self.lock:
+            return self.accounting.room()
 
-    # -- explicit moves -------------------------------------------------------------------
+    def block_bytes(self, nbytes: int) -> int:
+        """Device bytes a block of ``nbytes`` takes, as the budget counts it (the device's
+        allocator rounds sizes up: ``Backend.block_bytes``)."""
+        return self.backend.block_bytes(nbytes)
+
+    def resident_blocks(self):
+        """The blocks with a valid accelerator copy (for strategies)."""
+        return self.books.resident.values()
+
+    def all_resident(self) -> bool:
+        """Whether every live block that can be resident (not host-only) is."""
+        return self.books.all_resident()
+
+    def outside_bytes(self) -> int:
+        """Device bytes allocated now outside the manager's blocks: library workspaces (made
+        first, as the budget setter does), the program's own device tensors. The budget
+        covers them (Note [Budget on CUDA]): a budget must be larger. 0 on ``"cpu"``."""
+        with self.lock:
+            if self.backend.passthrough:
+                return 0
+            if self.unresolved:
+                self.resolve_device()
+            return self.device_room.warm_up()
+
+    def fetch(self, block: Block, protect=()) -> None:
+        """Give ``block`` a valid device copy now (no budget check: room is the caller's)."""
+        self.residency.fetch(block, protect)
+
+    def prefetch(self, block: Block) -> bool:
+        """Bring ``block`` in ahead of use on a side stream (no budget check); whether it did."""
+        return self.residency.prefetch(block)
+
+    def evict(self, block: Block) -> None:
+        """Drop ``block``'s device copy, writing it back first if it is dirty."""
+        self.residency.evict(block)
+
+    def sync_host(self, block: Block, record: bool = True) -> bool:
+        """Make the host copy valid and readable now (keeping the device copy); whether it copied."""
+        return self.residency.sync_host(block, record)
+
+    def host_room(self) -> Optional[int]:
+        """Host bytes that still fit under the host budget now; ``None`` when unlimited."""
+        return self.host_tier.room()
+
+    def host_copies(self):
+        """The blocks whose host copy may leave host memory now (for strategies)."""
+        return self.host_tier.candidates(())
+
+    def drop_host_copy(self, block: Block) -> bool:
+        """Drop ``block``'s host copy if that is free; whether it did (for read-aheads)."""
+        return self.host_tier.drop_host_copy(block)
+
+    def read_ahead(self, block: Block) -> bool:
+        """Start reading ``block`` from disk into host memory; whether it did."""
+        return self.host_tier.read_ahead(block)
+
+    # -- explicit moves (``moves.py``) -------------------------------------------------------
 
     def move_to_device(self, ref: TensorRef) -> None:
         """Make ``ref``'s block resident now, evicting others if the budget needs it."""
-        with self._lock:
-            self._drain()
-            block = ref._tr_block
-            if self._backend.passthrough or block.dev is not None or block.external or block.host_only:
-                return  # (an external block stays on the host: Note [External bytes])
-            size = self._backend.block_bytes(block.nbytes)
-            if self._limit is not None and size + self._elsewhere_bytes > self._limit:
-                outside = self._read_outside()  # (a reading of the device, not a stale one)
-                if size + outside > self._limit:
-                    raise OutOfBudgetError("toGPU", size + outside, self._limit, outside=outside)
-            self._make_room(size, (block.id,), "toGPU")
-            self.fetch(block, (block.id,))
-            block.last_use = self._op_count
+        self.moves.to_device(ref)
 
     def expose(self, ref: TensorRef) -> torch.Tensor:
-        """``ref``'s device copy for code outside torch's ops (``data_ptr``): brought in,
-        counted as written, and kept resident until room is needed."""
-        with self._lock:
-            view = self.write_view(ref)
-            ref._tr_block.exposed = True
-            return view
+        """``ref``'s device copy for code outside torch's ops (``data_ptr``), counted as written."""
+        return self.moves.expose(ref)
 
     def write_view(self, ref: TensorRef) -> torch.Tensor:
-        """A plain view of ``ref``'s device copy (brought in) that its caller writes: the host
-        copy is stale from now on. For code that writes a TensorRef's bytes without an op."""
-        with self._lock:
-            self.move_to_device(ref)
-            block = ref._tr_block
-            view = ref.target
-            if not block.host_only and block.dev is not None:
-                block.host_valid = False
-                self._disk_stale(block)
-            return view
+        """A plain view of ``ref``'s device copy that its caller writes (the host copy is stale)."""
+        return self.moves.write_view(ref)
 
     def move_to_host(self, ref: TensorRef) -> None:
         """Write ``ref``'s block back if needed and drop its accelerator copy."""
-        with self._lock:
-            block = ref._tr_block
-            if not block.pins:
-                self.evict(block)
-            self.sync_host(block)
-            self._retire_inflight()  # its write-back ended: its device bytes are free now
+        self.moves.to_host(ref)
 
     def discard(self, ref: TensorRef) -> None:
-        """``ref``'s bytes are rewritten before they are read again: free its accelerator copy
-        without writing it back (FSDP2 frees its gathered parameters so between uses).
-
-        The host copy is kept as the valid one (its stale bytes are never read); a block that
-        has none yet is written back once to get it.
-        """
-        with self._lock:
-            self._drain()
-            block = ref._tr_block
-            if block.dev is None or block.pins or block.host_only or block.external or block.host_shared:
-                return
-            if block.host is not None and block.host.nbytes() == block.nbytes:
-                block.host_valid = True
-            self.evict(block)
+        """``ref``'s bytes are rewritten before they are read again: free its device copy unsaved."""
+        self.moves.discard(ref)
 
     def evict_all(self) -> None:
         """Send every unpinned block back to host memory (writing back what changed)."""
-        with self._lock:
-            self._drain()
-            for block in [b for b in self._resident.values() if not b.pins]:
-                self.evict(block)
+        self.moves.evict_all()
 
     def pin(self, tensor: TensorRef) -> None:
         """Keep ``tensor``'s block resident until ``unpin``; pins nest."""
-        if not isinstance(tensor, TensorRef):
-            raise TypeError(f"pin needs a TensorRef (got: {type(tensor).__name__})")
-        with self._lock:
-            self.move_to_device(tensor)
-            tensor._tr_block.pins += 1
+        self.moves.pin(tensor)
 
     def unpin(self, tensor: TensorRef) -> None:
         """Undo one ``pin``."""
-        if not isinstance(tensor, TensorRef):
-            raise TypeError(f"unpin needs a TensorRef (got: {type(tensor).__name__})")
-        with self._lock:
-            block = tensor._tr_block
-            if block.pins == 0:
-                raise ValueError("unpin of a tensor that is not pinned")
-            block.pins -= 1
+        self.moves.unpin(tensor)
 
-    # -- blocks' lifetime ---------------------------------------------------------------
+    # -- statistics and callbacks -----------------------------------------------------------
 
-    def _new_block(self, nbytes: int) -> Block:
-        if self._unresolved:
-            self._resolve_device()
-        block = Block(nbytes)
-        # (a partial, not a lambda: one Python frame less for every TensorRef that dies)
-        block.on_ref_dead = functools.partial(self._ref_died, block)
-        self._blocks[block.id] = block
-        return block
+    def stats(self) -> dict:
+        """Counters since the last ``reset_stats()`` and the current state (``Statistics.stats``)."""
+        return self.statistics.stats()
 
-    def _ref_died(self, block: Block, _weakref=None) -> None:
-        """Weakref callback: a TensorRef viewing ``block`` died.
+    def reset_stats(self) -> None:
+        """Zero the counters; the peak restarts from the bytes in use now."""
+        self.statistics.reset()
 
-        It may run anywhere (in the middle of an op, on an autograd thread), so the death is
-        queued; it is applied at once when no op is in flight, so that a dead tensor's memory
-        comes back when plain torch would free it, not at the next op (allocations then
-        reuse it instead of taking fresh pages, and on an accelerator the budget sees it).
-        """
-        if self._exiting:
-            return  # (the process ends: its memory goes with it, and the modules the release uses may be gone)
-        self._dead.append(block)
-        lock = self._lock
-        if lock._is_owned() or not lock.acquire(blocking=False):
-            return  # mid-op on this thread, or another thread holds the lock: the next op drains
-        try:
-            self._drain()
-        finally:
-            lock.release()
+    def synchronize(self) -> None:
+        """Wait until every copy in flight has finished (``torch.cuda.synchronize`` for the pager)."""
+        self.statistics.synchronize()
 
-    def _host_written(self, block: Block) -> None:
-        """An op on the host wrote ``block``'s host copy: a device copy is stale now."""
-        self._disk_stale(block)
-        if block.dev is not None and not block.host_only:
-            block.host_valid = True
-            block.dev_pending = None
-            self._drop_dev(block)
-            del self._resident[block.id]
-            self._device_bytes -= self._backend.block_bytes(block.nbytes)
+    def recording(self, regions: bool = False):
+        """Record block accesses, moves and resident bytes; yields a ``Trace`` (``Statistics.recording``)."""
+        return self.statistics.recording(regions)
 
-    def _set_host_only(self, block: Block, storage) -> None:
-        """``storage`` is ``block``'s host copy, and the one ops run on if it is host-only (or pass-through)."""
-        block.set_host(storage, True)
-        if self._backend.passthrough or block.host_only:
-            block.dev_key = storage._cdata  # (and not paged: not counted against the host budget)
-        else:
-            self._host_gained(block)
+    def add_callback(self, before=None, after=None) -> OpCallback:
+        """Run ``before(op)`` / ``after(op)`` around every managed op; returns a handle
+        (``Callbacks.add``)."""
+        return self.callbacks.add(before, after)
 
-    def _drain(self) -> None:
-        """Apply the TensorRef deaths the weakref callbacks queued; release dead blocks."""
-        dead = self._dead
-        while dead:
-            block = dead.pop()
-            block.refs -= 1
-            if block.refs == 0 and block.alive:
-                self._release(block)
+    # -- tensors made over existing bytes -------------------------------------------------
+
+    def manage_tensor(self, t: torch.Tensor, requires_grad: Optional[bool] = None, *, host_only: bool = False,
+                      shared: bool = True):
+        """A TensorRef over plain tensor ``t``'s bytes (``Adoption.manage_tensor``)."""
+        return self.adoption.manage_tensor(t, requires_grad, host_only=host_only, shared=shared)
+
+    def take_over(self, refs) -> int:
+        """Blocks of ``refs`` whose plain tensors nobody holds become the manager's own."""
+        return self.adoption.take_over(refs)
+
+    def clone_ref(self, ref: TensorRef, memo: dict):
+        """A deep copy of leaf ``ref`` with its own block (``copy.deepcopy``)."""
+        return self.adoption.clone_ref(ref, memo)
+
+    def rebind(self, ref: TensorRef, new: TensorRef) -> None:
+        """Point ``ref`` at ``new``'s block (after ``ref.data = new``)."""
+        self.adoption.rebind(ref, new)
+
+    def new_device_tensor(self, size, stride, dtype, memory_format=None):
+        """A new TensorRef on the device, within the budget (the device's ``empty`` kernels)."""
+        return self.residency.new_device_tensor(size, stride, dtype, memory_format)
 
     def mark_external(self, block: Block) -> None:
-        """Note one more holder of ``block``'s host bytes outside the manager (Note [External bytes])."""
-        with self._lock:
-            if not block.external and block.alive:
-                self._external += 1
-            block.external += 1
-            self.evict(block)
-            self.sync_host(block)
+        """One more holder of ``block``'s host bytes outside the manager (Note [External
+        bytes]): it leaves the device and its host copy is made current."""
+        with self.lock:
+            self.books.mark_external(block)
+            self.residency.evict(block)
+            self.residency.sync_host(block)
 
     def unmark_external(self, block: Block) -> None:
         """Undo one ``mark_external`` (counters only: it may run from a weakref callback)."""
-        block.external -= 1
-        if not block.external and block.alive:
-            self._external -= 1
+        self.books.unmark_external(block)
 
-    def _release(self, block: Block) -> None:
-        if block.host_only:
-            self._host_only_blocks -= 1
-        if block.external:
-            self._external -= 1  # (a late unmark_external sees the block dead)
-        if block.dev is not None:
-            del self._resident[block.id]
-            self._device_bytes -= self._backend.block_bytes(block.nbytes)
-            if self._trace is not None:
-                self._trace.resized(time.perf_counter_ns(), self._device_bytes)
-        if block.host is not None:
-            self._forget_host(block)
-            block.host = None
-        if block.dev is not None:
-            self._drop_dev(block)
-        if block.disk is not None or block.spilling is not None:
-            self._disk_stale(block)
-        block.dev_pending = None
-        block.alive = False
-        block.on_ref_dead = None
-        del self._blocks[block.id]
-        self._strategy.on_release(block)
+    # -- the interface of the layers above (ops, regions, integrations) --------------------
+
+    def drain(self) -> None:
+        """Apply the deaths of TensorRefs queued meanwhile (the caller holds ``lock``)."""
+        if self.books.dead:
+            self.books.drain()
+
+    def resolve_device(self) -> None:
+        """Fix ``"cuda"``'s index at first use (Note [Declared device])."""
+        with self.lock:
+            if self.unresolved:
+                self.backend.resolve()
+                self.declared = self.backend.declared
+                self.unresolved = False
+                self.accounting.limit = self.settings.limit_for(self.settings.budget_value)
+                self.refresh_fast()
+
+    def use_backend(self, backend: Backend) -> None:
+        """``backend`` is the device from now on (``Settings.set_device``, every block off the old one)."""
+        self.backend = backend
+        acct = self.accounting
+        # (CUDA's and sim's allocators hold plain tensors beside ours: Note [Allocated bytes on sim])
+        acct.elsewhere = not backend.passthrough
+        acct.elsewhere_bytes = 0  # (a reading of the old device)
+        acct.warmed = set()
+        self.unresolved = backend.name == "cuda" and not backend.resolved
+        self.declared = backend.declared
+        self.pressured = False
+
+    def read_outside(self) -> int:
+        """Device bytes allocated outside the manager, asked of the device now (the caller holds ``lock``)."""
+        return self.device_room.read_outside()
+
+    def make_room(self, nbytes: int, protect, op_name: str, allocated: int = 0) -> None:
+        """Evict (the strategy's choice) until ``nbytes`` more fit in the budget; ``allocated``
+        of them are allocated already, to become blocks (``Room.make``)."""
+        self.device_room.make(nbytes, protect, op_name, allocated)
+
+    def record_top(self, top: int) -> None:
+        """A step kept ``top`` bytes in use at once (a region's working set and its room): its peak and overshoot."""
+        self.accounting.record_top(top)
+
+    def prepare(self, ctx) -> None:
+        """Before op ``ctx``: budget, callbacks, strategy, room, fetches (``OpProtocol.prepare``)."""
+        self.protocol.prepare(ctx)
+
+    def call(self, ctx, func, args, kwargs):
+        """Op ``ctx``'s kernel, with one retry after an out-of-memory error."""
+        return self.protocol.call(ctx, func, args, kwargs)
+
+    def finish(self, ctx) -> None:
+        """After op ``ctx``: callbacks, the strategy's ``after_op``, the budget restored, the trace."""
+        self.protocol.finish(ctx)
+
+    def op_raised(self, ctx) -> None:
+        """Op ``ctx`` raised after ``prepare``: what it writes counts as written."""
+        self.protocol.raised(ctx)
+
+    def mark_written(self, blocks) -> None:
+        """An op wrote ``blocks``' device copies: their host (and disk) copies are stale."""
+        self.protocol.mark_written(blocks)
+
+    def host_written(self, block: Block) -> None:
+        """An op on the host wrote ``block``'s host copy: a device copy is stale now."""
+        self.books.host_written(block)
+
+    def adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
+        """A new result ``t`` of op ``ctx`` as a TensorRef on a block of its own."""
+        return self.protocol.adopt_output(t, ctx)
+
+    def result_block(self, t: torch.Tensor, index: int, on_host: bool = False, storage=None) -> Block:
+        """A new block for the storage of ``t``, the result of op ``index``."""
+        return self.protocol.result_block(t, index, on_host, storage)
+
+    def recover_from_oom(self, ctx, func, args, kwargs):
+        """Op ``ctx`` again after an out-of-memory error, what it does not use evicted."""
+        return self.protocol.recover_from_oom(ctx, func, args, kwargs)
+
+    def arrived(self, block: Block) -> None:
+        """An op is about to read ``block``, brought in by a prefetch: ordered after its copy."""
+        self.protocol.arrived(block)
+
+    def resized(self, block: Block, nbytes: int) -> None:
+        """``block``'s storage was resized in place (``resize_``) to ``nbytes``."""
+        self.protocol.resized(block, nbytes)
+
+    def new_block(self, nbytes: int) -> Block:
+        """A new live block of ``nbytes`` (no copy yet)."""
+        return self.books.new_block(nbytes)
+
+    def pinned_bytes(self) -> int:
+        """Device bytes of the resident blocks pinned there."""
+        return self.books.pinned_bytes()
+
+    def host_storages(self) -> set:
+        """Keys of the host storages of the paged blocks (a plain view of one is a host copy)."""
+        return {b.host._cdata for b in self.host_tier.hosted.values() if b.host is not None}
 
 
 tensorsManager = TensorsManager()
@@ -422,7 +482,7 @@ context.install_manager(tensorsManager)
 
 
 def _exiting() -> None:
-    tensorsManager._exiting = True
+    tensorsManager.exiting = True
 
 
 atexit.register(_exiting)

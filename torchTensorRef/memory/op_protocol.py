@@ -1,8 +1,8 @@
 """What the manager does around one op: make room and fetch before it, account for after.
 
-``ops.dispatch`` calls ``_prepare`` (budget check, callbacks, the strategy's ``before_op``,
-evictions and fetches), ``_call`` (the op, with one retry after an out-of-memory error),
-``_adopt_output`` for each new result and ``_finish`` (callbacks, the strategy's
+``ops.dispatch`` calls ``prepare`` (budget check, callbacks, the strategy's ``before_op``,
+evictions and fetches), ``call`` (the op, with one retry after an out-of-memory error),
+``adopt_output`` for each new result and ``finish`` (callbacks, the strategy's
 ``after_op``, the budget restored, the trace). The caller holds the manager's lock.
 
 An op *on the host* (``OpContext.on_host``: every TensorRef argument is a host-only block,
@@ -21,7 +21,7 @@ from ..core import raw
 from ..core.blocks import Block
 from ..core.errors import DeviceOutOfMemoryError, OutOfBudgetError
 from ..core.tensor_ref import TensorRef, make_ref
-from .residency import is_out_of_memory
+from .room import is_out_of_memory
 
 _CAPTURE_ERROR = (
     "{op}: CUDA graph capture of ops on TensorRefs is not supported: the manager moves and frees "
@@ -38,78 +38,94 @@ _in_backward = torch._C._current_graph_task_id
 
 
 class OpProtocol:
-    """The ``TensorsManager`` methods of the op protocol (state lives in the manager)."""
+    """What the manager does around one op (``prepare``, ``call``, ``finish`` or ``raised``)."""
 
-    def _prepare(self, ctx) -> None:
-        backend = self._backend
+
+    def __init__(self, manager) -> None:
+        self.m = manager
+
+    def prepare(self, ctx) -> None:
+        """Before an op: the budget checked, callbacks, the strategy's ``before_op``, room made
+        and the op's blocks fetched. Nothing changes when it refuses."""
+        m = self.m
+        backend = m.backend
         if ctx.on_host or backend.passthrough:
-            if self._callbacks:
-                self._run_callbacks("before", ctx)
-            ctx.index = self._op_count
-            self._op_count += 1
+            if m.callbacks.handles:
+                m.callbacks.run("before", ctx)
+            ctx.index = m.op_count
+            m.op_count += 1
             return
-        if self._capturing or backend.capturing():
+        if m.capturing or backend.capturing():
             raise RuntimeError(_CAPTURE_ERROR.format(op=ctx.name))
-        if self._inflight:
-            self._retire_inflight()  # write-backs queued by earlier ops (on "sim": done by now)
-        blocks = ctx.blocks
-        limit = self._limit
-        if ctx.spec.restrides and self._external:
+        if m.accounting.pending:
+            m.device_room.retire()  # copies queued by earlier ops (on "sim": done by now)
+        if ctx.spec.restrides and m.books.external:
             self._refuse_growing_external(ctx)
-        if limit is not None:
-            # Checked before anything changes: an op that cannot fit is not counted, the
-            # strategy never sees it, and nothing is evicted for it.
-            size = backend.block_bytes
-            need = size(ctx.output_estimate())
-            for b in blocks:
-                if not b.host_only:
-                    need += size(b.nbytes)
-            if need + self._elsewhere_bytes > limit:
-                outside = self._read_outside()  # (a reading of the device, not a stale one)
-                if need + outside > limit:
-                    raise OutOfBudgetError(ctx.name, need + outside, limit, outside=outside,
-                                           detail=_MIDWAY if _in_backward() != -1 else "")
-        if self._callbacks:
-            self._run_callbacks("before", ctx)  # may veto: nothing has changed yet
-        ctx.index = self._op_count
-        self._op_count += 1
-        self._strategy.before_op(ctx)
-        missing = [b for b in blocks if b.dev is None and not b.host_only]
-        protect = {b.id for b in blocks}
+        if m.accounting.limit is not None:
+            self._check_fits(ctx)
+        if m.callbacks.handles:
+            m.callbacks.run("before", ctx)  # may veto: nothing has changed yet
+        ctx.index = m.op_count
+        m.op_count += 1
+        m.strategy.before_op(ctx)
+        missing = self._bring_in(ctx)
+        m.statistics.counters["prefetch_misses"] += missing
+        index = ctx.index
+        for b in ctx.blocks:
+            b.last_use = index
+            if b.prefetched or b.dev_pending is not None:
+                self.arrived(b)
+        m.strategy.before_run(ctx)
+        if m.trace is not None:
+            ctx.start = time.perf_counter_ns()
+
+    def _check_fits(self, ctx) -> None:
+        """Refuse an op whose blocks and results cannot fit the budget together: checked before
+        anything changes, so an op that cannot fit is not counted, the strategy never sees it,
+        and nothing is evicted for it."""
+        m = self.m
+        limit = m.accounting.limit
+        size = m.backend.block_bytes
+        need = size(ctx.output_estimate())
+        for b in ctx.blocks:
+            if not b.host_only:
+                need += size(b.nbytes)
+        if need + m.accounting.elsewhere_bytes > limit:
+            outside = m.device_room.read_outside()  # (a reading of the device, not a stale one)
+            if need + outside > limit:
+                raise OutOfBudgetError(ctx.name, need + outside, limit, outside=outside,
+                                       detail=_MIDWAY if _in_backward() != -1 else "")
+
+    def _bring_in(self, ctx) -> int:
+        """Room for the op's missing blocks and results, then the blocks fetched; how many were missing."""
+        m = self.m
+        missing = [b for b in ctx.blocks if b.dev is None and not b.host_only]
+        protect = {b.id for b in ctx.blocks}
         try:
-            if self._limit is not None:
-                size = backend.block_bytes
+            if m.accounting.limit is not None:
+                size = m.backend.block_bytes
                 room = size(ctx.output_estimate())
                 for b in missing:
                     room += size(b.nbytes)
                 if room:
-                    self._make_room(room, protect, ctx.name)
+                    m.device_room.make(room, protect, ctx.name)
             for b in missing:
-                self.fetch(b, protect)
+                m.residency.fetch(b, protect)
         except BaseException as e:
-            if self._op_count == ctx.index + 1:
-                self._op_count = ctx.index  # the op did not run: it is not counted
+            if m.op_count == ctx.index + 1:
+                m.op_count = ctx.index  # the op did not run: it is not counted
             if isinstance(e, DeviceOutOfMemoryError) and e.op != ctx.name:
                 # (a fetch knows only that it fetches: the error names the op the user ran)
                 raise DeviceOutOfMemoryError(ctx.name, e.needed, e.available) from e.__cause__
             raise
-        c = self._counters
-        c["prefetch_misses"] += len(missing)
-        index = ctx.index
-        for b in blocks:
-            b.last_use = index
-            if b.prefetched or b.dev_pending is not None:
-                self._arrived(b)
-        self._strategy.before_run(ctx)
-        if self._trace is not None:
-            ctx._start = time.perf_counter_ns()  # type: ignore[attr-defined]
+        return len(missing)
 
-    def _arrived(self, block: Block) -> None:
+    def arrived(self, block: Block) -> None:
         """An op is about to read ``block``, brought in by a prefetch: count the hit and
         order the op after the copy (the compute stream waits for it; the host does not)."""
         if block.prefetched:
             block.prefetched = False
-            self._counters["prefetch_hits"] += 1
+            self.m.statistics.counters["prefetch_hits"] += 1
         if block.dev_pending is not None:
             block.dev_pending.wait_compute()
             block.dev_pending = None
@@ -122,123 +138,129 @@ class OpProtocol:
                 f"{ctx.name}: Trying to resize storage that is not resizable: its bytes are "
                 f"shared with memory outside torch (a numpy array, a buffer); resize a copy instead")
 
-    def _call(self, ctx, func, args, kwargs):
-        if ctx.on_host or self._backend.passthrough:
+    def call(self, ctx, func, args, kwargs):
+        """The op's kernel, with one retry after an out-of-memory error."""
+        m = self.m
+        if ctx.on_host or m.backend.passthrough:
             return func(*args, **kwargs)
         try:
             self._before_kernel(ctx)
-            if self._trace is not None:
+            if m.trace is not None:
                 return self._timed_call(ctx, func, args, kwargs)
             return func(*args, **kwargs)
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
-        return self._recover_from_oom(ctx, func, args, kwargs)
+        return self.recover_from_oom(ctx, func, args, kwargs)
 
     def _timed_call(self, ctx, func, args, kwargs):
         # The kernel apart from the bookkeeping: on a GPU it runs on the device, not the host.
         start = time.perf_counter_ns()
         out = func(*args, **kwargs)
-        self._trace.kernel(ctx.index, func, args, kwargs, out, start, time.perf_counter_ns())
+        self.m.trace.kernel(ctx.index, func, args, kwargs, out, start, time.perf_counter_ns())
         return out
 
     def _before_kernel(self, ctx) -> None:
         """Fault injection, and the simulated device's allocation of the op's results."""
-        if self._fault_injector is not None:
-            self._inject("op", ctx.output_estimate(), ctx)
-        backend = self._backend
+        m = self.m
+        if m.fault_injector is not None:
+            m.device_room.inject("op", ctx.output_estimate(), ctx)
+        backend = m.backend
         if backend.simulated:
             backend.note_kernel()
-            self._check_capacity(backend.block_bytes(ctx.output_estimate()))
+            m.device_room.check_capacity(backend.block_bytes(ctx.output_estimate()))
 
-    def _recover_from_oom(self, ctx, func, args, kwargs):
-        # Another process, a library's workspace or the allocator's fragmentation took
-        # memory: evict what this op does not use and try once more.
-        self._recover_memory({b.id for b in ctx.blocks})
+    def recover_from_oom(self, ctx, func, args, kwargs):
+        """The op again after an out-of-memory error: another process, a library's workspace
+        or the allocator's fragmentation took memory; what this op does not use is evicted."""
+        m = self.m
+        m.device_room.recover({b.id for b in ctx.blocks})
         try:
             self._before_kernel(ctx)
             return func(*args, **kwargs)
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
-            size = self._backend.block_bytes
+            size = m.backend.block_bytes
             needed = sum(size(b.nbytes) for b in ctx.blocks if not b.host_only) + size(ctx.output_estimate())
-            raise DeviceOutOfMemoryError(ctx.name, needed, self._free_estimate()) from e
+            raise DeviceOutOfMemoryError(ctx.name, needed, m.device_room.free_estimate()) from e
 
-    def _mark_written(self, blocks) -> None:
-        if not self._backend.passthrough:
+    def mark_written(self, blocks) -> None:
+        """An op wrote ``blocks``' device copies: their host (and disk) copies are stale."""
+        m = self.m
+        if not m.backend.passthrough:
             for b in blocks:
                 if not b.host_only:
                     b.host_valid = False
                     if b.disk is not None or b.spilling is not None:
-                        self._disk_stale(b)
+                        m.host_tier.disk_stale(b)
 
-    def _adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
+    def adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
+        """A new result ``t`` of the op as a TensorRef on a block of its own."""
         if getattr(ctx.spec, "one_tensor", False):  # (results of one op may share a new storage)
             t = tight_result(t, t.untyped_storage())
-        block = self._result_block(t, ctx.index, ctx.on_host)
-        if block.dev is not None and self._trace is not None:
-            self._trace.resized(time.perf_counter_ns(), self._device_bytes)
+        m = self.m
+        block = self.result_block(t, ctx.index, ctx.on_host)
+        if block.dev is not None and m.trace is not None:
+            m.trace.resized(time.perf_counter_ns(), m.accounting.resident)
         ctx.outputs.append(block)
-        return make_ref(block, t, self._declared)
+        return make_ref(block, t, m.declared)
 
-    def _result_block(self, t: torch.Tensor, index: int, on_host: bool = False, storage=None) -> Block:
+    def result_block(self, t: torch.Tensor, index: int, on_host: bool = False, storage=None) -> Block:
         """A new block for the storage of ``t``, the result of op ``index`` (``storage``:
         ``t.untyped_storage()``, when the caller has it already)."""
         if storage is None:
             storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        block = self._new_block(nbytes)
+        m = self.m
+        books = m.books
+        block = books.new_block(nbytes)
         block.from_op = True
-        backend = self._backend
+        backend = m.backend
         if backend.passthrough:
-            self._set_host_only(block, storage)
+            books.set_host_only(block, storage)
         # (the backend first: ``t.device.type`` costs a microsecond, and only CUDA needs it)
         elif on_host or backend.name == "cuda" and t.device.type == "cpu":
             block.host_only = True  # a CPU result (Note [Declared device])
-            self._host_only_blocks += 1
-            self._set_host_only(block, storage)
+            books.host_only += 1
+            books.set_host_only(block, storage)
         else:
+            # (``Books.made_resident`` inlined: this runs for every op's result)
             block.set_dev(storage)
-            self._resident[block.id] = block
+            books.resident[block.id] = block
+            m.accounting.add(backend.block_bytes(nbytes))
             if backend.simulated:
                 backend.track(storage)  # (made by a CPU kernel: Note [Allocated bytes on sim])
-            # (_add_device_bytes inlined: this runs for every op's result)
-            total = self._device_bytes = self._device_bytes + backend.block_bytes(nbytes)
-            if total + self._inflight_bytes > self._peak:
-                self._peak = total + self._inflight_bytes
-            limit = self._limit
-            if limit is not None and total + self._inflight_bytes + self._elsewhere_bytes - limit > self._overshoot:
-                self._overshoot = total + self._inflight_bytes + self._elsewhere_bytes - limit
             block.last_use = index
         return block
 
-    def _resized(self, block: Block, nbytes: int) -> None:
+    def resized(self, block: Block, nbytes: int) -> None:
         """``block``'s storage was resized in place (``resize_``) to ``nbytes``."""
-        self._disk_stale(block)
+        m = self.m
+        m.host_tier.disk_stale(block)
         if block.dev is not None:
-            size = self._backend.block_bytes
-            self._add_device_bytes(size(nbytes) - size(block.nbytes))
-            if self._backend.simulated:
-                self._backend.track(block.dev)  # (resized in place: counted at its new size)
+            size = m.backend.block_bytes
+            m.accounting.add(size(nbytes) - size(block.nbytes))
+            if m.backend.simulated:
+                m.backend.track(block.dev)  # (resized in place: counted at its new size)
             if block.host is not None:  # the host copy has the old size: drop it
-                self._drop_host(block)
-            if self._trace is not None:
-                self._trace.resized(time.perf_counter_ns(), self._device_bytes)
-        if block.id in self._hosted:
-            self._host_bytes += nbytes - block.nbytes
+                m.residency.drop_host(block)
+            if m.trace is not None:
+                m.trace.resized(time.perf_counter_ns(), m.accounting.resident)
+        if block.id in m.host_tier.hosted:
+            m.host_tier.nbytes += nbytes - block.nbytes
         block.nbytes = nbytes
 
-    def _op_raised(self, ctx) -> None:
-        """The op raised after ``_prepare``: what it writes counts as written (a kernel may
+    def raised(self, ctx) -> None:
+        """The op raised after ``prepare``: what it writes counts as written (a kernel may
         have written part of it before raising, as plain torch keeps), and blocks whose bytes
         are shared outside torch go back to the host, as after any op (Note [External
         bytes]): kept resident, a later write through a numpy array was not seen."""
-        if self._backend.passthrough or ctx.on_host:
+        if self.m.backend.passthrough or ctx.on_host:
             return
         if ctx.written:
-            self._mark_written(ctx.written)
-        if self._external:
+            self.mark_written(ctx.written)
+        if self.m.books.external:
             self._send_external_home(ctx)
 
     def _send_external_home(self, ctx) -> None:
@@ -246,37 +268,42 @@ class OpProtocol:
         even if pinned (Note [External bytes])."""
         for b in ctx.blocks:
             if b.external and b.dev is not None:
-                self.evict(b)
+                self.m.residency.evict(b)
 
-    def _finish(self, ctx) -> None:
-        if self._callbacks:
-            self._run_callbacks("after", ctx)
-        if self._backend.passthrough or ctx.on_host:
+    def finish(self, ctx) -> None:
+        """After an op: callbacks, the strategy's ``after_op``, the budget restored, the trace."""
+        m = self.m
+        if m.callbacks.handles:
+            m.callbacks.run("after", ctx)
+        if m.backend.passthrough or ctx.on_host:
             return
-        self._strategy.after_op(ctx)
-        if self._external:  # (checked here: this runs for every op)
+        m.strategy.after_op(ctx)
+        if m.books.external:  # (checked here: this runs for every op)
             self._send_external_home(ctx)
-        if self._limit is not None and self._device_bytes + self._inflight_bytes + self._elsewhere_bytes > self._limit:
+        if not m.accounting.fits(0):
             # The op's results were larger than estimated (its overshoot is recorded): room is
             # made as far as evicting gives it. The op ran and its results are kept: the
             # device's reading still counts the kernel's own references to them (freed when
             # the op returns), which no eviction can give back.
             try:
-                self._make_room(0, (), ctx.name)
+                m.device_room.make(0, (), ctx.name)
             except OutOfBudgetError:
                 pass
-        trace = self._trace
-        if trace is not None:
-            written = {b.id for b in ctx.written}
-            index = ctx.index
-            for b in ctx.blocks:
-                if not b.host_only:
-                    trace.accesses.append((index, b.id, b.nbytes, b.id in written))
-            for b in ctx.outputs:
-                if not b.host_only:
-                    trace.accesses.append((index, b.id, b.nbytes, True))
-                    trace.created.add(b.id)
-            trace.op(index, ctx.name, getattr(ctx, "_start", 0), time.perf_counter_ns())
+        if m.trace is not None:
+            self._record(ctx)
+
+    def _record(self, ctx) -> None:
+        trace = self.m.trace
+        written = {b.id for b in ctx.written}
+        index = ctx.index
+        for b in ctx.blocks:
+            if not b.host_only:
+                trace.accesses.append((index, b.id, b.nbytes, b.id in written))
+        for b in ctx.outputs:
+            if not b.host_only:
+                trace.accesses.append((index, b.id, b.nbytes, True))
+                trace.created.add(b.id)
+        trace.op(index, ctx.name, ctx.start, time.perf_counter_ns())
 
 
 def tight_result(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The manager's settings: device, strategy, budget and the limits of each tier.
 
-A mixin of ``TensorsManager`` (``manager.py``): each setter validates its value, raising a
-``ValueError`` that names what is accepted, and changes nothing when it refuses.
+A part of ``TensorsManager`` (``manager.py``), whose public properties are these settings
+(``Setting``): each setter validates its value, raising a ``ValueError`` that names what is
+accepted, and changes nothing when it refuses.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import torch
 
 from ..core.errors import BudgetBelowFloorError, OutOfBudgetError
 from ..core.sizes import parse_size
-from ..strategies import Strategy, by_name
-from .devices import make_backend
+from ..strategies import DEFAULT, Strategy, by_name
+from .devices import SIM_CAPACITY_BYTES, make_backend
 from .disk import check_offload_dir
 from .host_tier import return_freed_host_memory
+from .pinned import default_limit
 
 #: device memory left free when ``budget=None`` on CUDA (allocator slack, kernels' workspaces)
 CUDA_RESERVE_BYTES = 512 * 2**20
@@ -36,87 +38,113 @@ def _flag(value, name: str) -> bool:
     return value
 
 
+class Setting:
+    """A setting of the manager, read and written through its ``Settings`` part: a property
+    of ``Settings`` of the same name, whose docstring documents it."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+        self.__doc__ = getattr(Settings, name).__doc__
+
+    def __get__(self, manager, owner=None):
+        if manager is None:
+            return self
+        return getattr(manager.settings, self.name)
+
+    def __set__(self, manager, value) -> None:
+        setattr(manager.settings, self.name, value)
+
+
 class Settings:
     """``device``, ``strategy``, ``budget``, ``sim_workspace``, ``sim_rounding``,
     ``sim_strict``, ``pinned_limit``, ``sim_capacity``, ``host_reserve``, ``host_budget``
-    and ``offload_dir``."""
+    and ``offload_dir``: each setter validates its value and changes nothing when it refuses.
 
+    Attributes:
+        budget: the budget as set (``None``: the device's capacity; ``Accounting.limit`` is
+            the one in force).
+    """
+
+
+    def __init__(self, manager) -> None:
+        self.m = manager
+        self.budget_value: Optional[int] = None
+        self.strategy_value: Strategy = by_name(DEFAULT)
+        self.sim_capacity_value: int = SIM_CAPACITY_BYTES
+        self.sim_workspace_value: int = 0
+        self.sim_rounding_value: bool = False
+        self.sim_strict_value: bool = True
+        self.pinned_limit_value: int = default_limit()
 
     @property
     def device(self) -> str:
         """``"cpu"`` (pass-through), ``"sim"``, ``"cuda"`` (until its first tensor) or ``"cuda:N"``."""
-        b = self._backend
+        b = self.m.backend
         if b.name == "cuda":
             return str(b.compute) if b.resolved else "cuda"
         return b.name
 
     @device.setter
     def device(self, value) -> None:
-        self._set_device(value, again=False)
+        self.set_device(value, again=False)
 
-    def _set_device(self, value, again: bool) -> None:
+    def set_device(self, value, again: bool) -> None:
         """Make ``value`` the device; ``again``: build its backend anew even if it is the
         current one (a setting of the backend changed)."""
-        with self._lock:
-            current = self._backend
+        m = self.m
+        with m.lock:
+            current = m.backend
             if not again and isinstance(value, str) and value.strip().lower() == self.device and current.name != "cuda":
                 return  # (no new backend: "sim" would register nothing new, but keep its state)
-            backend = make_backend(value, self._sim_capacity, self._pinned_limit, self._sim_workspace,
-                                   self._sim_rounding, self._sim_strict)  # ValueError: nothing changed
-            self._drain()
+            backend = make_backend(value, self.sim_capacity_value, self.pinned_limit_value, self.sim_workspace_value,
+                                   self.sim_rounding_value, self.sim_strict_value)  # ValueError: nothing changed
+            m.drain()
             if current.name == backend.name and (
                     (current.compute, current.declared) == (backend.compute, backend.declared)
                     if backend.name != "cuda"  # (sim: its strict and lenient forms differ in declared)
                     else current.target_index() == backend.target_index()):
                 return  # the same device ("cuda" again, resolved or not): keep every block where it is
-            self._retire_inflight(wait=True)
-            for block in list(self._resident.values()):
-                self._evict(block)
-            self._retire_inflight(wait=True)
-            old_declared = self._declared
-            self._backend = backend
-            # (CUDA's and sim's allocators hold plain tensors beside ours: Note [Allocated bytes on sim])
-            self._elsewhere = not backend.passthrough
-            self._elsewhere_bytes = 0  # (a reading of the old device)
-            self._warmed = set()  # workspace_key()s whose workspaces the device has made
-            self._unresolved = backend.name == "cuda" and not backend.resolved
-            self._declared = backend.declared
-            live = [b for b in self._blocks.values() if not b.host_only]
-            if live and old_declared != backend.declared and not self._unresolved:
-                warnings.warn(
-                    f"tensorsManager.device changed to {value!r} while {len(live)} managed storages "
-                    f"are alive: existing TensorRefs keep reporting device {old_declared}; set the "
-                    f"device before creating tensors", stacklevel=2)
-            for block in self._blocks.values():
+            self._evict_everything()
+            old_declared = m.declared
+            m.use_backend(backend)
+            self._warn_if_alive(value, old_declared)
+            for block in m.books.blocks.values():
                 block.dev_key = block.host._cdata if (backend.passthrough or block.host_only) and block.host is not None else 0
-            self._pressured = False
-            self._limit = self._compute_limit(self._budget)
-            self._count_host_copies()
-            self._strategy.device_changed()
-            self._refresh_fast()
+            m.accounting.limit = self.limit_for(self.budget_value)
+            m.host_tier.count_host_copies()
+            self.strategy_value.device_changed()
+            m.refresh_fast()
+
+    def _evict_everything(self) -> None:
+        """Every block leaves the device, every copy in flight ended."""
+        m = self.m
+        m.device_room.retire(wait=True)
+        for block in list(m.books.resident.values()):
+            m.residency.evict(block)
+        m.device_room.retire(wait=True)
+
+    def _warn_if_alive(self, value, old_declared) -> None:
+        m = self.m
+        live = [b for b in m.books.blocks.values() if not b.host_only]
+        if live and old_declared != m.declared and not m.unresolved:
+            warnings.warn(
+                f"tensorsManager.device changed to {value!r} while {len(live)} managed storages "
+                f"are alive: existing TensorRefs keep reporting device {old_declared}; set the "
+                f"device before creating tensors", stacklevel=5)
 
     @property
     def torch_device(self) -> torch.device:
         """The ``torch.device`` managed tensors report and their ops run for: ``cuda:N``
         (``"cuda"`` is resolved here if it was not yet), ``sim:0``, or ``cpu``."""
-        if self._unresolved:
-            self._resolve_device()
-        return self._declared
-
-    def _resolve_device(self) -> None:
-        """Fix ``"cuda"``'s index at first use (Note [Declared device])."""
-        with self._lock:
-            if self._unresolved:
-                self._backend.resolve()
-                self._declared = self._backend.declared
-                self._unresolved = False
-                self._limit = self._compute_limit(self._budget)
-                self._refresh_fast()
+        m = self.m
+        if m.unresolved:
+            m.resolve_device()
+        return m.declared
 
     @property
     def strategy(self) -> Strategy:
         """The paging policy: ``"genoa"``, ``"flow"`` or a :class:`~torchTensorRef.strategies.Strategy`."""
-        return self._strategy
+        return self.strategy_value
 
     @strategy.setter
     def strategy(self, value) -> None:
@@ -128,11 +156,11 @@ class Settings:
             raise ValueError(f"strategy must be an instance, not the class {value.__name__}: use {value.__name__}()")
         else:
             new = by_name(value)  # raises the ValueError naming what is accepted
-        with self._lock:
-            self._strategy.detach()
-            self._strategy = new
-            new.attach(self)
-            self._refresh_fast()
+        with self.m.lock:
+            self.strategy_value.detach()
+            self.strategy_value = new
+            new.attach(self.m)
+            self.m.refresh_fast()
 
     @property
     def budget(self) -> Optional[int]:
@@ -145,30 +173,31 @@ class Settings:
         blocks, copies in flight and, on CUDA, tensors and library workspaces allocated
         beside them. A budget at or below what is allocated outside the manager is refused.
         """
-        return self._budget
+        return self.budget_value
 
     @budget.setter
     def budget(self, value) -> None:
         nbytes = parse_size(value, "budget")
-        with self._lock:
-            backend = self._backend
+        m = self.m
+        with m.lock:
+            backend = m.backend
             if nbytes is not None and not backend.passthrough:
-                if self._unresolved:
-                    self._resolve_device()
-                outside = self._warm_up()  # (what libraries keep allocated, known before it is checked)
+                if m.unresolved:
+                    m.resolve_device()
+                outside = m.device_room.warm_up()  # (what libraries keep allocated, known before it is checked)
                 if outside and outside >= nbytes:
                     raise BudgetBelowFloorError(nbytes, outside, str(backend.declared))
-            old = (self._budget, self._limit)
-            self._budget = nbytes
-            self._limit = self._compute_limit(nbytes)
+            old = (self.budget_value, m.accounting.limit)
+            self.budget_value = nbytes
+            m.accounting.limit = self.limit_for(nbytes)
             try:
-                self._make_room(0, (), "tensorsManager.budget")
+                m.device_room.make(0, (), "tensorsManager.budget")
             except OutOfBudgetError:
-                self._budget, self._limit = old
+                self.budget_value, m.accounting.limit = old
                 raise
             finally:
-                self._pressured = False
-                self._refresh_fast()
+                m.pressured = False
+                m.refresh_fast()
 
     @property
     def sim_workspace(self) -> int:
@@ -176,18 +205,19 @@ class Settings:
         kernel on it (and once for autograd's backward), as cuBLAS's workspaces do on CUDA;
         default 0, or ``TORCHTENSORREF_SIM_WORKSPACE``. They count against the budget as
         CUDA's do (Note [Budget on CUDA]), so that a CPU machine shows what a GPU would."""
-        return self._sim_workspace
+        return self.sim_workspace_value
 
     @sim_workspace.setter
     def sim_workspace(self, value) -> None:
         nbytes = parse_size(value, "sim_workspace", none=False)
-        with self._lock:
-            self._sim_workspace = nbytes
-            if self._backend.simulated:
-                self._backend.set_workspace(nbytes)
-                self._warmed = set()
-                self._read_outside()
-                self._refresh_fast()
+        m = self.m
+        with m.lock:
+            self.sim_workspace_value = nbytes
+            if m.backend.simulated:
+                m.backend.set_workspace(nbytes)
+                m.accounting.warmed = set()
+                m.device_room.read_outside()
+                m.refresh_fast()
 
     @property
     def sim_rounding(self) -> bool:
@@ -195,28 +225,26 @@ class Settings:
         caching allocator gives it (rounded up to 512 bytes: ``devices.cuda_block_bytes``),
         as the budget does on CUDA; default ``False``. Blocks count so against the budget and
         in ``peak_device_bytes``, so that a CPU machine shows what a GPU would."""
-        return self._sim_rounding
+        return self.sim_rounding_value
 
     @sim_rounding.setter
     def sim_rounding(self, value) -> None:
         value = _flag(value, "sim_rounding")
-        with self._lock:
-            if value == self._sim_rounding:
+        m = self.m
+        with m.lock:
+            if value == self.sim_rounding_value:
                 return
-            backend = self._backend
+            backend = m.backend
             if backend.simulated:
                 # The blocks on the device were counted by the old sizes: they leave first.
-                self._drain()
-                self._retire_inflight(wait=True)
-                for block in list(self._resident.values()):
-                    if block.pins:
-                        raise ValueError("sim_rounding cannot change while blocks are pinned on the device")
-                for block in list(self._resident.values()):
-                    self._evict(block)
-                self._retire_inflight(wait=True)
+                m.drain()
+                m.device_room.retire(wait=True)
+                if any(block.pins for block in m.books.resident.values()):
+                    raise ValueError("sim_rounding cannot change while blocks are pinned on the device")
+                self._evict_everything()
                 backend.set_rounding(value)
-                self._read_outside()
-            self._sim_rounding = value
+                m.device_room.read_outside()
+            self.sim_rounding_value = value
 
     @property
     def sim_strict(self) -> bool:
@@ -227,29 +255,29 @@ class Settings:
         capacity, budget and paging are unchanged. That form times the manager's own cost
         against plain CPU torch running the same kernels; the strict one checks correctness.
         Changing it while ``device`` is ``"sim"`` brings every block back to the host first."""
-        return self._sim_strict
+        return self.sim_strict_value
 
     @sim_strict.setter
     def sim_strict(self, value) -> None:
         value = _flag(value, "sim_strict")
-        with self._lock:
-            if value == self._sim_strict:
+        with self.m.lock:
+            if value == self.sim_strict_value:
                 return
-            previous, self._sim_strict = self._sim_strict, value
-            if self._backend.simulated:
+            previous, self.sim_strict_value = self.sim_strict_value, value
+            if self.m.backend.simulated:
                 try:
-                    self._set_device("sim", again=True)
+                    self.set_device("sim", again=True)
                 except Exception:
-                    self._sim_strict = previous
+                    self.sim_strict_value = previous
                     raise
 
-    def _compute_limit(self, budget: Optional[int]) -> Optional[int]:
-        backend = self._backend
-        if backend.passthrough:
+    def limit_for(self, budget: Optional[int]) -> Optional[int]:
+        """The limit in force for ``budget`` on the current device."""
+        m = self.m
+        backend = m.backend
+        if backend.passthrough or budget is not None:
             return budget
-        if budget is not None:
-            return budget
-        if self._unresolved:
+        if m.unresolved:
             return None  # known once the device is (at the first tensor)
         capacity = backend.capacity()
         if capacity is None or backend.simulated:
@@ -259,33 +287,35 @@ class Settings:
     @property
     def pinned_limit(self) -> int:
         """Most host bytes kept in pinned memory for asynchronous copies (default: a quarter of RAM)."""
-        pinned = self._backend.pinned
-        return pinned.limit if pinned is not None else self._pinned_limit
+        pinned = self.m.backend.pinned
+        return pinned.limit if pinned is not None else self.pinned_limit_value
 
     @pinned_limit.setter
     def pinned_limit(self, value) -> None:
         nbytes = parse_size(value, "pinned_limit", none=False)
-        with self._lock:
-            self._pinned_limit = nbytes
-            if self._backend.pinned is not None:
-                self._backend.pinned.limit = nbytes
+        with self.m.lock:
+            self.pinned_limit_value = nbytes
+            if self.m.backend.pinned is not None:
+                self.m.backend.pinned.limit = nbytes
 
     @property
     def sim_capacity(self) -> int:
         """Memory of the simulated device (``"sim"``), default 16 GiB: past it, allocations fail."""
-        return self._sim_capacity
+        return self.sim_capacity_value
 
     @sim_capacity.setter
     def sim_capacity(self, value) -> None:
         nbytes = parse_size(value, "sim_capacity", none=False)
-        with self._lock:
-            if self._backend.simulated and nbytes < self._device_bytes:
-                raise ValueError(f"sim_capacity {nbytes} is below the {self._device_bytes} bytes in use on the device")
-            self._sim_capacity = nbytes
-            if self._backend.simulated:
-                self._backend._capacity = nbytes
-                self._limit = self._compute_limit(self._budget)
-                self._refresh_fast()
+        m = self.m
+        with m.lock:
+            in_use = m.accounting.resident
+            if m.backend.simulated and nbytes < in_use:
+                raise ValueError(f"sim_capacity {nbytes} is below the {in_use} bytes in use on the device")
+            self.sim_capacity_value = nbytes
+            if m.backend.simulated:
+                m.backend.set_capacity(nbytes)
+                m.accounting.limit = self.limit_for(self.budget_value)
+                m.refresh_fast()
 
     # -- the host tier's settings -----------------------------------------------------------
 
@@ -293,12 +323,12 @@ class Settings:
     def host_reserve(self) -> int:
         """Host bytes that must stay available; a copy that would eat into them raises
         ``HostMemoryError`` (default: 5% of RAM, at least 256 MiB)."""
-        return self._host_watch.reserve
+        return self.m.host_tier.watch.reserve
 
     @host_reserve.setter
     def host_reserve(self, value) -> None:
         nbytes = parse_size(value, "host_reserve", none=False)
-        self._host_watch.reserve = nbytes
+        self.m.host_tier.watch.reserve = nbytes
 
     @property
     def host_budget(self) -> Optional[int]:
@@ -310,23 +340,25 @@ class Settings:
         limit of the manager's own: host memory is then limited by what the system has
         (``host_reserve``). CPU tensors of the program (``device="cpu"``) are not counted.
         """
-        return self._host_budget
+        return self.m.host_tier.budget
 
     @host_budget.setter
     def host_budget(self, value) -> None:
         nbytes = parse_size(value, "host_budget")
         if nbytes is not None:
             return_freed_host_memory()
-        with self._lock:
-            old = (self._host_budget, self._host_limit)
-            self._host_budget = self._host_limit = nbytes
+        m = self.m
+        tier = m.host_tier
+        with m.lock:
+            old = (tier.budget, tier.limit)
+            tier.budget = tier.limit = nbytes
             try:
-                self._make_host_room(0, (), "tensorsManager.host_budget")
+                tier.make_room(0, (), "tensorsManager.host_budget")
             except MemoryError:
-                self._host_budget, self._host_limit = old
+                tier.budget, tier.limit = old
                 raise
             if nbytes is not None:
-                self._backend.release_cached()  # (buffers kept for reuse leave the process)
+                m.backend.release_cached()  # (buffers kept for reuse leave the process)
 
     @property
     def offload_dir(self) -> Optional[str]:
@@ -336,16 +368,10 @@ class Settings:
         tensors spilled there are read back, written or freed. Spill files are removed at a
         normal exit too, in any folder; a folder given here and its other files are left as
         they are (Note [Spill files at exit] in ``disk.py``)."""
-        return self._offload_dir
+        return self.m.host_tier.offload_dir
 
     @offload_dir.setter
     def offload_dir(self, value) -> None:
         path = None if value is None else check_offload_dir(value)  # ValueError: nothing changed
-        with self._lock:
-            if path == self._offload_dir:
-                return
-            self._retire_spills(wait=True)
-            if self._spill_file is not None:
-                self._spill_file.retire()  # (read from until its last slot is freed, then removed)
-                self._spill_file = None
-            self._offload_dir = path
+        with self.m.lock:
+            self.m.host_tier.set_offload_dir(path)

@@ -1,11 +1,12 @@
 """The manager's counters and recordings: ``stats()``, ``reset_stats()``, ``recording()``.
 
-A mixin of ``TensorsManager`` (``manager.py``).
+A part of ``TensorsManager`` (``manager.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Dict
 
 import torch
 
@@ -21,8 +22,18 @@ STAT_KEYS = (
 
 
 class Statistics:
-    """What the manager counted, and recordings of what it does."""
+    """What the manager counted, and recordings of what it does.
 
+    Attributes:
+        counters: the counts ``stats()`` reports and ``reset_stats()`` zeroes (``STAT_KEYS``).
+        ops_at_reset: the manager's op count at the last reset.
+    """
+
+
+    def __init__(self, manager) -> None:
+        self.m = manager
+        self.counters: Dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
+        self.ops_at_reset: int = 0
 
     def stats(self) -> dict:
         """Counters since the last ``reset_stats()`` and the current state.
@@ -41,54 +52,57 @@ class Statistics:
         allocator held at once since then: the manager's blocks, the program's plain
         tensors and the emulated workspaces).
         """
-        with self._lock:
-            self._drain()
-            out = dict(self._counters)
-            out["ops"] = self._op_count - self._ops_at_reset
-            out["peak_device_bytes"] = self._peak
-            out["worst_overshoot_bytes"] = self._overshoot
-            out["device_bytes"] = self._device_bytes
-            out["budget"] = self._limit
-            out["device"] = self.device
-            out["strategy"] = self._strategy.name
-            out["blocks"] = len(self._blocks)
-            out["blocks_on_device"] = len(self._resident)
-            out["tensors"] = sum(b.refs for b in self._blocks.values())
-            out["tensors_on_device"] = sum(b.refs for b in self._resident.values())
-            out["host_bytes"] = self._host_bytes
-            out["peak_host_bytes"] = self._peak_host
-            out["host_budget"] = self._host_limit
-            pinned = self._backend.pinned
-            out["pinned_bytes"] = pinned.used if pinned is not None else 0
-            out["outside_bytes"] = self._read_outside() if not self._backend.passthrough and not self._unresolved else 0
-            if self._backend.simulated:
-                out["max_memory_allocated"] = self._backend.max_allocated()
-            if self._backend.name == "cuda" and self._backend.resolved:
-                out["max_memory_allocated"] = torch.cuda.max_memory_allocated(self._backend.compute)
-                out["max_memory_reserved"] = torch.cuda.max_memory_reserved(self._backend.compute)
+        m = self.m
+        with m.lock:
+            m.drain()
+            acct, books, tier, backend = m.accounting, m.books, m.host_tier, m.backend
+            out = dict(self.counters)
+            out["ops"] = m.op_count - self.ops_at_reset
+            out["peak_device_bytes"] = acct.peak
+            out["worst_overshoot_bytes"] = acct.overshoot
+            out["device_bytes"] = acct.resident
+            out["budget"] = acct.limit
+            out["device"] = m.device
+            out["strategy"] = m.strategy.name
+            out["blocks"] = len(books.blocks)
+            out["blocks_on_device"] = len(books.resident)
+            out["tensors"] = sum(b.refs for b in books.blocks.values())
+            out["tensors_on_device"] = sum(b.refs for b in books.resident.values())
+            out["host_bytes"] = tier.nbytes
+            out["peak_host_bytes"] = tier.peak
+            out["host_budget"] = tier.limit
+            out["pinned_bytes"] = backend.pinned.used if backend.pinned is not None else 0
+            out["outside_bytes"] = m.device_room.read_outside() if not backend.passthrough and not m.unresolved else 0
+            if backend.simulated:
+                out["max_memory_allocated"] = backend.max_allocated()
+            if backend.name == "cuda" and backend.resolved:
+                out["max_memory_allocated"] = torch.cuda.max_memory_allocated(backend.compute)
+                out["max_memory_reserved"] = torch.cuda.max_memory_reserved(backend.compute)
             return out
 
-    def reset_stats(self) -> None:
+    def reset(self) -> None:
         """Zero the counters; the peak restarts from the bytes in use now."""
-        with self._lock:
-            self._counters = dict.fromkeys(STAT_KEYS, 0)
-            self._ops_at_reset = self._op_count
-            self._peak = self._device_bytes + self._inflight_bytes
-            self._peak_host = self._host_bytes
-            self._overshoot = 0
-            if self._backend.simulated:
-                self._backend.reset_peak()
-            if self._backend.name == "cuda" and self._backend.resolved:
-                torch.cuda.reset_peak_memory_stats(self._backend.compute)
+        m = self.m
+        with m.lock:
+            self.counters = dict.fromkeys(STAT_KEYS, 0)
+            self.ops_at_reset = m.op_count
+            m.accounting.reset_peak()
+            m.host_tier.peak = m.host_tier.nbytes
+            backend = m.backend
+            if backend.simulated:
+                backend.reset_peak()
+            if backend.name == "cuda" and backend.resolved:
+                torch.cuda.reset_peak_memory_stats(backend.compute)
 
     def synchronize(self) -> None:
         """Wait until every copy in flight has finished (``torch.cuda.synchronize`` for the pager)."""
-        with self._lock:
-            self._retire_inflight(wait=True)
-            self._retire_spills(wait=True)
-            for block in self._blocks.values():
+        m = self.m
+        with m.lock:
+            m.device_room.retire(wait=True)
+            m.host_tier.retire_spills(wait=True)
+            for block in m.books.blocks.values():
                 if block.host_pending is not None:
-                    self._wait_pending_host(block)
+                    m.residency.wait_pending_host(block)
 
     @contextlib.contextmanager
     def recording(self, regions: bool = False):
@@ -99,21 +113,22 @@ class Statistics:
         offline reference at their granularity; by default every call runs op by op (the
         timeline model and the per-op reference model aten ops and their kernels).
         """
-        trace = Trace(self.device, self._limit)
+        m = self.m
+        trace = Trace(m.device, m.accounting.limit)
         trace.regions = bool(regions)
-        trace.block_bytes = self._backend.block_bytes
-        with self._lock:
-            self._drain()
-            trace.initial = {b.id: (b.nbytes, b.dirty) for b in self._resident.values()}
-            trace.initial_host = {b.id: (b.nbytes, False) for b in self._hosted.values() if b.host_valid}
-            previous, self._trace = self._trace, trace
+        trace.block_bytes = m.backend.block_bytes
+        with m.lock:
+            m.drain()
+            trace.initial = {b.id: (b.nbytes, b.dirty) for b in m.books.resident.values()}
+            trace.initial_host = {b.id: (b.nbytes, False) for b in m.host_tier.hosted.values() if b.host_valid}
+            previous, m.trace = m.trace, trace
             observer, streams.copy_observer = streams.copy_observer, trace.hidden
-            self._refresh_fast()
+            m.refresh_fast()
         try:
             yield trace
         finally:
-            with self._lock:
+            with m.lock:
                 trace.stop()
-                self._trace = previous
+                m.trace = previous
                 streams.copy_observer = observer
-                self._refresh_fast()
+                m.refresh_fast()

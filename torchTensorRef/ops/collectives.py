@@ -58,13 +58,13 @@ def _refs(value, out):
             _refs(e, out)
 
 
-def _swap(value, plain_to_ref):
+def swap_in(value, plain_to_ref):
     if isinstance(value, TensorRef):
         view = compute_view(value)
         plain_to_ref[id(view)] = value
         return view
     if value.__class__ is list or value.__class__ is tuple:
-        return value.__class__(_swap(e, plain_to_ref) for e in value)
+        return value.__class__(swap_in(e, plain_to_ref) for e in value)
     return value
 
 
@@ -94,33 +94,33 @@ def _wait(out):
 @implements(_c10d_ops())
 def collective(func, args, kwargs, spec):
     """Run a c10d op on the accelerator copies of its TensorRefs (Note [Collectives])."""
-    from .op_context import OpContext, _blocks_of
+    from .op_context import OpContext, blocks_of
 
     mgr = _mgr
-    with mgr._lock:
-        if mgr._dead:
-            mgr._drain()
+    with mgr.lock:
+        if mgr.books.dead:
+            mgr.drain()
         refs = []
         for a in list(args) + list((kwargs or {}).values()):
             _refs(a, refs)
-        blocks = _blocks_of(refs) if refs else []
+        blocks = blocks_of(refs) if refs else []
         written = []
         if args and func.overloadpacket.__name__ not in _READ_ONLY:
             first = []
             _refs(args[0], first)
-            written = _blocks_of(first) if first else []
+            written = blocks_of(first) if first else []
         ctx = OpContext(spec, blocks, written, args, kwargs or {})
-        ctx._estimate = 0  # collectives write into tensors their caller allocated
-        mgr._prepare(ctx)
+        ctx.estimate = 0  # collectives write into tensors their caller allocated
+        mgr.prepare(ctx)
         plain_to_ref = {}
-        cargs = [_swap(a, plain_to_ref) for a in args]
-        ckwargs = {k: _swap(v, plain_to_ref) for k, v in (kwargs or {}).items()}
+        cargs = [swap_in(a, plain_to_ref) for a in args]
+        ckwargs = {k: swap_in(v, plain_to_ref) for k, v in (kwargs or {}).items()}
         views = [(compute_view(r), r) for r in refs]
-        out = mgr._call(ctx, func, cargs, ckwargs)
+        out = mgr.call(ctx, func, cargs, ckwargs)
         _wait(out)
-        mgr._mark_written(written)
+        mgr.mark_written(written)
         result = _unswap(out, plain_to_ref, views)
-        mgr._finish(ctx)
+        mgr.finish(ctx)
         return result
 
 

@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-from ..core.tensor_ref import TensorRef
+from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim.tensor import SimTensor
 
@@ -65,7 +65,7 @@ def _plain_tensor_in(values) -> bool:
     return False
 
 
-def _check_devices(spec, args, kwargs, declared, blocks) -> None:
+def check_devices(spec, args, kwargs, declared, blocks) -> None:
     """On the strict ``"sim"``: refuse CPU tensors beside accelerator TensorRefs where CUDA kernels do.
 
     Refused: a CPU TensorRef, and a plain view of a block's host copy (what ``.target`` gives
@@ -92,14 +92,14 @@ def _check_devices(spec, args, kwargs, declared, blocks) -> None:
             continue
         cls = a.__class__
         if cls is TensorRef:
-            if not a._tr_block.host_only:
+            if not block_of(a).host_only:
                 continue
         elif (cls is SimTensor or isinstance(a, (TensorRef, SimTensor)) or a.layout is not _strided
               or a.is_nested or a.device.type != "cpu"):
             continue  # (a managed Parameter, a sim Parameter: the device's; sparse: no host copy's view)
         else:
             if hosted is None:  # (only for a plain CPU argument: rare, and the blocks are many)
-                hosted = {b.host._cdata for b in _mgr._hosted.values() if b.host is not None}
+                hosted = {b.host._cdata for b in _mgr.host_tier.hosted.values() if b.host is not None}
             if a.untyped_storage()._cdata not in hosted:
                 continue
         if spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
@@ -116,7 +116,7 @@ def _check_host_args(spec, args, kwargs, declared) -> tuple:
     found = []
     for index, name in spec.host_args:
         a = args[index] if index < len(args) else kwargs.get(name)
-        on_device = (not a._tr_block.host_only) if isinstance(a, TensorRef) else isinstance(a, SimTensor)
+        on_device = (not block_of(a).host_only) if isinstance(a, TensorRef) else isinstance(a, SimTensor)
         if on_device:
             raise RuntimeError(f"Expected {name} to be on CPU, got {declared} instead. "
                                f"(when checking the arguments of {spec.name})")
@@ -145,7 +145,7 @@ def runs_on_host(spec, refs, args, kwargs) -> bool:
         return False  # (the device asked for places the op)
     host = default = None
     for r in refs:
-        b = r._tr_block
+        b = block_of(r)
         if b.host_only:
             if host is None and r.dim():  # (0-dim: a scalar, which accelerator kernels take)
                 host = r
@@ -157,7 +157,7 @@ def runs_on_host(spec, refs, args, kwargs) -> bool:
         return False
     if _plain_device_tensor_in(args, kwargs):
         return False  # (a plain accelerator tensor: the program's choice of device)
-    if any(r.requires_grad and not r._tr_block.host_only for r in refs):
+    if any(r.requires_grad and not block_of(r).host_only for r in refs):
         warnings.warn(
             f"{spec.name} mixes accelerator tensors made without a device with a CPU tensor: it runs on "
             f"the host, as plain torch on the CPU would, and so do the ops on its results and their "
@@ -211,7 +211,7 @@ def _to(self, *args, **kwargs):
     as it is, makes it the program's choice of device (explicit)."""
     out = _tensor_to(self, *args, **kwargs)
     if out is self:
-        block = self._tr_block
+        block = block_of(self)
         if not (block.explicit or block.host_only) and _names_a_device(args, kwargs):
             device = torch._C._nn._parse_to(*args, **kwargs)[0]
             if device is not None and _mgr.is_accelerator(device):
@@ -222,8 +222,8 @@ def _to(self, *args, **kwargs):
 def _cuda(self, *args, **kwargs):
     """``Tensor.cuda`` of a TensorRef: as ``_to``, for a tensor already on the GPU."""
     out = _tensor_cuda(self, *args, **kwargs)
-    if out is self and not self._tr_block.host_only:
-        self._tr_block.explicit = True
+    if out is self and not block_of(self).host_only:
+        block_of(self).explicit = True
     return out
 
 

@@ -9,7 +9,7 @@
 
 Note [Fast path]: most ops of a model that fits (pass-through, or Flow with no budget)
 move nothing, and then the steps above only cost time. When the manager says nobody needs
-to see the op (``TensorsManager._fast``: no callbacks, no recording, no fault injector,
+to see the op (``TensorsManager.fast``: no callbacks, no recording, no fault injector,
 and a strategy that does not need every op) and every TensorRef argument is resident,
 ``run_fast`` swaps the arguments for their plain views, runs the op and wraps its results
 in one pass; a block a prefetch brought in is resident too (the op is ordered after its
@@ -32,15 +32,15 @@ import torch
 
 from ..core import raw
 from ..core.op_specs import OpSpec, spec_of, specs
-from ..core.tensor_ref import TensorRef, compute_view, make_ref
+from ..core.tensor_ref import TensorRef, compute_view, make_ref, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.op_protocol import tight_result
-from ..memory.residency import is_out_of_memory
+from ..memory.room import is_out_of_memory
 from ..memory.sim import backward_errors as sim_errors
 from . import workers
-from .device_checks import _check_devices, explicit_results, runs_on_host
-from .op_context import (OpContext, _blocks_of, _blocks_of_list, _collect, _compute_kwargs, _follow_resizes,
-                         _follow_restrides, _placement, _swap, _wrap_nested, _wrap_one, _wrap_outputs, _written_blocks)
+from .device_checks import check_devices, explicit_results, runs_on_host
+from .op_context import (OpContext, blocks_of, blocks_of_list, collect_refs, compute_kwargs, follow_resizes,
+                         follow_restrides, placement, swap_in, wrap_nested, wrap_one, wrap_outputs, written_blocks)
 from .output_size import estimate_output_bytes
 
 _SPECS = specs()
@@ -58,7 +58,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     if kwargs is None:
         kwargs = _NO_KWARGS
     spec = _SPECS.get(id(func)) or spec_of(func)
-    if _mgr._forked and workers.in_worker():
+    if _mgr.forked and workers.in_worker():
         return workers.run_in_worker(func, args, kwargs)  # Note [Forked workers]
     try:
         if spec.handler is not None:
@@ -67,7 +67,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     except BaseException as e:
         # (not only Exceptions: a KeyboardInterrupt or SystemExit from a callback or the fault
         # injector, left pending inside backward, aborts the process as any other error would)
-        if getattr(_mgr._backend, "strict", False) and sim_errors.in_backward():
+        if getattr(_mgr.backend, "strict", False) and sim_errors.in_backward():
             sim_errors.keep_for_backward(e)  # Note [Errors in backward on sim]
             return sim_errors.failed_result(func)
         raise
@@ -77,7 +77,7 @@ def run_unhandled(func, args, kwargs, spec: OpSpec):
     """The paths of an op that needs nothing special: the fast path where it can (Note [Fast
     path]), a view of a block only on disk without reading it, else the generic path. A
     handler that finds an op needs nothing of it calls this too."""
-    if _mgr._fast and not spec.restrides:
+    if _mgr.fast and not spec.restrides:
         out = run_fast(func, args, kwargs, spec)
         if out is not _NOT_FAST:
             return out
@@ -92,7 +92,7 @@ _NOT_FAST = object()
 def _only_on_disk(a) -> bool:
     if a.__class__ is not TensorRef:
         return False
-    b = a._tr_block
+    b = block_of(a)
     return b.dev is None and b.host is None and b.disk is not None
 
 
@@ -101,26 +101,25 @@ def view_on_disk(func, args, kwargs):
     geometry comes from the op on a meta twin, and nothing is read (``nn.Parameter(w)`` of a
     weight loaded lazily runs ``detach``)."""
     ref = args[0]
-    storage = raw.empty(ref._tr_block.nbytes, dtype=raw.UINT8, device="meta").untyped_storage()
+    storage = raw.empty(block_of(ref).nbytes, dtype=raw.UINT8, device="meta").untyped_storage()
     meta = raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
     out = func(meta, *args[1:], **kwargs)
     if out.__class__ is not _Tensor or out.untyped_storage()._cdata != meta.untyped_storage()._cdata:
         return run_generic(func, args, kwargs, _SPECS.get(id(func)) or spec_of(func))  # not one view
     mgr = _mgr
-    with mgr._lock:
-        block = ref._tr_block
-        strategy = mgr._strategy
+    with mgr.lock:
+        block = block_of(ref)
+        strategy = mgr.strategy
         ctx = None
-        if not mgr._backend.passthrough and strategy.needs_every_op():
+        if not mgr.backend.passthrough and strategy.needs_every_op():
             # A strategy that learns the op sequence sees it as any op, wherever the block is
             # (else the sequence would change with where its blocks are, and no period repeat).
             ctx = OpContext(_SPECS.get(id(func)) or spec_of(func), [block], [], args, kwargs)
-            ctx.index = mgr._op_count
-            mgr._op_count += 1
+            ctx.index = mgr.op_count
+            mgr.op_count += 1
             block.last_use = ctx.index
             strategy.before_op(ctx)
-        view = make_ref(block, out, mgr._declared)
-        view._tr_gen = -1  # (the meta view is never a copy to run on)
+        view = make_ref(block, out, mgr.declared, geometry_only=True)  # (a meta view: no bytes to run on)
         if ctx is not None:
             strategy.after_op(ctx)
         return view
@@ -133,11 +132,11 @@ class _NotResident(Exception):
 def _fast_view(a, blocks, live):
     # ``live``: pass-through, where ops run on the host copy itself
     if isinstance(a, TensorRef):
-        b = a._tr_block
+        b = block_of(a)
         if b.dev is None and not live:
             raise _NotResident
         blocks.append(b)
-        return a._tr_view if a._tr_gen == b.gen else compute_view(a)
+        return compute_view(a)
     cls = a.__class__
     if cls is list or cls is tuple:
         for e in a:
@@ -154,26 +153,26 @@ def _fast_view(a, blocks, live):
 def run_fast(func, args, kwargs, spec: OpSpec):
     """Run ``func`` on resident blocks only (Note [Fast path]); ``_NOT_FAST`` if it cannot."""
     mgr = _mgr
-    with mgr._lock:
+    with mgr.lock:
         return _run_fast_locked(mgr, func, args, kwargs, spec)  # (Note [Plain views die under the lock])
 
 
 def _run_fast_locked(mgr, func, args, kwargs, spec: OpSpec):
-    if not mgr._fast:  # the settings change under the lock: read them under it
+    if not mgr.fast:  # the settings change under the lock: read them under it
         return _NOT_FAST
-    if mgr._dead:
-        mgr._drain()
-    live = mgr._backend.passthrough
+    if mgr.books.dead:
+        mgr.drain()
+    live = mgr.backend.passthrough
     blocks = []
     cargs = []
     try:
         for a in args:  # _fast_view, unrolled for the common argument kinds
             if isinstance(a, TensorRef):
-                b = a._tr_block
+                b = block_of(a)
                 if b.dev is None and not live:
                     return _NOT_FAST
                 blocks.append(b)
-                cargs.append(a._tr_view if a._tr_gen == b.gen else compute_view(a))
+                cargs.append(compute_view(a))
             elif a.__class__ is list or a.__class__ is tuple or (not live and isinstance(a, _Tensor)):
                 cargs.append(_fast_view(a, blocks, live))
             else:
@@ -181,22 +180,23 @@ def _run_fast_locked(mgr, func, args, kwargs, spec: OpSpec):
         ckwargs = {k: _fast_view(v, blocks, live) for k, v in kwargs.items()} if kwargs else kwargs
     except _NotResident:
         return _NOT_FAST
-    limit = mgr._limit
+    acct = mgr.accounting
+    limit = acct.limit
     need = 0
     if limit is not None and spec.allocates and not live:
         # Room for the results without evicting: else the generic path makes it.
         # (in device bytes: each result as the device's allocator gives it)
         need = estimate_output_bytes(spec, args, kwargs)
         if need:
-            used = mgr._device_bytes + mgr._inflight_bytes
-            if used + mgr._elsewhere_bytes + need > limit:
+            used = acct.resident + acct.pending_bytes
+            if used + acct.elsewhere_bytes + need > limit:
                 return _NOT_FAST
-            if mgr._backend.simulated and used + need > mgr._backend.capacity():
+            if mgr.backend.simulated and used + need > mgr.backend.capacity():
                 return _NOT_FAST  # the simulated device would run out: the generic path recovers
-    watch = mgr._fast_watch
+    watch = mgr.fast_watch
     if watch is not None:
-        blocks = _blocks_of_list(blocks)
-        index = mgr._op_count
+        blocks = blocks_of_list(blocks)
+        index = mgr.op_count
         if not watch.fast_op(index, spec, blocks, need):
             return _NOT_FAST
         out, outputs = _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live)
@@ -210,114 +210,115 @@ _NO_OUTPUTS = ()
 
 def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
     """The fast path's op, counted: (its result, the blocks it created)."""
-    index = mgr._op_count
-    mgr._op_count = index + 1
+    index = mgr.op_count
+    mgr.op_count = index + 1
     for b in blocks:
         b.last_use = index
         if b.prefetched or b.dev_pending is not None:
-            mgr._arrived(b)  # brought in by a prefetch: the op waits for its copy
+            mgr.arrived(b)  # brought in by a prefetch: the op waits for its copy
     if spec.write_args or not spec.one_result:
         # in-place ops and several results: the generic bookkeeping, without the moves
-        written = _written_blocks(spec, args, kwargs) if spec.write_args else []
-        ctx = OpContext(spec, _blocks_of_list(blocks), written, args, kwargs)
+        written = written_blocks(spec, args, kwargs) if spec.write_args else []
+        ctx = OpContext(spec, blocks_of_list(blocks), written, args, kwargs)
         ctx.index = index
-        out = mgr._call(ctx, func, cargs, ckwargs)
+        out = mgr.call(ctx, func, cargs, ckwargs)
         if written:
-            _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
-            mgr._mark_written(written)
-        return _wrap_outputs(out, ctx, spec, args, kwargs, mgr), ctx.outputs
+            follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
+            mgr.mark_written(written)
+        return wrap_outputs(out, ctx, spec, args, kwargs, mgr), ctx.outputs
     try:
         out = spec.call(*cargs, **ckwargs)
     except Exception as e:  # (cuBLAS and cuDNN report a failed allocation as a RuntimeError)
         if live or not is_out_of_memory(e):
             raise
-        ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
+        ctx = OpContext(spec, blocks_of_list(blocks), [], args, kwargs)
         ctx.index = index
-        out = mgr._recover_from_oom(ctx, func, cargs, ckwargs)
+        out = mgr.recover_from_oom(ctx, func, cargs, ckwargs)
     if out.__class__ is not _Tensor:  # a list of tensors, a number
-        ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
+        ctx = OpContext(spec, blocks_of_list(blocks), [], args, kwargs)
         ctx.index = index
-        return _wrap_nested(out, ctx, mgr), ctx.outputs
+        return wrap_nested(out, ctx, mgr), ctx.outputs
     if out.layout is not _strided or out.is_nested or out.is_meta:
-        return out, _NO_OUTPUTS  # no single strided storage to page: as _wrap_one
+        return out, _NO_OUTPUTS  # no single strided storage to page: as wrap_one
     storage = out.untyped_storage()
     key = storage._cdata
     for b in blocks:
         if b.dev_key == key:
-            return make_ref(b, out, mgr._declared), _NO_OUTPUTS  # a view: shares the input's block
-    if not live and out.device != mgr._backend.compute:
-        ctx = OpContext(spec, _blocks_of_list(blocks), [], args, kwargs)
+            return make_ref(b, out, mgr.declared), _NO_OUTPUTS  # a view: shares the input's block
+    if not live and out.device != mgr.backend.compute:
+        ctx = OpContext(spec, blocks_of_list(blocks), [], args, kwargs)
         ctx.index = index
-        return _wrap_one(out, ctx, mgr), ctx.outputs  # a CPU result on CUDA (or another GPU's)
-    limit = mgr._limit
-    if limit is not None and (mgr._backend.block_bytes(storage.nbytes()) + mgr._device_bytes
-                              + mgr._inflight_bytes + mgr._elsewhere_bytes > limit):
+        return wrap_one(out, ctx, mgr), ctx.outputs  # a CPU result on CUDA (or another GPU's)
+    acct = mgr.accounting
+    limit = acct.limit
+    if limit is not None and (mgr.backend.block_bytes(storage.nbytes()) + acct.resident
+                              + acct.pending_bytes + acct.elsewhere_bytes > limit):
         # (only where it would pass the budget: the check costs every op's result more than it saves)
         tight = tight_result(out, storage)
         if tight is not out:
             out, storage = tight, tight.untyped_storage()
-    block = mgr._result_block(out, index, storage=storage)
+    block = mgr.protocol.result_block(out, index, storage=storage)
     for b in blocks:
         if b.explicit:  # (computed from the program's own device tensor: Note [Default-device tensors])
             block.explicit = True
             break
-    return make_ref(block, out, mgr._declared), (block,)
+    return make_ref(block, out, mgr.declared), (block,)
 
 
 def run_generic(func, args, kwargs, spec: OpSpec):
     mgr = _mgr
-    with mgr._lock:
+    with mgr.lock:
         return _run_generic_locked(mgr, func, args, kwargs, spec)  # (Note [Plain views die under the lock])
 
 
 def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
-    if mgr._trace is not None:
-        mgr._trace.entered = time.perf_counter_ns()  # our host time for this op starts here
-    if mgr._dead:
-        mgr._drain()
-    if mgr._unresolved:
+    if mgr.trace is not None:
+        mgr.trace.entered = time.perf_counter_ns()  # our host time for this op starts here
+    if mgr.books.dead:
+        mgr.drain()
+    if mgr.unresolved:
         # "cuda" set again with blocks alive: fixed (its index, its streams) before a fetch
-        mgr._resolve_device()
+        mgr.resolve_device()
     refs = []
-    _collect(args, refs)
+    collect_refs(args, refs)
     if kwargs:
-        _collect(kwargs.values(), refs)
-    blocks = _blocks_of(refs) if refs else []
-    written = _written_blocks(spec, args, kwargs) if spec.write_args else []
-    backend = mgr._backend
-    on_host = False if backend.passthrough else _placement(kwargs, blocks, backend)
-    if not on_host and mgr._host_only_blocks and not backend.passthrough:
+        collect_refs(kwargs.values(), refs)
+    blocks = blocks_of(refs) if refs else []
+    written = written_blocks(spec, args, kwargs) if spec.write_args else []
+    backend = mgr.backend
+    on_host = False if backend.passthrough else placement(kwargs, blocks, backend)
+    if not on_host and mgr.books.host_only and not backend.passthrough:
         on_host = runs_on_host(spec, refs, args, kwargs)  # (Note [Default-device tensors])
     ctx = OpContext(spec, blocks, written, args, kwargs, on_host)
     if getattr(backend, "strict", False) and not on_host:
-        _check_devices(spec, args, kwargs, backend.declared, blocks)
-    mgr._prepare(ctx)
+        check_devices(spec, args, kwargs, backend.declared, blocks)
+    mgr.prepare(ctx)
     if on_host:
         for b in blocks:
             mgr.sync_host(b)  # the op reads host copies: they must hold the current bytes
-    cargs = [_swap(a, on_host) for a in args]
-    ckwargs = {k: _swap(v, on_host) for k, v in kwargs.items()} if kwargs else {}
+    cargs = [swap_in(a, on_host) for a in args]
+    ckwargs = {k: swap_in(v, on_host) for k, v in kwargs.items()} if kwargs else {}
     if ckwargs and "device" in ckwargs and backend.declared != backend.compute:
-        ckwargs = _compute_kwargs(ckwargs, backend)
+        ckwargs = compute_kwargs(ckwargs, backend)
     try:
-        out = mgr._call(ctx, func, cargs, ckwargs)
+        out = mgr.call(ctx, func, cargs, ckwargs)
     except BaseException:
-        mgr._op_raised(ctx)
+        mgr.op_raised(ctx)
         raise
     if spec.restrides:
-        _follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
+        follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
     elif written:
-        _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
+        follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr)
     if written:
         if on_host:
             for b in written:
-                mgr._host_written(b)
+                mgr.host_written(b)
         else:
-            mgr._mark_written(written)
-    result = _wrap_outputs(out, ctx, spec, args, kwargs, mgr)
+            mgr.mark_written(written)
+    result = wrap_outputs(out, ctx, spec, args, kwargs, mgr)
     if ctx.outputs and not on_host:
         explicit_results(ctx, args, kwargs)
-    mgr._finish(ctx)
+    mgr.finish(ctx)
     return result
 
 

@@ -13,12 +13,12 @@ kernel gets the host copy instead, as plain torch would have had it (the positio
 from __future__ import annotations
 
 from ..core.op_specs import aten, implements
-from ..core.tensor_ref import TensorRef
+from ..core.tensor_ref import TensorRef, block_of
 from .dispatch import run_generic
 
 
 def _on_device(value) -> bool:
-    return isinstance(value, TensorRef) and not value._tr_block.host_only
+    return isinstance(value, TensorRef) and not block_of(value).host_only
 
 
 def to_host(spec, args, kwargs):

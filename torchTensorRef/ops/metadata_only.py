@@ -16,7 +16,7 @@ import torch
 
 from ..core import raw
 from ..core.op_specs import aten, implements
-from ..core.tensor_ref import TensorRef
+from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as mgr
 from . import split
 from .dispatch import run_generic
@@ -44,15 +44,15 @@ def metadata_only(func, args, kwargs, spec):
     if not named:
         kwargs["device"] = source.device  # the declared device: a CPU tensor's result stays on the CPU
     out = None
-    if func in _FILLS and torch.device(kwargs["device"]) == mgr._declared:
+    if func in _FILLS and torch.device(kwargs["device"]) == mgr.declared:
         out = _made_on_host(func, stand_in, args, kwargs)
     if out is None:
         out = run_generic(func, (stand_in,) + tuple(args[1:]), kwargs, spec)
-    if isinstance(out, TensorRef) and not out._tr_block.host_only:
+    if isinstance(out, TensorRef) and not block_of(out).host_only:
         # made like the source, not on a device the program named: a default-device tensor's
         # result is one too (Note [Default-device tensors] in ``device_checks.py``)
         named = named and mgr.is_accelerator(torch.device(kwargs["device"]))
-        out._tr_block.explicit = source._tr_block.explicit or named
+        block_of(out).explicit = block_of(source).explicit or named
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..core import raw
 from ..core.op_specs import OpSpec
-from ..core.tensor_ref import TensorRef, compute_view, host_view, make_ref
+from ..core.tensor_ref import TensorRef, block_of, compute_view, host_view, make_ref, set_view
 from ..memory.sim.tensor import SimTensor
 from .output_size import estimate_output_bytes
 
@@ -32,20 +32,22 @@ class OpContext:
             device] in ``devices.py``).
     """
 
-    __slots__ = ("index", "spec", "blocks", "written", "outputs", "args", "kwargs", "on_host", "_estimate",
-                 "_start", "_explicit")
+    __slots__ = ("index", "spec", "blocks", "written", "outputs", "args", "kwargs", "on_host", "estimate",
+                 "start", "_explicit")
 
     def __init__(self, spec, blocks, written, args, kwargs, on_host=False):
         self.index = -1
         self.on_host = on_host
-        self._start = 0  # set by the manager while recording
+        #: when the op started, set by the manager while recording
+        self.start = 0
         self.spec = spec
         self.blocks = blocks
         self.written = written
         self.outputs = []
         self.args = args
         self.kwargs = kwargs
-        self._estimate = None
+        #: bytes of the new tensors it allocates, once known (``output_estimate``)
+        self.estimate = None
         self._explicit = None
 
     @property
@@ -61,12 +63,12 @@ class OpContext:
 
     def output_estimate(self) -> int:
         """Bytes of new tensors the op will allocate (see ``output_size.py``)."""
-        if self._estimate is None:
-            self._estimate = estimate_output_bytes(self.spec, self.args, self.kwargs)
-        return self._estimate
+        if self.estimate is None:
+            self.estimate = estimate_output_bytes(self.spec, self.args, self.kwargs)
+        return self.estimate
 
 
-def _collect(values, refs):
+def collect_refs(values, refs):
     for a in values:
         if isinstance(a, TensorRef):
             refs.append(a)
@@ -76,43 +78,43 @@ def _collect(values, refs):
                     refs.append(e)
 
 
-def _blocks_of(refs):
+def blocks_of(refs):
     if len(refs) == 1:
-        return [refs[0]._tr_block]
-    return _blocks_of_list([r._tr_block for r in refs])
+        return [block_of(refs[0])]
+    return blocks_of_list([block_of(r) for r in refs])
 
 
-def _blocks_of_list(blocks):
+def blocks_of_list(blocks):
     """``blocks`` without repeats, in order."""
     if len(blocks) < 2:
         return blocks
     return list(dict.fromkeys(blocks))  # (a block hashes by identity: one per id)
 
 
-def _written_blocks(spec: OpSpec, args, kwargs):
+def written_blocks(spec: OpSpec, args, kwargs):
     written = []
     for i, name in spec.write_args:
         a = args[i] if i < len(args) else kwargs.get(name)
         if isinstance(a, TensorRef):
-            written.append(a._tr_block)
+            written.append(block_of(a))
         elif isinstance(a, (list, tuple)):
-            written.extend(e._tr_block for e in a if isinstance(e, TensorRef))
+            written.extend(block_of(e) for e in a if isinstance(e, TensorRef))
     return written
 
 
-def _swap(a, on_host):
+def swap_in(a, on_host):
     """``a`` with TensorRefs replaced by plain views of the copies the op runs on (and the
     plain tensors of the sim device by their bytes)."""
     if isinstance(a, TensorRef):
         return host_view(a) if on_host else compute_view(a)
     if a.__class__ is list or a.__class__ is tuple:
-        return a.__class__(_swap(e, on_host) for e in a)
+        return a.__class__(swap_in(e, on_host) for e in a)
     if a.__class__ is SimTensor:
         return a.data_
     return a
 
 
-def _placement(kwargs, blocks, backend) -> bool:
+def placement(kwargs, blocks, backend) -> bool:
     """Whether the op runs on the host: it was asked for a host result, or has only CPU tensors."""
     target = kwargs.get("device") if kwargs else None
     if target is not None:
@@ -123,7 +125,7 @@ def _placement(kwargs, blocks, backend) -> bool:
     return bool(blocks)
 
 
-def _compute_kwargs(kwargs, backend):
+def compute_kwargs(kwargs, backend):
     """``kwargs`` with the declared device (``sim``) replaced by where the kernels run."""
     target = kwargs.get("device")
     if target is not None and torch.device(target).type == backend.declared.type != backend.compute.type:
@@ -132,7 +134,7 @@ def _compute_kwargs(kwargs, backend):
     return kwargs
 
 
-def _follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
+def follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
     # resize_, set_, t_ ... changed the geometry (or the storage) of the plain view they
     # wrote: give the TensorRef the same metadata, and its new storage a block.
     for i, name in spec.write_args:
@@ -145,7 +147,7 @@ def _follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
                     _follow_restride(r, v, ctx, mgr)
 
 
-def _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
+def follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
     # Some in-place ops resize their argument as an out= op would: x.addbmm_(b1, b2) turns
     # a (1,) x into (n, m), on a larger storage. Only a changed shape needs the full check.
     for i, name in spec.write_args:
@@ -156,23 +158,23 @@ def _follow_resizes(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
 
 def _follow_restride(ref, view, ctx, mgr):
     storage = view.untyped_storage()
-    if storage._cdata != ref._tr_block.dev_key:
+    if storage._cdata != block_of(ref).dev_key:
         source = next((b for b in ctx.blocks if b.dev_key == storage._cdata), None)
-        new = make_ref(source, view, mgr._declared) if source is not None else mgr._adopt_output(view, ctx)
+        new = make_ref(source, view, mgr.declared) if source is not None else mgr.adopt_output(view, ctx)
         mgr.rebind(ref, new)
-    elif storage.nbytes() != ref._tr_block.nbytes:
-        mgr._resized(ref._tr_block, storage.nbytes())  # resize_ grew the storage in place
+    elif storage.nbytes() != block_of(ref).nbytes:
+        mgr.resized(block_of(ref), storage.nbytes())  # resize_ grew the storage in place
     if ref.shape != view.shape or ref.stride() != view.stride() or ref.storage_offset() != view.storage_offset():
         raw.set_geometry(ref, view)
-    ref._tr_view, ref._tr_gen = view, ref._tr_block.gen
+    set_view(ref, view)
 
 
-def _wrap_outputs(out, ctx, spec, args, kwargs, mgr):
+def wrap_outputs(out, ctx, spec, args, kwargs, mgr):
     if isinstance(out, _Tensor):
         index = spec.return_args[0] if spec.return_args else None
         if index is not None:
             return args[index] if index < len(args) else kwargs[spec.func._schema.arguments[index].name]
-        return _wrap_one(out, ctx, mgr)
+        return wrap_one(out, ctx, mgr)
     if isinstance(out, (list, tuple)):
         if spec.return_args and len(spec.return_args) == len(out) and out.__class__ is tuple:
             items = []
@@ -183,40 +185,40 @@ def _wrap_outputs(out, ctx, spec, args, kwargs, mgr):
                 elif i in spec.host_results:
                     items.append(o)  # a plain CPU tensor, as CUDA makes it (registry._HOST_RESULTS)
                 else:
-                    items.append(_wrap_nested(o, ctx, mgr))
+                    items.append(wrap_nested(o, ctx, mgr))
             return tuple(items)
-        return _wrap_nested(out, ctx, mgr)
+        return wrap_nested(out, ctx, mgr)
     return out
 
 
-def _wrap_nested(out, ctx, mgr):
+def wrap_nested(out, ctx, mgr):
     if isinstance(out, _Tensor):
-        return _wrap_one(out, ctx, mgr)
+        return wrap_one(out, ctx, mgr)
     if isinstance(out, (list, tuple)):
-        return out.__class__(_wrap_nested(o, ctx, mgr) for o in out)
+        return out.__class__(wrap_nested(o, ctx, mgr) for o in out)
     return out
 
 
-def _wrap_one(t, ctx, mgr):
+def wrap_one(t, ctx, mgr):
     if isinstance(t, TensorRef) or t.is_meta:  # (not ``t.device.type``: that costs a microsecond)
         return t
     if t.layout is not _strided or t.is_nested:
         # No single storage to page (sparse, nested): a plain tensor of the device, unmanaged.
-        if t.layout is torch.sparse_coo and mgr._backend.declared.type == "sim" and not ctx.on_host:
+        if t.layout is torch.sparse_coo and mgr.backend.declared.type == "sim" and not ctx.on_host:
             return SimTensor(t)
         return t
-    compute = mgr._backend.compute
+    compute = mgr.backend.compute
     if t.device != compute and not t.is_cpu:
         return t  # explicitly sent to another device than the manager's: not managed
     key = t.untyped_storage()._cdata
     for b in ctx.blocks:
         if b.dev_key == key:
-            return make_ref(b, t, mgr._declared)  # a view: shares the input's block
+            return make_ref(b, t, mgr.declared)  # a view: shares the input's block
     for b in ctx.outputs:
         if b.dev_key == key:
-            return make_ref(b, t, mgr._declared)  # shares the storage of another of its results
-    ref = mgr._adopt_output(t, ctx)
+            return make_ref(b, t, mgr.declared)  # shares the storage of another of its results
+    ref = mgr.adopt_output(t, ctx)
     if ctx.explicit():
-        ref._tr_block.explicit = True
+        block_of(ref).explicit = True
     return ref
 

@@ -105,7 +105,7 @@ def _meta_tensors(args, kwargs):
 def _device_bytes(sizes) -> int:
     """Device bytes of allocations of ``sizes`` (an int: one allocation), each as the
     device's allocator gives it."""
-    block_bytes = _mgr._backend.block_bytes
+    block_bytes = _mgr.backend.block_bytes
     if sizes.__class__ is int:
         return block_bytes(sizes)
     total = 0
@@ -115,10 +115,10 @@ def _device_bytes(sizes) -> int:
 
 
 def _storage_nbytes(value) -> int:
-    from ..core.tensor_ref import TensorRef
+    from ..core.tensor_ref import TensorRef, block_of
 
     if isinstance(value, TensorRef):
-        return value._tr_block.nbytes
+        return block_of(value).nbytes
     return value.untyped_storage().nbytes()
 
 
@@ -148,7 +148,7 @@ def _growth(spec: OpSpec, args, kwargs, sizes_after: tuple) -> int:
     """Bytes by which the op grows the tensors it writes: their sizes after it, less the
     storage they have now (which depends on their blocks, so it is not cached)."""
     grown = 0
-    block_bytes = _mgr._backend.block_bytes  # (a storage that grows is a new allocation)
+    block_bytes = _mgr.backend.block_bytes  # (a storage that grows is a new allocation)
     for before, after in zip(_written(spec, args, kwargs), sizes_after):
         if after is not None and isinstance(before, torch.Tensor):
             now = _storage_nbytes(before)
@@ -206,7 +206,7 @@ def _bound_ctc_loss(args, kwargs) -> tuple:
 
 def _values(t: torch.Tensor) -> torch.Tensor:
     """The current values of ``t`` as a plain tensor (waiting for copies in flight)."""
-    from ..core.tensor_ref import TensorRef
+    from ..core.tensor_ref import TensorRef, block_of
 
     if isinstance(t, TensorRef):
         return t.target

@@ -28,7 +28,7 @@ import torch
 from ..core.tensor_ref import TensorRef
 from ..memory.manager import tensorsManager as _mgr
 from . import workers
-from .op_context import OpContext, _blocks_of, _swap, _wrap_nested
+from .op_context import OpContext, blocks_of, swap_in, wrap_nested
 
 #: the entry points wrapped: ``(owner, name)``, as in ``patching``'s tables
 JITERATOR_FUNCTIONS = (("torch._C", "_cuda_jiterator_compile_and_launch_kernel"),)
@@ -124,30 +124,30 @@ def launch(func, args):
     them TensorRefs) as one managed op; return its results as TensorRefs."""
     code_string, kernel_name, return_by_ref, num_outputs, tensors = args[:5]
     mgr = _mgr
-    if mgr._forked and workers.in_worker():
+    if mgr.forked and workers.in_worker():
         # (a forked DataLoader worker: on the bytes this process can read, as any op there)
         return workers.run_in_worker(func, args, {})
-    if mgr._lock._is_owned():
+    if mgr.lock._is_owned():
         raise TypeError(_NESTED_ERROR.format(name=kernel_name))
-    with mgr._lock:
-        if mgr._trace is not None:
-            mgr._trace.entered = time.perf_counter_ns()  # our host time for this op starts here
-        if mgr._dead:
-            mgr._drain()
-        blocks = _blocks_of([t for t in tensors if isinstance(t, TensorRef)])
-        backend = mgr._backend
+    with mgr.lock:
+        if mgr.trace is not None:
+            mgr.trace.entered = time.perf_counter_ns()  # our host time for this op starts here
+        if mgr.books.dead:
+            mgr.drain()
+        blocks = blocks_of([t for t in tensors if isinstance(t, TensorRef)])
+        backend = mgr.backend
         # Only CPU TensorRefs: the kernel gets CPU tensors, which it refuses as it does
         # plain ones (the op runs "on the host" and moves nothing).
         on_host = not backend.passthrough and all(b.host_only for b in blocks)
         spec = _spec_of(func, code_string, kernel_name, return_by_ref, num_outputs)
         ctx = OpContext(spec, blocks, [], args, {}, on_host)
-        ctx._estimate = 0 if on_host or backend.passthrough else output_bytes(tensors, int(num_outputs))
-        mgr._prepare(ctx)
+        ctx.estimate = 0 if on_host or backend.passthrough else output_bytes(tensors, int(num_outputs))
+        mgr.prepare(ctx)
         if on_host:
             for b in blocks:
                 mgr.sync_host(b)  # the kernel reads host copies: they must hold the current bytes
-        plain = tuple(_swap(t, on_host) for t in tensors)
-        out = mgr._call(ctx, func, args[:4] + (plain,) + args[5:], {})
-        result = _wrap_nested(out, ctx, mgr)
-        mgr._finish(ctx)
+        plain = tuple(swap_in(t, on_host) for t in tensors)
+        out = mgr.call(ctx, func, args[:4] + (plain,) + args[5:], {})
+        result = wrap_nested(out, ctx, mgr)
+        mgr.finish(ctx)
         return result

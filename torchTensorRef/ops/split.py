@@ -45,7 +45,7 @@ import torch
 from ..core import raw
 from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec
-from ..core.tensor_ref import TensorRef, host_view
+from ..core.tensor_ref import TensorRef, host_view, block_of
 from ..memory.manager import tensorsManager as mgr
 from . import dispatch
 from .dispatch import run_generic
@@ -65,19 +65,19 @@ MIN_ALIGN = 64
 def room() -> Optional[int]:
     """Bytes one op may hold on the device now: the budget less what the device holds
     outside the manager and the blocks pinned there; ``None`` without a budget."""
-    limit = mgr._limit
-    if limit is None or mgr._backend.passthrough:
+    limit = mgr.limit
+    if limit is None or mgr.backend.passthrough:
         return None
-    with mgr._lock:
-        pinned = sum(b.nbytes for b in mgr._resident.values() if b.pins)
-        return limit - mgr._read_outside() - pinned
+    with mgr.lock:
+        pinned = sum(b.nbytes for b in mgr.books.resident.values() if b.pins)
+        return limit - mgr.read_outside() - pinned
 
 
 def block_bytes(nbytes: int) -> int:
     """Device bytes an allocation of ``nbytes`` takes, as the budget counts it: the device's
     allocator rounds sizes up (512 bytes on CUDA, more for large ones), so pieces sized by
     their exact bytes would not fit the room they were cut for."""
-    return mgr._backend.block_bytes(nbytes)
+    return mgr.backend.block_bytes(nbytes)
 
 
 def refs_bytes(values, seen=None) -> int:
@@ -87,7 +87,7 @@ def refs_bytes(values, seen=None) -> int:
     total = 0
     for v in values:
         if isinstance(v, TensorRef):
-            b = v._tr_block
+            b = block_of(v)
             if b.id not in seen and not b.host_only:
                 seen.add(b.id)
                 total += block_bytes(b.nbytes)
@@ -109,8 +109,8 @@ def op_bytes(spec: OpSpec, args, kwargs, out_bytes: Optional[int] = None) -> int
 
 def refuse(name: str, smallest: int, left: int):
     """``OutOfBudgetError`` for an op that needs ``smallest`` bytes of room where ``left`` is left."""
-    outside = mgr._limit - left
-    return OutOfBudgetError(name, smallest + outside, mgr._limit,
+    outside = mgr.limit - left
+    return OutOfBudgetError(name, smallest + outside, mgr.limit,
                             f"it cannot be split into smaller pieces; a budget of "
                             f"{smallest + outside} bytes runs it", outside=outside)
 
@@ -127,11 +127,11 @@ def fits(spec: OpSpec, args, kwargs, out_bytes: Optional[int] = None) -> Optiona
     Without a budget nothing is split: the device's capacity is then the limit, and checking
     every add and view against it cost more than it ever saved (``benchmarks/op_paths.py``).
     """
-    limit = mgr._limit
-    if mgr._budget is None or limit is None or mgr._backend.passthrough:
+    limit = mgr.limit
+    if mgr.settings.budget_value is None or limit is None or mgr.backend.passthrough:
         return None
     need = op_bytes(spec, args, kwargs, out_bytes)
-    if need + mgr._elsewhere_bytes <= limit:
+    if need + mgr.accounting.elsewhere_bytes <= limit:
         return None  # the common case, without reading the device or the pins
     left = room()
     if left is None or need <= left:
@@ -143,13 +143,13 @@ def fits(spec: OpSpec, args, kwargs, out_bytes: Optional[int] = None) -> Optiona
 
 def settle(refs: Sequence[TensorRef]) -> None:
     """Give each of ``refs``' blocks a current host copy and no device copy."""
-    with mgr._lock:
+    with mgr.lock:
         for ref in refs:
-            block = ref._tr_block
+            block = block_of(ref)
             if block.host_only:
                 continue
             if block.pins and block.dev is not None:
-                raise OutOfBudgetError(f"a pinned tensor of {block.nbytes} bytes", block.nbytes, mgr._limit,
+                raise OutOfBudgetError(f"a pinned tensor of {block.nbytes} bytes", block.nbytes, mgr.limit,
                                        "unpin it to let ops larger than the budget run in pieces")
             mgr.evict(block)
             mgr.sync_host(block)
@@ -165,7 +165,7 @@ def held_on_host(refs: Sequence[TensorRef]):
     it, and the pieces' writes (or the results copied in) would land in the old copy.
     """
     settle(refs)
-    blocks = [b for b in {id(r._tr_block): r._tr_block for r in refs}.values() if not b.host_only]
+    blocks = [b for b in {id(block_of(r)): block_of(r) for r in refs}.values() if not b.host_only]
     for block in blocks:
         mgr.mark_external(block)
     try:
@@ -216,16 +216,16 @@ def gathered_piece(plain: torch.Tensor) -> TensorRef:
 
 def write_back(pieces) -> None:
     """Written pieces' bytes go to the host copies they alias; their device copies go."""
-    with mgr._lock:
+    with mgr.lock:
         for p in pieces:
             if isinstance(p, TensorRef):
-                mgr.evict(p._tr_block)
+                mgr.evict(block_of(p))
 
 
 def to_host(result: TensorRef) -> torch.Tensor:
     """The values of a piece's result as a plain view of its (current) host copy."""
-    with mgr._lock:
-        mgr.sync_host(result._tr_block)
+    with mgr.lock:
+        mgr.sync_host(block_of(result))
         return host_view(result).detach()
 
 
@@ -267,7 +267,7 @@ def chunk_elements(per_element: int, fixed: int, left: int, numel: int, name: st
 _REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max", "linalg_vector_norm"})
 
 
-def _tensors(values):
+def tensors_of(values):
     for v in values:
         if isinstance(v, TensorRef):
             yield v
@@ -284,7 +284,7 @@ def _plan(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
     or dense in the same other order (gradients of a transposed weight, summed over its
     uses), and contiguous where the op works on rows."""
     name = spec.name
-    tensors = list(_tensors(list(args) + list(kwargs.values())))
+    tensors = list(tensors_of(list(args) + list(kwargs.values())))
     numel = max((t.numel() for t in tensors), default=0)
     big = [t for t in tensors if t.numel() == numel]
     if not big or numel == 0:
@@ -296,8 +296,8 @@ def _plan(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
         raise refuse(name, op_bytes(spec, args, kwargs), left)
     seen: set = set()
     refs_bytes(big, seen)
-    fixed = refs_bytes([t for t in tensors if t._tr_block.id not in seen])
-    pieces = [t.element_size() for t in {id(t._tr_block): t for t in big}.values()]
+    fixed = refs_bytes([t for t in tensors if block_of(t).id not in seen])
+    pieces = [t.element_size() for t in {id(block_of(t)): t for t in big}.values()]
     reduction = func.overloadpacket.__name__ in _REDUCTIONS
     out_meta = None
     if spec.allocates and not reduction:
@@ -357,7 +357,7 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
 
             def swap(v):
                 if isinstance(v, TensorRef) and v.numel() == numel:
-                    key = (id(v._tr_block), v.storage_offset())
+                    key = (id(block_of(v)), v.storage_offset())
                     if key not in pieces:
                         piece = alias_piece(v, start, stop)
                         pieces[key] = (piece if row == 1 else piece.view(-1, row), id(v) in written)

@@ -12,11 +12,11 @@ import torch
 
 from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements, spec_of
-from ..core.tensor_ref import TensorRef, host_view
+from ..core.tensor_ref import TensorRef, host_view, block_of
 from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
-from .split import (_tensors, block_bytes, chunk_elements, default, fits, gathered_piece, held_on_host, host_result,
+from .split import (tensors_of, block_bytes, chunk_elements, default, fits, gathered_piece, held_on_host, host_result,
                     op_bytes, refs_bytes, refuse, room, run_chunked, settle, to_host)
 
 aten = torch.ops.aten
@@ -27,8 +27,8 @@ aten = torch.ops.aten
 def _host_values(ref) -> torch.Tensor:
     if not isinstance(ref, TensorRef):
         return ref.detach().clone()
-    with mgr._lock:
-        mgr.sync_host(ref._tr_block)
+    with mgr.lock:
+        mgr.sync_host(block_of(ref))
         return host_view(ref).detach().clone()
 
 
@@ -52,11 +52,11 @@ def reads_rows_alone(weight) -> bool:
     """Whether an embedding of the table ``weight`` reads the rows it needs alone, given few
     enough of them (Note [Rows of a table]): a table of ``ROWS_MIN_TABLE`` bytes or more,
     under a budget, with no gradient to record."""
-    if not isinstance(weight, TensorRef) or mgr._budget is None or mgr._limit is None or mgr._backend.passthrough:
+    if not isinstance(weight, TensorRef) or mgr.settings.budget_value is None or mgr.limit is None or mgr.backend.passthrough:
         return False
     if torch.is_grad_enabled() and weight.requires_grad:
         return False  # (training: the table is read and written whole by the step anyway)
-    block = weight._tr_block
+    block = block_of(weight)
     return not block.host_only and block.nbytes >= ROWS_MIN_TABLE
 
 
@@ -72,7 +72,7 @@ def _rows_alone(weight: TensorRef, indices) -> bool:
     time, so that a loop's ops stay the same from step to step (Flow's period). The table's
     device copy, if any, stays (an output layer may share it)."""
     row = weight.shape[1] * weight.element_size()
-    return reads_rows_alone(weight) and indices.numel() * row <= ROWS_FRACTION * weight._tr_block.nbytes
+    return reads_rows_alone(weight) and indices.numel() * row <= ROWS_FRACTION * block_of(weight).nbytes
 
 
 @implements(aten.embedding.default)
@@ -88,12 +88,12 @@ def embedding(func, args, kwargs, spec: OpSpec):
     rows, local = _remapped(args[1])
     if left is not None:  # (the table does not fit: it leaves the device)
         settle([weight])
-        need = rows.numel() * weight.shape[1] * weight.element_size() + local._tr_block.nbytes
+        need = rows.numel() * weight.shape[1] * weight.element_size() + block_of(local).nbytes
         need += estimate_output_bytes(spec, args, kwargs)
         if need > left:
             raise refuse(spec.name, need, left)
-    with mgr._lock:
-        mgr.sync_host(weight._tr_block)  # (settled: nothing to copy; else its device copy stays)
+    with mgr.lock:
+        mgr.sync_host(block_of(weight))  # (settled: nothing to copy; else its device copy stays)
         table = host_view(weight).detach().index_select(0, rows)
     # padding_idx changes only the backward: the forward is a gather
     return run_generic(func, [gathered_piece(table), local, -1] + list(args[3:]), {}, spec)
@@ -251,7 +251,7 @@ def pointwise(func, args, kwargs, spec: OpSpec):
     left = fits(spec, args, kwargs)
     if left is None:
         return default(func, args, kwargs, spec)
-    tensors = list(_tensors(list(args) + list(kwargs.values())))
+    tensors = list(tensors_of(list(args) + list(kwargs.values())))
     numel = max(t.numel() for t in tensors)
     if any(t.numel() not in (numel, 1) or (t.numel() == 1 and t.dim() and numel > 1) for t in tensors):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)  # broadcasting: not chunked
@@ -319,11 +319,11 @@ def view(func, args, kwargs, spec: OpSpec):
     """A view of a tensor that does not fit: its geometry, with no bytes moved (the
     dispatcher's view of a block on disk, which reads nothing)."""
     base = args[0] if args else None
-    block = base._tr_block if isinstance(base, TensorRef) else None
+    block = block_of(base) if isinstance(base, TensorRef) else None
     # (cheapest first: a resident block, or one that fits the budget, is the common case;
     # room() reads the pins of every resident block)
-    if (block is None or block.dev is not None or mgr._budget is None or mgr._limit is None
-            or block.nbytes + mgr._elsewhere_bytes <= mgr._limit):
+    if (block is None or block.dev is not None or mgr.settings.budget_value is None or mgr.limit is None
+            or block.nbytes + mgr.accounting.elsewhere_bytes <= mgr.limit):
         return default(func, args, kwargs, spec)
     left = room()
     if left is None or block_bytes(block.nbytes) <= left:

@@ -28,13 +28,13 @@ from torch.utils import _pytree as pytree
 from torch.utils.data._utils import collate as _collate
 
 from ..core import raw
-from ..core.tensor_ref import TensorRef, view_on
+from ..core.tensor_ref import TensorRef, view_on, block_of
 from ..memory.manager import tensorsManager as _mgr
 
 
 def in_worker() -> bool:
     """Whether this process is a DataLoader worker forked from the manager's process."""
-    return _mgr._forked and torch.utils.data.get_worker_info() is not None
+    return _mgr.forked and torch.utils.data.get_worker_info() is not None
 
 
 def run_in_worker(func, args, kwargs):
@@ -45,9 +45,9 @@ def run_in_worker(func, args, kwargs):
 
 def readable_bytes(ref: TensorRef) -> torch.Tensor:
     """A plain CPU tensor viewing ``ref``'s current bytes, in a forked worker."""
-    block = ref._tr_block
+    block = block_of(ref)
     if block.dev is not None:
-        if not _mgr._backend.simulated:
+        if not _mgr.backend.simulated:
             if not block.host_valid or block.host_pending is not None:
                 raise RuntimeError(
                     "a DataLoader worker process cannot read a tensor whose bytes are only in "
@@ -78,8 +78,8 @@ def collate_tensor_refs(batch, *, collate_fn_map=None):
 
 
 def _after_fork_in_child() -> None:
-    _mgr._forked = True
-    _mgr._lock = threading.RLock()
+    _mgr.forked = True
+    _mgr.lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

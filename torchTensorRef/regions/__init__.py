@@ -46,6 +46,7 @@ import torch
 from torch.nn.modules import module as _hooks
 
 from ..core import context
+from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..ops.split_handlers import reads_rows_alone
 from . import stores
@@ -192,12 +193,12 @@ class _ModuleInfo:
 def _tensor_bytes(info: _ModuleInfo) -> int:
     """Device bytes of the module's tensors, each as the budget counts it (rounded up as the
     device's allocator rounds it), to weigh against the manager's share."""
-    size = _mgr._backend.block_bytes
+    size = _mgr.backend.block_bytes
     seen = set()
     total = 0
     for d, k in info.slots:
         v = d.get(k)
-        b = getattr(v, "_tr_block", None)
+        b = (block_of(v) if isinstance(v, TensorRef) else None)
         if b is not None and b.id not in seen:
             seen.add(b.id)
             total += size(b.nbytes)
@@ -209,7 +210,7 @@ def _module_call(self, *args, **kwargs):
     # (compiling first: dynamo inlines this function into graphs and must see no more of it)
     if torch.compiler.is_compiling() or not enabled or state.depth or _wrapped.depth \
             or self._compiled_call_impl is not None or context.is_disabled() \
-            or (_mgr._trace is not None and not _mgr._trace.regions) or self.__class__.__name__ in _WRAPPERS:
+            or (_mgr.trace is not None and not _mgr.trace.regions) or self.__class__.__name__ in _WRAPPERS:
         return _original_call(self, *args, **kwargs)
     if self.__class__.__name__ in _OP_BY_OP_WRAPPERS:
         _wrapped.depth += 1
@@ -240,19 +241,19 @@ def _call(self, forced, args, kwargs):
     if info.compiled or info.hooked(self):
         return _original_call(self, *args, **kwargs)
     if forced is None:
-        limit = _mgr._limit
+        limit = _mgr.limit
         # (the size rule weighs the manager's share: what the device holds outside it, the
         # program's own tensors and libraries' workspaces, is not room for a region)
-        paged = limit is not None and not _mgr._backend.passthrough
+        paged = limit is not None and not _mgr.backend.passthrough
         if paged and (
-                (_mgr._budget is not None and not under_budget)
-                or _tensor_bytes(info) > fraction * (limit - _mgr._elsewhere_bytes)):
+                (_mgr.settings.budget_value is not None and not under_budget)
+                or _tensor_bytes(info) > fraction * (limit - _mgr.accounting.elsewhere_bytes)):
             return _original_call(self, *args, **kwargs)
         if isinstance(self, _ROW_READERS) and reads_rows_alone(self.weight):
             return _original_call(self, *args, **kwargs)  # (its op reads its rows alone: Note [Rows of a table])
         ops = info.region.ops
         if ops is not None and ops < min_ops and not (
-                paged and _mgr._budget is not None and info.slots and not torch.is_grad_enabled()):
+                paged and _mgr.settings.budget_value is not None and info.slots and not torch.is_grad_enabled()):
             return _original_call(self, *args, **kwargs)
     return _as_region(self, info, info.region, lambda *a, **k: _original_call(self, *a, **k), args, kwargs,
                       train=train)
@@ -281,8 +282,8 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
     kept for what the method allocates inside: with no budget only the device's capacity
     bounds it, as it bounds plain torch (and the manager's peak does not count it)."""
     if torch.compiler.is_compiling() or not enabled or state.depth or _wrapped.depth or context.is_disabled() \
-            or _mgr._trace is not None or _override.get(module) is False \
-            or (_mgr._budget is not None and not _mgr._backend.passthrough):
+            or _mgr.trace is not None or _override.get(module) is False \
+            or (_mgr.settings.budget_value is not None and not _mgr.backend.passthrough):
         return fn(*args, **kwargs)
     callers.enter()  # (Note [Regions and threads])
     try:

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..core.tensor_ref import TensorRef
+from ..core.tensor_ref import TensorRef, block_of
 from ..memory.sim.tensor import SimTensor
 
 _Tensor = torch.Tensor
@@ -71,7 +71,7 @@ class Inside:
     def learn_uses(self, key, held_refs, read: set) -> list:
         """Remember which of ``held_refs`` (the objects' TensorRefs, in scan order) the
         measured call read; returns their positions."""
-        used = [i for i, v in enumerate(held_refs) if v._tr_block.id in read]
+        used = [i for i, v in enumerate(held_refs) if block_of(v).id in read]
         self.uses[(key, len(held_refs))] = used
         return used
 
@@ -152,7 +152,7 @@ class Measure(TorchDispatchMode):
         self.ops += 1
         for a in tree_leaves((args, kwargs)):
             if isinstance(a, TensorRef):
-                self.read.add(a._tr_block.id)
+                self.read.add(block_of(a).id)
         out = func(*args, **(kwargs or {}))
         if isinstance(out, _Tensor):
             self._track(out)
@@ -164,7 +164,7 @@ class Measure(TorchDispatchMode):
 
     def _track(self, t) -> None:
         if isinstance(t, TensorRef):
-            block = t._tr_block
+            block = block_of(t)
             key, nbytes = block.id, block.nbytes
         else:
             if t.__class__ is SimTensor:

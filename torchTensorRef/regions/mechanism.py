@@ -7,7 +7,7 @@ aten op (``memory/op_protocol.py``):
 1. its TensorRefs are its op's blocks: a module's parameters and buffers, the TensorRefs
    among the call's arguments (in tuples, lists and dicts), and those held by plain objects
    among them (a key/value cache: attributes, lists and dicts, a few levels deep). With
-   room for what the call allocates inside (measured, see below), ``_prepare`` makes them
+   room for what the call allocates inside (measured, see below), ``prepare`` makes them
    resident as one working set within the budget, and the strategy sees one op;
 2. the blocks are pinned and the call runs on plain views of their device copies (the
    parameters, buffers and object attributes are swapped for their views for the duration
@@ -20,7 +20,7 @@ aten op (``memory/op_protocol.py``):
    output, and each new tensor the call stored in an object it was given, becomes a
    TensorRef (a view of an input joins its block, anything else is a new resident block),
    room being made for the new ones first;
-4. the swapped slots get their TensorRefs back, the blocks are unpinned and ``_finish``
+4. the swapped slots get their TensorRefs back, the blocks are unpinned and ``finish``
    lets the strategy react, as after any op.
 
 What the call allocates inside (its intermediates and outputs) is measured the first time
@@ -61,11 +61,11 @@ import torch
 
 from ..core import context
 from ..core.errors import OutOfBudgetError
-from ..core.tensor_ref import TensorRef, compute_view, host_view
+from ..core.tensor_ref import TensorRef, compute_view, host_view, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
-from ..ops.op_context import _blocks_of_list, _wrap_one
+from ..ops.op_context import blocks_of_list, wrap_one
 from .inside import Inside, Measure, measured
 from .op import RegionContext, RegionSpec, Wrapper, bytes_of
 from . import stores
@@ -218,20 +218,20 @@ class Region:
                     learn = True  # (unmeasured: which of them it reads is not known yet)
                     break
             probe = probe_second_order(self)  # (Note [Gradients of gradients])
-        if mgr._lock._is_owned():
+        if mgr.lock._is_owned():
             raise NotARegion("inside a managed op")  # its blocks must stay where they are
-        with mgr._lock:
-            if mgr._dead:
-                mgr._drain()
-            blocks = _blocks_of_list([r._tr_block for r in refs])
-            backend = mgr._backend
+        with mgr.lock:
+            if mgr.books.dead:
+                mgr.drain()
+            blocks = blocks_of_list([block_of(r) for r in refs])
+            backend = mgr.backend
             passthrough = backend.passthrough
             host = [b for b in blocks if b.host_only]
             on_host = not passthrough and bool(blocks) and len(host) == len(blocks)
             if host and not on_host or on_host and not self.strict:
                 raise NotARegion("host-only blocks")  # the per-op path says where each op runs
             ctx = RegionContext(self.spec, blocks, [], args, kwargs, on_host)
-            limit = mgr._limit
+            limit = mgr.limit
             need = 0
             if not on_host and not passthrough:
                 for b in blocks:
@@ -253,14 +253,14 @@ class Region:
                     needs = self._needs(need, est, key if grad else None)
                     # (the last reading of what the device holds beside the manager may count
                     # plain tensors since adopted or freed: read it again before refusing)
-                    if needs + mgr._elsewhere_bytes > limit and needs + mgr._read_outside() > limit:
+                    if needs + mgr.accounting.elsewhere_bytes > limit and needs + mgr.read_outside() > limit:
                         raise NotARegion("larger than the budget")
                 ctx.estimate = est
         if measure or learn or probe:
             return self._measured(mgr, call, fn, args, kwargs, key, grad)
-        with mgr._lock:
+        with mgr.lock:
             try:
-                mgr._prepare(ctx)
+                mgr.prepare(ctx)
             except OutOfBudgetError as e:
                 if not self.strict and type(e) is OutOfBudgetError:
                     raise NotARegion("larger than the budget") from e
@@ -270,34 +270,34 @@ class Region:
             if on_host:
                 for b in blocks:
                     mgr.sync_host(b)  # the call reads the host copies
-            base = mgr._device_bytes + mgr._inflight_bytes + mgr._elsewhere_bytes
+            base = mgr.accounting.resident + mgr.accounting.pending_bytes + mgr.accounting.elsewhere_bytes
         training = Training(self, key, self.device_views and getattr(backend, "strict", False),
                             limit is not None and not passthrough, ctx.estimate) if grad else None
         if meter:
-            meter = Measure({b.dev_key for b in blocks}, mgr._backend.block_bytes)  # (its inputs' storages are not its own)
+            meter = Measure({b.dev_key for b in blocks}, mgr.backend.block_bytes)  # (its inputs' storages are not its own)
         try:
             out = self._run(mgr, call, fn, args, kwargs, on_host, training, meter or None)
         except BaseException:
             # (what the call wrote before raising stays written, and what it stored on its
             # modules or objects is kept, as plain torch keeps both)
-            with mgr._lock:
+            with mgr.lock:
                 try:
                     self._finish_outputs(mgr, ctx, call, None, on_host, training)
                 finally:
                     for b in blocks:
                         b.pins -= 1
-                    mgr._op_raised(ctx)
+                    mgr.op_raised(ctx)
             raise
         try:
-            with mgr._lock:
+            with mgr.lock:
                 wrapped, out_bytes = self._finish_outputs(mgr, ctx, call, out, on_host, training)
                 out = None  # (not kept past the lock: Note [Plain views die under the lock] in ops/dispatch.py)
         except BaseException:
-            with mgr._lock:
+            with mgr.lock:
                 for b in blocks:
                     b.pins -= 1
             raise
-        with mgr._lock:
+        with mgr.lock:
             for b in blocks:
                 b.pins -= 1
             if not self.measure:
@@ -312,13 +312,13 @@ class Region:
                 self.inside.learn_like(key, near[0], held_refs)  # (found at once next time)
             if inside is not None and limit is not None and not passthrough and not on_host:
                 top = base + inside  # (the working set and the room kept for the inside)
-                if top - mgr._elsewhere_bytes > mgr._peak:
-                    mgr._peak = top - mgr._elsewhere_bytes
-                if top - limit > mgr._overshoot:
-                    mgr._overshoot = top - limit
-            mgr._finish(ctx)
-            if mgr._trace is not None:
-                ctx.record_inside(mgr._trace, inside or 0)
+                if top - mgr.accounting.elsewhere_bytes > mgr.accounting.peak:
+                    mgr.accounting.peak = top - mgr.accounting.elsewhere_bytes
+                if top - limit > mgr.accounting.overshoot:
+                    mgr.accounting.overshoot = top - limit
+            mgr.finish(ctx)
+            if mgr.trace is not None:
+                ctx.record_inside(mgr.trace, inside or 0)
         return wrapped
 
     def _needs(self, need: int, inside: int, grad_key) -> int:
@@ -337,7 +337,7 @@ class Region:
         """The call op by op (within the budget, as any code), measuring the bytes its ops
         allocate: what the call will need inside as a region; with ``grad``, whether its
         backward asks for gradients of the gradients."""
-        meter = Measure({r._tr_block.id for r in call.refs}, mgr._backend.block_bytes)
+        meter = Measure({block_of(r).id for r in call.refs}, mgr.backend.block_bytes)
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
         try:
             with meter:
@@ -348,12 +348,12 @@ class Region:
             watch_backward(self, out)
         held = call.all_held
         used = self.inside.learn_uses(key, held, meter.read)
-        self.inside.record(key, sum(held[i]._tr_block.nbytes for i in used), meter.peak)
+        self.inside.record(key, sum(block_of(held[i]).nbytes for i in used), meter.peak)
         self.ops = meter.ops
         return out
 
     def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool, training=None, meter=None):
-        backend = mgr._backend
+        backend = mgr.backend
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
         views = call.views
         make = host_view if on_host else compute_view
@@ -363,7 +363,7 @@ class Region:
         # hold the device copy it views after the block was evicted, counted outside the
         # manager (on "sim" as on CUDA) until the region's next call: a layer's weights
         # beside the budget. Tensors held by objects (a cache) are new at every step.
-        wrappers = self._wrappers if sim and mgr._limit is None else None
+        wrappers = self._wrappers if sim and mgr.limit is None else None
         if wrappers is None and self._wrappers:
             self._wrappers = {}
         params = {id(v) for d, k, v in call.slots[:call.params]} if wrappers is not None else ()
@@ -429,18 +429,18 @@ class Region:
 
     def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):
         views = call.views
-        written = [ref._tr_block for ref, given, _p, version in views.values()
+        written = [block_of(ref) for ref, given, _p, version in views.values()
                    if version is None or given._version != version]
         for ref in call.kernel_written:
             if id(ref) in views:
-                written.append(ref._tr_block)
+                written.append(block_of(ref))
         if written:
-            ctx.written = _blocks_of_list(written)
+            ctx.written = blocks_of_list(written)
             if on_host:
                 for b in ctx.written:
-                    mgr._host_written(b)
+                    mgr.host_written(b)
             else:
-                mgr._mark_written(ctx.written)
+                mgr.mark_written(ctx.written)
         given = {id(e[1]): e[0] for e in views.values()}
         inputs = {b.dev_key for b in ctx.blocks}
         fresh = {}
@@ -454,8 +454,8 @@ class Region:
         for obj in objects:
             collect_object(obj, given, stored, seen, before, OBJECT_DEPTH, [OBJECT_VALUES])
         on_modules = stores.stored(call) if call.stores else ()
-        compute = mgr._backend.compute
-        size = mgr._backend.block_bytes  # (each as the budget counts it: the allocator's rounding)
+        compute = mgr.backend.compute
+        size = mgr.backend.block_bytes  # (each as the budget counts it: the allocator's rounding)
         activations = training.activations() if training is not None else []
         for t in found + [v for _c, _k, v in stored] + [v for _c, _k, v in on_modules] + activations:
             t = bytes_of(t)
@@ -464,9 +464,9 @@ class Region:
                 if s._cdata not in inputs:
                     fresh[s._cdata] = size(s.nbytes())
         nbytes = sum(fresh.values())
-        paged = nbytes and not on_host and mgr._limit is not None and not mgr._backend.passthrough
+        paged = nbytes and not on_host and mgr.limit is not None and not mgr.backend.passthrough
         if paged:
-            mgr._make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name, allocated=nbytes)
+            mgr.make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name, allocated=nbytes)
         wrap = Wrapper(mgr, ctx, given, self.device_views, training is not None)
         for container, k, v in stored:
             container[k] = wrap(v)
@@ -475,13 +475,13 @@ class Region:
         if training is not None:
             linked = wrap.linked
             by_storage = {bytes_of(p).untyped_storage()._cdata: r for p, r in linked}
-            training.adopted(lambda t: _wrap_one(t, ctx, mgr), by_storage)
+            training.adopted(lambda t: wrap_one(t, ctx, mgr), by_storage)
             if linked:
                 # (the node's outputs are these same TensorRefs, now with its grad_fn)
                 training.link([p for p, _r in linked], [r for _p, r in linked])
         if paged:
-            # A reading of the device in ``_make_room`` counted the new tensors, allocated and
+            # A reading of the device in ``make_room`` counted the new tensors, allocated and
             # not yet blocks, as outside the manager; kept, that reading made the next calls
             # look larger than the budget (a decoder layer ran op by op): read it again.
-            mgr._read_outside()
+            mgr.read_outside()
         return wrapped, nbytes

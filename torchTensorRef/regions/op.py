@@ -7,7 +7,7 @@ import torch
 
 from ..core.tensor_ref import TensorRef
 from ..memory.sim.tensor import NAME as SIM, SimTensor
-from ..ops.op_context import OpContext, _wrap_one
+from ..ops.op_context import OpContext, wrap_one
 
 _Tensor = torch.Tensor
 
@@ -25,12 +25,9 @@ class RegionSpec:
 
 class RegionContext(OpContext):
     """A region call (or its backward) as one op: its blocks and the room kept for what it
-    allocates inside (``estimate``)."""
+    allocates inside (``estimate``, always set by the caller)."""
 
-    __slots__ = ("estimate",)
-
-    def output_estimate(self) -> int:
-        return self.estimate
+    __slots__ = ()
 
     def record_inside(self, trace, nbytes: int) -> None:
         """In a trace recorded with regions, the room kept for the inside (``nbytes``) less
@@ -70,18 +67,18 @@ class Wrapper:
         plain = bytes_of(t)
         if plain is None:
             return t
-        if self.device_views and t.__class__ is not SimTensor and self.mgr._backend.declared.type == SIM and plain.is_cpu \
-                and not self.ctx.on_host and getattr(self.mgr._backend, "strict", False):
+        if self.device_views and t.__class__ is not SimTensor and self.mgr.backend.declared.type == SIM and plain.is_cpu \
+                and not self.ctx.on_host and getattr(self.mgr.backend, "strict", False):
             # (a CPU tensor the call made on purpose on "sim" stays one, as plain torch's would)
             return t
         if self.grad and t.requires_grad:
             for p, r in self.linked:
                 if p is t:
                     return r
-            ref = _wrap_one(plain.detach(), self.ctx, self.mgr)
+            ref = wrap_one(plain.detach(), self.ctx, self.mgr)
             self.linked.append((t, ref))
             return ref
-        return _wrap_one(plain, self.ctx, self.mgr)
+        return wrap_one(plain, self.ctx, self.mgr)
 
     def tree(self, out):
         if isinstance(out, _Tensor):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.tensor_ref import TensorRef
+from ..core.tensor_ref import TensorRef, block_of
 
 #: how deep objects among a call's arguments are searched for TensorRefs (cache -> layers
 #: list -> layer -> tensor)
@@ -108,7 +108,7 @@ def select_object_slots(call: Call, used) -> None:
         call.slots[call.params:] = held
     for _container, _k, v in held:
         call.refs.append(v)
-        call.held += v._tr_block.nbytes
+        call.held += block_of(v).nbytes
 
 
 def parameter_slots(module: torch.nn.Module):

@@ -63,13 +63,13 @@ import torch
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from ..core import context
-from ..core.tensor_ref import TensorRef, compute_view
+from ..core.tensor_ref import TensorRef, compute_view, block_of
 from ..memory.devices import largest_within
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim import backward_errors
 from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
-from ..ops.op_context import _blocks_of_list
+from ..ops.op_context import blocks_of_list
 from .inside import Measure, measured
 from .op import RegionContext, Wrapper
 from .scan import output_tensors
@@ -260,7 +260,7 @@ class Training:
         blocks = {}
         for s in self.saved:
             if s.ref is not None:
-                blocks[s.ref._tr_block.id] = s.ref._tr_block
+                blocks[block_of(s.ref).id] = block_of(s.ref)
         return sum(size(b.nbytes) for b in blocks.values() if not b.host_only) + sum(map(size, self.grad_bytes))
 
     def _failed(self, error: Exception):
@@ -405,14 +405,14 @@ class BackwardStep:
     def __enter__(self):
         mgr = _mgr
         region = self.region
-        with mgr._lock:
-            if mgr._dead:
-                mgr._drain()
-            blocks = _blocks_of_list([r._tr_block for r in self.refs])
+        with mgr.lock:
+            if mgr.books.dead:
+                mgr.drain()
+            blocks = blocks_of_list([block_of(r) for r in self.refs])
             ctx = self.ctx = RegionContext(region.backward_spec, blocks, [], (), {}, False)
-            backend = mgr._backend
+            backend = mgr.backend
             self.device = None if backend.passthrough else backend.declared
-            self.limited = mgr._limit is not None and not backend.passthrough
+            self.limited = mgr.limit is not None and not backend.passthrough
             ctx.estimate = 0
             if self.limited:
                 size = backend.block_bytes
@@ -424,7 +424,7 @@ class BackwardStep:
                 # MiB off, on an H100 62.8 MiB low under Genoa, and the room then more than the
                 # op's check allows; counted as the device counts it, so that the check does
                 # not round it past the budget)
-                room = largest_within(mgr._limit - mgr._read_outside() - self.held, size)
+                room = largest_within(mgr.limit - mgr.read_outside() - self.held, size)
                 # Until measured, under a budget all the room it leaves (what a backward's
                 # formulas allocate is not bounded by the forward: recomputing a checkpointed
                 # forward inside it took 4x); with none, twice the blocks and the forward's
@@ -433,17 +433,17 @@ class BackwardStep:
                 # backward would not fit.
                 if seen is not None:
                     ctx.estimate = min(room, seen[1])
-                elif mgr._budget is not None:
+                elif mgr.settings.budget_value is not None:
                     ctx.estimate = room
                 else:
                     ctx.estimate = min(room, 2 * (self.held + self.inside))
-            mgr._prepare(ctx)  # (no op-by-op fallback here: the graph is plain)
+            mgr.prepare(ctx)  # (no op-by-op fallback here: the graph is plain)
             if self.limited and self.seen is None:
                 # (the blocks' storages once resident: views of them are not new bytes)
-                self.measuring = Measure({b.dev_key for b in blocks}, mgr._backend.block_bytes)
+                self.measuring = Measure({b.dev_key for b in blocks}, mgr.backend.block_bytes)
             for b in blocks:
                 b.pins += 1
-            self.base = mgr._device_bytes + mgr._inflight_bytes + mgr._elsewhere_bytes
+            self.base = mgr.accounting.resident + mgr.accounting.pending_bytes + mgr.accounting.elsewhere_bytes
         return self
 
     def meter(self):
@@ -453,16 +453,16 @@ class BackwardStep:
         """The gradients the inner graph gave for the leaves, as TensorRefs."""
         mgr = _mgr
         ctx = self.ctx
-        with mgr._lock:
+        with mgr.lock:
             # (no room to make: they were allocated in the room kept for the inside, which
-            # ``_finish`` gives back if they took more)
+            # ``finish`` gives back if they took more)
             wrap = Wrapper(mgr, ctx, {}, True)
             return tuple(None if g is None else wrap(g) for g in grads)
 
     def __exit__(self, *exc):
         mgr = _mgr
         ctx = self.ctx
-        with mgr._lock:
+        with mgr.lock:
             for b in ctx.blocks:
                 b.pins -= 1
             if exc[0] is not None:
@@ -473,13 +473,13 @@ class BackwardStep:
                     self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
                     inside = self.measuring.peak  # (what it took, kept room or not)
                 top = self.base + inside
-                if top - mgr._elsewhere_bytes > mgr._peak:
-                    mgr._peak = top - mgr._elsewhere_bytes
-                if top - mgr._limit > mgr._overshoot:
-                    mgr._overshoot = top - mgr._limit
-            mgr._finish(ctx)
-            if mgr._trace is not None:
-                ctx.record_inside(mgr._trace, inside)
+                if top - mgr.accounting.elsewhere_bytes > mgr.accounting.peak:
+                    mgr.accounting.peak = top - mgr.accounting.elsewhere_bytes
+                if top - mgr.limit > mgr.accounting.overshoot:
+                    mgr.accounting.overshoot = top - mgr.limit
+            mgr.finish(ctx)
+            if mgr.trace is not None:
+                ctx.record_inside(mgr.trace, inside)
         return False
 
 

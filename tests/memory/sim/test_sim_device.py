@@ -21,6 +21,7 @@ import torchTensorRef
 from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.memory.sim import device as sim_device
 from torchTensorRef.memory.sim.tensor import SimTensor
+from torchTensorRef.core.tensor_ref import block_of
 
 from paired import assert_identical, device_type, paging, plain_torch, run_both, sim_only  # noqa: F401  (paging is a fixture)
 
@@ -39,7 +40,7 @@ def strict_sim():
 
 
 def _host_only(t) -> bool:
-    return isinstance(t, TensorRef) and t._tr_block.host_only and not t.proxyInfo.on_device
+    return isinstance(t, TensorRef) and block_of(t).host_only and not t.proxyInfo.on_device
 
 
 # -- CPU tensors stay CPU tensors ---------------------------------------------------------------
@@ -283,7 +284,7 @@ def test_data_ptr_of_a_sim_tensor_is_its_device_copy():
     x = torch.arange(16.0).reshape(4, 4)
     x.toCPU()  # data_ptr() must bring it in
     address = x[1].data_ptr()
-    block = x._tr_block
+    block = block_of(x)
     assert block.dev is not None and x.proxyInfo.on_device
     assert address == block.dev.data_ptr() + 4 * x.element_size()
     assert block.host is None or not block.host.data_ptr() <= address < block.host.data_ptr() + block.nbytes
@@ -303,7 +304,7 @@ def test_writes_through_data_ptr_are_seen_as_in_plain_torch():
 
 def test_data_ptr_of_a_cpu_tensor_is_its_host_memory():
     c = torch.arange(4.0, device="cpu")
-    assert c.data_ptr() == c._tr_block.host.data_ptr()
+    assert c.data_ptr() == block_of(c).host.data_ptr()
     ctypes.c_float.from_address(c.data_ptr() + c.element_size()).value = -1.0
     assert c.tolist() == [0.0, -1.0, 2.0, 3.0] and _host_only(c)
 

@@ -11,6 +11,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import TensorRef, regions, tensorsManager as tm
 from torchTensorRef.memory.sim.tensor import SimTensor
+from torchTensorRef.core.tensor_ref import block_of
 from conftest import TEST_DEVICE
 from paired import assert_identical
 
@@ -73,14 +74,14 @@ def test_a_creation_asking_for_cpu_is_a_device_tensor_in_the_lenient_form(lenien
     # not get host-only tensors (they would keep its module calls from being regions)
     x = torch.zeros(3)
     for made in (torch.arange(4, device="cpu"), torch.ones(2, device=x.device), x.new_zeros(3)):
-        assert isinstance(made, TensorRef) and not made._tr_block.host_only
+        assert isinstance(made, TensorRef) and not block_of(made).host_only
 
 
 @strict_sim_here
 def test_a_creation_asking_for_cpu_stays_on_the_host_in_the_strict_form():
     x = torch.zeros(3)
     for made in (torch.arange(4, device="cpu"), x.new_zeros(3, device="cpu")):
-        assert made.device.type == "cpu" and made._tr_block.host_only
+        assert made.device.type == "cpu" and block_of(made).host_only
 
 
 @strict_sim_here
@@ -91,7 +92,7 @@ def test_switching_forms_keeps_every_value_and_says_so():
     with pytest.warns(UserWarning, match="keep reporting device sim:0"):
         tm.sim_strict = False
     assert tm.device == "sim" and torch.zeros(1).device.type == "cpu"
-    assert x._tr_block.dev is None  # brought to the host before the device changed form
+    assert block_of(x).dev is None  # brought to the host before the device changed form
     assert_identical(expected, x)
     with pytest.warns(UserWarning, match="keep reporting device cpu"):
         tm.sim_strict = True
@@ -145,7 +146,7 @@ def test_the_environment_sets_it_before_the_device():
 def test_its_deferred_copies_leave_destinations_as_they_are(lenient):
     # The strict form poisons a pending copy's destination (tests/memory/test_streams.py); the
     # timing form does not make that pass over the bytes, and the copy still runs when waited on.
-    streams = tm._backend.streams
+    streams = tm.backend.streams
     with torchTensorRef.disabled():
         src, dst = torch.arange(12, dtype=torch.uint8), torch.zeros(12, dtype=torch.uint8)
         pending = streams.copy_async(dst, src, prefetch=True)

@@ -10,6 +10,7 @@ import torchTensorRef
 from torchTensorRef.core import raw
 from torchTensorRef.memory.host_memory import HostMemoryError, HostMemoryWatch
 from torchTensorRef.memory.sim.pool import MIN_BYTES, BufferPool
+from torchTensorRef.core.tensor_ref import block_of
 from paired import budget, sim_only
 
 MIB = 2**20
@@ -82,7 +83,7 @@ def test_paging_on_sim_reuses_device_buffers_and_keeps_every_value(fresh_manager
         plain = [torch.randn(512, 1024) for _ in range(4)]  # 2 MiB each
     weights = [torchTensorRef.manage(p.clone()) for p in plain]
     tm.budget = budget("5MiB")  # two of them at a time
-    pool = tm._backend.pool
+    pool = tm.backend.pool
     hits = pool.hits
     for _ in range(3):
         for w, p in zip(weights, plain):
@@ -121,13 +122,13 @@ def test_a_kept_buffer_counts_as_allocated_while_its_write_back_is_queued(fresh_
     with torchTensorRef.disabled():
         plain = torch.full((512, 1024), 1.0)  # 2 MiB
     t = torchTensorRef.manage(plain.clone()) + 1  # made on the device: its write-back goes to pinned memory
-    allocated = tm._backend.allocated
+    allocated = tm.backend.allocated
     before = allocated.total()
     outside = tm.stats()["outside_bytes"]
-    assert t._tr_block.dev is not None and tm._inflight_bytes == 0
-    with tm._lock:
-        tm.evict(t._tr_block)  # (as the strategies do) a write-back queued, reading the buffer the pool keeps
-    assert tm._inflight_bytes == 2 * MIB
+    assert block_of(t).dev is not None and tm.accounting.pending_bytes == 0
+    with tm.lock:
+        tm.evict(block_of(t))  # (as the strategies do) a write-back queued, reading the buffer the pool keeps
+    assert tm.accounting.pending_bytes == 2 * MIB
     assert allocated.total() == before  # still allocated, as counted in flight
     assert tm.stats()["outside_bytes"] == outside
     tm.synchronize()
@@ -162,7 +163,7 @@ def test_freed_device_buffers_are_left_out_of_the_recorded_host_time(fresh_manag
         z = x[: MIB // 4] * 3
         del z  # 1 MiB: kept too
         assert len(trace.hidden_copies) == before + 2
-        assert tm._backend.pool.cached_bytes >= 5 * MIB
+        assert tm.backend.pool.cached_bytes >= 5 * MIB
     start, end = trace.hidden_copies[-1]
     assert 0 <= end - start < trace.t_end - trace.t0
     assert torch.equal(x.cpu(), torch.ones(MIB, device="cpu"))
@@ -196,7 +197,7 @@ def test_raw_flat_bytes_of_a_kept_buffer_is_its_size():
 def test_sim_reuses_freed_buffers_except_under_a_host_budget(fresh_manager):
     tm = fresh_manager
     tm.strategy = "flow"
-    kept = tm._backend.pinned.kept
+    kept = tm.backend.pinned.kept
     with torchTensorRef.disabled():
         plain = [torch.randn(512, 1024) for _ in range(3)]  # 2 MiB each
     tm.budget = budget("5MiB")
@@ -208,15 +209,15 @@ def test_sim_reuses_freed_buffers_except_under_a_host_budget(fresh_manager):
             assert torch.equal(r.cpu(), p * 2 + 1)
         del results
     assert kept.hits > 0
-    assert tm._backend.pool.cached_bytes > 0
+    assert tm.backend.pool.cached_bytes > 0
     tm.host_budget = "1GiB"  # nothing kept from now on: freed memory must leave the process
-    assert kept.cached_bytes == 0 and tm._backend.pool.cached_bytes == 0
+    assert kept.cached_bytes == 0 and tm.backend.pool.cached_bytes == 0
     for _ in range(2):
         results = [torchTensorRef.manage(p.clone()) * 2 for p in plain]
         for r in results:
             r.add_(1)
         del results
-    assert kept.cached_bytes == 0 and tm._backend.pool.cached_bytes == 0
+    assert kept.cached_bytes == 0 and tm.backend.pool.cached_bytes == 0
 
 
 @sim_only

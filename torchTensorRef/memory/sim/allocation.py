@@ -14,13 +14,14 @@ import threading
 import torch
 
 from ...core import context, raw
+from ...core.tensor_ref import block_of
 from .backward_errors import FAILED, failed_result, in_backward, keep_for_backward
 from .tensor import NAME, SimTensor
 
 _libraries = []  # torch.library registrations live as long as these objects
 
 
-def _register_factories() -> None:
+def register_factories() -> None:
     # The device's allocations: a new resident block of the manager, within its budget; where
     # torchTensorRef is disabled, a plain SimTensor (as plain torch makes plain CUDA tensors).
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kernels for a device, not new ops)
@@ -75,7 +76,7 @@ def _made_on_cpu(op):
 
 def _bytes_of(t: torch.Tensor, written: bool) -> torch.Tensor:
     """The plain CPU tensor holding ``t``'s values (a TensorRef's device copy, brought in)."""
-    from ...core.tensor_ref import TensorRef
+    from ...core.tensor_ref import TensorRef, block_of
 
     if isinstance(t, SimTensor):
         return t.data_
@@ -115,7 +116,7 @@ _plain = threading.local()
 def _empty(size, stride, dtype, memory_format):
     tensorsManager = context.manager()
 
-    if context.is_disabled() or getattr(_plain, "depth", 0) or tensorsManager._backend.name != NAME:
+    if context.is_disabled() or getattr(_plain, "depth", 0) or tensorsManager.backend.name != NAME:
         if stride is None:
             plain = raw.empty(size, dtype=dtype, memory_format=memory_format or torch.contiguous_format)
         else:
@@ -125,7 +126,7 @@ def _empty(size, stride, dtype, memory_format):
         ref = tensorsManager.new_device_tensor(size, stride, dtype, memory_format)
         # (an allocation on the device named: ``cpu_tensor.to("sim")``, ``torch.empty(..., device="sim")``
         # in torch's code; the creation functions say which of theirs are default-device tensors)
-        ref._tr_block.explicit = True
+        block_of(ref).explicit = True
         return ref
     except Exception as e:
         if not in_backward():

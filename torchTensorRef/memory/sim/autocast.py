@@ -49,7 +49,7 @@ FLOAT32 = (
 PROMOTE = ("stack", "cat", "index_copy")
 
 
-def _register_autocast() -> None:
+def register_autocast() -> None:
     fallthrough = torch.library.Library("_", "IMPL")  # noqa: TOR901
     fallthrough.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901

@@ -4,7 +4,7 @@ Why they cannot be raised where they happen is Note [Errors in backward on sim],
 ops that may fail inside backward (``SimTensor``'s dispatch, the plain mode, the device's
 allocations, the managed dispatch) catch their error, keep it with :func:`keep_for_backward`
 and return :func:`failed_result`; ``register()`` (``device.py``) wraps autograd's engine
-with :func:`_report_backward_errors`, which raises the kept error.
+with :func:`report_backward_errors`, which raises the kept error.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _take_kept():
     return kept
 
 
-def _report_backward_errors() -> None:
+def report_backward_errors() -> None:
     import torch.autograd
     import torch.autograd.graph
 

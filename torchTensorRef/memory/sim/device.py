@@ -43,9 +43,9 @@ from ...core import context
 from .. import streams
 from . import kernels as sim_kernels
 from . import tensor as sim_tensor
-from .allocation import _register_factories
-from .autocast import _register_autocast
-from .backward_errors import _report_backward_errors
+from .allocation import register_factories
+from .autocast import register_autocast
+from .backward_errors import report_backward_errors
 from .tensor import NAME, SimTensor
 
 _lock = threading.Lock()
@@ -72,22 +72,22 @@ def unavailable_reason() -> Optional[str]:
 
 def registered() -> Optional[torch.device]:
     """The ``sim:0`` device once :func:`register` succeeded, else ``None``."""
-    return sim_tensor._registered
+    return sim_tensor.registered_device
 
 
 def register() -> Optional[torch.device]:
     """Register the ``"sim"`` device with PyTorch (once); return ``sim:0``, or ``None``."""
     with _lock:
-        if sim_tensor._registered is not None or unavailable_reason() is not None:
-            return sim_tensor._registered
+        if sim_tensor.registered_device is not None or unavailable_reason() is not None:
+            return sim_tensor.registered_device
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         if torch._C._get_privateuse1_backend_name() != NAME:  # (a reloaded module finds it done)
             _setup_privateuseone_for_python_backend(NAME, backend_module=_SimModule(), device_guard=_SimGuard())
-            _register_factories()
-            _register_autocast()
+            register_factories()
+            register_autocast()
             sim_kernels.register()
-            _report_backward_errors()
+            report_backward_errors()
             _install_generators()
         # Optimizers choose their list (``_foreach``) implementation for exact tensors on an
         # accelerator and for the subclasses listed: plain tensors of "sim" must get CUDA's choice.
@@ -95,8 +95,8 @@ def register() -> Optional[torch.device]:
 
         if SimTensor not in optimizer._foreach_supported_types:
             optimizer._foreach_supported_types.append(SimTensor)
-        sim_tensor._registered = torch.device(NAME, 0)
-        return sim_tensor._registered
+        sim_tensor.registered_device = torch.device(NAME, 0)
+        return sim_tensor.registered_device
 
 
 class _SimGuard(torch._C._acc.DeviceGuard if hasattr(torch._C, "_acc") else object):

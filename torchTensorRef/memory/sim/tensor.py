@@ -21,7 +21,7 @@ NAME = "sim"
 
 #: ``sim:0`` once ``register()`` (``device.py``) succeeded, else ``None``: the device a
 #: SimTensor reports (set there, read by ``registered()``)
-_registered: Optional[torch.device] = None
+registered_device: Optional[torch.device] = None
 
 
 class SimTensor(torch.Tensor):
@@ -37,7 +37,7 @@ class SimTensor(torch.Tensor):
     Unlike a CUDA tensor it takes a plain CPU tensor beside it: a nested tensor on the
     device is a plain CPU one (no wrapper can hold it), and its buffers and dense results
     meet SimTensors in ops that have only device tensors on CUDA (``TransformerEncoder``'s
-    eval fast path). TensorRefs, whose CPU ones are known, refuse them (``_check_devices``).
+    eval fast path). TensorRefs, whose CPU ones are known, refuse them (``check_devices``).
     """
 
     # (no __slots__: module.to("sim") swaps a parameter with its SimTensor, which needs the
@@ -55,10 +55,10 @@ class SimTensor(torch.Tensor):
             ALLOCATED.track(data.untyped_storage())  # (the device holds it: Note [Allocated bytes on sim])
             t = torch.Tensor._make_wrapper_subclass(
                 cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
-                device=_registered, requires_grad=requires_grad)
+                device=registered_device, requires_grad=requires_grad)
         else:  # sparse (COO: the compressed layouts are not wrapped)
             t = torch.Tensor._make_wrapper_subclass(cls, data.size(), dtype=data.dtype, layout=data.layout,
-                                                    device=_registered, requires_grad=requires_grad)
+                                                    device=registered_device, requires_grad=requires_grad)
         if data.is_conj():
             torch._C._set_conj(t, True)  # conj() and neg views are lazy: the bit is the value
         if data.is_neg():

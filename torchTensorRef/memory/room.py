@@ -1,0 +1,199 @@
+"""Room on the device: what it holds beside the manager, making room within the budget, and
+allocating with a recovery from out-of-memory errors.
+
+An out-of-memory error from an allocation (a real one on CUDA, the capacity check on
+``"sim"``) evicts every unpinned block the current op does not use, returns cached memory
+to the driver and tries once more; a second failure raises ``DeviceOutOfMemoryError``.
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Optional
+
+import torch
+
+from ..core.errors import DeviceOutOfMemoryError, OutOfBudgetError
+from ..core.sizes import format_size
+from .accounting import READ_EVERY
+from .devices import workspace_key
+
+#: substrings of the errors libraries raise when their own device allocations fail
+_OOM_MARKERS = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` reports a failed device allocation (cuBLAS and cuDNN raise RuntimeErrors)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _OOM_MARKERS)
+
+
+class Fault:
+    """What ``tensorsManager.fault_injector`` is called with, before each allocation and op.
+
+    Attributes:
+        kind: ``"op"`` (an op about to run), ``"fetch"``, ``"prefetch"``, ``"writeback"``
+            or ``"create"`` (a device allocation about to be made).
+        nbytes: bytes of the allocation (for ``"op"``: of the op's new results).
+        op: the :class:`~torchTensorRef.ops.op_context.OpContext` for ``"op"``, else ``None``.
+        name: the op's name for ``"op"``, else ``kind``.
+    """
+
+    __slots__ = ("kind", "nbytes", "op")
+
+    def __init__(self, kind: str, nbytes: int, op=None):
+        self.kind, self.nbytes, self.op = kind, nbytes, op
+
+    @property
+    def name(self) -> str:
+        return self.op.name if self.op is not None else self.kind
+
+    def __repr__(self) -> str:
+        return f"Fault({self.name}, {self.nbytes} bytes)"
+
+
+class Room:
+    """Readings of the device and room made within the budget (the strategy chooses victims)."""
+
+
+    def __init__(self, manager) -> None:
+        self.m = manager
+
+    # -- readings of the device (Note [Budget on CUDA] in ``accounting.py``) ------------------
+
+    def used_bytes(self) -> int:
+        """Device bytes that count against the budget now (asking the device what else it holds)."""
+        acct = self.m.accounting
+        acct.elsewhere_bytes = self.m.backend.in_use_elsewhere(acct.resident + acct.pending_bytes)
+        return acct.resident + acct.pending_bytes + acct.elsewhere_bytes
+
+    def read_outside(self) -> int:
+        """Device bytes allocated outside the manager, asked of the device now (and remembered).
+
+        Buffers whose copies are known to have ended are forgotten first: the allocator
+        freed them, and the reading would otherwise subtract them as still held. Asking
+        does not finish a copy ("sim"'s stay deferred: their buffers are allocated until
+        then, as counted)."""
+        self.m.accounting.forget_ended()
+        self.used_bytes()
+        return self.m.accounting.elsewhere_bytes
+
+    def warm_up(self) -> int:
+        """Have the device make the workspaces of this thread and of the backward (once:
+        each warm-up runs a product, which would raise the device's peak that ``stats()``
+        reports), then read what it holds outside the manager."""
+        warmed = self.m.accounting.warmed
+        key = workspace_key()
+        if key not in warmed or "backward" not in warmed:
+            self.m.backend.warm_up()
+            warmed.update((key, "backward"))
+        return self.read_outside()
+
+    def retire(self, wait: bool = False) -> None:
+        """Forget the held buffers whose copies ended (on ``"sim"``: end them); with ``wait``, all."""
+        self.m.accounting.retire(self.wait_host if wait else None)
+
+    def wait_host(self, pending) -> None:
+        """Block the host until ``pending`` ends (counted as a host wait if it had not)."""
+        if not pending.done():
+            self.m.statistics.counters["host_syncs"] += 1
+        pending.wait_host()
+
+    # -- making room ------------------------------------------------------------------------
+
+    def make(self, nbytes: int, protect, op_name: str, allocated: int = 0) -> None:
+        """Evict (strategy's choice) until ``nbytes`` more fit in the budget; ``allocated`` of
+        them are already allocated, to become blocks (a region's outputs): not outside too."""
+        m = self.m
+        acct = m.accounting
+        limit = acct.limit
+        if limit is None:
+            return
+        if m.unresolved:
+            m.resolve_device()
+        acct.checks += 1
+        if acct.elsewhere:
+            key = workspace_key()
+            if key not in acct.warmed:
+                # A thread's first op: its workspaces are made (and counted) before its kernels.
+                acct.warmed.add(key)
+                m.backend.warm_up(backward=False)
+                self.used_bytes()
+        if (acct.resident + acct.pending_bytes + acct.elsewhere_bytes + nbytes <= limit
+                and (not acct.elsewhere or acct.checks % READ_EVERY)):
+            return  # the common case: without asking the device (CUDA) what else it holds
+        self._evict_for(nbytes, protect, op_name, allocated, limit)
+
+    def _evict_for(self, nbytes: int, protect, op_name: str, allocated: int, limit: int) -> None:
+        m = self.m
+        acct = m.accounting
+        while True:
+            if acct.pending:
+                self.retire()  # finished copies give their buffers back (on "sim": all)
+            used = self.used_bytes()
+            taken = min(allocated, acct.elsewhere_bytes)  # (a reading counts them outside the manager)
+            acct.elsewhere_bytes, used = acct.elsewhere_bytes - taken, used - taken
+            if used + nbytes <= limit:
+                return
+            victim = m.strategy.choose_victim(protect)
+            if victim is not None:
+                m.note_pressure()
+                m.residency.evict(victim)
+                continue
+            if acct.pending:
+                self.retire(wait=True)  # nothing left to evict: wait for the copies
+                continue
+            raise OutOfBudgetError(
+                op_name, used + nbytes, limit,
+                f"{format_size(m.books.pinned_bytes())} is pinned and the rest is in use by this op",
+                outside=acct.elsewhere_bytes,
+            )
+
+    def recover(self, protect) -> None:
+        """After an out-of-memory error: free every device byte the current op does not need."""
+        m = self.m
+        for block in [b for b in m.books.resident.values() if b.id not in protect and not b.pins]:
+            m.residency.evict(block)
+        self.retire(wait=True)
+        m.backend.release_cached()
+        if m.settings.budget is None:
+            m.accounting.limit = m.settings.limit_for(None)  # another process may have taken memory
+
+    # -- allocating ---------------------------------------------------------------------------
+
+    def allocate(self, nbytes: int, protect: Optional[Collection[int]], what: str) -> torch.Tensor:
+        """A device buffer of ``nbytes``; on out-of-memory, recover (unless ``protect`` is ``None``) and retry once."""
+        m = self.m
+        for attempt in (0, 1):
+            try:
+                self.inject(what, nbytes)
+                backend = m.backend
+                if backend.simulated:
+                    self.check_capacity(backend.block_bytes(nbytes))
+                return backend.allocate(nbytes)
+            except Exception as e:
+                if not is_out_of_memory(e) or protect is None:
+                    raise
+                if attempt:
+                    raise DeviceOutOfMemoryError(what, nbytes, self.free_estimate()) from e
+                self.recover(protect)
+        raise AssertionError("unreachable")
+
+    def check_capacity(self, nbytes: int) -> None:
+        """The simulated device's allocator: refuse what does not fit in its capacity."""
+        capacity = self.m.backend.capacity()
+        in_use = self.m.accounting.in_use()
+        if capacity is not None and in_use + nbytes > capacity:
+            raise torch.OutOfMemoryError(
+                f"sim: out of memory: tried to allocate {format_size(nbytes)}; the device has "
+                f"{format_size(capacity)} of which {format_size(in_use)} is in use")
+
+    def free_estimate(self) -> int:
+        capacity = self.m.backend.capacity()
+        return 0 if capacity is None else max(capacity - self.used_bytes(), 0)
+
+    def inject(self, kind: str, nbytes: int, op=None) -> None:
+        """Call the fault injector, if one is set, before an allocation or an op."""
+        injector = self.m.fault_injector
+        if injector is not None:
+            injector(Fault(kind, nbytes, op))
