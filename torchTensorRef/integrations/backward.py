@@ -23,7 +23,7 @@ import torch
 from ..core.errors import OutOfBudgetError
 from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as _mgr
-from ..regions import training
+from ..regions import step, training
 
 #: autograd's entry points, wrapped by ``patching``
 FUNCTIONS = (("torch.autograd", "backward"), ("torch.autograd", "grad"))
@@ -55,9 +55,9 @@ def check(roots) -> None:
             if t.grad_fn is not None:
                 nodes.append(t.grad_fn)
     limit = mgr.limit
-    if nodes and limit is not None and training.largest_held[0] and not mgr.backend.passthrough:
+    if nodes and limit is not None and step.largest_held[0] and not mgr.backend.passthrough:
         outside = mgr.outside_bytes()
-        if training.largest_held[0] + outside > limit:
+        if step.largest_held[0] + outside > limit:
             _check_regions(mgr, nodes, limit, outside)
 
 

@@ -144,8 +144,8 @@ def _tensor_arguments(args, kwargs) -> bool:
 
 def _bytes_of(fn, args, kwargs) -> int:
     """Bytes the call will allocate, from the same call on ``meta`` (no data, no work),
-    cached by its arguments (``torch.arange`` on meta runs a Python decomposition: about
-    100 µs a call, for calls a decode loop repeats with the same values)."""
+    cached by its arguments (``torch.arange`` on meta runs a Python decomposition, dearer
+    than the op, for calls a decode loop repeats with the same values)."""
     meta = {k: v for k, v in kwargs.items() if k not in ("generator", "pin_memory", "requires_grad")}
     try:
         key = (fn, args, tuple(meta.items()))

@@ -3,7 +3,7 @@
 Note [Budget on CUDA]: the budget bounds what the device has allocated: the manager's
 blocks, the device buffers copies still use, and what it holds beside them
 (``elsewhere``: libraries' workspaces, the program's plain device tensors). cuBLAS keeps
-a workspace per thread's handle for the life of the process (33 MiB on an H100), made at
+a workspace per thread's handle for the life of the process (tens of MiB), made at
 a thread's first product: so the budget setter makes them first (``Backend.warm_up``:
 this thread and autograd's device thread) and refuses a budget at or below them, and room
 is made for a new thread's before its first kernel, then the device is read. Otherwise the

@@ -73,10 +73,9 @@ def largest_within(nbytes: int, block_bytes) -> int:
 
 def cuda_allocated(device: torch.device) -> int:
     """``torch.cuda.memory_allocated(device)``, at a fraction of its cost: that one flattens
-    every statistic of the allocator into a new sorted dict on each call (0.3 ms on an H100
-    machine's CPU; under Flow at 50% of the weights, the manager's 1,342 readings per 16
-    decoded tokens took 38% of the time). This reads the one counter of the nested statistics
-    that it flattens."""
+    every statistic of the allocator into a new sorted dict on each call, which made the
+    manager's readings of the device a large share of a paged decoding step's time. This
+    reads the one counter of the nested statistics that it flattens."""
     nested = getattr(torch._C, "_cuda_memoryStats", None)
     if nested is None or device.type != "cuda" or device.index is None or not torch.cuda.is_initialized():
         return torch.cuda.memory_allocated(device)  # (0 before CUDA is initialized; not a CUDA device: raises)

@@ -29,8 +29,7 @@ import torch
 from ..analysis.trace import Trace
 from ..core import context
 from ..core.blocks import Block
-from ..core.errors import OutOfBudgetError
-from ..core.tensor_ref import TensorRef, block_of
+from ..core.tensor_ref import TensorRef
 from ..strategies import Strategy
 from .accounting import Accounting
 from .adoption import Adoption

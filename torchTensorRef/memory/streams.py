@@ -141,7 +141,7 @@ class SimStreams:
 
     ``poison=False`` (the form of "sim" that times the manager, ``sim_strict = False``):
     destinations are left as they are until the copy runs. Filling them is a pass over the
-    bytes that no GPU makes (7% of a training step's time at 50% of its peak, on the CPU).
+    bytes that no GPU makes, a visible share of a paged step's time on a CPU.
     """
 
     def __init__(self, poison: bool = True):

@@ -206,7 +206,7 @@ def _bound_ctc_loss(args, kwargs) -> tuple:
 
 def _values(t: torch.Tensor) -> torch.Tensor:
     """The current values of ``t`` as a plain tensor (waiting for copies in flight)."""
-    from ..core.tensor_ref import TensorRef, block_of
+    from ..core.tensor_ref import TensorRef
 
     if isinstance(t, TensorRef):
         return t.target

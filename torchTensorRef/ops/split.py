@@ -326,6 +326,20 @@ def check_chunkable(func, args, kwargs, spec: OpSpec, left: int) -> None:
     _plan(func, args, kwargs, spec, left)
 
 
+def _piece_of(v, numel: int, start: int, stop: int, row: int, written: set, pieces: dict):
+    """Argument ``v`` for the chunk ``start:stop``: a big tensor's piece (one per block and
+    offset, in ``pieces`` with whether the op writes it), in lists and tuples too."""
+    if isinstance(v, TensorRef) and v.numel() == numel:
+        key = (id(block_of(v)), v.storage_offset())
+        if key not in pieces:
+            piece = alias_piece(v, start, stop)
+            pieces[key] = (piece if row == 1 else piece.view(-1, row), id(v) in written)
+        return pieces[key][0]
+    if isinstance(v, (list, tuple)):
+        return v.__class__(_piece_of(e, numel, start, stop, row, written, pieces) for e in v)
+    return v
+
+
 def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
     """``func`` (elementwise, or a list op over one position) in chunks of its big tensors.
 
@@ -353,21 +367,9 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
         start = 0
         while start < numel:
             stop = min(start + chunk, numel)
-            pieces = {}
-
-            def swap(v):
-                if isinstance(v, TensorRef) and v.numel() == numel:
-                    key = (id(block_of(v)), v.storage_offset())
-                    if key not in pieces:
-                        piece = alias_piece(v, start, stop)
-                        pieces[key] = (piece if row == 1 else piece.view(-1, row), id(v) in written)
-                    return pieces[key][0]
-                if isinstance(v, (list, tuple)):
-                    return v.__class__(swap(e) for e in v)
-                return v
-
-            cargs = [swap(a) for a in args]
-            ckwargs = {k: swap(v) for k, v in kwargs.items()}
+            pieces: dict = {}
+            cargs = [_piece_of(a, numel, start, stop, row, written, pieces) for a in args]
+            ckwargs = {k: _piece_of(v, numel, start, stop, row, written, pieces) for k, v in kwargs.items()}
             try:
                 result = run_generic(func, cargs, ckwargs, spec)
             except OutOfBudgetError:

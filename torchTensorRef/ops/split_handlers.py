@@ -43,8 +43,8 @@ def _remapped(indices):
 #: fitting or not, where the table has at least ``ROWS_MIN_TABLE`` bytes (Note [Rows of a table])
 ROWS_FRACTION = 1 / 8
 #: the host waits for indices computed on the device (a round trip of tens of microseconds,
-#: and the device's queue drained): worth it for a table whose copy takes longer (4 MiB:
-#: about 160 µs at 25 GB/s)
+#: and the device's queue drained): worth it for a table whose copy takes longer (a copy
+#: of 4 MiB takes over a hundred microseconds on a host-to-device link)
 ROWS_MIN_TABLE = 4 << 20
 
 

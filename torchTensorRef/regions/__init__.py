@@ -59,13 +59,11 @@ enabled = True
 #: a module whose parameters and buffers take at most this fraction of the manager's share
 #: of the budget is a region
 fraction = 0.5
-#: whether the size rule makes regions under a budget too (``region(m)`` always does).
-#: Measured on decoding with the lenient "sim" (its device tensors are plain CPU tensors:
-#: ``benchmarks/small_ops.py --regions-only``, the sim-cpu rows), Flow over decoder-layer
-#: regions at 50% of the weights took 2.9x plain CPU torch against 8.5x op by op (a 4-layer
-#: Llama) while moving 1.16x the bytes (187 against 162 MiB): a layer's whole working set is
-#: resident at once, which leaves less of the budget to the weights kept from step to step.
-#: ``False`` gives the per-op path under any budget, for the fewest bytes.
+#: whether the size rule makes regions under a budget too (``region(m)`` always does). A
+#: layer's whole working set is resident at once, which leaves less of the budget to the
+#: weights kept from step to step: regions move somewhat more bytes than the per-op path
+#: and cost far less host time (docs/benchmarks/README.md, "Regions' settings, as
+#: measured"). ``False`` gives the per-op path under any budget, for the fewest bytes.
 under_budget = True
 #: whether a call that needs gradients can be a region (Note [Regions with gradients] in
 #: ``training.py``); ``False``: such calls go op by op
@@ -73,11 +71,10 @@ train = True
 #: a module whose measured call ran fewer aten ops is not a region unless forced: the
 #: region's own work at its boundary would cost more than the ops it saves on the fast
 #: path. Under a budget, with gradients off, a module with tensors of its own is a region
-#: whatever its ops: there an op outside a region takes the generic path, and the
-#: embedding, the head's Linear and the last norm as regions took Llama decoding under
-#: Flow at 50% from 442 to 346 ms a call (the lenient "sim", ``benchmarks/small_ops.py
-#: --regions-only``). With gradients the rule stands: a region's backward has no op-by-op
-#: fallback, and a tiny one's is more boundary than work
+#: whatever its ops: there an op outside a region takes the generic path, dearer than a
+#: region's boundary (the embedding, the head's Linear and the last norm of a decoder).
+#: With gradients the rule stands: a region's backward has no op-by-op fallback, and a tiny
+#: one's is more boundary than work
 min_ops = 8
 
 _original_call = torch.nn.Module.__call__
@@ -85,12 +82,12 @@ _original_call = torch.nn.Module.__call__
 #: them; the module inside may be a region)
 _WRAPPERS = frozenset(("OptimizedModule",))
 #: wrappers whose module runs op by op inside them: DistributedDataParallel (its reducer
-#: follows the forward and the autograd graph of the parameters it wraps; with the wrapped
-#: module a region, a two-rank torchrun run on "sim" aborted once under load, cause not yet
-#: found) and DataParallel (its forward waits on threads that call modules: Note [Regions
+#: follows the forward and the autograd graph of the parameters it wraps, which a region's
+#: inner graph hides from it), FullyShardedDataParallel (FSDP1 swaps its flat parameters'
+#: views in with ``param.data = view`` during the call, which a region's plain views would
+#: take) and DataParallel (its forward waits on threads that call modules: Note [Regions
 #: and threads])
-_OP_BY_OP_WRAPPERS = frozenset(("DistributedDataParallel", "DataParallel"))
-
+_OP_BY_OP_WRAPPERS = frozenset(("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"))
 
 #: modules whose call is one embedding op: where its op reads the rows it needs from the
 #: table's host copy instead of the table (a large table, under a budget with gradients off:

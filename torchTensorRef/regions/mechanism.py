@@ -69,8 +69,9 @@ from ..ops.op_context import blocks_of_list, wrap_one
 from .inside import Inside, Measure, measured
 from .op import RegionContext, RegionSpec, Wrapper, bytes_of
 from . import stores
-from .scan import (OBJECT_DEPTH, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, objects_of, scan_args,
-                   select_object_slots)
+from .step import Plan, Step
+from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad, objects_of,
+                   scan_call, select_object_slots)
 from .training import Training, foreign_hooks, probe_second_order, watch_backward
 
 #: SimTensors kept per region for the TensorRefs it saw
@@ -91,8 +92,6 @@ def in_region() -> bool:
     return state.depth > 0
 
 
-class NotARegion(Exception):
-    """This call cannot run as a region (raised before anything changed)."""
 
 
 class Region:
@@ -159,167 +158,150 @@ class Region:
             raise
 
     def _call(self, fn, args, kwargs, slots, grad_error, train, kernel_written, room):
-        mgr = _mgr
-        call = Call()
-        refs = call.refs
-        for d, k in slots:
-            v = d.get(k)
-            if isinstance(v, TensorRef):
-                call.slots.append((d, k, v))
-                refs.append(v)
-        call.params = len(call.slots)
-        call.kernel_written = kernel_written
-        budget = [OBJECT_VALUES]
-        seen: set = set()
-        for a in args:
-            scan_args(a, call, seen, budget)
-        if kwargs:
-            for a in kwargs.values():
-                scan_args(a, call, seen, budget)
-        if call.nested:
-            # (the encoder's fast path packs a padded batch: its layers' kernels take it as it is)
-            raise NotARegion("a nested tensor among its arguments")
-        grad = learn = False
-        if torch.is_grad_enabled():
-            for t in refs:
-                if t.requires_grad:
-                    grad = True
-                    break
-            else:
-                for _d, _k, t in call.slots[call.params:]:
-                    if t.requires_grad:
-                        grad = True
-                        break
+        call = scan_call(args, kwargs, slots, kernel_written)
+        grad = needs_grad(call)
         key = (tuple(call.shapes), grad)
+        near, held_refs = self._select_held(call, key)
+        if not call.refs:
+            return fn(*args, **kwargs)  # nothing managed: the call as it is
+        learn = probe = False
+        if grad:
+            learn, probe = self._check_grad(call, key, grad_error, train)
+        if _mgr.lock._is_owned():
+            raise NotARegion("inside a managed op")  # its blocks must stay where they are
+        plan = self._plan(call, key, grad, args, kwargs, room)
+        plan.near, plan.held_refs = near, held_refs
+        if plan.limited and room:
+            self._estimate(plan, call)
+        if plan.measure or learn or probe:
+            return self._measured(_mgr, call, fn, args, kwargs, key, grad)
+        return self._as_step(plan, call, fn, args, kwargs)
+
+    def _select_held(self, call: Call, key):
+        """Which of the TensorRefs the call's objects hold join its working set (Note [Calls
+        larger than measured]); returns the nearest measured call and how many they held."""
         held_refs = len(call.slots) - call.params
         used = self.inside.used_objects(key, held_refs)
         near = None
         if self.measure and (used is None or key in self.inside.peaks):
-            near = self.inside.nearest(key, held_refs)  # (Note [Calls larger than measured])
+            near = self.inside.nearest(key, held_refs)
             if near is not None:
                 used = self.inside.used_objects(near[0], held_refs)
         select_object_slots(call, used)
-        if not refs:
-            return fn(*args, **kwargs)  # nothing managed: the call as it is
-        probe = False
-        if grad:
-            if grad_error is not None:
-                raise RuntimeError(grad_error)
-            if not train or not self.measure:
-                raise NotARegion("needs gradients")
-            if self.second_order:
-                raise NotARegion("gradients of its gradients were asked")
-            if foreign_hooks():
-                raise NotARegion("saved-tensor hooks of another are on (checkpointing)")
-            for _d, _k, t in call.slots[call.params:]:
-                if t.requires_grad:
-                    if self.inside.used_objects(key, len(call.all_held)) is not None:
-                        raise NotARegion("an object it is given holds a tensor it reads that needs gradients")
-                    learn = True  # (unmeasured: which of them it reads is not known yet)
-                    break
-            probe = probe_second_order(self)  # (Note [Gradients of gradients])
-        if mgr.lock._is_owned():
-            raise NotARegion("inside a managed op")  # its blocks must stay where they are
+        return near, held_refs
+
+    def _check_grad(self, call: Call, key, grad_error, train):
+        """Whether a call that needs gradients runs op by op first (``learn``: which object's
+        tensors it reads; ``probe``: Note [Gradients of gradients]); raises where it cannot be
+        a region."""
+        if grad_error is not None:
+            raise RuntimeError(grad_error)
+        if not train or not self.measure:
+            raise NotARegion("needs gradients")
+        if self.second_order:
+            raise NotARegion("gradients of its gradients were asked")
+        if foreign_hooks():
+            raise NotARegion("saved-tensor hooks of another are on (checkpointing)")
+        learn = False
+        for _d, _k, t in call.slots[call.params:]:
+            if t.requires_grad:
+                if self.inside.used_objects(key, len(call.all_held)) is not None:
+                    raise NotARegion("an object it is given holds a tensor it reads that needs gradients")
+                learn = True  # (unmeasured: which of them it reads is not known yet)
+                break
+        return learn, probe_second_order(self)
+
+    def _plan(self, call: Call, key, grad: bool, args, kwargs, room: bool) -> Plan:
+        """The call as one op: its blocks, where it runs, whether its peak counts against a budget."""
+        mgr = _mgr
         with mgr.lock:
-            if mgr.books.dead:
-                mgr.drain()
-            blocks = blocks_of_list([block_of(r) for r in refs])
-            backend = mgr.backend
-            passthrough = backend.passthrough
+            mgr.drain()
+            blocks = blocks_of_list([block_of(r) for r in call.refs])
+            passthrough = mgr.backend.passthrough
             host = [b for b in blocks if b.host_only]
             on_host = not passthrough and bool(blocks) and len(host) == len(blocks)
             if host and not on_host or on_host and not self.strict:
                 raise NotARegion("host-only blocks")  # the per-op path says where each op runs
             ctx = RegionContext(self.spec, blocks, [], args, kwargs, on_host)
-            limit = mgr.limit
-            need = 0
-            if not on_host and not passthrough:
-                for b in blocks:
-                    need += b.nbytes
-            measure = meter = False
-            if limit is None or passthrough or on_host or not room:
-                ctx.estimate = 0
-            else:
-                est = self.inside.estimate(key, call.held)
-                if est is None and near is not None:
-                    est = self.inside.grown(near[0], near[1], call.held)
-                    meter = True
-                if est is None and not self.measure:
-                    est = 0  # (its outputs, once seen)
-                elif est is None:
-                    measure = True
-                    est = 0
-                elif not self.strict:
-                    needs = self._needs(need, est, key if grad else None)
-                    # (the last reading of what the device holds beside the manager may count
-                    # plain tensors since adopted or freed: read it again before refusing)
-                    if needs + mgr.accounting.elsewhere_bytes > limit and needs + mgr.read_outside() > limit:
-                        raise NotARegion("larger than the budget")
-                ctx.estimate = est
-        if measure or learn or probe:
-            return self._measured(mgr, call, fn, args, kwargs, key, grad)
-        with mgr.lock:
-            try:
-                mgr.prepare(ctx)
-            except OutOfBudgetError as e:
-                if not self.strict and type(e) is OutOfBudgetError:
-                    raise NotARegion("larger than the budget") from e
-                raise
-            for b in blocks:
-                b.pins += 1
-            if on_host:
-                for b in blocks:
-                    mgr.sync_host(b)  # the call reads the host copies
-            base = mgr.accounting.resident + mgr.accounting.pending_bytes + mgr.accounting.elsewhere_bytes
-        training = Training(self, key, self.device_views and getattr(backend, "strict", False),
-                            limit is not None and not passthrough, ctx.estimate) if grad else None
-        if meter:
-            meter = Measure({b.dev_key for b in blocks}, mgr.backend.block_bytes)  # (its inputs' storages are not its own)
+            ctx.estimate = 0
+            paged = mgr.limit is not None and not passthrough
+            return Plan(ctx, key, grad, on_host, paged, paged and not on_host)
+
+    def _estimate(self, plan: Plan, call: Call) -> None:
+        """The room the call needs for what it allocates inside (``plan.ctx.estimate``), or
+        ``plan.measure``: it runs op by op first to measure it."""
+        mgr = _mgr
+        key, near = plan.key, plan.near
+        est = self.inside.estimate(key, call.held)
+        if est is None and near is not None:
+            est = self.inside.grown(near[0], near[1], call.held)
+            plan.meter = True
+        if est is None and not self.measure:
+            est = 0  # (its outputs, once seen)
+        elif est is None:
+            plan.measure = True
+            est = 0
+        elif not self.strict:
+            with mgr.lock:
+                needs = self._needs(sum(b.nbytes for b in plan.ctx.blocks), est, key if plan.grad else None)
+                # (the last reading of what the device holds beside the manager may count
+                # plain tensors since adopted or freed: read it again before refusing)
+                limit = mgr.limit
+                if needs + mgr.accounting.elsewhere_bytes > limit and needs + mgr.read_outside() > limit:
+                    raise NotARegion("larger than the budget")
+        plan.ctx.estimate = est
+
+    def _as_step(self, plan: Plan, call: Call, fn, args, kwargs):
+        """The call as one step of the pager (Note [Region steps] in ``step.py``)."""
+        mgr = _mgr
+        ctx = plan.ctx
+        step = Step(ctx, plan.limited)
         try:
-            out = self._run(mgr, call, fn, args, kwargs, on_host, training, meter or None)
+            step.begin(plan.on_host)
+        except OutOfBudgetError as e:
+            if not self.strict and type(e) is OutOfBudgetError:
+                raise NotARegion("larger than the budget") from e
+            raise
+        training = Training(self, plan.key, self.device_views and getattr(mgr.backend, "strict", False),
+                            plan.paged, ctx.estimate) if plan.grad else None
+        # (its inputs' storages are not its own)
+        meter = Measure({b.dev_key for b in ctx.blocks}, mgr.backend.block_bytes) if plan.meter else None
+        try:
+            out = self._run(mgr, call, fn, args, kwargs, plan.on_host, training, meter)
         except BaseException:
             # (what the call wrote before raising stays written, and what it stored on its
             # modules or objects is kept, as plain torch keeps both)
             with mgr.lock:
                 try:
-                    self._finish_outputs(mgr, ctx, call, None, on_host, training)
+                    self._finish_outputs(mgr, ctx, call, None, plan.on_host, training)
                 finally:
-                    for b in blocks:
-                        b.pins -= 1
-                    mgr.op_raised(ctx)
+                    step.abort()
             raise
         try:
             with mgr.lock:
-                wrapped, out_bytes = self._finish_outputs(mgr, ctx, call, out, on_host, training)
+                wrapped, out_bytes = self._finish_outputs(mgr, ctx, call, out, plan.on_host, training)
                 out = None  # (not kept past the lock: Note [Plain views die under the lock] in ops/dispatch.py)
         except BaseException:
-            with mgr.lock:
-                for b in blocks:
-                    b.pins -= 1
+            step.abort()
             raise
-        with mgr.lock:
-            for b in blocks:
-                b.pins -= 1
-            if not self.measure:
-                self.inside.record(key, call.held, out_bytes)
-                inside = None  # (its outputs were made room for as they joined the books)
-            elif meter:
-                self.inside.record(key, call.held, meter.peak)
-                inside = max(ctx.estimate, meter.peak)
-            else:
-                inside = ctx.estimate
-            if near is not None and near[0] != key:
-                self.inside.learn_like(key, near[0], held_refs)  # (found at once next time)
-            if inside is not None and limit is not None and not passthrough and not on_host:
-                top = base + inside  # (the working set and the room kept for the inside)
-                if top - mgr.accounting.elsewhere_bytes > mgr.accounting.peak:
-                    mgr.accounting.peak = top - mgr.accounting.elsewhere_bytes
-                if top - limit > mgr.accounting.overshoot:
-                    mgr.accounting.overshoot = top - limit
-            mgr.finish(ctx)
-            if mgr.trace is not None:
-                ctx.record_inside(mgr.trace, inside or 0)
+        step.end(self._inside(plan, call, meter, out_bytes))
         return wrapped
+
+    def _inside(self, plan: Plan, call: Call, meter, out_bytes: int):
+        """What the call allocated inside, recorded for its shapes; ``None`` where its outputs
+        were counted as they joined the books (a region that measures nothing)."""
+        key, near = plan.key, plan.near
+        if not self.measure:
+            self.inside.record(key, call.held, out_bytes)
+            inside = None
+        elif meter is not None:
+            self.inside.record(key, call.held, meter.peak)
+            inside = max(plan.ctx.estimate, meter.peak)
+        else:
+            inside = plan.ctx.estimate
+        if near is not None and near[0] != key:
+            self.inside.learn_like(key, near[0], plan.held_refs)  # (found at once next time)
+        return inside
 
     def _needs(self, need: int, inside: int, grad_key) -> int:
         """Bytes the call needs resident at once: its working set and room; with gradients
@@ -355,66 +337,22 @@ class Region:
     def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool, training=None, meter=None):
         backend = mgr.backend
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
-        views = call.views
-        make = host_view if on_host else compute_view
-        # Note [Kept wrappers]: a SimTensor costs about 10 us to make; a module's parameters
-        # are given to each of its calls, so with no budget (nothing is evicted) their
-        # wrappers are kept while the views are the same. Under a budget a kept wrapper would
-        # hold the device copy it views after the block was evicted, counted outside the
-        # manager (on "sim" as on CUDA) until the region's next call: a layer's weights
-        # beside the budget. Tensors held by objects (a cache) are new at every step.
-        wrappers = self._wrappers if sim and mgr.limit is None else None
-        if wrappers is None and self._wrappers:
-            self._wrappers = {}
-        params = {id(v) for d, k, v in call.slots[:call.params]} if wrappers is not None else ()
-
-        def swap(a):
-            if isinstance(a, TensorRef):
-                entry = views.get(id(a))
-                if entry is None:
-                    plain = make(a)
-                    if training is not None:
-                        training.by_storage[plain.untyped_storage()._cdata] = a
-                    if training is not None and a.requires_grad:
-                        given = training.leaf(a, plain)
-                    elif sim and id(a) in params:
-                        kept = wrappers.get(id(a))
-                        if kept is not None and kept[0] is plain:
-                            given = kept[1]  # (a wrapper costs 10 us: kept while the view is the same)
-                        else:
-                            given = SimTensor(plain)
-                            if len(wrappers) >= _MAX_WRAPPERS:
-                                wrappers.clear()
-                            wrappers[id(a)] = (plain, given)
-                    elif sim:
-                        given = SimTensor(plain)
-                    else:
-                        given = plain
-                    # (the version of what the call got: on "sim" the wrapper's counts the writes;
-                    # an inference tensor has none, and the call may write it: None)
-                    entry = views[id(a)] = (a, given, plain, None if given.is_inference() else given._version)
-                return entry[1]
-            cls = a.__class__
-            if cls is tuple or cls is list:
-                return cls(swap(e) for e in a)
-            if cls is dict:
-                return {k: swap(v) for k, v in a.items()}
-            return a
-
-        cargs = tuple(swap(a) for a in args)
-        ckwargs = {k: swap(v) for k, v in kwargs.items()} if kwargs else {}
+        giver = _Giver(call, on_host, training, sim, self._kept_wrappers(mgr, sim, call))
+        cargs = tuple(giver.tree(a) for a in args)
+        ckwargs = {k: giver.tree(v) for k, v in kwargs.items()} if kwargs else {}
         device = None if on_host or backend.passthrough else backend.declared
         plain_mode = PlainMode() if sim else contextlib.nullcontext()
         hooks = training.hooks() if training is not None else contextlib.nullcontext()
         counting = meter if meter is not None else contextlib.nullcontext()
+        views = call.views
         state.depth += 1
         previous = context.enter_plain(device)
         running, stores.running.call = stores.running.call, call  # (Note [Stores on modules])
         try:
             for d, k, v in call.slots:
-                d[k] = swap(v)
+                d[k] = giver.tree(v)
             with plain_mode, hooks, counting:
-                out = fn(*cargs, **ckwargs)
+                return fn(*cargs, **ckwargs)
         finally:
             stores.running.call = running
             context.exit_plain(previous)
@@ -422,10 +360,25 @@ class Region:
             for d, k, v in call.slots + call.restores:
                 if get_item(d, k) is views[id(v)][1]:
                     d[k] = v
-            # (``swap`` calls itself: a cycle through its cell that would keep the views, and
-            # the device copies under them, allocated after an eviction until the collector ran)
-            swap = None
-        return out
+
+    def _kept_wrappers(self, mgr, sim: bool, call: Call):
+        """The SimTensors kept for the module's parameters, by id, or ``None``.
+
+        Note [Kept wrappers]: a SimTensor costs more to make than a small op runs; a module's
+        parameters are given to each of its calls, so with no budget (nothing is evicted)
+        their wrappers are kept while the views are the same. Under a budget a kept wrapper
+        would hold the device copy it views after the block was evicted, counted outside the
+        manager (on "sim" as on CUDA) until the region's next call: a layer's weights beside
+        the budget. Tensors held by objects (a cache) are new at every step.
+        """
+        wrappers = self._wrappers if sim and mgr.limit is None else None
+        if wrappers is None:
+            if self._wrappers:
+                self._wrappers = {}
+            return None
+        if len(wrappers) >= _MAX_WRAPPERS:
+            wrappers.clear()
+        return wrappers, {id(v) for _d, _k, v in call.slots[:call.params]}
 
     def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):
         views = call.views
@@ -485,3 +438,52 @@ class Region:
             # look larger than the budget (a decoder layer ran op by op): read it again.
             mgr.read_outside()
         return wrapped, nbytes
+
+
+class _Giver:
+    """The plain tensors a region call is given for its TensorRefs (``call.views``): views of
+    their copies, leaves where the call needs gradients, ``SimTensor``s on strict "sim"."""
+
+    __slots__ = ("views", "make", "training", "sim", "wrappers", "params")
+
+    def __init__(self, call: Call, on_host: bool, training, sim: bool, kept):
+        self.views = call.views
+        self.make = host_view if on_host else compute_view
+        self.training = training
+        self.sim = sim
+        self.wrappers, self.params = kept if kept is not None else (None, ())
+
+    def tree(self, a):
+        """``a`` with each TensorRef, in tuples, lists and dicts, replaced by what the call gets."""
+        if isinstance(a, TensorRef):
+            entry = self.views.get(id(a))
+            return entry[1] if entry is not None else self._give(a)
+        cls = a.__class__
+        if cls is tuple or cls is list:
+            return cls(self.tree(e) for e in a)
+        if cls is dict:
+            return {k: self.tree(v) for k, v in a.items()}
+        return a
+
+    def _give(self, a: TensorRef):
+        plain = self.make(a)
+        training = self.training
+        if training is not None:
+            training.by_storage[plain.untyped_storage()._cdata] = a
+        if training is not None and a.requires_grad:
+            given = training.leaf(a, plain)
+        elif self.sim and id(a) in self.params:
+            kept = self.wrappers.get(id(a))
+            if kept is not None and kept[0] is plain:
+                given = kept[1]  # (Note [Kept wrappers])
+            else:
+                given = SimTensor(plain)
+                self.wrappers[id(a)] = (plain, given)
+        elif self.sim:
+            given = SimTensor(plain)
+        else:
+            given = plain
+        # (the version of what the call got: on "sim" the wrapper's counts the writes; an
+        # inference tensor has none, and the call may write it: None)
+        self.views[id(a)] = (a, given, plain, None if given.is_inference() else given._version)
+        return given

@@ -15,6 +15,10 @@ OBJECT_VALUES = 4096
 
 _Tensor = torch.Tensor
 
+class NotARegion(Exception):
+    """This call cannot run as a region (raised before anything changed)."""
+
+
 
 class Call:
     """One region call's TensorRefs and where they sit."""
@@ -173,3 +177,34 @@ def collect_object(obj, given, stored, seen, before, depth, budget) -> None:
     for container, k, v in object_tensors(obj, seen, depth, budget):
         if not isinstance(v, TensorRef) and (id(v) in given or id(v) not in before):
             stored.append((container, k, v))
+
+
+def scan_call(args, kwargs, slots, kernel_written) -> Call:
+    """A call's TensorRefs: ``slots`` (a module's parameters and buffers), its arguments and
+    what the objects among them hold."""
+    call = Call()
+    for d, k in slots:
+        v = d.get(k)
+        if isinstance(v, TensorRef):
+            call.slots.append((d, k, v))
+            call.refs.append(v)
+    call.params = len(call.slots)
+    call.kernel_written = kernel_written
+    budget = [OBJECT_VALUES]
+    seen: set = set()
+    for a in args:
+        scan_args(a, call, seen, budget)
+    if kwargs:
+        for a in kwargs.values():
+            scan_args(a, call, seen, budget)
+    if call.nested:
+        # (the encoder's fast path packs a padded batch: its layers' kernels take it as it is)
+        raise NotARegion("a nested tensor among its arguments")
+    return call
+
+
+def needs_grad(call: Call) -> bool:
+    """Whether the call records gradients: grad mode on and a TensorRef it reads needs them."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t.requires_grad for t in call.refs) or any(t.requires_grad for _d, _k, t in call.slots[call.params:])

@@ -38,7 +38,7 @@ takes a leaf's TensorRef once per read, the inner graph's edges into that leaf
 contribution apart, recorded by hooks on the reading nodes in the order the inner graph runs
 them, which is plain torch's: autograd adds them to the rest as plain torch would. The graph
 is walked only where the call was given an argument that needs gradients (a walk of a whole
-model's graph in Python cost 5% of a training step with nothing to move): a parameter read
+model's graph in Python costs a visible share of a training step): a parameter read
 several times inside and also outside the region, a weight tied across its edge, still gets
 the sum.
 
@@ -64,14 +64,10 @@ from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from ..core import context
 from ..core.tensor_ref import TensorRef, compute_view, block_of
-from ..memory.devices import largest_within
-from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim import backward_errors
 from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
-from ..ops.op_context import blocks_of_list
-from .inside import Measure, measured
-from .op import RegionContext, Wrapper
+from .step import BackwardStep
 from .scan import output_tensors
 
 _Tensor = torch.Tensor
@@ -382,105 +378,6 @@ def _reads(leaf_edges, out_edges) -> list:
             else:
                 todo.append(child)
     return reads
-
-
-#: the most bytes a region's backward has held resident (``BackwardStep.held``): a budget
-#: below it may refuse a pending one (Note [Refused before a backward runs])
-largest_held = [0]
-
-
-class BackwardStep:
-    """A region call's backward as one op: ``refs`` (the blocks its saved tensors are on, the
-    incoming gradients) resident and pinned while it runs, with room for what it allocates:
-    measured on its first run with the call's shapes (``key``), which keeps all the room the
-    budget leaves (with no budget, twice the blocks' bytes and the forward's room,
-    ``inside``): what a backward's formulas allocate is not bounded by what the forward did."""
-
-    def __init__(self, region, refs, key, inside: int):
-        self.region, self.refs, self.key, self.inside = region, refs, key, inside
-        self.measuring = None
-        self.held = 0
-        self.seen = None  # (bytes of its blocks, peak inside) of a backward with shapes at least these
-
-    def __enter__(self):
-        mgr = _mgr
-        region = self.region
-        with mgr.lock:
-            if mgr.books.dead:
-                mgr.drain()
-            blocks = blocks_of_list([block_of(r) for r in self.refs])
-            ctx = self.ctx = RegionContext(region.backward_spec, blocks, [], (), {}, False)
-            backend = mgr.backend
-            self.device = None if backend.passthrough else backend.declared
-            self.limited = mgr.limit is not None and not backend.passthrough
-            ctx.estimate = 0
-            if self.limited:
-                size = backend.block_bytes
-                self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
-                if self.held > largest_held[0]:
-                    largest_held[0] = self.held  # (Note [Refused before a backward runs])
-                seen = self.seen = measured(region.backward_peaks, self.key)
-                # (asked of the device: a reading from before the forward's end can be tens of
-                # MiB off, on an H100 62.8 MiB low under Genoa, and the room then more than the
-                # op's check allows; counted as the device counts it, so that the check does
-                # not round it past the budget)
-                room = largest_within(mgr.limit - mgr.read_outside() - self.held, size)
-                # Until measured, under a budget all the room it leaves (what a backward's
-                # formulas allocate is not bounded by the forward: recomputing a checkpointed
-                # forward inside it took 4x); with none, twice the blocks and the forward's
-                # room (evicting all else for a device's whole capacity would move every
-                # block). Measured, that peak: the forward runs op by op where it saw the
-                # backward would not fit.
-                if seen is not None:
-                    ctx.estimate = min(room, seen[1])
-                elif mgr.settings.budget_value is not None:
-                    ctx.estimate = room
-                else:
-                    ctx.estimate = min(room, 2 * (self.held + self.inside))
-            mgr.prepare(ctx)  # (no op-by-op fallback here: the graph is plain)
-            if self.limited and self.seen is None:
-                # (the blocks' storages once resident: views of them are not new bytes)
-                self.measuring = Measure({b.dev_key for b in blocks}, mgr.backend.block_bytes)
-            for b in blocks:
-                b.pins += 1
-            self.base = mgr.accounting.resident + mgr.accounting.pending_bytes + mgr.accounting.elsewhere_bytes
-        return self
-
-    def meter(self):
-        return self.measuring if self.measuring is not None else contextlib.nullcontext()
-
-    def results(self, grads) -> tuple:
-        """The gradients the inner graph gave for the leaves, as TensorRefs."""
-        mgr = _mgr
-        ctx = self.ctx
-        with mgr.lock:
-            # (no room to make: they were allocated in the room kept for the inside, which
-            # ``finish`` gives back if they took more)
-            wrap = Wrapper(mgr, ctx, {}, True)
-            return tuple(None if g is None else wrap(g) for g in grads)
-
-    def __exit__(self, *exc):
-        mgr = _mgr
-        ctx = self.ctx
-        with mgr.lock:
-            for b in ctx.blocks:
-                b.pins -= 1
-            if exc[0] is not None:
-                return False
-            inside = ctx.estimate
-            if self.limited:
-                if self.measuring is not None:
-                    self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
-                    inside = self.measuring.peak  # (what it took, kept room or not)
-                top = self.base + inside
-                if top - mgr.accounting.elsewhere_bytes > mgr.accounting.peak:
-                    mgr.accounting.peak = top - mgr.accounting.elsewhere_bytes
-                if top - mgr.limit > mgr.accounting.overshoot:
-                    mgr.accounting.overshoot = top - mgr.limit
-            mgr.finish(ctx)
-            if mgr.trace is not None:
-                ctx.record_inside(mgr.trace, inside)
-        return False
 
 
 class _Link(torch.autograd.Function):

@@ -76,7 +76,7 @@ def _made_on_cpu(op):
 
 def _bytes_of(t: torch.Tensor, written: bool) -> torch.Tensor:
     """The plain CPU tensor holding ``t``'s values (a TensorRef's device copy, brought in)."""
-    from ...core.tensor_ref import TensorRef, block_of
+    from ...core.tensor_ref import TensorRef
 
     if isinstance(t, SimTensor):
         return t.data_

@@ -1,0 +1,176 @@
+"""One step of a region as one op of the manager (Note [Region steps]).
+
+Note [Region steps]: a region's call and its backward are each one op of the manager, in
+the same sequence: ``begin`` makes its blocks resident together within the budget (the op
+protocol's ``prepare``: the strategy sees one op) and pins them while the step computes on
+their plain views; ``end`` unpins them, records the working set and the room kept for what
+the step allocated inside as one peak, and lets the strategy react (``finish``); ``abort``
+does the op's bookkeeping after an error instead (``op_raised``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+from ..core.tensor_ref import block_of
+from ..memory.devices import largest_within
+from ..memory.manager import tensorsManager as _mgr
+from ..ops.op_context import blocks_of_list
+from .inside import Measure, measured
+from .op import RegionContext, Wrapper
+
+
+class Plan:
+    """What a region call is, as one op: decided before its blocks are brought in."""
+
+    __slots__ = ("ctx", "key", "grad", "on_host", "paged", "limited", "measure", "meter", "near", "held_refs")
+
+    def __init__(self, ctx: RegionContext, key, grad: bool, on_host: bool, paged: bool, limited: bool):
+        self.ctx, self.key, self.grad, self.on_host = ctx, key, grad, on_host
+        self.paged = paged  # the manager pages under a limit (a device, a budget or its capacity)
+        self.limited = limited  # and the call's peak counts against it (not a call on the host)
+        self.measure = False  # it runs op by op first, to measure what it allocates inside
+        self.meter = False  # it is larger than measured: a dispatch mode measures it as it runs
+        self.near = None
+        self.held_refs = 0
+
+
+class Step:
+    """A region's call or backward as one op (Note [Region steps]).
+
+    Args:
+        ctx: the op: its blocks and the room it keeps for what it allocates inside.
+        limited: its peak counts against a budget (a limit, on a device that pages).
+    """
+
+    def __init__(self, ctx: RegionContext, limited: bool):
+        self.ctx = ctx
+        self.limited = limited
+        self.base = 0  # bytes in use once its blocks are resident
+
+    def begin(self, on_host: bool = False) -> None:
+        """Its blocks resident and pinned (their host copies current where it runs on the host).
+
+        Raises:
+            OutOfBudgetError: they do not fit the budget together; nothing changed.
+        """
+        mgr = _mgr
+        with mgr.lock:
+            mgr.prepare(self.ctx)
+            blocks = self.ctx.blocks
+            for b in blocks:
+                b.pins += 1
+            if on_host:
+                for b in blocks:
+                    mgr.sync_host(b)  # the call reads the host copies
+            self.base = mgr.in_use()
+
+    def _unpin(self) -> None:
+        for b in self.ctx.blocks:
+            b.pins -= 1
+
+    def end(self, inside: Optional[int]) -> None:
+        """The step ran and allocated ``inside`` bytes (or had that room kept; ``None``: its
+        results were counted as they joined the books): its blocks unpinned, its peak recorded."""
+        mgr = _mgr
+        ctx = self.ctx
+        with mgr.lock:
+            self._unpin()
+            if inside is not None and self.limited:
+                mgr.record_top(self.base + inside)  # (the working set and the room kept for the inside)
+            mgr.finish(ctx)
+            if mgr.trace is not None:
+                ctx.record_inside(mgr.trace, inside or 0)
+
+    def abort(self) -> None:
+        """The step raised: its blocks unpinned, what it wrote counted as written."""
+        mgr = _mgr
+        with mgr.lock:
+            self._unpin()
+            mgr.op_raised(self.ctx)
+
+
+#: the most bytes a region's backward has held resident (``BackwardStep.held``): a budget
+#: below it may refuse a pending one (Note [Refused before a backward runs] in
+#: ``integrations/backward.py``)
+largest_held = [0]
+
+
+class BackwardStep:
+    """A region call's backward as one step (a context manager): ``refs`` (the blocks its
+    saved tensors are on, the incoming gradients) resident and pinned while it runs, with
+    room for what it allocates: measured on its first run with the call's shapes (``key``),
+    which keeps all the room the budget leaves (with no budget, twice the blocks' bytes and
+    the forward's room, ``inside``): what a backward's formulas allocate is not bounded by
+    what the forward did."""
+
+    def __init__(self, region, refs, key, inside: int):
+        self.region, self.refs, self.key, self.inside = region, refs, key, inside
+        self.measuring = None
+        self.held = 0
+        self.seen = None  # (bytes of its blocks, peak inside) of a backward with shapes at least these
+
+    def __enter__(self):
+        mgr = _mgr
+        with mgr.lock:
+            mgr.drain()
+            blocks = blocks_of_list([block_of(r) for r in self.refs])
+            self.ctx = ctx = RegionContext(self.region.backward_spec, blocks, [], (), {}, False)
+            backend = mgr.backend
+            self.device = None if backend.passthrough else backend.declared
+            limited = mgr.limit is not None and not backend.passthrough
+            ctx.estimate = self._room(blocks) if limited else 0
+            self.step = Step(ctx, limited)
+            self.step.begin()  # (no op-by-op fallback here: the graph is plain)
+            if limited and self.seen is None:
+                # (the blocks' storages once resident: views of them are not new bytes)
+                self.measuring = Measure({b.dev_key for b in blocks}, backend.block_bytes)
+        return self
+
+    def _room(self, blocks) -> int:
+        """The room kept for what the backward allocates inside."""
+        mgr = _mgr
+        size = mgr.backend.block_bytes
+        self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
+        if self.held > largest_held[0]:
+            largest_held[0] = self.held  # (Note [Refused before a backward runs])
+        seen = self.seen = measured(self.region.backward_peaks, self.key)
+        # (asked of the device: a reading from before the forward's end may count tensors
+        # freed since, and the room would then be more than the op's check allows; counted
+        # as the device counts it, so that the check does not round it past the budget)
+        room = largest_within(mgr.limit - mgr.read_outside() - self.held, size)
+        # Until measured, under a budget all the room it leaves (what a backward's formulas
+        # allocate is not bounded by the forward: recomputing a checkpointed forward inside
+        # it takes several times the forward's); with none, twice the blocks and the
+        # forward's room (evicting all else for a device's whole capacity would move every
+        # block). Measured, that peak: the forward runs op by op where it saw the backward
+        # would not fit.
+        if seen is not None:
+            return min(room, seen[1])
+        if mgr.settings.budget_value is not None:
+            return room
+        return min(room, 2 * (self.held + self.inside))
+
+    def meter(self):
+        return self.measuring if self.measuring is not None else contextlib.nullcontext()
+
+    def results(self, grads) -> tuple:
+        """The gradients the inner graph gave for the leaves, as TensorRefs."""
+        mgr = _mgr
+        with mgr.lock:
+            # (no room to make: they were allocated in the room kept for the inside, which
+            # ``finish`` gives back if they took more)
+            wrap = Wrapper(mgr, self.ctx, {}, True)
+            return tuple(None if g is None else wrap(g) for g in grads)
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            self.step.abort()
+            return False
+        inside = self.ctx.estimate
+        if self.step.limited and self.measuring is not None:
+            self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
+            inside = self.measuring.peak  # (what it took, kept room or not)
+        self.step.end(inside)
+        return False
