@@ -35,17 +35,49 @@ its host copy is never re-homed. A block made by ``TensorRef(t)`` from a plain t
 shares ``t``'s bytes (``host_shared``): its host copy is never re-homed either, and it is
 written back synchronously, since ``t``'s holder may read it at any time.
 
+Note [Residence]: a block's state is one value, ``Block.residence`` (a ``Residence``),
+read off its copies; the manager changes it only through the block's transitions, each
+named for what happened:
+
+- ``HOST_ONLY``: a CPU tensor of the program; no transition leaves it;
+- ``ON_HOST`` (or ``ON_DISK`` where only a disk copy holds the bytes): no device copy.
+  ``set_dev`` (a fetch) makes it ``CLEAN``; ``arriving`` (a prefetch) makes it ``ARRIVING``;
+- ``ARRIVING``: a device copy is being copied in; ``arrived`` (the op that reads it is
+  ordered after the copy) makes it ``CLEAN``;
+- ``CLEAN``: a device copy and a copy below with the same bytes; ``written_on_device`` (an
+  op wrote the device copy) makes it ``DIRTY``;
+- ``DIRTY``: the device copy holds writes no copy below has; ``written_back`` makes it
+  ``CLEAN``;
+- any resident state: ``left_device`` (an eviction, the copy dropped) gives ``ON_HOST``;
+  ``rewritten_on_host`` (an op on the host wrote the host copy) drops the device copy.
+
+Orthogonal to the residence, and never changed by it: pins (``pins``: kept resident),
+holders outside torch (``external``), a shared host copy (``host_shared``), an address
+handed out (``exposed``).
+
 Strategies never touch these fields: they ask the manager to ``fetch`` or ``evict``.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 from typing import Optional
 
 import torch
 
 _ids = itertools.count(1)
+
+
+class Residence(enum.Enum):
+    """Where a block's current bytes are (Note [Residence])."""
+
+    HOST_ONLY = "host only"
+    ON_HOST = "on host"
+    ON_DISK = "on disk"
+    ARRIVING = "arriving"
+    CLEAN = "resident, clean"
+    DIRTY = "resident, dirty"
 
 
 class Block:
@@ -105,6 +137,59 @@ class Block:
         #: the program put it on the accelerator (a device named), or it was computed from such
         #: a block: mixed with CPU tensors, its ops fail as on CUDA
         self.explicit: bool = False
+
+    @property
+    def residence(self) -> Residence:
+        """Where its current bytes are (Note [Residence])."""
+        if self.host_only:
+            return Residence.HOST_ONLY
+        if self.dev is None:
+            return Residence.ON_DISK if not self.host_valid and self.disk is not None else Residence.ON_HOST
+        if self.dev_pending is not None:
+            return Residence.ARRIVING
+        return Residence.DIRTY if self.dirty else Residence.CLEAN
+
+    # -- transitions (Note [Residence]) ------------------------------------------------------
+
+    def arriving(self, storage, pending) -> None:
+        """A prefetch is copying the bytes into ``storage`` (``pending``: the copy)."""
+        self.set_dev(storage)
+        self.dev_pending = pending
+        self.prefetched = True
+
+    def arrived(self) -> bool:
+        """An op is about to read it: ordered after its copy in; whether it was brought in by
+        a prefetch and not used since."""
+        hit = self.prefetched
+        self.prefetched = False
+        self.wait_arrival()
+        return hit
+
+    def wait_arrival(self) -> None:
+        """Whatever reads the device copy next is ordered after its copy in (the compute
+        stream waits for it, the host does not)."""
+        if self.dev_pending is not None:
+            self.dev_pending.wait_compute()
+            self.dev_pending = None
+
+    def written_on_device(self) -> None:
+        """An op wrote the device copy: the copies below are stale."""
+        self.host_valid = False
+
+    def written_back(self) -> None:
+        """The host copy holds the device copy's bytes (or will once its copy ends)."""
+        self.host_valid = True
+
+    def left_device(self) -> None:
+        """The device copy goes (the caller drops it): a prefetch not waited on is forgotten."""
+        self.dev_pending = None
+        self.exposed = False
+        self.prefetched = False
+
+    def rewritten_on_host(self) -> None:
+        """An op on the host wrote the host copy: it holds the bytes, a device copy is stale."""
+        self.host_valid = True
+        self.dev_pending = None
 
     @property
     def resident(self) -> bool:

@@ -46,6 +46,12 @@ class ProxyInfo:
         return self._block.dirty
 
     @property
+    def residence(self) -> str:
+        """The block's state (Note [Residence] in ``blocks.py``): ``"host only"``, ``"on host"``,
+        ``"on disk"``, ``"arriving"``, ``"resident, clean"`` or ``"resident, dirty"``."""
+        return self._block.residence.value
+
+    @property
     def pinned(self) -> bool:
         """Whether ``tensorsManager.pin`` keeps this block resident."""
         return self._block.pins > 0
@@ -57,7 +63,7 @@ class ProxyInfo:
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in
-                ("device", "nbytes", "block_id", "on_device", "dirty", "pinned", "views")}
+                ("device", "nbytes", "block_id", "on_device", "dirty", "residence", "pinned", "views")}
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())

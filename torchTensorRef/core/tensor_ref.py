@@ -110,9 +110,7 @@ class TensorRef(torch.Tensor):
         with mgr.lock:
             block = self._tr_block
             if block.dev_pending is not None:
-                block.dev_pending.wait_compute()  # a prefetch may still be writing it
-                block.dev_pending = None
-                block.prefetched = False
+                block.arrived()  # a prefetch may still be writing it
             if block.dev is None:
                 mgr.sync_host(block)  # a write-back may still be writing the host copy
             return compute_view(self)

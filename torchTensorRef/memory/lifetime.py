@@ -92,7 +92,7 @@ class Books:
             m.residency.drop_dev(block)
         if block.disk is not None or block.spilling is not None:
             m.host_tier.disk_stale(block)
-        block.dev_pending = None
+        block.left_device()
         block.alive = False
         block.on_ref_dead = None
         del self.blocks[block.id]
@@ -110,9 +110,13 @@ class Books:
         if not block.external and block.alive:
             self.external -= 1
 
-    def made_resident(self, block: Block, storage) -> None:
-        """``block``'s device copy is ``storage`` now, counted against the budget."""
-        block.set_dev(storage)
+    def made_resident(self, block: Block, storage, pending=None) -> None:
+        """``block``'s device copy is ``storage`` now (being copied in where ``pending``),
+        counted against the budget."""
+        if pending is None:
+            block.set_dev(storage)
+        else:
+            block.arriving(storage, pending)
         self.resident[block.id] = block
         m = self.m
         m.accounting.add(m.backend.block_bytes(block.nbytes))
@@ -128,8 +132,7 @@ class Books:
         m = self.m
         m.host_tier.disk_stale(block)
         if block.dev is not None and not block.host_only:
-            block.host_valid = True
-            block.dev_pending = None
+            block.rewritten_on_host()
             m.residency.drop_dev(block)
             self.left_device(block)
 

@@ -50,7 +50,7 @@ class Moves:
             block = block_of(ref)
             view = ref.target
             if not block.host_only and block.dev is not None:
-                block.host_valid = False
+                block.written_on_device()
                 m.host_tier.disk_stale(block)
             return view
 
@@ -78,7 +78,7 @@ class Moves:
             if block.dev is None or block.pins or block.host_only or block.external or block.host_shared:
                 return
             if block.host is not None and block.host.nbytes() == block.nbytes:
-                block.host_valid = True
+                block.written_back()  # (its stale bytes are never read: rewritten first)
             m.residency.evict(block)
 
     def evict_all(self) -> None:

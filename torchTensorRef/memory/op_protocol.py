@@ -123,12 +123,8 @@ class OpProtocol:
     def arrived(self, block: Block) -> None:
         """An op is about to read ``block``, brought in by a prefetch: count the hit and
         order the op after the copy (the compute stream waits for it; the host does not)."""
-        if block.prefetched:
-            block.prefetched = False
+        if block.arrived():
             self.m.statistics.counters["prefetch_hits"] += 1
-        if block.dev_pending is not None:
-            block.dev_pending.wait_compute()
-            block.dev_pending = None
 
     def _refuse_growing_external(self, ctx) -> None:
         # The op runs on the accelerator copy, which could grow; but the host bytes are shared
@@ -191,7 +187,7 @@ class OpProtocol:
         if not m.backend.passthrough:
             for b in blocks:
                 if not b.host_only:
-                    b.host_valid = False
+                    b.written_on_device()
                     if b.disk is not None or b.spilling is not None:
                         m.host_tier.disk_stale(b)
 

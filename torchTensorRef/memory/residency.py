@@ -100,15 +100,14 @@ class Residency:
             return False
         if block.host_pending is not None:
             block.host_pending.wait_compute()
-        block.dev_pending = backend.streams.copy_async(dev, raw.flat_bytes(block.host), prefetch=True)
-        self._now_resident(block, dev, start, "async")
-        block.prefetched = True
+        pending = backend.streams.copy_async(dev, raw.flat_bytes(block.host), prefetch=True)
+        self._now_resident(block, dev, start, "async", pending)
         m.statistics.counters["prefetches"] += 1
         return True
 
-    def _now_resident(self, block: Block, dev: torch.Tensor, start: int, mode: str) -> None:
+    def _now_resident(self, block: Block, dev: torch.Tensor, start: int, mode: str, pending=None) -> None:
         m = self.m
-        m.books.made_resident(block, dev.untyped_storage())
+        m.books.made_resident(block, dev.untyped_storage(), pending)
         m.statistics.counters["bytes_to_device"] += block.nbytes
         if m.trace is not None:
             m.trace.move("to_device", block.id, block.nbytes, start, time.perf_counter_ns(), m.accounting.resident,
@@ -120,15 +119,13 @@ class Residency:
             return
         m = self.m
         start = time.perf_counter_ns()
-        if block.prefetched:  # brought in and never used
-            block.prefetched = False
+        if block.prefetched:  # brought in and never used (``left_device`` forgets it)
             m.statistics.counters["prefetches_unused"] += 1
         wrote = not block.clean or (block.host is None and m.host_tier.keep_on_host(block))
         if wrote:
             self.write_back(block)
         pending = block.dev_pending
-        block.dev_pending = None
-        block.exposed = False
+        block.left_device()
         m.books.left_device(block)
         held = pending is not None and not pending.done()
         if held:
@@ -174,9 +171,7 @@ class Residency:
         m.device_room.inject("writeback", block.nbytes)
         host = self._host_for_write_back(block)
         dev = raw.flat_bytes(block.dev)
-        if block.dev_pending is not None:
-            block.dev_pending.wait_compute()
-            block.dev_pending = None
+        block.wait_arrival()
         backend = m.backend
         counters = m.statistics.counters
         if backend.pinned.is_pinned(host) and not (block.external or block.host_shared):
@@ -188,7 +183,7 @@ class Residency:
             self.wait_pending_host(block)
             raw.flat_bytes(host).copy_(dev)
             counters["host_syncs"] += 1
-        block.host_valid = True
+        block.written_back()
         counters["bytes_to_host"] += block.nbytes
         counters["writebacks"] += 1
 
