@@ -281,3 +281,30 @@ def test_discard_drops_the_device_copy_without_writing_it_back():
 @fsdp2_on_sim
 def test_fsdp2_with_cpu_offload_is_refused_before_it_shards():
     spawn(workers.fsdp_refused_worker, "sim")
+
+
+def test_fsdp1_on_one_process_is_plain_fsdp1():
+    # FSDP1 swaps its flat parameter's views in with ``param.data = view`` during each call:
+    # as a region, the call's plain views took them, and after one forward the module's
+    # parameters were gone from named_parameters() and state_dict() (then a segfault)
+    script = (
+        "import sys, torch, torch.nn as nn, torch.distributed as dist\n"
+        "if sys.argv[1] == 'managed':\n"
+        "    import torchTensorRef\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "dist.init_process_group(backend='gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "torch.manual_seed(0)\n"
+        "m = FSDP(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), use_orig_params=True, device_id='cpu')\n"
+        "x = torch.arange(8.).view(2, 4)\n"
+        "with torch.no_grad():\n"
+        "    m(x)\n"
+        "print([n for n, _ in m.named_parameters()], list(m.state_dict()))\n"
+        "m(x).sum().backward()\n"
+        "print([p.grad.tolist() for p in m.parameters()], m(x).tolist())\n"
+    )
+    out = {}
+    for mode in ("plain", "managed"):
+        done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=DEADLINE_S)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out[mode] = done.stdout
+    assert out["managed"] == out["plain"]

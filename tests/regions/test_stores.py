@@ -4,6 +4,7 @@ on the same device and managed, with the module a region, and compares."""
 
 from __future__ import annotations
 
+import pickle
 import weakref
 
 import pytest
@@ -45,10 +46,11 @@ class Stack(torch.nn.Module):
         return self.lin(x)
 
 
-def both(store, program, setting, calls=3, grad=False):
+def both(store, program, setting, calls=3, grad=False, stays_region=True):
     """``program(module, x)`` after ``calls`` calls of a new ``Stack(store)``: once on plain
     torch, once managed with the module a region under ``setting`` (its blocks evicted
-    before ``program``); returns both results."""
+    before ``program``); returns both results. ``stays_region=False``: the forward changes
+    its module's own state, after which its calls run op by op."""
     results = []
     for managed in (False, True):
         torch.manual_seed(0)
@@ -59,7 +61,10 @@ def both(store, program, setting, calls=3, grad=False):
             regions.region(module)
             tm.budget = None if nbytes is None else budget(nbytes)
             ops = run_calls(module, x, calls, grad)
-            assert grad or ops == 1, "the module's last call did not run as a region"
+            if stays_region:
+                assert grad or ops == 1, "the module's last call did not run as a region"
+            else:
+                assert regions._info[module].region.mutates and ops > 1, "the module's calls stayed a region"
             tm.evict_all()
             results.append(program(module, x))
         else:
@@ -137,7 +142,7 @@ def test_tensors_stored_in_forward_become_tensorrefs_with_plain_values(setting):
         stored = [module.last, *module.pair, *module.history, module.seen]
         return [type(t).__name__ for t in stored], [values(t) for t in stored], isinstance(module.pair, tuple)
 
-    plain, managed = both(store, program, setting)
+    plain, managed = both(store, program, setting, stays_region=False)  # (it changes its own buffer)
     assert set(managed[0]) == {"TensorRef"} and managed[2] is plain[2] is True
     for p, m in zip(plain[1], managed[1]):
         torch.testing.assert_close(m, p, rtol=0, atol=0)
@@ -155,7 +160,7 @@ def test_a_submodule_made_in_forward_is_managed(setting):
         return (type(module.extra.weight).__name__, isinstance(module.extra.weight, torch.nn.Parameter),
                 values(module(x)))
 
-    plain, managed = both(store, program, setting)
+    plain, managed = both(store, program, setting, stays_region=False)  # (it gains a submodule)
     assert managed[0] == "TensorRef" and managed[1] is plain[1] is True
     torch.testing.assert_close(managed[2], plain[2], rtol=0, atol=0)
 
@@ -217,3 +222,142 @@ def test_a_compiled_region_given_a_nested_tensor_says_why_it_cannot_run():
     with pytest.raises(RuntimeError, match="nested tensor") as info:
         region(nested)
     assert type(info.value) is RuntimeError
+
+
+# -- forwards that change their module's own state (peft's merges, samplers, parametrizations)
+
+def compare(make, program, setting=("flow", None)):
+    """``program(module)`` for a module ``make()`` builds: on plain torch on the device, and
+    managed with the module a region under ``setting``; both results, as plain CPU values."""
+    results = []
+    for managed in (False, True):
+        torch.manual_seed(0)
+        if managed:
+            tm.strategy, nbytes = setting
+            module = regions.region(make())
+            tm.budget = None if nbytes is None else budget(nbytes)
+            results.append(program(module))
+        else:
+            with plain_torch():
+                results.append(program(make().to(tm.torch_device)))
+    return results
+
+
+class Rebinds(torch.nn.Module):
+    """Rebinds its weight's ``.data`` inside its forward, by a tensor it keeps in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.kept = {}
+
+    def forward(self, x):
+        if "scale" in self.kept:
+            w = self.lin.weight
+            w.data = w.data * self.kept.pop("scale")
+        for _ in range(8):
+            x = x + 0.0
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+@pytest.mark.parametrize("scale", ["tensor", "number"])
+def test_a_forward_that_rebinds_its_weight_s_data_matches_plain_torch(setting, scale):
+    # peft's merges and unmerges do ``weight.data = ...`` inside forward: the region's view
+    # took the new bytes while the TensorRef kept the old ones (the weight's pickled copy was
+    # half the plain value, silently), and with a tensor the module held in a dict (outside
+    # the working set) the view was given a TensorRef's empty storage ("data is not allocated")
+    def program(module):
+        x = torch.ones(2, 4).to(module.lin.weight.device)
+        outs = []
+        with torch.no_grad():
+            outs += [values(module(x)), values(module(x))]
+            module.kept["scale"] = torch.full((4, 1), 2.0).to(x.device) if scale == "tensor" else 2.0
+            outs += [values(module(x)), values(module(x))]
+        tm.evict_all()
+        return outs, values(module.lin.weight), values(pickle.loads(pickle.dumps(module.lin.weight)))
+
+    plain, managed = compare(Rebinds, program, setting)
+    assert_same(plain, managed)
+
+
+class KeepsAGraph(torch.nn.Module):
+    """Assigns, in its forward, a result that needs gradients to one of its buffers, then uses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.arange(4.0))
+        self.register_buffer("b", torch.ones(4))
+
+    def forward(self, x):
+        self.b = torch.exp(self.p * 0.1)
+        for _ in range(8):
+            x = x + 0.0
+        return x * self.b
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_a_buffer_assigned_a_graph_in_forward_trains_as_in_plain_torch(setting):
+    # (a sampler keeps its draw so): from the second step the region gave the old graph's
+    # buffer to the call's graph as an input, and backward raised "Trying to backward through
+    # the graph a second time"; a sampler's parameters got no gradients at all
+    def program(module):
+        x = torch.ones(2, 4).to(module.p.device)
+        grads = []
+        for _ in range(3):
+            module.p.grad = None
+            module(x).sum().backward()
+            grads.append(values(module.p.grad))
+        return grads
+
+    plain, managed = compare(KeepsAGraph, program, setting)
+    assert_same(plain, managed)
+
+
+class Parametrized(torch.nn.Module):
+    """Registers a parametrization on its layer's weight for the length of its forward."""
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(3, 4, bias=False)
+
+    def forward(self, x):
+        torch.nn.utils.parametrize.register_parametrization(self.base, "weight", self.Double())
+        try:
+            for _ in range(8):
+                x = x + 0.0
+            return self.base(x)
+        finally:
+            torch.nn.utils.parametrize.remove_parametrizations(self.base, "weight", leave_parametrized=False)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_a_parametrization_registered_in_forward_trains_as_in_plain_torch(setting):
+    # the region gave the call a plain view the parametrization took as its original:
+    # backward raised "element 0 of tensors does not require grad"
+    def program(module):
+        x = torch.ones(2, 3).to(module.base.weight.device)
+        grads = []
+        for _ in range(3):
+            module.zero_grad()
+            module(x).square().sum().backward()
+            grads.append(values(module.base.weight.grad))
+        return [n for n, _ in module.named_parameters()], grads
+
+    plain, managed = compare(Parametrized, program, setting)
+    assert_same(plain, managed)
+
+
+def assert_same(plain, managed) -> None:
+    if isinstance(plain, torch.Tensor):
+        torch.testing.assert_close(managed, plain, rtol=0, atol=0)
+    elif isinstance(plain, (list, tuple)):
+        assert len(plain) == len(managed)
+        for p, m in zip(plain, managed):
+            assert_same(p, m)
+    else:
+        assert managed == plain

@@ -51,7 +51,7 @@ from ..memory.manager import tensorsManager as _mgr
 from ..ops.split_handlers import reads_rows_alone
 from . import stores
 from .mechanism import NotARegion, Region, in_region, state
-from .scan import parameter_slots
+from .scan import held_values, parameter_slots
 from .threads import callers
 
 #: regions on or off, for the whole process
@@ -136,7 +136,8 @@ def _check(module, name) -> None:
 class _ModuleInfo:
     """A module's region and what its size rule needs (recomputed when its tensors change)."""
 
-    __slots__ = ("region", "methods", "slots", "sizes", "generation", "compiled", "nbytes", "modules", "buffers")
+    __slots__ = ("region", "methods", "slots", "sizes", "generation", "compiled", "nbytes", "modules", "buffers",
+                 "held")
 
     def __init__(self, module):
         self.region = Region(f"region {type(module).__name__}")
@@ -148,6 +149,7 @@ class _ModuleInfo:
         self.nbytes = 0
         self.modules = ()
         self.buffers = ()  # (submodule, or None for the module itself; its buffers) where it has some
+        self.held = ()  # (dict, name) of the tensors and containers its modules hold besides
 
     def kernel_written(self, module) -> list:
         """The buffers of the modules in training mode: a batch norm's kernel updates its
@@ -169,6 +171,7 @@ class _ModuleInfo:
             else:
                 return
         self.slots = parameter_slots(module)
+        self.held = held_values(module)
         self.sizes = tuple((d, len(d)) for m in module.modules() for d in (m._parameters, m._buffers))
         self.generation = generation[0] + stores.structure[0]  # (both only grow)
         # (its submodules only: held by the value of a weak dict keyed by the module itself,
@@ -262,7 +265,8 @@ def _as_region(module, info: _ModuleInfo, region: Region, fn, args, kwargs, **op
     else as it is."""
     if callers.claim():
         try:
-            return region.run(fn, args, kwargs, info.slots, kernel_written=info.kernel_written(module), **options)
+            return region.run(fn, args, kwargs, info.slots, kernel_written=info.kernel_written(module), held=info.held,
+                              **options)
         except NotARegion:
             pass
         finally:

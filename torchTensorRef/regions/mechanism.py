@@ -131,12 +131,14 @@ class Region:
         #: backward seen yet; Note [Gradients of gradients] in ``training.py``)
         self.second_order = None
         self.probes = 0  # calls with gradients run op by op to see their backward
+        #: a call changed its module's own state (Note [Stores on modules]): op by op from now on
+        self.mutates = False
 
     @property
     def name(self) -> str:
         return self.spec.name
 
-    def run(self, fn, args, kwargs, slots=(), grad_error=None, train=True, kernel_written=(), room=True):
+    def run(self, fn, args, kwargs, slots=(), grad_error=None, train=True, kernel_written=(), room=True, held=()):
         """``fn(*args, **kwargs)`` as one op, with ``slots`` (``(dict, key)``: a module's
         parameters and buffers) swapped for plain views during the call. A call that needs
         gradients raises ``RuntimeError(grad_error)`` where given, and is not a region
@@ -144,6 +146,7 @@ class Region:
         their version counters (batch norm's running statistics), counted as written.
         ``room=False``: no room is measured or made for what the call allocates inside (with
         no budget, where only the device's capacity bounds it, as it bounds plain torch).
+        ``held``: ``(dict, name)`` of what the module holds besides (``scan.held_values``).
 
         Raises:
             NotARegion: (not ``strict``) the call needs gradients, does not fit the budget,
@@ -151,14 +154,16 @@ class Region:
             RuntimeError: (``strict``) where it would raise ``NotARegion``, saying why.
         """
         try:
-            return self._call(fn, args, kwargs, slots, grad_error, train, kernel_written, room)
+            return self._call(fn, args, kwargs, slots, grad_error, train, kernel_written, room, held)
         except NotARegion as e:
             if self.strict:
                 raise RuntimeError(f"{self.name} cannot run as one op of the manager: {e}") from None
             raise
 
-    def _call(self, fn, args, kwargs, slots, grad_error, train, kernel_written, room):
-        call = scan_call(args, kwargs, slots, kernel_written)
+    def _call(self, fn, args, kwargs, slots, grad_error, train, kernel_written, room, held):
+        if self.mutates:
+            raise NotARegion("its calls change its module's own tensors or structure")
+        call = scan_call(args, kwargs, slots, kernel_written, held)
         grad = needs_grad(call)
         key = (tuple(call.shapes), grad)
         near, held_refs = self._select_held(call, key)
@@ -321,11 +326,14 @@ class Region:
         backward asks for gradients of the gradients."""
         meter = Measure({block_of(r).id for r in call.refs}, mgr.backend.block_bytes)
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
+        running, stores.running.call = stores.running.call, call  # (what it assigns: Note [Stores on modules])
         try:
             with meter:
                 out = fn(*args, **kwargs)
         finally:
+            stores.running.call = running
             state.depth -= 1
+            self._note_stores(call)
         if grad:
             watch_backward(self, out)
         held = call.all_held
@@ -333,6 +341,11 @@ class Region:
         self.inside.record(key, sum(block_of(held[i]).nbytes for i in used), meter.peak)
         self.ops = meter.ops
         return out
+
+    def _note_stores(self, call: Call) -> None:
+        """A call that changed its module's state makes the region run op by op from now on."""
+        if call.stores and stores.changes_state(call):
+            self.mutates = True
 
     def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool, training=None, meter=None):
         backend = mgr.backend
@@ -360,6 +373,7 @@ class Region:
             for d, k, v in call.slots + call.restores:
                 if get_item(d, k) is views[id(v)][1]:
                     d[k] = v
+            self._note_stores(call)
 
     def _kept_wrappers(self, mgr, sim: bool, call: Call):
         """The SimTensors kept for the module's parameters, by id, or ``None``.
@@ -380,7 +394,22 @@ class Region:
             wrappers.clear()
         return wrappers, {id(v) for _d, _k, v in call.slots[:call.params]}
 
+    def _follow_rebinds(self, mgr, ctx, call: Call) -> None:
+        """A view the call was given and rebound (``param.data = t``: peft's merges, FSDP's
+        flat parameters) gives its TensorRef the new bytes, as plain torch's tensor has them;
+        the region runs op by op from then on (Note [Stores on modules])."""
+        changed = []
+        for ref, given, _plain, _version in call.views.values():
+            now = bytes_of(given)
+            if now is not None and (now.untyped_storage()._cdata != block_of(ref).dev_key or now.shape != ref.shape):
+                changed.append((ref, now))
+        if changed:
+            self.mutates = True
+            for ref, now in changed:
+                ref.data = wrap_one(now.detach(), ctx, mgr)
+
     def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):
+        self._follow_rebinds(mgr, ctx, call)
         views = call.views
         written = [block_of(ref) for ref, given, _p, version in views.values()
                    if version is None or given._version != version]
@@ -403,7 +432,7 @@ class Region:
         collect_plain(out, given, found, set())
         stored = []
         seen: set = set()
-        objects = objects_of(ctx.args, ctx.kwargs)
+        objects = objects_of(ctx.args, ctx.kwargs) + call.held_objects
         for obj in objects:
             collect_object(obj, given, stored, seen, before, OBJECT_DEPTH, [OBJECT_VALUES])
         on_modules = stores.stored(call) if call.stores else ()

@@ -24,7 +24,7 @@ class Call:
     """One region call's TensorRefs and where they sit."""
 
     __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held", "kernel_written",
-                 "nested", "stores", "restores")
+                 "nested", "stores", "restores", "held_objects")
 
     def __init__(self):
         self.refs = []  # TensorRefs among the arguments, then the slots'
@@ -39,6 +39,7 @@ class Call:
         self.nested = False  # a nested tensor among the arguments (it has no shape)
         self.stores = []  # (module, attribute name) the call assigned (Note [Stores on modules])
         self.restores = []  # (dict, key, TensorRef) given back after the call, as ``slots``
+        self.held_objects = []  # containers its modules hold (searched for what it stored after)
 
 
 def is_object(a) -> bool:
@@ -115,6 +116,24 @@ def select_object_slots(call: Call, used) -> None:
         call.held += block_of(v).nbytes
 
 
+#: the attributes every module has (torch's own state): never a module's held values
+_MODULE_STATE = frozenset(torch.nn.Module().__dict__)
+
+
+def held_values(module: torch.nn.Module):
+    """``(dict, name)`` of the attributes of ``module`` and its submodules that hold tensors
+    or containers of them besides their parameters and buffers: a TensorRef a forward reads
+    from there (a cache of its own, a tensor kept by a library) is part of its call's working
+    set, as what the objects given to it hold."""
+    out = []
+    for m in module.modules():
+        d = m.__dict__
+        for name, v in d.items():
+            if name not in _MODULE_STATE and isinstance(v, (_Tensor, dict, list)):
+                out.append((d, name))
+    return out
+
+
 def parameter_slots(module: torch.nn.Module):
     """(dict, key) of every parameter and buffer of ``module`` and its submodules."""
     out = []
@@ -179,9 +198,10 @@ def collect_object(obj, given, stored, seen, before, depth, budget) -> None:
             stored.append((container, k, v))
 
 
-def scan_call(args, kwargs, slots, kernel_written) -> Call:
+def scan_call(args, kwargs, slots, kernel_written, held=()) -> Call:
     """A call's TensorRefs: ``slots`` (a module's parameters and buffers), its arguments and
-    what the objects among them hold."""
+    what the objects among them hold, and what its modules hold besides (``held``:
+    ``held_values``)."""
     call = Call()
     for d, k in slots:
         v = d.get(k)
@@ -197,6 +217,13 @@ def scan_call(args, kwargs, slots, kernel_written) -> Call:
     if kwargs:
         for a in kwargs.values():
             scan_args(a, call, seen, budget)
+    for d, name in held:
+        v = d.get(name)
+        if isinstance(v, TensorRef):
+            call.slots.append((d, name, v))
+        elif v is not None and not isinstance(v, _Tensor):
+            call.held_objects.append(v)
+            scan_object(v, call, seen, budget, OBJECT_DEPTH)
     if call.nested:
         # (the encoder's fast path packs a padded batch: its layers' kernels take it as it is)
         raise NotARegion("a nested tensor among its arguments")

@@ -15,9 +15,9 @@ A view of a managed ``Parameter`` assigned to an attribute is registered as that
 ``Parameter``, as plain torch registers the parameter it was given; the call itself keeps
 reading the view until it returns.
 
-Replacing a submodule (``model.layers[0] = layer``, an adapter injected by a library) is
-noted too: the regions' records of which tensors their modules hold are read again
-(``structure``).
+Replacing a submodule (``model.layers[0] = layer``, an adapter injected by a library), or
+giving a module a tensor or a container of them to hold, is noted too: the regions' records
+of which tensors their modules hold are read again (``structure``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ structure = [0]
 
 def _module_setattr(self, name, value):
     """``nn.Module.__setattr__``, noting what a region's call assigns (Note [Stores on modules])."""
-    if isinstance(value, torch.nn.Module):
-        structure[0] += 1
+    if isinstance(value, (torch.nn.Module, _Tensor, dict, list)):
+        structure[0] += 1  # (a submodule, or a value a region's call may read: ``scan.held_values``)
     call = running.call
     if call is None:
         return _original_setattr(self, name, value)
@@ -64,6 +64,29 @@ def _module_setattr(self, name, value):
 def _module_add_module(self, name, module):
     structure[0] += 1
     return _original_add_module(self, name, module)
+
+
+def changes_state(call) -> bool:
+    """Whether the call changed a module's own state: assigned one of its parameters,
+    buffers or submodules, its class (a parametrization), or a tensor that needs gradients
+    (kept on a module, it joins later graphs). A region whose calls do runs op by op from
+    then on: a region gives its call a module's tensors as they were when the call began,
+    and keeps the TensorRefs that need gradients as the inputs of the call's graph, where
+    plain torch reads what the call itself assigned (Note [Stores on modules])."""
+    for module, name in call.stores:
+        d = module.__dict__
+        if name == "__class__" or name in d.get("_parameters", ()) and not _aliases(d["_parameters"][name], call) \
+                or name in d.get("_buffers", ()) or name in d.get("_modules", ()):
+            return True
+        value = d.get(name)
+        if isinstance(value, _Tensor) and value.requires_grad and not _aliases(value, call):
+            return True
+    return False
+
+
+def _aliases(value, call) -> bool:
+    """Whether ``value`` is one of the TensorRefs the call reads (or ``None``): an alias."""
+    return value is None or any(value is ref for ref in call.refs)
 
 
 def given_for(call, value):
