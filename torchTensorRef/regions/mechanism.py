@@ -61,21 +61,17 @@ import torch
 
 from ..core import context
 from ..core.errors import OutOfBudgetError
-from ..core.tensor_ref import TensorRef, compute_view, host_view, block_of
+from ..core.tensor_ref import block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim.allocation import PlainMode
-from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import blocks_of_list, wrap_one
 from .inside import Inside, Measure, measured
-from .op import RegionContext, RegionSpec, Wrapper, bytes_of
+from .op import MAX_WRAPPERS, Giver, RegionContext, RegionSpec, Wrapper, bytes_of
 from . import stores
 from .step import Plan, Step
-from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad, objects_of,
-                   scan_call, select_object_slots)
+from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad,
+                   objects_of, scan_call, select_object_slots)
 from .training import Training, foreign_hooks, probe_second_order, watch_backward
-
-#: SimTensors kept per region for the TensorRefs it saw
-_MAX_WRAPPERS = 1024
 
 _Tensor = torch.Tensor
 
@@ -350,7 +346,7 @@ class Region:
     def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool, training=None, meter=None):
         backend = mgr.backend
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
-        giver = _Giver(call, on_host, training, sim, self._kept_wrappers(mgr, sim, call))
+        giver = Giver(call, on_host, training, sim, self._kept_wrappers(mgr, sim, call))
         cargs = tuple(giver.tree(a) for a in args)
         ckwargs = {k: giver.tree(v) for k, v in kwargs.items()} if kwargs else {}
         device = None if on_host or backend.passthrough else backend.declared
@@ -390,7 +386,7 @@ class Region:
             if self._wrappers:
                 self._wrappers = {}
             return None
-        if len(wrappers) >= _MAX_WRAPPERS:
+        if len(wrappers) >= MAX_WRAPPERS:
             wrappers.clear()
         return wrappers, {id(v) for _d, _k, v in call.slots[:call.params]}
 
@@ -468,51 +464,3 @@ class Region:
             mgr.read_outside()
         return wrapped, nbytes
 
-
-class _Giver:
-    """The plain tensors a region call is given for its TensorRefs (``call.views``): views of
-    their copies, leaves where the call needs gradients, ``SimTensor``s on strict "sim"."""
-
-    __slots__ = ("views", "make", "training", "sim", "wrappers", "params")
-
-    def __init__(self, call: Call, on_host: bool, training, sim: bool, kept):
-        self.views = call.views
-        self.make = host_view if on_host else compute_view
-        self.training = training
-        self.sim = sim
-        self.wrappers, self.params = kept if kept is not None else (None, ())
-
-    def tree(self, a):
-        """``a`` with each TensorRef, in tuples, lists and dicts, replaced by what the call gets."""
-        if isinstance(a, TensorRef):
-            entry = self.views.get(id(a))
-            return entry[1] if entry is not None else self._give(a)
-        cls = a.__class__
-        if cls is tuple or cls is list:
-            return cls(self.tree(e) for e in a)
-        if cls is dict:
-            return {k: self.tree(v) for k, v in a.items()}
-        return a
-
-    def _give(self, a: TensorRef):
-        plain = self.make(a)
-        training = self.training
-        if training is not None:
-            training.by_storage[plain.untyped_storage()._cdata] = a
-        if training is not None and a.requires_grad:
-            given = training.leaf(a, plain)
-        elif self.sim and id(a) in self.params:
-            kept = self.wrappers.get(id(a))
-            if kept is not None and kept[0] is plain:
-                given = kept[1]  # (Note [Kept wrappers])
-            else:
-                given = SimTensor(plain)
-                self.wrappers[id(a)] = (plain, given)
-        elif self.sim:
-            given = SimTensor(plain)
-        else:
-            given = plain
-        # (the version of what the call got: on "sim" the wrapper's counts the writes; an
-        # inference tensor has none, and the call may write it: None)
-        self.views[id(a)] = (a, given, plain, None if given.is_inference() else given._version)
-        return given

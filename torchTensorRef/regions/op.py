@@ -1,15 +1,20 @@
-"""A region as one op of the manager: what the strategies see of it, and its results as
-TensorRefs (Note [Regions] in ``mechanism.py``)."""
+"""A region as one op of the manager: what the strategies see of it, the plain tensors a call
+is given for its TensorRefs, and its results as TensorRefs (Note [Regions] in
+``mechanism.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..core.tensor_ref import TensorRef
+from ..core.tensor_ref import TensorRef, compute_view, host_view
 from ..memory.sim.tensor import NAME as SIM, SimTensor
 from ..ops.op_context import OpContext, wrap_one
+from .scan import Call
 
 _Tensor = torch.Tensor
+
+#: SimTensors kept per region for the TensorRefs it saw (Note [Kept wrappers])
+MAX_WRAPPERS = 1024
 
 
 class RegionSpec:
@@ -67,8 +72,8 @@ class Wrapper:
         plain = bytes_of(t)
         if plain is None:
             return t
-        if self.device_views and t.__class__ is not SimTensor and self.mgr.backend.declared.type == SIM and plain.is_cpu \
-                and not self.ctx.on_host and getattr(self.mgr.backend, "strict", False):
+        if self.device_views and t.__class__ is not SimTensor and self.mgr.backend.declared.type == SIM \
+                and plain.is_cpu and not self.ctx.on_host and getattr(self.mgr.backend, "strict", False):
             # (a CPU tensor the call made on purpose on "sim" stays one, as plain torch's would)
             return t
         if self.grad and t.requires_grad:
@@ -97,3 +102,52 @@ class Wrapper:
         if isinstance(out, (list, tuple)):
             return cls(self.tree(o) for o in out)
         return out
+
+
+class Giver:
+    """The plain tensors a region call is given for its TensorRefs (``call.views``): views of
+    their copies, leaves where the call needs gradients, ``SimTensor``s on strict "sim"."""
+
+    __slots__ = ("views", "make", "training", "sim", "wrappers", "params")
+
+    def __init__(self, call: Call, on_host: bool, training, sim: bool, kept):
+        self.views = call.views
+        self.make = host_view if on_host else compute_view
+        self.training = training
+        self.sim = sim
+        self.wrappers, self.params = kept if kept is not None else (None, ())
+
+    def tree(self, a):
+        """``a`` with each TensorRef, in tuples, lists and dicts, replaced by what the call gets."""
+        if isinstance(a, TensorRef):
+            entry = self.views.get(id(a))
+            return entry[1] if entry is not None else self._give(a)
+        cls = a.__class__
+        if cls is tuple or cls is list:
+            return cls(self.tree(e) for e in a)
+        if cls is dict:
+            return {k: self.tree(v) for k, v in a.items()}
+        return a
+
+    def _give(self, a: TensorRef):
+        plain = self.make(a)
+        training = self.training
+        if training is not None:
+            training.by_storage[plain.untyped_storage()._cdata] = a
+        if training is not None and a.requires_grad:
+            given = training.leaf(a, plain)
+        elif self.sim and id(a) in self.params:
+            kept = self.wrappers.get(id(a))
+            if kept is not None and kept[0] is plain:
+                given = kept[1]  # (Note [Kept wrappers])
+            else:
+                given = SimTensor(plain)
+                self.wrappers[id(a)] = (plain, given)
+        elif self.sim:
+            given = SimTensor(plain)
+        else:
+            given = plain
+        # (the version of what the call got: on "sim" the wrapper's counts the writes; an
+        # inference tensor has none, and the call may write it: None)
+        self.views[id(a)] = (a, given, plain, None if given.is_inference() else given._version)
+        return given
