@@ -1,4 +1,4 @@
-"""What the GPU holds at the real peak of a managed training step: each live allocation, largest first, with the code that made it.
+"""What the GPU holds at a managed training step's real peak: each live allocation, largest first, and its code.
 
     PYTHONPATH=. python benchmarks/cuda_peak.py [--size small] [--strategy flow] [--fraction 0.5]
 

@@ -19,7 +19,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-import torchTensorRef  # noqa: E402
 from benchmarks import common  # noqa: E402
 from torchTensorRef import tensorsManager as tm  # noqa: E402
 from torchTensorRef.analysis.offline import reference_moves  # noqa: E402
@@ -48,7 +47,7 @@ def run(strategy: str, fraction: float, layers: int, steps: int, seed: int = 0) 
     ids = torch.randint(0, 512, (4, 32))
     losses = []
 
-    def step():
+    def step(model, opt):
         opt.zero_grad(set_to_none=True)
         out = model(ids, labels=ids)
         out.loss.backward()
@@ -56,11 +55,11 @@ def run(strategy: str, fraction: float, layers: int, steps: int, seed: int = 0) 
         return out.loss.item()
 
     for _ in range(steps - 1):
-        losses.append(step())
+        losses.append(step(model, opt))
     tm.reset_stats()
     start = time.perf_counter()
     with tm.recording() as trace:
-        losses.append(step())
+        losses.append(step(model, opt))
     seconds = time.perf_counter() - start
     stats = tm.stats()
     ref = reference_moves(trace.accesses, tm.budget, trace.initial, trace.created, trace.block_bytes)
@@ -93,7 +92,8 @@ def main(argv=None) -> dict:
             rows.append(run(strategy, fraction, args.layers, args.steps))
     mib = 2**20
     print(f"GPT-2 ({args.layers} layers, n_embd 128) training step on 'sim', torch {torch.__version__}")
-    print(f"{'budget':>8} {'strategy':>8} {'moved MiB':>10} {'reference MiB':>14} {'ratio':>7} {'peak<=budget':>12} {'prefetch hit/miss':>18}")
+    print(f"{'budget':>8} {'strategy':>8} {'moved MiB':>10} {'reference MiB':>14} {'ratio':>7} {'peak<=budget':>12} "
+          f"{'prefetch hit/miss':>18}")
     for r in rows:
         moved = (r["bytes_to_device"] + r["bytes_to_host"]) / mib
         ref = (r["reference_to_device"] + r["reference_to_host"]) / mib

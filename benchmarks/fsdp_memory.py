@@ -33,7 +33,6 @@ def _rank(rank: int, world: int, init_file: str, layers: int, width: int, discar
     import torch.distributed as dist
     from torch import nn
 
-    import torchTensorRef
     from torchTensorRef import tensorsManager
 
     dist.init_process_group("cpu:gloo,sim:gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -64,11 +64,13 @@ from torchTensorRef.strategies import Flow  # noqa: E402
 SIZES = {
     # TinyLlama-1.1B's shape
     "full": dict(model=dict(layers=22, hidden=2048, intermediate=5632, vocab=32000, heads=32, kv_heads=4),
-                 dtype="bfloat16", prompt=128, tokens=32, batch=1, seq=256, calls=3, timed_calls=2, warmup_steps=3, steps=3,
+                 dtype="bfloat16", prompt=128, tokens=32, batch=1, seq=256, calls=3, timed_calls=2,
+                 warmup_steps=3, steps=3,
                  bandwidth_bytes=1 << 30),
     # a quarter of that: every configuration runs in a few minutes on one GPU
     "small": dict(model=dict(layers=8, hidden=1024, intermediate=2816, vocab=32000, heads=16, kv_heads=4),
-                  dtype="bfloat16", prompt=64, tokens=16, batch=1, seq=128, calls=3, timed_calls=3, warmup_steps=2, steps=2,
+                  dtype="bfloat16", prompt=64, tokens=16, batch=1, seq=128, calls=3, timed_calls=3,
+                  warmup_steps=2, steps=2,
                   bandwidth_bytes=256 << 20),
     # thin and several layers, so that every op fits in 25% of the weight bytes; float32,
     # because CPUs without native bfloat16 run bfloat16 matmuls tens of times slower
@@ -474,9 +476,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
                         help="greedy generate() calls, AdamW training steps, or both (the default)")
     parser.add_argument("--gpu", metavar="NAME", default=None,
-                        help="the row of torchTensorRef/analysis/data/gpus.json (or a .json file of numbers) to predict "
-                             "each run on, beside its measurement; default: the one torch.cuda.get_device_name() "
-                             "names, h100-pcie on sim")
+                        help="the row of torchTensorRef/analysis/data/gpus.json (or a .json file of numbers) to "
+                             "predict each run on, beside its measurement; default: the one "
+                             "torch.cuda.get_device_name() names, h100-pcie on sim")
     parser.add_argument("--per-op", action="store_true",
                         help="run the managed rows op by op (torchTensorRef.regions.enabled = False), to compare "
                              "the per-op path with module regions (the default)")

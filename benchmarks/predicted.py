@@ -342,7 +342,8 @@ def _main(argv=None) -> dict:
     result.update(predicted=True, bf16_recorded=half, shapes=shapes, decode_tokens_per_call=TOKENS,
                   warmup={k: {"least": a, "most": b} for k, (a, b) in WARMUP.items()}, recorded_steps=RECORDED,
                   host_time_pairs=PAIRS, host_time_narrower=NARROW,
-                  note="predicted by torchTensorRef.analysis.timeline from runs on sim; not measured on a GPU", works=[])
+                  note="predicted by torchTensorRef.analysis.timeline from runs on sim; not measured on a GPU",
+                  works=[])
     for work in args.works:
         layers = args.layers if work == "decode" else args.train_layers
         print(f"== {work}, {layers} layers", flush=True)

@@ -4,8 +4,8 @@ A random-weight 4-layer Llama (hidden 256, the ``small`` size of ``small_ops.py`
 ``"sim"`` under Flow at ``--fraction`` of its weights runs greedy ``generate()`` six times,
 each with a different prompt length (8, 11, 5, 9, 13, 7 tokens) and number of new tokens
 (16, 12, 20, 16, 9, 14), as real serving does, with module regions on and then off (a fresh
-copy each). Flow should learn the period of one decode step and keep it across calls. After each call it prints the ops the
-manager counted, Flow's period (in ops) and whether Flow follows a compiled plan, and the
+copy each). Flow should learn the period of one decode step and keep it across calls. After each
+call it prints the ops the manager counted, Flow's period (in ops) and whether Flow follows a compiled plan, and the
 bytes moved and evictions of that call; the last call is recorded, and its bytes are
 compared with the offline reference on its trace (at region granularity where regions are
 on: ``tensorsManager.recording(regions=True)``). A decode step is the ops of one token: with
@@ -79,7 +79,8 @@ def main(argv=None) -> dict:
         print(f"Flow at {args.fraction:.0%} of the weights, {label}:")
         for r in result[label]:
             ratio = "" if r["to_reference"] is None else f"  moved/offline reference {r['to_reference']:.3f}"
-            print(f"  prompt {r['prompt']:2d}, {r['tokens']:2d} new: ops {r['ops']:6d}  period {r['period']}  plan {r['plan']}  "
+            print(f"  prompt {r['prompt']:2d}, {r['tokens']:2d} new: ops {r['ops']:6d}  period {r['period']}  "
+                  f"plan {r['plan']}  "
                   f"MiB moved {r['mib_moved']:6.1f}  evictions {r['evictions']}{ratio}")
     return result
 

@@ -41,7 +41,8 @@ def build(vocab: int, intermediate: int, seed: int = 0, layers: int = 4, hidden:
 
     transformers.logging.set_verbosity_error()
     config = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
-                         vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                         vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=64,
                          bos_token_id=1, eos_token_id=None, pad_token_id=0)
     with torchTensorRef.disabled():
         torch.manual_seed(seed)
@@ -140,8 +141,9 @@ def main(argv=None) -> dict:
     del model
     wbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     config = plain.config
-    print(f"Llama {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {args.vocab}: {wbytes / 2**20:.1f} MiB of weights; "
-          f"{args.steps} AdamW steps (clip 1.0, LambdaLR), batch 2x{args.seq}, {args.device!r}, torch {torch.__version__}")
+    print(f"Llama {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {args.vocab}: "
+          f"{wbytes / 2**20:.1f} MiB of weights; {args.steps} AdamW steps (clip 1.0, LambdaLR), "
+          f"batch 2x{args.seq}, {args.device!r}, torch {torch.__version__}")
     print(f"{'budget':>7} {'strategy':>8} {'result':>6} {'max|diff|':>10} {'peak/budget':>11} {'moved/ref':>9} "
           f"{'ops':>6} {'regions':>7}  error")
     rows = []
@@ -154,7 +156,8 @@ def main(argv=None) -> dict:
                 print(f"{fraction:>7.0%} {strategy:>8} {'ok':>6} {r['max_diff']:>10.2e} "
                       f"{r['peak_to_budget']:>11.4f} {ratio:>9} {r['ops']:>6} {r['region_ops']:>7}", flush=True)
             else:
-                print(f"{fraction:>7.0%} {strategy:>8} {'error':>6} {'':>10} {'':>11} {'':>9}  {r['error']}", flush=True)
+                print(f"{fraction:>7.0%} {strategy:>8} {'error':>6} {'':>10} {'':>11} {'':>9}  {r['error']}",
+                      flush=True)
     result = {"torch": torch.__version__, "device": args.device, "vocab": args.vocab, "rows": rows}
     if args.json:
         common.write_result(args.json, "benchmarks/train_budget.py", argv, args.device, result)

@@ -329,7 +329,8 @@ def collectives_worker(rank: int, world: int, init_file: str, device: str) -> No
     """torch.distributed's collectives on TensorRefs under Genoa and a small budget, against plain."""
     setup(rank, world, init_file, device)
     tensorsManager.strategy = "genoa"
-    tensorsManager.budget = tensorsManager.outside_bytes() + 4096  # Genoa sends every tensor back after each op: all are paged
+    # Genoa sends every tensor back after each op: all are paged
+    tensorsManager.budget = tensorsManager.outside_bytes() + 4096
 
     def both(fn):
         with torchTensorRef.disabled():

@@ -187,7 +187,8 @@ def _private_definitions(tree: ast.AST) -> Set[str]:
                         found.add(target.id)
                     if (isinstance(target, ast.Name) and target.id == "__slots__"
                             and isinstance(stmt.value, (ast.Tuple, ast.List))):
-                        found.update(e.value for e in stmt.value.elts if isinstance(e, ast.Constant) and private(e.value))
+                        found.update(e.value for e in stmt.value.elts
+                                     if isinstance(e, ast.Constant) and private(e.value))
     return found
 
 

@@ -345,7 +345,8 @@ def step(p):
 for p in m.parameters():
     p.register_post_accumulate_grad_hook(step)
 x = torch.randn(8, 32)
-tm.budget = tm.outside_bytes() + 8192  # (beside the workspaces) forward and backward fit; the 4 KiB weight's step (12 KiB) does not
+# (beside the workspaces) forward and backward fit; the 4 KiB weight's step (12 KiB) does not
+tm.budget = tm.outside_bytes() + 8192
 try:
     m(x).sum().backward()
 except OutOfBudgetError as e:

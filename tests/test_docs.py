@@ -52,12 +52,18 @@ def test_local_links_resolve(page):
         assert os.path.exists(os.path.join(folder, target)), f"{page} links to missing {target}"
 
 
+#: the README's test command: the linter, the type checker, then the suite
+TEST_COMMAND = ('pip install -e ".[test]" && python -m ruff check torchTensorRef tests benchmarks && python -m mypy'
+                ' && python -m pytest -n 2 -q')
+
+
 def test_readme_keeps_the_two_set_up_commands():
     readme = _read("README.md")
     assert "    pip install \".[demo]\" && python -m torchTensorRef demo\n" in readme
-    assert '    pip install -e ".[test]" && python -m pytest -n 2 -q\n' in readme
+    assert f"    {TEST_COMMAND}\n" in readme
     with open(os.path.join(ROOT, ".ci", "run")) as f:
-        assert 'pip install -q -e ".[test]" && python -m pytest -n 2 -q' in f.read()
+        # (CI runs the README's command, pip quietly)
+        assert TEST_COMMAND.replace("pip install -e", "pip install -q -e") in f.read()
 
 
 def test_api_reference_names_every_public_name():

@@ -115,7 +115,8 @@ def test_allow_cpu_writes_the_summary_kills_a_step_past_its_limit_and_runs_the_n
     start = time.monotonic()
     # (one process: starting xdist workers takes longer than these tests)
     done = _run(["--out", str(out), "--allow-cpu", "--workers", "0",
-                 "--suite-args", "tests/core/test_sizes.py -k 'parse_integer or parse_fractional'", "--cuda-args", str(fake),
+                 "--suite-args", "tests/core/test_sizes.py -k 'parse_integer or parse_fractional'",
+                 "--cuda-args", str(fake),
                  "--command", f"demo={{python}} {hang}", "--demo-limit", "3", "--grace", "1",
                  "--command", f"throughput={{python}} {rows}"])
     wall = time.monotonic() - start

@@ -54,7 +54,8 @@ def test_inference_is_predicted_beside_all_resident_and_cpu_offload(script, tmp_
     chrome = tmp_path / "c.json"
     # (40 KiB above what the device holds outside the manager: earlier tests' plain tensors
     # there took half of an absolute 40 KiB in one run, and the model's first op did not fit)
-    code = cli.main(["predict", "--gpu", "rtx-4090", "--strategy", "flow", "--budget", str(budget("40KiB")), "--steps", "1:3",
+    code = cli.main(["predict", "--gpu", "rtx-4090", "--strategy", "flow", "--budget", str(budget("40KiB")),
+                     "--steps", "1:3",
                      "--json", str(out), "--chrome", str(chrome), script(INFER)])
     assert code == 0
     stdout, stderr = capsys.readouterr()

@@ -16,8 +16,6 @@ import sys
 import time
 from typing import List, Optional
 
-import torch
-
 from . import strategies
 from .core.sizes import format_size
 from .memory.devices import ACCEPTED_DEVICES
@@ -51,7 +49,8 @@ def configure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     usage error (exit code 2)."""
     settings = [("device", args.device if args.device is not None else default_device()),
                 ("strategy", args.strategy), ("budget", args.budget),
-                ("host_budget", getattr(args, "host_budget", None)), ("offload_dir", getattr(args, "offload_dir", None))]
+                ("host_budget", getattr(args, "host_budget", None)),
+                ("offload_dir", getattr(args, "offload_dir", None))]
     for name, value in settings:
         if value is None:
             continue

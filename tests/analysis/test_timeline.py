@@ -350,7 +350,8 @@ def test_the_bounding_lane_is_named():
     ("NVIDIA A100 80GB PCIe", "a100-pcie"), ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
     ("Tesla T4", "t4"), ("NVIDIA GeForce RTX 3060", "rtx-3060-12gb"), ("NVIDIA H200", "h200"),
     # other GPUs than the rows: no guess
-    ("NVIDIA L40S", None), ("NVIDIA GeForce RTX 3060 Ti", None), ("NVIDIA A100-SXM4-40GB", None), ("NVIDIA H200 NVL", None),
+    ("NVIDIA L40S", None), ("NVIDIA GeForce RTX 3060 Ti", None), ("NVIDIA A100-SXM4-40GB", None),
+    ("NVIDIA H200 NVL", None),
 ])
 def test_the_row_of_a_cuda_device_name(device, row):
     assert gpus.for_device(device) == row

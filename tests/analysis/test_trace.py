@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-import torchTensorRef
 from torchTensorRef import strategies, tensorsManager
 from torchTensorRef.analysis.trace import Trace
 from paired import budget, device_type

@@ -159,7 +159,8 @@ def test_generate_under_a_budget_pages_its_model_calls():
         with OpNames() as ops:
             assert_identical(plain_tokens, generate(model, request(ids, prompt), tokens))
         # (at half the weights, a layer's attention and MLP are the regions)
-        assert ops.count(GENERATE) == 0 and ops.count("region LlamaMLP") > 0, sorted(set(n for n in ops.names if " " in n))
+        assert ops.count(GENERATE) == 0 and ops.count("region LlamaMLP") > 0, \
+            sorted(set(n for n in ops.names if " " in n))
     assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 

@@ -57,7 +57,8 @@ def test_sim_moves_bytes_and_keeps_values():
     assert x.proxyInfo.device == "sim" and x.proxyInfo.on_device
     assert x.device == tensorsManager.torch_device  # the declared device, where ops run: sim:0 (strict)
     # (counted as the device's allocator gives it: rounded up as CUDA's)
-    assert tensorsManager.stats()["device_bytes"] == before["device_bytes"] + tensorsManager.block_bytes(x.proxyInfo.nbytes)
+    assert (tensorsManager.stats()["device_bytes"]
+            == before["device_bytes"] + tensorsManager.block_bytes(x.proxyInfo.nbytes))
     tensorsManager.pin(x)  # Genoa would send it back right after the next op
     x.mul_(2)
     assert x.proxyInfo.dirty and x.proxyInfo.pinned

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import torchTensorRef
-from torchTensorRef.memory.disk import CheckpointChangedError, DiskError, FileRange, SpillFile, check_offload_dir, file_identity
+from torchTensorRef.memory.disk import (CheckpointChangedError, DiskError, FileRange, SpillFile, check_offload_dir,
+                                        file_identity)
 
 
 def _bytes(data: bytes) -> torch.Tensor:

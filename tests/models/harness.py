@@ -23,7 +23,6 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-import torchTensorRef
 from paired import device_type, plain_torch, values
 from torchTensorRef import TensorRef, tensorsManager
 

@@ -14,7 +14,6 @@ from torch.utils.checkpoint import checkpoint
 
 import torchTensorRef
 from paired import give_room, outside, plain_torch
-from torchTensorRef import OutOfBudgetError, tensorsManager
 
 from . import harness
 from .harness import Case
@@ -69,7 +68,8 @@ class ConvNet(nn.Module):
         super().__init__()
         layers = []
         for i in range(blocks):
-            layers += [nn.Conv2d(3 if i == 0 else channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()]
+            layers += [nn.Conv2d(3 if i == 0 else channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
+                       nn.ReLU()]
         self.features = nn.Sequential(*layers)
         self.head = nn.Linear(channels, classes)
 
@@ -141,7 +141,8 @@ CASES = {
         "conv_batchnorm", ConvNet,
         lambda: dict(x=torch.randn(BATCH, 3, 4, 4), labels=torch.randint(0, 10, (BATCH,))), _classification),
     "transformer_encoder": Case("transformer_encoder", Encoder, _padded_sequences, _encoder),
-    "tied_embedding": Case("tied_embedding", TiedLM, lambda: dict(ids=torch.randint(0, 32, (BATCH, SEQ))), _language_model),
+    "tied_embedding": Case("tied_embedding", TiedLM, lambda: dict(ids=torch.randint(0, 32, (BATCH, SEQ))),
+                           _language_model),
 }
 
 

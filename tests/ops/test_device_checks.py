@@ -10,7 +10,7 @@ import torch
 
 import torchTensorRef
 from paired import assert_identical, device_type, paging, plain_torch  # noqa: F401  (paging is a fixture)
-from torchTensorRef import TensorRef, tensorsManager
+from torchTensorRef import TensorRef
 from torchTensorRef.core.tensor_ref import block_of
 
 CPU = torch.device("cpu")

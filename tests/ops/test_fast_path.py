@@ -9,7 +9,8 @@ import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.ops import dispatch
 from torchTensorRef.core.op_specs import spec_of
-from paired import EMULATED_WORKSPACES, ON_SIM, SIM_ONLY_REASON, assert_identical, budget, needs_fast_path, plain_torch, values
+from paired import (EMULATED_WORKSPACES, ON_SIM, SIM_ONLY_REASON, assert_identical, budget, needs_fast_path,
+                    plain_torch, values)
 
 aten = torch.ops.aten
 

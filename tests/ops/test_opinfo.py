@@ -3,10 +3,10 @@
 For each ``op_db`` entry that supports float32 on the CPU and each strategy, the first
 ``SAMPLES_PER_OP`` sample inputs and a non-contiguous copy of the first run twice: once in
 plain torch on the test device (``SimTensor``s on "sim", plain CUDA tensors on CUDA), once
-with every tensor of the sample made a TensorRef, under a budget of twice the sample's bytes (so the op's intermediate tensors and autograd's saved
-tensors are evicted and fetched back). The function and in-place variants run forward and
-backward (the gradients of a fixed random weighting of the outputs; in place on a clone of
-the input); ``out=`` (into empty tensors the op must resize) runs forward. Results, the
+with every tensor of the sample made a TensorRef, under a budget of twice the sample's bytes (so the op's
+intermediate tensors and autograd's saved tensors are evicted and fetched back). The function and
+in-place variants run forward and backward (the gradients of a fixed random weighting of the
+outputs; in place on a clone of the input); ``out=`` (into empty tensors the op must resize) runs forward. Results, the
 inputs afterwards (ops may write them) and gradients must match plain torch bit for bit;
 where plain torch raises, the managed run must raise an exception of the very same type
 (never one of the package's own errors, such as ``OutOfBudgetError``, a ``RuntimeError``).

@@ -182,7 +182,8 @@ def test_creation_sizes_are_cached_by_their_arguments_and_stay_right(fresh_manag
     tm.budget = budget("1MiB")
     for n in (24, 24, 25, 1000, 24):
         x = torch.arange(0, n)
-        assert x.proxyInfo.device.split(":")[0] == device_type() and x.numel() == n and x.untyped_storage().nbytes() == 8 * n
+        assert (x.proxyInfo.device.split(":")[0] == device_type() and x.numel() == n
+                and x.untyped_storage().nbytes() == 8 * n)
         assert torch.equal(x.cpu(), torch.arange(0, n, device="cpu"))
     big = torch.arange(0, 2**20)  # 8 MiB: past the budget, so made in host memory
     assert big.proxyInfo.device == "cpu" and tm.stats()["peak_device_bytes"] <= tm.budget

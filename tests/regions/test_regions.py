@@ -437,7 +437,7 @@ def test_a_module_that_ran_as_a_region_is_freed_when_dropped(small_regions):
     model = mlp()
     x = torchTensorRef.manage(torch.randn(4, 16))
     with torch.no_grad():
-        _, ops = ops_of(lambda: model(x))
+        _, ops = ops_of(lambda m=model: m(x))
     assert ops == 1
     dropped = weakref.ref(model)
     del model
@@ -480,7 +480,8 @@ def test_a_recording_with_regions_keeps_them_one_op_and_the_offline_reference_ma
     # the reference must fit the working set, the output and the inside at once
     assert ref["peak_device_bytes"] >= sum(a[2] for a in trace.accesses)
     with pytest.raises(torchTensorRef.OutOfBudgetError):
-        reference_moves(trace.accesses, sum(a[2] for a in trace.accesses) - 1, trace.initial, trace.created, trace.block_bytes)
+        too_small = sum(a[2] for a in trace.accesses) - 1
+        reference_moves(trace.accesses, too_small, trace.initial, trace.created, trace.block_bytes)
 
 
 def test_under_a_budget_regions_are_on_by_default_and_under_budget_makes_them_opt_in(small_regions):

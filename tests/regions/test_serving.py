@@ -56,7 +56,11 @@ def test_requests_of_every_length_run_as_regions_keep_flow_s_period_and_match_pl
     assert layer <= regions.fraction * (weights // 2)  # (the size rule: a layer is a region)
     tm.reset_stats()
     layers = []
-    handle = tm.add_callback(before=lambda op: layers.append(op.index) if op.name == "region LlamaDecoderLayer" else None)
+    def note_layer(op):
+        if op.name == "region LlamaDecoderLayer":
+            layers.append(op.index)
+
+    handle = tm.add_callback(before=note_layer)
     managed_ids = torchTensorRef.manage(ids.clone())
     periods = []
     try:

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -90,7 +90,7 @@ class Block:
         "disk", "spilling", "views", "fetches", "explicit", "__weakref__",
     )
 
-    def __init__(self, nbytes: int, on_ref_dead=None):
+    def __init__(self, nbytes: int, on_ref_dead: Optional[Callable[..., None]] = None) -> None:
         self.id: int = next(_ids)
         self.nbytes: int = nbytes
         self.host: Optional[torch.UntypedStorage] = None
@@ -113,10 +113,13 @@ class Block:
         self.from_op: bool = False
         #: brought in by a prefetch and not used since (for the hit/miss statistics)
         self.prefetched: bool = False
+        # (``dev_pending``, ``host_pending``, ``disk`` and ``spilling`` are typed ``Any``: their
+        # types are memory/'s, above the core: ``Pending`` of ``streams.py``, ``FileRange`` of
+        # ``disk.py``, the spill of ``host_tier.py``)
         #: copy into ``dev`` still running (a prefetch); ops wait on it
-        self.dev_pending = None
+        self.dev_pending: Any = None
         #: copy into ``host`` still running (a write-back); readers of ``host`` wait on it
-        self.host_pending = None
+        self.host_pending: Any = None
         #: holders of its host bytes outside the manager (Note [External bytes])
         self.external: int = 0
         #: a CPU tensor: never moved to the accelerator, reports ``cpu``
@@ -126,9 +129,9 @@ class Block:
         #: its device address was handed out (``data_ptr``): kept resident until room is needed
         self.exposed: bool = False
         #: a file range holding the current bytes (Note [Three levels] in ``disk.py``), or None
-        self.disk = None
+        self.disk: Any = None
         #: the write of its host copy to the spill file, while it runs
-        self.spilling = None
+        self.spilling: Any = None
         #: weakrefs of the TensorRefs viewing it, whose cached views are dropped with a copy
         self.views: list = []
         #: times brought to the device on demand: from the second, it is paged, and its host
@@ -151,7 +154,7 @@ class Block:
 
     # -- transitions (Note [Residence]) ------------------------------------------------------
 
-    def arriving(self, storage, pending) -> None:
+    def arriving(self, storage: torch.UntypedStorage, pending: Any) -> None:
         """A prefetch is copying the bytes into ``storage`` (``pending``: the copy)."""
         self.set_dev(storage)
         self.dev_pending = pending
@@ -219,6 +222,13 @@ class Block:
         self.host = storage
         self.host_valid = valid
         self.gen += 1
+
+    def host_storage(self) -> torch.UntypedStorage:
+        """``host``, where the caller knows there is a host copy (its bytes are not on disk
+        only, Note [Three levels] in ``disk.py``)."""
+        host = self.host
+        assert host is not None, f"{self!r} has no host copy"
+        return host
 
     #: ``forget_views(views)``: the TensorRefs behind ``views`` (weakrefs) forget the views
     #: they cached; returns the weakrefs still alive (installed by ``core.tensor_ref``, which

@@ -61,7 +61,7 @@ def plain_device() -> Optional[torch.device]:
     return getattr(_local, "device", None)
 
 
-def enter_plain(device: Optional[torch.device]):
+def enter_plain(device: Optional[torch.device]) -> Optional[torch.device]:
     """Start a ``disabled()`` scope; returns what :func:`exit_plain` restores."""
     previous = getattr(_local, "device", None)
     _local.depth = getattr(_local, "depth", 0) + 1
@@ -69,6 +69,6 @@ def enter_plain(device: Optional[torch.device]):
     return previous
 
 
-def exit_plain(previous) -> None:
+def exit_plain(previous: Optional[torch.device]) -> None:
     _local.depth -= 1
     _local.device = previous

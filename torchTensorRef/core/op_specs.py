@@ -6,9 +6,10 @@ handlers are keyed by the exact ``OpOverload`` and registering one twice is an e
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
+from torch._ops import OpOverload
 
 Handler = Callable[..., object]
 
@@ -38,7 +39,7 @@ class OpSpec:
     __slots__ = ("func", "name", "write_args", "return_args", "allocates", "restrides", "one_result", "one_tensor",
                  "call", "host_results", "host_args", "handler")
 
-    def __init__(self, func):
+    def __init__(self, func: OpOverload) -> None:
         self.func = func
         #: the C++ callable behind ``func`` (calling it skips one Python frame per op)
         self.call = getattr(func, "_op", func)
@@ -124,7 +125,7 @@ _HANDLERS: Dict[object, Handler] = {}
 _SPECS: Dict[int, OpSpec] = {}
 
 
-def implements(ops):
+def implements(ops: Union[OpOverload, List[OpOverload], Tuple[OpOverload, ...]]) -> Callable[[Handler], Handler]:
     """Register the decorated function as the handler of each op in ``ops``.
 
     The handler is called as ``handler(func, args, kwargs, spec)`` instead of the generic
@@ -143,7 +144,7 @@ def implements(ops):
     return register
 
 
-def spec_of(func) -> OpSpec:
+def spec_of(func: OpOverload) -> OpSpec:
     """The cached :class:`OpSpec` of ``func``."""
     spec = _SPECS.get(id(func))
     if spec is None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from . import context
+from .blocks import Block
 
 
 class ProxyInfo:
@@ -14,7 +17,7 @@ class ProxyInfo:
 
     __slots__ = ("_ref", "_block")
 
-    def __init__(self, ref, block):
+    def __init__(self, ref: torch.Tensor, block: Block) -> None:
         self._ref = ref
         self._block = block  # (the TensorRef's block: ``ref.data = t`` gives it another, so read it at once)
 

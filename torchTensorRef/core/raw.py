@@ -5,10 +5,14 @@ Imported before :mod:`.patching` wraps torch, so these names always refer to pla
 
 from __future__ import annotations
 
+from typing import Optional, Sequence, TypeVar, Union
+
 import torch
 
+_F = TypeVar("_F")
 
-def _unwrapped(fn):
+
+def _unwrapped(fn: _F) -> _F:
     # If torch was already patched (for instance by a reload), reach the original.
     return getattr(fn, "__wrapped__", fn)
 
@@ -17,6 +21,10 @@ empty = _unwrapped(torch.empty)
 empty_strided = _unwrapped(torch.empty_strided)
 
 UINT8 = torch.uint8
+
+#: ``Tensor.data``'s descriptor, for a subclass that overrides ``data`` (the stubs declare
+#: ``data`` a plain attribute, without ``__get__`` and ``__set__``)
+TENSOR_DATA = vars(torch._C.TensorBase)["data"]
 
 
 def flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -34,18 +42,19 @@ def flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def storage_users(storage: torch.UntypedStorage):
+def storage_users(storage: torch.UntypedStorage) -> Optional[int]:
     """How many tensors and storage objects use ``storage``'s bytes (PyTorch's own count),
     or ``None`` where this torch cannot say."""
     return _use_count(storage._cdata) if _use_count is not None else None
 
 
-def typed_view(storage: torch.UntypedStorage, dtype, size, stride, offset) -> torch.Tensor:
+def typed_view(storage: torch.UntypedStorage, dtype: torch.dtype, size: Sequence[int], stride: Sequence[int],
+               offset: Union[int, torch.SymInt]) -> torch.Tensor:
     """A plain tensor of ``dtype`` viewing ``storage`` with the given geometry (no copy)."""
     return empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
 
-def storage_bytes(size, stride, dtype) -> int:
+def storage_bytes(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> int:
     """Bytes of the smallest storage a tensor of this geometry needs (from offset 0)."""
     if any(s == 0 for s in size):
         return 0

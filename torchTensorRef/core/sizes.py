@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import re
 from fractions import Fraction
-from typing import Optional, Union
+from typing import Literal, Optional, SupportsIndex, Union, overload
 
 _UNITS = {
     "": 1, "b": 1,
@@ -19,8 +19,17 @@ ACCEPTED = SIZES.replace(" or a", ", a") + ", or None"
 #: the largest size accepted: the most bytes torch can count (a 64-bit signed int)
 MAX_BYTES = 2**63 - 1
 
+#: what ``parse_size`` reads
+Size = Union[SupportsIndex, float, str, None]
 
-def parse_size(value: Union[int, str, None], what: str = "budget", none: bool = True) -> Optional[int]:
+
+@overload
+def parse_size(value: Size, what: str = ..., *, none: Literal[False]) -> int: ...
+@overload
+def parse_size(value: Size, what: str = ..., none: bool = ...) -> Optional[int]: ...
+
+
+def parse_size(value: Size, what: str = "budget", none: bool = True) -> Optional[int]:
     """Return ``value`` as a number of bytes (``None`` stays ``None`` where ``none`` allows it).
 
     ``value`` is ``None``, an integer of any type (``int``, ``numpy.int64``: anything with
@@ -47,7 +56,7 @@ def parse_size(value: Union[int, str, None], what: str = "budget", none: bool = 
     return nbytes
 
 
-def _to_bytes(value) -> Optional[int]:
+def _to_bytes(value: Union[SupportsIndex, float, str]) -> Optional[int]:
     """``value`` as an int of bytes, or ``None`` where it is no size at all."""
     if isinstance(value, bool):
         return None  # (an int to Python, but never meant as a size)

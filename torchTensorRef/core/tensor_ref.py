@@ -19,12 +19,18 @@ import operator
 import sys
 import threading
 import weakref
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, cast
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import context, raw
 from .blocks import Block
+
+if TYPE_CHECKING:
+    from .proxy_info import ProxyInfo
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _saving = threading.local()
@@ -35,19 +41,19 @@ _saving = threading.local()
 _manager = context.manager
 
 
-def _apart_from_modes(method):
+def _apart_from_modes(method: _Method) -> _Method:
     """``method`` of a TensorRef, with the manager's own copies kept from the caller's dispatch
     modes: plain torch runs no op there, so a mode must see none (torch.export's fake tensors
     would take the copies over and fail)."""
 
     @functools.wraps(method)
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         if _dispatch_modes():
             with _disable_current_modes():
                 return method(*args, **kwargs)
         return method(*args, **kwargs)
 
-    return run
+    return cast(_Method, run)
 
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -71,9 +77,14 @@ class TensorRef(torch.Tensor):
     # Slots, not the instance dict: every op's result sets them, and users' attributes
     # (``__dict__``) then hold only what users set.
     __slots__ = ("_tr_block", "_tr_view", "_tr_gen", "_tr_wr")
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    _tr_block: Block
+    _tr_view: torch.Tensor | None  # (None only while _tr_gen is -1, never a generation)
+    _tr_gen: int
+    _tr_wr: weakref.ref[TensorRef] | None
+    # (torch's stubs type the impl as a plain function, the attribute as a classmethod)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    def __new__(cls, data: torch.Tensor, requires_grad: bool | None = None, **attributes):
+    def __new__(cls, data: torch.Tensor, requires_grad: bool | None = None, **attributes: Any):
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"TensorRef(data) needs a torch.Tensor (got: {type(data).__name__})")
         # ``type(p)(data, requires_grad=..., **p.__dict__)`` rebuilds a parameter (accelerate's
@@ -91,11 +102,14 @@ class TensorRef(torch.Tensor):
             out.__dict__.update(attributes)  # (what the rebuilt parameter carried)
         return out
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    # (torch declares it by assigning a plain function to the attribute, which mypy reads as
+    # an instance method: no classmethod matches that signature)
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func: torch._ops.OpOverload, types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: Optional[dict] = None) -> Any:
         # Replaced by ``ops.dispatch.torch_dispatch`` when the ops layer is imported
         # (bound there at import): the core does not know how ops run.
         raise RuntimeError(f"{func} on a TensorRef before the ops layer was installed: import torchTensorRef")
@@ -116,7 +130,7 @@ class TensorRef(torch.Tensor):
             return compute_view(self)
 
     @property
-    def proxyInfo(self):
+    def proxyInfo(self) -> ProxyInfo:
         """Where the data is and what the manager tracks (a ``ProxyInfo``)."""
         from .proxy_info import ProxyInfo
 
@@ -161,7 +175,7 @@ class TensorRef(torch.Tensor):
     @_apart_from_modes
     def untyped_storage(self) -> torch.UntypedStorage:
         _manager().move_to_host(self)
-        return self._tr_block.host
+        return self._tr_block.host_storage()
 
     @_apart_from_modes
     def data_ptr(self) -> int:
@@ -175,10 +189,12 @@ class TensorRef(torch.Tensor):
         mgr = _manager()
         if self._tr_block.host_only or mgr.backend.passthrough:
             storage = self.untyped_storage()
-            return storage.data_ptr() + self.storage_offset() * self.element_size()
+            return storage.data_ptr() + int(self.storage_offset()) * self.element_size()
         return mgr.expose(self).data_ptr()
 
-    def __repr__(self, *, tensor_contents=None) -> str:
+    # (mypy reads the keyword-only parameter of Tensor.__repr__ without its name: no
+    # override matches it, this one included)
+    def __repr__(self, *, tensor_contents: Optional[str] = None) -> str:  # type: ignore[override]
         text = tensor_text(self, tensor_contents)
         if getattr(self, "_is_param", False):
             text = "Parameter containing:\n" + text
@@ -190,7 +206,7 @@ class TensorRef(torch.Tensor):
             return self.detach().item().__format__(format_spec)
         return object.__format__(self, format_spec)
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol: Any) -> Any:
         # (not decorated: ``_called_by_torch_save`` counts the frames above this one)
         plain = _apart_from_modes(host_copy)(self, share=True)
         plain.requires_grad_(self.requires_grad)  # torch pickles it for non-leaves too
@@ -206,7 +222,7 @@ class TensorRef(torch.Tensor):
             return plain.__reduce_ex__(protocol)
         return (_rebuild, (plain, is_param))
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict) -> TensorRef:
         if not self.is_leaf:
             raise RuntimeError(
                 "Only Tensors created explicitly by the user (graph leaves) support the "
@@ -219,19 +235,19 @@ class TensorRef(torch.Tensor):
         return new
 
     @property
-    def data(self):
-        return torch._C.TensorBase.data.__get__(self)
+    def data(self) -> torch.Tensor:
+        return raw.TENSOR_DATA.__get__(self)
 
     @data.setter
-    def data(self, new):
+    def data(self, new: torch.Tensor) -> None:
         # ``p.data = t`` copies t's metadata into p's C++ tensor but not our block: rebind it.
         if not isinstance(new, TensorRef):
             new = _manager().manage_tensor(new)
-        torch._C.TensorBase.data.__set__(self, new)
+        raw.TENSOR_DATA.__set__(self, new)
         _manager().rebind(self, new)
 
 
-def tensor_text(ref: TensorRef, tensor_contents=None) -> str:
+def tensor_text(ref: TensorRef, tensor_contents: Optional[str] = None) -> str:
     """``repr`` of a plain tensor with ``ref``'s values, metadata and autograd state.
 
     Mirrors ``torch._tensor_str._str`` for dense tensors: the suffixes (device, dtype,
@@ -272,7 +288,7 @@ def tensor_text(ref: TensorRef, tensor_contents=None) -> str:
     try:
         grad_fn = ref.grad_fn
         name = None if grad_fn is None else type(grad_fn).__name__
-        if name == "CppFunction":
+        if grad_fn is not None and name == "CppFunction":
             name = grad_fn.name().rsplit("::", 1)[-1]
     except RuntimeError:  # a view made and written in place under no_grad (pytorch#99968)
         name = "Invalid"
@@ -283,7 +299,7 @@ def tensor_text(ref: TensorRef, tensor_contents=None) -> str:
     return _add_suffixes(prefix + text, suffixes, indent, force_newline=False)
 
 
-def _rebuild(plain: torch.Tensor, is_param: bool):
+def _rebuild(plain: torch.Tensor, is_param: bool) -> torch.Tensor:
     ref = _manager().manage_tensor(plain)  # with plain's attributes
     if is_param:
         ref = torch.nn.Parameter(ref, requires_grad=plain.requires_grad)
@@ -309,7 +325,7 @@ _CPU = torch.device("cpu")
 _inference_mode = torch.is_inference_mode_enabled
 
 
-def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_grad=False,
+def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_grad: bool = False,
              geometry_only: bool = False) -> TensorRef:
     """Wrap the plain ``view`` (a view of ``block``'s current copy) in a new TensorRef.
 
@@ -393,9 +409,12 @@ def compute_view(ref: TensorRef) -> torch.Tensor:
     The caller holds the manager's lock and, for an op, has made the block resident.
     """
     block = ref._tr_block
-    if ref._tr_gen == block.gen:
-        return ref._tr_view
-    view = view_on(ref, block.dev if block.dev is not None else block.host)
+    view = ref._tr_view
+    if ref._tr_gen == block.gen and view is not None:
+        return view
+    storage = block.dev if block.dev is not None else block.host
+    assert storage is not None  # (Note [Blocks and coherence]: a copy is valid)
+    view = view_on(ref, storage)
     ref._tr_view, ref._tr_gen = view, block.gen
     return view
 
@@ -424,7 +443,7 @@ def with_math_bits(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def host_view(ref: TensorRef) -> torch.Tensor:
     """Plain view of ``ref`` on the host copy; the caller made that copy valid."""
-    return view_on(ref, ref._tr_block.host)
+    return view_on(ref, ref._tr_block.host_storage())
 
 
 def host_copy(ref: TensorRef, share: bool = False) -> torch.Tensor:
@@ -443,9 +462,9 @@ def host_copy(ref: TensorRef, share: bool = False) -> torch.Tensor:
 class saving:
     """Context in which pickling a TensorRef writes a plain tensor (used by ``torch.save``)."""
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self._before = getattr(_saving, "active", False)
         _saving.active = True
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         _saving.active = self._before

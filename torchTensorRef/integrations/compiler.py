@@ -56,7 +56,8 @@ def hide_from_compiler() -> None:
             add(__name__.partition(".")[0])  # the whole package, every layer
         # (the compiler warns that it cannot trace the patched functions: it is told not to)
         warnings.filterwarnings("ignore", category=UserWarning,
-                                message=r"Dynamo does not know how to trace the builtin `torch\._VariableFunctionsClass\.")
+                                message=r"Dynamo does not know how to trace the builtin "
+                                        r"`torch\._VariableFunctionsClass\.")
         _hidden = True
     break_graph_at_wrappers()
 

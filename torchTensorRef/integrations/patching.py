@@ -297,7 +297,8 @@ def _targets():
 
 
 #: modules imported on demand, after torch, whose functions are wrapped when they are imported
-LATE_MODULES = distributed.LATE_MODULES + ("safetensors", "transformers.modeling_utils", "transformers.generation.utils")
+LATE_MODULES = distributed.LATE_MODULES + ("safetensors", "transformers.modeling_utils",
+                                           "transformers.generation.utils")
 
 
 def _wrap_late(module) -> None:

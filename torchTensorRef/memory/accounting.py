@@ -25,7 +25,9 @@ allocator's.
 
 from __future__ import annotations
 
-from typing import List, Optional, Set, Tuple
+from typing import Callable, List, Optional, Set, Tuple
+
+from .streams import Pending
 
 #: one check in this many reads the device even when the estimate fits (CUDA)
 READ_EVERY = 64
@@ -52,7 +54,7 @@ class Accounting:
 
     def __init__(self) -> None:
         self.resident: int = 0
-        self.pending: List[Tuple[object, int]] = []
+        self.pending: List[Tuple[Pending, int]] = []
         self.pending_bytes: int = 0
         self.elsewhere: bool = False
         self.elsewhere_bytes: int = 0
@@ -92,7 +94,7 @@ class Accounting:
         """A resident block's ``nbytes`` left the device (or are now ``pending``)."""
         self.resident -= nbytes
 
-    def hold(self, pending, nbytes: int) -> None:
+    def hold(self, pending: Pending, nbytes: int) -> None:
         """A device buffer of ``nbytes`` stays allocated until ``pending`` ends (Note [Stream-ordered frees])."""
         self.pending.append((pending, nbytes))
         self.pending_bytes += nbytes
@@ -108,7 +110,7 @@ class Accounting:
                     kept.append(entry)
             self.pending = kept
 
-    def retire(self, wait_host=None) -> None:
+    def retire(self, wait_host: Optional[Callable[[Pending], None]] = None) -> None:
         """Forget the held buffers whose copies ended (on ``"sim"``: end them now); with
         ``wait_host`` (a callable waiting on a pending copy), wait for all of them first."""
         kept = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Iterable, Optional, cast
 
 import torch
 
@@ -24,7 +24,7 @@ class Adoption:
         self.m = manager
 
     def manage_tensor(self, t: torch.Tensor, requires_grad: Optional[bool] = None, *, host_only: bool = False,
-                      shared: bool = True):
+                      shared: bool = True) -> TensorRef:
         """A TensorRef over plain tensor ``t``'s bytes (shared, not copied).
 
         A ``Parameter`` stays a ``Parameter``; a TensorRef is returned as is. Tensors on
@@ -49,12 +49,14 @@ class Adoption:
         rg = t.requires_grad if requires_grad is None else requires_grad
         ref = self._wrap_plain(t.detach(), rg, host_only, shared)
         if isinstance(t, torch.nn.Parameter):
-            ref = torch.nn.Parameter(ref, requires_grad=rg)
+            # (a Parameter of a tensor subclass is an instance of that subclass, marked
+            # ``_is_param``; the stubs say Parameter)
+            ref = cast(TensorRef, torch.nn.Parameter(ref, requires_grad=rg))
         if t.__dict__:
             ref.__dict__.update(t.__dict__)  # attributes users set (transformers marks parameters)
         return ref
 
-    def take_over(self, refs) -> int:
+    def take_over(self, refs: Iterable[torch.Tensor]) -> int:
         """Blocks of ``refs`` whose plain tensors nobody holds any more become the manager's
         own: their host copies may be pinned, re-homed and spilled from now on (while
         someone holds the plain tensor, its bytes stay where they are: Note [External
@@ -96,7 +98,8 @@ class Adoption:
             view = t if current is storage else compute_view_of(block, t)
             return make_ref(block, view, m.declared, requires_grad=requires_grad)
 
-    def _new_block_for(self, storage, key: int, on_device: bool, host_only: bool, shared: bool) -> Block:
+    def _new_block_for(self, storage: torch.UntypedStorage, key: int, on_device: bool, host_only: bool,
+                       shared: bool) -> Block:
         """The block of a plain tensor's ``storage`` (its bytes, not a copy)."""
         m = self.m
         books = m.books
@@ -121,7 +124,7 @@ class Adoption:
         m.strategy.on_adopt(block)
         return block
 
-    def clone_ref(self, ref: TensorRef, memo: dict):
+    def clone_ref(self, ref: TensorRef, memo: dict) -> TensorRef:
         """A deep copy of leaf ``ref`` with its own block (``copy.deepcopy``)."""
         m = self.m
         with m.lock:
@@ -142,7 +145,7 @@ class Adoption:
                                                  ref.storage_offset()), ref)
             new = make_ref(new_block, view, m.declared, requires_grad=ref.requires_grad)
         if getattr(ref, "_is_param", False):
-            new = torch.nn.Parameter(new, requires_grad=ref.requires_grad)
+            new = cast(TensorRef, torch.nn.Parameter(new, requires_grad=ref.requires_grad))  # (as above)
         if ref.grad is not None:
             new.grad = copy.deepcopy(ref.grad, memo)
         for name, value in user_attributes(ref).items():
@@ -167,4 +170,5 @@ class Adoption:
 def compute_view_of(block: Block, t: torch.Tensor) -> torch.Tensor:
     """``t``'s geometry on ``block``'s current copy."""
     storage = block.dev if block.dev is not None else block.host
+    assert storage is not None  # (Note [Blocks and coherence]: a copy is valid)
     return with_math_bits(raw.typed_view(storage, t.dtype, t.size(), t.stride(), t.storage_offset()), t)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List, Optional
 
 from ..core.errors import OpVetoedError
+from .op_protocol import OpInFlight
+
+
+#: a callback: called with the op in flight; a ``before`` callback returning ``False`` vetoes it
+Callback = Callable[[OpInFlight], object]
 
 
 class OpCallback:
     """Handle of callbacks added with ``tensorsManager.add_callback``."""
 
-    def __init__(self, callbacks: "Callbacks", before, after):
+    def __init__(self, callbacks: "Callbacks", before: Optional[Callback], after: Optional[Callback]) -> None:
         self.callbacks, self.before, self.after = callbacks, before, after
 
     def remove(self) -> None:
@@ -30,7 +35,7 @@ class Callbacks:
         self.m = manager
         self.handles: List[OpCallback] = []
 
-    def add(self, before=None, after=None) -> OpCallback:
+    def add(self, before: Optional[Callback] = None, after: Optional[Callback] = None) -> OpCallback:
         """Run ``before(op)`` / ``after(op)`` around every managed op; returns a handle.
 
         ``op`` is the op in flight (``op.name``, ``op.index``, ``op.blocks``, ``op.args``
@@ -64,7 +69,7 @@ class Callbacks:
                 self.handles.remove(handle)
                 self.m.refresh_fast()
 
-    def run(self, when: str, ctx) -> None:
+    def run(self, when: str, ctx: OpInFlight) -> None:
         """The ``before`` or ``after`` callbacks of op ``ctx``; a ``before`` returning ``False`` vetoes it."""
         for handle in list(self.handles):
             fn = handle.before if when == "before" else handle.after

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -58,7 +58,7 @@ def cuda_block_bytes(nbytes: int) -> int:
     return size
 
 
-def largest_within(nbytes: int, block_bytes) -> int:
+def largest_within(nbytes: int, block_bytes: Callable[[int], int]) -> int:
     """The largest allocation that ``block_bytes`` (a backend's count of an allocation) counts
     as at most ``nbytes``: room kept as "all that is left" must not round up past it."""
     if nbytes <= 0:
@@ -90,12 +90,17 @@ class Backend:
     passthrough: bool = False
     #: allocations are checked against ``capacity()`` here (the simulated device), not by a driver
     simulated: bool = False
+    #: the device is fixed (only ``"cuda"`` without an index waits for its first use)
+    resolved: bool = True
 
     def __init__(self, compute: torch.device, declared: torch.device):
         self.compute = compute
         self.declared = declared
-        self.streams = None
+        self.streams: Optional[Union[CudaStreams, SimStreams]] = None
         self.pinned: Optional[PinnedMemory] = None
+
+    def resolve(self) -> None:
+        """Fix the device at its first use (Note [Declared device]; ``CudaBackend``'s index)."""
 
     @property
     def kind(self) -> str:
@@ -186,6 +191,7 @@ class SimBackend(Backend):
 
     name = "sim"
     simulated = True
+    pinned: PinnedMemory  # (emulated, always)
 
     def __init__(self, capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,
                  workspace: int = 0, rounding: bool = False, strict: bool = True):
@@ -275,7 +281,7 @@ class SimBackend(Backend):
         return True
 
 
-def workspace_key():
+def workspace_key() -> Union[str, int]:
     """Whose workspace a kernel uses: on CUDA one per thread's cuBLAS handle, and autograd
     runs every backward kernel of a device on that device's own thread."""
     return "backward" if torch._C._current_graph_task_id() >= 0 else threading.get_ident()
@@ -345,8 +351,9 @@ class CudaBackend(Backend):
         return torch.cuda.is_current_stream_capturing()
 
 
-def make_backend(spec, sim_capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,
-                 sim_workspace: int = 0, sim_rounding: bool = False, sim_strict: bool = True) -> Backend:
+def make_backend(spec: Union[str, torch.device], sim_capacity: int = SIM_CAPACITY_BYTES,
+                 pinned_limit: Optional[int] = None, sim_workspace: int = 0, sim_rounding: bool = False,
+                 sim_strict: bool = True) -> Backend:
     """Build the backend for a ``tensorsManager.device`` value.
 
     Raises:

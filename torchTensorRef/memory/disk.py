@@ -30,7 +30,7 @@ import tempfile
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -203,13 +203,13 @@ class _open_checked:
                               f"({what}): write new checkpoints to another file, or load this one again")
         return self.fd
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         os.close(self.fd)
 
 
 def _read_exactly(fd: int, offset: int, buffer: torch.Tensor, path: str) -> memoryview:
     """Fill ``buffer`` with the bytes at ``offset`` of ``fd``; returns them, as a view of ``buffer``."""
-    view = memoryview(buffer.numpy())
+    view = buffer.numpy().data
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -303,7 +303,7 @@ class SpillFile:
         return self._fd
 
     def write(self, offset: int, buffer: torch.Tensor) -> None:
-        view = memoryview(buffer.numpy())
+        view = buffer.numpy().data
         fd = self._file()
         done = 0
         try:
@@ -353,7 +353,7 @@ class DiskIO:
     def __init__(self):
         self._pool: Optional[ThreadPoolExecutor] = None
 
-    def submit(self, fn, *args) -> DiskPending:
+    def submit(self, fn: Callable[..., object], *args: object) -> DiskPending:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchTensorRef-disk")
         return DiskPending(self._pool.submit(fn, *args))
@@ -366,7 +366,7 @@ def default_offload_dir() -> str:
     return path
 
 
-def check_offload_dir(path) -> str:
+def check_offload_dir(path: Union[str, os.PathLike]) -> str:
     """``path`` as a folder that exists (made if needed) and is writable; else ``ValueError``."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"offload_dir must be a folder path (str or os.PathLike) or None (got: {type(path).__name__})")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import time
-from typing import Collection, Dict, List, Optional
+from typing import Collection, Dict, Iterator, List, Optional
 
 from ..core import raw
 from ..core.blocks import Block
@@ -127,7 +127,7 @@ class HostTier:
         buffer = self.m.backend.pinned.allocate(block.nbytes)
         if buffer is None:
             return False
-        buffer.copy_(raw.flat_bytes(block.host))
+        buffer.copy_(raw.flat_bytes(block.host_storage()))
         self.m.residency.forget_host(block)
         block.set_host(buffer.untyped_storage(), True)
         self.host_gained(block)
@@ -223,7 +223,7 @@ class HostTier:
             self.m.residency.drop_host(block)
             return True
 
-    def candidates(self, protect: Collection[int]):
+    def candidates(self, protect: Collection[int]) -> Iterator[Block]:
         """The blocks whose host copy may leave host memory now (not those in ``protect``)."""
         for block in self.hosted.values():
             if (block.spilling is None and not block.external and not block.host_shared
@@ -243,7 +243,7 @@ class HostTier:
         start = time.perf_counter_ns()
         offset = spill.allocate(nbytes)
         range_ = FileRange(spill.path, offset, nbytes, spill=spill)
-        entry = _Spill(block, self.disk_io.submit(spill.write, offset, raw.flat_bytes(block.host)), range_)
+        entry = _Spill(block, self.disk_io.submit(spill.write, offset, raw.flat_bytes(block.host_storage())), range_)
         block.spilling = entry
         self.spilling.append(entry)
         if self.m.trace is not None:
@@ -353,7 +353,7 @@ def host_copy_is_ours(block: Block) -> bool:
     other name for that object than ``block.host`` (where PyTorch cannot count: no). The
     views its TensorRefs cached are let go first: they are made again when next used."""
     block.drop_views()
-    host = block.host
+    host = block.host_storage()
     return raw.storage_users(host) == 1 and sys.getrefcount(host) == 3  # (block.host, host, the call's)
 
 

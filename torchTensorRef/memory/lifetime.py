@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Dict, List
+import weakref
+from typing import Dict, List, Optional
+
+import torch
 
 from ..core.blocks import Block
+from .streams import Pending
 
 
 class Books:
@@ -50,7 +54,7 @@ class Books:
         self.blocks[block.id] = block
         return block
 
-    def ref_died(self, block: Block, _weakref=None) -> None:
+    def ref_died(self, block: Block, _weakref: Optional[weakref.ref] = None) -> None:
         """Weakref callback: a TensorRef viewing ``block`` died (queued, applied when the lock is free)."""
         m = self.m
         if m.exiting:
@@ -110,7 +114,7 @@ class Books:
         if not block.external and block.alive:
             self.external -= 1
 
-    def made_resident(self, block: Block, storage, pending=None) -> None:
+    def made_resident(self, block: Block, storage: torch.UntypedStorage, pending: Optional[Pending] = None) -> None:
         """``block``'s device copy is ``storage`` now (being copied in where ``pending``),
         counted against the budget."""
         if pending is None:
@@ -136,7 +140,7 @@ class Books:
             m.residency.drop_dev(block)
             self.left_device(block)
 
-    def set_host_only(self, block: Block, storage) -> None:
+    def set_host_only(self, block: Block, storage: torch.UntypedStorage) -> None:
         """``storage`` is ``block``'s host copy, and the one ops run on if it is host-only (or pass-through)."""
         block.set_host(storage, True)
         if self.m.backend.passthrough or block.host_only:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Optional
+from typing import Any, Callable, Collection, ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -33,14 +33,14 @@ from ..core.tensor_ref import TensorRef
 from ..strategies import Strategy
 from .accounting import Accounting
 from .adoption import Adoption
-from .callbacks import Callbacks, OpCallback
+from .callbacks import Callback, Callbacks, OpCallback
 from .devices import Backend, PassthroughBackend, default_device
 from .host_tier import HostTier
 from .lifetime import Books
 from .moves import Moves
-from .op_protocol import OpProtocol
+from .op_protocol import OpInFlight, OpProtocol
 from .residency import Residency
-from .room import Room
+from .room import Fault, Room
 from .settings import Setting, Settings
 from .statistics import Statistics
 
@@ -98,7 +98,7 @@ class TensorsManager:
         self.op_count: int = 0
         #: the recording in progress (``recording()``), or ``None``
         self.trace: Optional[Trace] = None
-        self._fault_injector = None
+        self._fault_injector: Optional[Callable[[Fault], object]] = None
         self.accounting = Accounting()
         self.settings = Settings(self)
         self.statistics = Statistics(self)
@@ -151,7 +151,7 @@ class TensorsManager:
             self.refresh_fast()
 
     @property
-    def fault_injector(self):
+    def fault_injector(self) -> Optional[Callable[[Fault], object]]:
         """Test hook: a callable(fault) called before every op and every device allocation.
 
         ``fault`` is a :class:`~torchTensorRef.memory.room.Fault` (``kind`` "op", "fetch",
@@ -162,7 +162,7 @@ class TensorsManager:
         return self._fault_injector
 
     @fault_injector.setter
-    def fault_injector(self, fn) -> None:
+    def fault_injector(self, fn: Optional[Callable[[Fault], object]]) -> None:
         if fn is not None and not callable(fn):
             raise TypeError(f"fault_injector must be a callable taking a Fault, or None (got: {fn!r}, "
                             f"which is not callable)")
@@ -234,7 +234,7 @@ class TensorsManager:
         allocator rounds sizes up: ``Backend.block_bytes``)."""
         return self.backend.block_bytes(nbytes)
 
-    def resident_blocks(self):
+    def resident_blocks(self) -> Collection[Block]:
         """The blocks with a valid accelerator copy (for strategies)."""
         return self.books.resident.values()
 
@@ -253,7 +253,7 @@ class TensorsManager:
                 self.resolve_device()
             return self.device_room.warm_up()
 
-    def fetch(self, block: Block, protect=()) -> None:
+    def fetch(self, block: Block, protect: Collection[int] = ()) -> None:
         """Give ``block`` a valid device copy now (no budget check: room is the caller's)."""
         self.residency.fetch(block, protect)
 
@@ -273,7 +273,7 @@ class TensorsManager:
         """Host bytes that still fit under the host budget now; ``None`` when unlimited."""
         return self.host_tier.room()
 
-    def host_copies(self):
+    def host_copies(self) -> Iterator[Block]:
         """The blocks whose host copy may leave host memory now (for strategies)."""
         return self.host_tier.candidates(())
 
@@ -333,11 +333,11 @@ class TensorsManager:
         """Wait until every copy in flight has finished (``torch.cuda.synchronize`` for the pager)."""
         self.statistics.synchronize()
 
-    def recording(self, regions: bool = False):
+    def recording(self, regions: bool = False) -> ContextManager[Trace]:
         """Record block accesses, moves and resident bytes; yields a ``Trace`` (``Statistics.recording``)."""
         return self.statistics.recording(regions)
 
-    def add_callback(self, before=None, after=None) -> OpCallback:
+    def add_callback(self, before: Optional[Callback] = None, after: Optional[Callback] = None) -> OpCallback:
         """Run ``before(op)`` / ``after(op)`` around every managed op; returns a handle
         (``Callbacks.add``)."""
         return self.callbacks.add(before, after)
@@ -345,15 +345,15 @@ class TensorsManager:
     # -- tensors made over existing bytes -------------------------------------------------
 
     def manage_tensor(self, t: torch.Tensor, requires_grad: Optional[bool] = None, *, host_only: bool = False,
-                      shared: bool = True):
+                      shared: bool = True) -> TensorRef:
         """A TensorRef over plain tensor ``t``'s bytes (``Adoption.manage_tensor``)."""
         return self.adoption.manage_tensor(t, requires_grad, host_only=host_only, shared=shared)
 
-    def take_over(self, refs) -> int:
+    def take_over(self, refs: Iterable[torch.Tensor]) -> int:
         """Blocks of ``refs`` whose plain tensors nobody holds become the manager's own."""
         return self.adoption.take_over(refs)
 
-    def clone_ref(self, ref: TensorRef, memo: dict):
+    def clone_ref(self, ref: TensorRef, memo: dict) -> TensorRef:
         """A deep copy of leaf ``ref`` with its own block (``copy.deepcopy``)."""
         return self.adoption.clone_ref(ref, memo)
 
@@ -361,7 +361,8 @@ class TensorsManager:
         """Point ``ref`` at ``new``'s block (after ``ref.data = new``)."""
         self.adoption.rebind(ref, new)
 
-    def new_device_tensor(self, size, stride, dtype, memory_format=None):
+    def new_device_tensor(self, size: Sequence[int], stride: Optional[Sequence[int]], dtype: Optional[torch.dtype],
+                          memory_format: Optional[torch.memory_format] = None) -> TensorRef:
         """A new TensorRef on the device, within the budget (the device's ``empty`` kernels)."""
         return self.residency.new_device_tensor(size, stride, dtype, memory_format)
 
@@ -410,7 +411,7 @@ class TensorsManager:
         """Device bytes allocated outside the manager, asked of the device now (the caller holds ``lock``)."""
         return self.device_room.read_outside()
 
-    def make_room(self, nbytes: int, protect, op_name: str, allocated: int = 0) -> None:
+    def make_room(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int = 0) -> None:
         """Evict (the strategy's choice) until ``nbytes`` more fit in the budget; ``allocated``
         of them are allocated already, to become blocks (``Room.make``)."""
         self.device_room.make(nbytes, protect, op_name, allocated)
@@ -419,23 +420,23 @@ class TensorsManager:
         """A step kept ``top`` bytes in use at once (a region's working set and its room): its peak and overshoot."""
         self.accounting.record_top(top)
 
-    def prepare(self, ctx) -> None:
+    def prepare(self, ctx: OpInFlight) -> None:
         """Before op ``ctx``: budget, callbacks, strategy, room, fetches (``OpProtocol.prepare``)."""
         self.protocol.prepare(ctx)
 
-    def call(self, ctx, func, args, kwargs):
+    def call(self, ctx: OpInFlight, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Op ``ctx``'s kernel, with one retry after an out-of-memory error."""
         return self.protocol.call(ctx, func, args, kwargs)
 
-    def finish(self, ctx) -> None:
+    def finish(self, ctx: OpInFlight) -> None:
         """After op ``ctx``: callbacks, the strategy's ``after_op``, the budget restored, the trace."""
         self.protocol.finish(ctx)
 
-    def op_raised(self, ctx) -> None:
+    def op_raised(self, ctx: OpInFlight) -> None:
         """Op ``ctx`` raised after ``prepare``: what it writes counts as written."""
         self.protocol.raised(ctx)
 
-    def mark_written(self, blocks) -> None:
+    def mark_written(self, blocks: Iterable[Block]) -> None:
         """An op wrote ``blocks``' device copies: their host (and disk) copies are stale."""
         self.protocol.mark_written(blocks)
 
@@ -443,15 +444,16 @@ class TensorsManager:
         """An op on the host wrote ``block``'s host copy: a device copy is stale now."""
         self.books.host_written(block)
 
-    def adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
+    def adopt_output(self, t: torch.Tensor, ctx: OpInFlight) -> TensorRef:
         """A new result ``t`` of op ``ctx`` as a TensorRef on a block of its own."""
         return self.protocol.adopt_output(t, ctx)
 
-    def result_block(self, t: torch.Tensor, index: int, on_host: bool = False, storage=None) -> Block:
+    def result_block(self, t: torch.Tensor, index: int, on_host: bool = False,
+                     storage: Optional[torch.UntypedStorage] = None) -> Block:
         """A new block for the storage of ``t``, the result of op ``index``."""
         return self.protocol.result_block(t, index, on_host, storage)
 
-    def recover_from_oom(self, ctx, func, args, kwargs):
+    def recover_from_oom(self, ctx: OpInFlight, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Op ``ctx`` again after an out-of-memory error, what it does not use evicted."""
         return self.protocol.recover_from_oom(ctx, func, args, kwargs)
 

@@ -14,6 +14,7 @@ CPU tensors.
 from __future__ import annotations
 
 import time
+from typing import Any, Callable, Iterable, List, Optional, Protocol
 
 import torch
 
@@ -37,6 +38,25 @@ _MIDWAY = ("refused inside a backward: the nodes that ran before it freed their 
 _in_backward = torch._C._current_graph_task_id
 
 
+class OpInFlight(Protocol):
+    """An op in flight as the manager reads it: ``ops.op_context.OpContext`` (a layer above,
+    which fills it) and a region's step (``regions.op``) are such ops."""
+
+    index: int
+    start: int
+    on_host: bool
+    #: the op's ``OpSpec`` (``core.op_specs``), or a region's spec
+    spec: Any
+    blocks: List[Block]
+    written: List[Block]
+    outputs: List[Block]
+
+    @property
+    def name(self) -> str: ...
+
+    def output_estimate(self) -> int: ...
+
+
 class OpProtocol:
     """What the manager does around one op (``prepare``, ``call``, ``finish`` or ``raised``)."""
 
@@ -44,7 +64,7 @@ class OpProtocol:
     def __init__(self, manager) -> None:
         self.m = manager
 
-    def prepare(self, ctx) -> None:
+    def prepare(self, ctx: OpInFlight) -> None:
         """Before an op: the budget checked, callbacks, the strategy's ``before_op``, room made
         and the op's blocks fetched. Nothing changes when it refuses."""
         m = self.m
@@ -79,7 +99,7 @@ class OpProtocol:
         if m.trace is not None:
             ctx.start = time.perf_counter_ns()
 
-    def _check_fits(self, ctx) -> None:
+    def _check_fits(self, ctx: OpInFlight) -> None:
         """Refuse an op whose blocks and results cannot fit the budget together: checked before
         anything changes, so an op that cannot fit is not counted, the strategy never sees it,
         and nothing is evicted for it."""
@@ -96,7 +116,7 @@ class OpProtocol:
                 raise OutOfBudgetError(ctx.name, need + outside, limit, outside=outside,
                                        detail=_MIDWAY if _in_backward() != -1 else "")
 
-    def _bring_in(self, ctx) -> int:
+    def _bring_in(self, ctx: OpInFlight) -> int:
         """Room for the op's missing blocks and results, then the blocks fetched; how many were missing."""
         m = self.m
         missing = [b for b in ctx.blocks if b.dev is None and not b.host_only]
@@ -126,7 +146,7 @@ class OpProtocol:
         if block.arrived():
             self.m.statistics.counters["prefetch_hits"] += 1
 
-    def _refuse_growing_external(self, ctx) -> None:
+    def _refuse_growing_external(self, ctx: OpInFlight) -> None:
         # The op runs on the accelerator copy, which could grow; but the host bytes are shared
         # with numpy or a buffer (Note [External bytes]), which plain torch refuses to resize.
         if any(b.external for b in ctx.written) and ctx.output_estimate() > 0:
@@ -134,7 +154,7 @@ class OpProtocol:
                 f"{ctx.name}: Trying to resize storage that is not resizable: its bytes are "
                 f"shared with memory outside torch (a numpy array, a buffer); resize a copy instead")
 
-    def call(self, ctx, func, args, kwargs):
+    def call(self, ctx: OpInFlight, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The op's kernel, with one retry after an out-of-memory error."""
         m = self.m
         if ctx.on_host or m.backend.passthrough:
@@ -149,14 +169,14 @@ class OpProtocol:
                 raise
         return self.recover_from_oom(ctx, func, args, kwargs)
 
-    def _timed_call(self, ctx, func, args, kwargs):
+    def _timed_call(self, ctx: OpInFlight, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         # The kernel apart from the bookkeeping: on a GPU it runs on the device, not the host.
         start = time.perf_counter_ns()
         out = func(*args, **kwargs)
         self.m.trace.kernel(ctx.index, func, args, kwargs, out, start, time.perf_counter_ns())
         return out
 
-    def _before_kernel(self, ctx) -> None:
+    def _before_kernel(self, ctx: OpInFlight) -> None:
         """Fault injection, and the simulated device's allocation of the op's results."""
         m = self.m
         if m.fault_injector is not None:
@@ -166,7 +186,7 @@ class OpProtocol:
             backend.note_kernel()
             m.device_room.check_capacity(backend.block_bytes(ctx.output_estimate()))
 
-    def recover_from_oom(self, ctx, func, args, kwargs):
+    def recover_from_oom(self, ctx: OpInFlight, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The op again after an out-of-memory error: another process, a library's workspace
         or the allocator's fragmentation took memory; what this op does not use is evicted."""
         m = self.m
@@ -181,7 +201,7 @@ class OpProtocol:
             needed = sum(size(b.nbytes) for b in ctx.blocks if not b.host_only) + size(ctx.output_estimate())
             raise DeviceOutOfMemoryError(ctx.name, needed, m.device_room.free_estimate()) from e
 
-    def mark_written(self, blocks) -> None:
+    def mark_written(self, blocks: Iterable[Block]) -> None:
         """An op wrote ``blocks``' device copies: their host (and disk) copies are stale."""
         m = self.m
         if not m.backend.passthrough:
@@ -191,7 +211,7 @@ class OpProtocol:
                     if b.disk is not None or b.spilling is not None:
                         m.host_tier.disk_stale(b)
 
-    def adopt_output(self, t: torch.Tensor, ctx) -> TensorRef:
+    def adopt_output(self, t: torch.Tensor, ctx: OpInFlight) -> TensorRef:
         """A new result ``t`` of the op as a TensorRef on a block of its own."""
         if getattr(ctx.spec, "one_tensor", False):  # (results of one op may share a new storage)
             t = tight_result(t, t.untyped_storage())
@@ -202,7 +222,8 @@ class OpProtocol:
         ctx.outputs.append(block)
         return make_ref(block, t, m.declared)
 
-    def result_block(self, t: torch.Tensor, index: int, on_host: bool = False, storage=None) -> Block:
+    def result_block(self, t: torch.Tensor, index: int, on_host: bool = False,
+                     storage: Optional[torch.UntypedStorage] = None) -> Block:
         """A new block for the storage of ``t``, the result of op ``index`` (``storage``:
         ``t.untyped_storage()``, when the caller has it already)."""
         if storage is None:
@@ -247,7 +268,7 @@ class OpProtocol:
             m.host_tier.nbytes += nbytes - block.nbytes
         block.nbytes = nbytes
 
-    def raised(self, ctx) -> None:
+    def raised(self, ctx: OpInFlight) -> None:
         """The op raised after ``prepare``: what it writes counts as written (a kernel may
         have written part of it before raising, as plain torch keeps), and blocks whose bytes
         are shared outside torch go back to the host, as after any op (Note [External
@@ -259,14 +280,14 @@ class OpProtocol:
         if self.m.books.external:
             self._send_external_home(ctx)
 
-    def _send_external_home(self, ctx) -> None:
+    def _send_external_home(self, ctx: OpInFlight) -> None:
         """After an op: its blocks whose bytes are shared outside torch leave the device,
         even if pinned (Note [External bytes])."""
         for b in ctx.blocks:
             if b.external and b.dev is not None:
                 self.m.residency.evict(b)
 
-    def finish(self, ctx) -> None:
+    def finish(self, ctx: OpInFlight) -> None:
         """After an op: callbacks, the strategy's ``after_op``, the budget restored, the trace."""
         m = self.m
         if m.callbacks.handles:
@@ -288,7 +309,7 @@ class OpProtocol:
         if m.trace is not None:
             self._record(ctx)
 
-    def _record(self, ctx) -> None:
+    def _record(self, ctx: OpInFlight) -> None:
         trace = self.m.trace
         written = {b.id for b in ctx.written}
         index = ctx.index

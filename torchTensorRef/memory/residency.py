@@ -20,14 +20,16 @@ a copy to or from pageable memory, or a wait on a pending write-back that had no
 from __future__ import annotations
 
 import time
-from typing import Collection
+from typing import Collection, Optional, Sequence
 
 import torch
 
 from ..core import raw
 from ..core.blocks import Block
+from ..core.tensor_ref import TensorRef, make_ref
 from .room import is_out_of_memory
 from .sim.pool import MIN_BYTES as KEPT_MIN_BYTES
+from .streams import Pending
 
 
 class Residency:
@@ -61,14 +63,14 @@ class Residency:
         # one is staged (copied by the host, then asynchronously).
         if not pinned.is_pinned(block.host) and not (
                 block.fetches > 1 and m.host_tier.may_rehome(block) and m.host_tier.pin_host(block)):
-            src = raw.flat_bytes(block.host)
+            src = raw.flat_bytes(block.host_storage())
             staged = pinned.staged(src)
             if staged is not None:
                 src = staged
             else:
                 m.statistics.counters["host_syncs"] += 1  # from pageable memory the host waits
                 mode = "blocking"
-        backend.streams.copy_ordered(dev, src if src is not None else raw.flat_bytes(block.host))
+        backend.streams.copy_ordered(dev, src if src is not None else raw.flat_bytes(block.host_storage()))
         self._now_resident(block, dev, start, mode)
         m.statistics.counters["fetches"] += 1
 
@@ -100,12 +102,13 @@ class Residency:
             return False
         if block.host_pending is not None:
             block.host_pending.wait_compute()
-        pending = backend.streams.copy_async(dev, raw.flat_bytes(block.host), prefetch=True)
+        pending = backend.streams.copy_async(dev, raw.flat_bytes(block.host_storage()), prefetch=True)
         self._now_resident(block, dev, start, "async", pending)
         m.statistics.counters["prefetches"] += 1
         return True
 
-    def _now_resident(self, block: Block, dev: torch.Tensor, start: int, mode: str, pending=None) -> None:
+    def _now_resident(self, block: Block, dev: torch.Tensor, start: int, mode: str,
+                      pending: Optional[Pending] = None) -> None:
         m = self.m
         m.books.made_resident(block, dev.untyped_storage(), pending)
         m.statistics.counters["bytes_to_device"] += block.nbytes
@@ -170,6 +173,7 @@ class Residency:
         m = self.m
         m.device_room.inject("writeback", block.nbytes)
         host = self._host_for_write_back(block)
+        assert block.dev is not None  # (a write-back's source is the device copy)
         dev = raw.flat_bytes(block.dev)
         block.wait_arrival()
         backend = m.backend
@@ -187,7 +191,7 @@ class Residency:
         counters["bytes_to_host"] += block.nbytes
         counters["writebacks"] += 1
 
-    def _host_for_write_back(self, block: Block):
+    def _host_for_write_back(self, block: Block) -> torch.UntypedStorage:
         """The host storage a write-back of ``block`` goes to: its own, or a new (pinned) one."""
         m = self.m
         host = block.host
@@ -240,7 +244,7 @@ class Residency:
     def forget_host(self, block: Block) -> None:
         """``block`` stops using its host copy (accounting; the bytes go when no view holds them)."""
         m = self.m
-        host = block.host
+        host = block.host_storage()
         m.books.by_host_storage.pop(host._cdata, None)
         pinned = m.backend.pinned
         if pinned is not None:
@@ -254,10 +258,9 @@ class Residency:
         block.host_pending = None
         m.host_tier.host_lost(block)
 
-    def new_device_tensor(self, size, stride, dtype, memory_format=None):
+    def new_device_tensor(self, size: Sequence[int], stride: Optional[Sequence[int]], dtype: Optional[torch.dtype],
+                          memory_format: Optional[torch.memory_format] = None) -> TensorRef:
         """A new TensorRef on the device, within the budget (the device's ``empty`` kernels)."""
-        from ..core.tensor_ref import make_ref
-
         m = self.m
         dtype = dtype or torch.get_default_dtype()
         size = tuple(size)

@@ -8,7 +8,7 @@ to the driver and tries once more; a second failure raises ``DeviceOutOfMemoryEr
 
 from __future__ import annotations
 
-from typing import Collection, Optional
+from typing import Any, Collection, Optional
 
 import torch
 
@@ -16,6 +16,7 @@ from ..core.errors import DeviceOutOfMemoryError, OutOfBudgetError
 from ..core.sizes import format_size
 from .accounting import READ_EVERY
 from .devices import workspace_key
+from .streams import Pending
 
 #: substrings of the errors libraries raise when their own device allocations fail
 _OOM_MARKERS = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED")
@@ -41,7 +42,7 @@ class Fault:
 
     __slots__ = ("kind", "nbytes", "op")
 
-    def __init__(self, kind: str, nbytes: int, op=None):
+    def __init__(self, kind: str, nbytes: int, op: Any = None) -> None:
         self.kind, self.nbytes, self.op = kind, nbytes, op
 
     @property
@@ -93,7 +94,7 @@ class Room:
         """Forget the held buffers whose copies ended (on ``"sim"``: end them); with ``wait``, all."""
         self.m.accounting.retire(self.wait_host if wait else None)
 
-    def wait_host(self, pending) -> None:
+    def wait_host(self, pending: Pending) -> None:
         """Block the host until ``pending`` ends (counted as a host wait if it had not)."""
         if not pending.done():
             self.m.statistics.counters["host_syncs"] += 1
@@ -101,7 +102,7 @@ class Room:
 
     # -- making room ------------------------------------------------------------------------
 
-    def make(self, nbytes: int, protect, op_name: str, allocated: int = 0) -> None:
+    def make(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int = 0) -> None:
         """Evict (strategy's choice) until ``nbytes`` more fit in the budget; ``allocated`` of
         them are already allocated, to become blocks (a region's outputs): not outside too."""
         m = self.m
@@ -124,7 +125,7 @@ class Room:
             return  # the common case: without asking the device (CUDA) what else it holds
         self._evict_for(nbytes, protect, op_name, allocated, limit)
 
-    def _evict_for(self, nbytes: int, protect, op_name: str, allocated: int, limit: int) -> None:
+    def _evict_for(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int, limit: int) -> None:
         m = self.m
         acct = m.accounting
         while True:
@@ -149,7 +150,7 @@ class Room:
                 outside=acct.elsewhere_bytes,
             )
 
-    def recover(self, protect) -> None:
+    def recover(self, protect: Collection[int]) -> None:
         """After an out-of-memory error: free every device byte the current op does not need."""
         m = self.m
         for block in [b for b in m.books.resident.values() if b.id not in protect and not b.pins]:
@@ -192,7 +193,7 @@ class Room:
         capacity = self.m.backend.capacity()
         return 0 if capacity is None else max(capacity - self.used_bytes(), 0)
 
-    def inject(self, kind: str, nbytes: int, op=None) -> None:
+    def inject(self, kind: str, nbytes: int, op: Any = None) -> None:
         """Call the fault injector, if one is set, before an allocation or an op."""
         injector = self.m.fault_injector
         if injector is not None:

@@ -7,15 +7,16 @@ accepted, and changes nothing when it refuses.
 
 from __future__ import annotations
 
+import os
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..core.errors import BudgetBelowFloorError, OutOfBudgetError
-from ..core.sizes import parse_size
+from ..core.sizes import Size, parse_size
 from ..strategies import DEFAULT, Strategy, by_name
-from .devices import SIM_CAPACITY_BYTES, make_backend
+from .devices import SIM_CAPACITY_BYTES, CudaBackend, make_backend
 from .disk import check_offload_dir
 from .host_tier import return_freed_host_memory
 from .pinned import default_limit
@@ -27,7 +28,7 @@ _FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false":
           "off": False, "": False}
 
 
-def _flag(value, name: str) -> bool:
+def _flag(value: object, name: str) -> bool:
     """``value`` as a bool: ``True``/``False``, or a word of an environment variable
     (``"1"``, ``"off"`` ...: ``TORCHTENSORREF_SIM_ROUNDING``); ``ValueError`` naming ``name``."""
     if isinstance(value, str) and value.strip().lower() in _FLAGS:
@@ -42,16 +43,16 @@ class Setting:
     """A setting of the manager, read and written through its ``Settings`` part: a property
     of ``Settings`` of the same name, whose docstring documents it."""
 
-    def __set_name__(self, owner, name: str) -> None:
+    def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
         self.__doc__ = getattr(Settings, name).__doc__
 
-    def __get__(self, manager, owner=None):
+    def __get__(self, manager, owner: Optional[type] = None):
         if manager is None:
             return self
         return getattr(manager.settings, self.name)
 
-    def __set__(self, manager, value) -> None:
+    def __set__(self, manager, value: object) -> None:
         setattr(manager.settings, self.name, value)
 
 
@@ -85,10 +86,10 @@ class Settings:
         return b.name
 
     @device.setter
-    def device(self, value) -> None:
+    def device(self, value: Union[str, torch.device]) -> None:
         self.set_device(value, again=False)
 
-    def set_device(self, value, again: bool) -> None:
+    def set_device(self, value: Union[str, torch.device], again: bool) -> None:
         """Make ``value`` the device; ``again``: build its backend anew even if it is the
         current one (a setting of the backend changed)."""
         m = self.m
@@ -100,16 +101,18 @@ class Settings:
                                    self.sim_rounding_value, self.sim_strict_value)  # ValueError: nothing changed
             m.drain()
             if current.name == backend.name and (
-                    (current.compute, current.declared) == (backend.compute, backend.declared)
-                    if backend.name != "cuda"  # (sim: its strict and lenient forms differ in declared)
-                    else current.target_index() == backend.target_index()):
+                    current.target_index() == backend.target_index()
+                    if isinstance(current, CudaBackend) and isinstance(backend, CudaBackend)
+                    # (sim: its strict and lenient forms differ in declared)
+                    else (current.compute, current.declared) == (backend.compute, backend.declared)):
                 return  # the same device ("cuda" again, resolved or not): keep every block where it is
             self._evict_everything()
             old_declared = m.declared
             m.use_backend(backend)
             self._warn_if_alive(value, old_declared)
             for block in m.books.blocks.values():
-                block.dev_key = block.host._cdata if (backend.passthrough or block.host_only) and block.host is not None else 0
+                shares_host = (backend.passthrough or block.host_only) and block.host is not None
+                block.dev_key = block.host._cdata if shares_host else 0
             m.accounting.limit = self.limit_for(self.budget_value)
             m.host_tier.count_host_copies()
             self.strategy_value.device_changed()
@@ -123,7 +126,7 @@ class Settings:
             m.residency.evict(block)
         m.device_room.retire(wait=True)
 
-    def _warn_if_alive(self, value, old_declared) -> None:
+    def _warn_if_alive(self, value: Union[str, torch.device], old_declared: torch.device) -> None:
         m = self.m
         live = [b for b in m.books.blocks.values() if not b.host_only]
         if live and old_declared != m.declared and not m.unresolved:
@@ -147,7 +150,7 @@ class Settings:
         return self.strategy_value
 
     @strategy.setter
-    def strategy(self, value) -> None:
+    def strategy(self, value: Union[str, Strategy]) -> None:
         if isinstance(value, Strategy):
             new = value
         elif isinstance(value, str):
@@ -176,7 +179,7 @@ class Settings:
         return self.budget_value
 
     @budget.setter
-    def budget(self, value) -> None:
+    def budget(self, value: Size) -> None:
         nbytes = parse_size(value, "budget")
         m = self.m
         with m.lock:
@@ -208,7 +211,7 @@ class Settings:
         return self.sim_workspace_value
 
     @sim_workspace.setter
-    def sim_workspace(self, value) -> None:
+    def sim_workspace(self, value: Size) -> None:
         nbytes = parse_size(value, "sim_workspace", none=False)
         m = self.m
         with m.lock:
@@ -228,7 +231,7 @@ class Settings:
         return self.sim_rounding_value
 
     @sim_rounding.setter
-    def sim_rounding(self, value) -> None:
+    def sim_rounding(self, value: Union[bool, str]) -> None:
         value = _flag(value, "sim_rounding")
         m = self.m
         with m.lock:
@@ -258,7 +261,7 @@ class Settings:
         return self.sim_strict_value
 
     @sim_strict.setter
-    def sim_strict(self, value) -> None:
+    def sim_strict(self, value: Union[bool, str]) -> None:
         value = _flag(value, "sim_strict")
         with self.m.lock:
             if value == self.sim_strict_value:
@@ -291,7 +294,7 @@ class Settings:
         return pinned.limit if pinned is not None else self.pinned_limit_value
 
     @pinned_limit.setter
-    def pinned_limit(self, value) -> None:
+    def pinned_limit(self, value: Size) -> None:
         nbytes = parse_size(value, "pinned_limit", none=False)
         with self.m.lock:
             self.pinned_limit_value = nbytes
@@ -304,7 +307,7 @@ class Settings:
         return self.sim_capacity_value
 
     @sim_capacity.setter
-    def sim_capacity(self, value) -> None:
+    def sim_capacity(self, value: Size) -> None:
         nbytes = parse_size(value, "sim_capacity", none=False)
         m = self.m
         with m.lock:
@@ -326,7 +329,7 @@ class Settings:
         return self.m.host_tier.watch.reserve
 
     @host_reserve.setter
-    def host_reserve(self, value) -> None:
+    def host_reserve(self, value: Size) -> None:
         nbytes = parse_size(value, "host_reserve", none=False)
         self.m.host_tier.watch.reserve = nbytes
 
@@ -343,7 +346,7 @@ class Settings:
         return self.m.host_tier.budget
 
     @host_budget.setter
-    def host_budget(self, value) -> None:
+    def host_budget(self, value: Size) -> None:
         nbytes = parse_size(value, "host_budget")
         if nbytes is not None:
             return_freed_host_memory()
@@ -371,7 +374,7 @@ class Settings:
         return self.m.host_tier.offload_dir
 
     @offload_dir.setter
-    def offload_dir(self, value) -> None:
+    def offload_dir(self, value: Union[str, os.PathLike, None]) -> None:
         path = None if value is None else check_offload_dir(value)  # ValueError: nothing changed
         with self.m.lock:
             self.m.host_tier.set_offload_dir(path)

@@ -6,7 +6,7 @@ A part of ``TensorsManager`` (``manager.py``).
 from __future__ import annotations
 
 import contextlib
-from typing import Dict
+from typing import Dict, Iterator
 
 import torch
 
@@ -105,7 +105,7 @@ class Statistics:
                     m.residency.wait_pending_host(block)
 
     @contextlib.contextmanager
-    def recording(self, regions: bool = False):
+    def recording(self, regions: bool = False) -> Iterator[Trace]:
         """Record block accesses, moves and resident bytes; yields a :class:`Trace`.
 
         ``regions``: module calls that are regions stay regions (one op each, its working

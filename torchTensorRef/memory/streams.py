@@ -15,7 +15,7 @@ The device buffer a pending copy reads or writes is kept from reuse until the co
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Literal, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ POISON = 0xFF
 
 #: called with (start_ns, end_ns) of each deferred simulated copy while a trace is recorded:
 #: the host ran it, but on a GPU a copy engine would (``Trace.hidden``)
-copy_observer = None
+copy_observer: Optional[Callable[[int, int], None]] = None
 
 
 class Pending:
@@ -52,7 +52,7 @@ class Pending:
 class CudaPending(Pending):
     __slots__ = ("event", "device")
 
-    def __init__(self, event, device: torch.device):
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
         self.event, self.device = event, device
 
     def wait_compute(self) -> None:
@@ -71,13 +71,15 @@ class SimPending(Pending):
     __slots__ = ("dst", "src")
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor):
-        self.dst, self.src = dst, src
+        self.dst: Optional[torch.Tensor] = dst
+        self.src: Optional[torch.Tensor] = src
 
     def _finish(self) -> None:
-        if self.src is not None:
+        dst, src = self.dst, self.src
+        if dst is not None and src is not None:  # (set together, cleared together)
             observer = copy_observer
             start = time.perf_counter_ns() if observer is not None else 0
-            self.dst.copy_(self.src)
+            dst.copy_(src)
             self.dst = self.src = None
             if observer is not None:
                 observer(start, time.perf_counter_ns())
@@ -170,20 +172,20 @@ class SimStreams:
 class SimStream:
     """A stream of ``sim:0`` (``torch.sim.Stream``): work on it is done when it is issued."""
 
-    def __init__(self, device=None, priority: int = 0):
+    def __init__(self, device: object = None, priority: int = 0) -> None:
         self.priority = priority
 
     @property
     def device(self) -> torch.device:
         return torch.device("sim", 0)  # (the name exists once the device is registered)
 
-    def wait_stream(self, stream) -> None:
+    def wait_stream(self, stream: SimStream) -> None:
         pass
 
-    def wait_event(self, event) -> None:
+    def wait_event(self, event: SimEvent) -> None:
         pass
 
-    def record_event(self, event=None) -> "SimEvent":
+    def record_event(self, event: Optional[SimEvent] = None) -> SimEvent:
         event = SimEvent() if event is None else event
         event.record(self)
         return event
@@ -194,7 +196,7 @@ class SimStream:
     def synchronize(self) -> None:
         pass
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, SimStream) and other is self
 
     def __hash__(self) -> int:
@@ -210,10 +212,10 @@ class SimEvent:
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         self.enable_timing = enable_timing
 
-    def record(self, stream=None) -> None:
+    def record(self, stream: Optional[SimStream] = None) -> None:
         pass
 
-    def wait(self, stream=None) -> None:
+    def wait(self, stream: Optional[SimStream] = None) -> None:
         pass
 
     def query(self) -> bool:
@@ -229,11 +231,11 @@ DEFAULT_STREAM = SimStream()
 class SimStreamContext:
     """``with torch.sim.stream(s):`` work issued inside runs on ``s``, that is, at once."""
 
-    def __init__(self, stream):
+    def __init__(self, stream: Optional[SimStream]) -> None:
         self.stream = stream
 
-    def __enter__(self):
+    def __enter__(self) -> Optional[SimStream]:
         return self.stream
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False

@@ -232,7 +232,8 @@ def to_host(result: TensorRef) -> torch.Tensor:
 def host_result(size, dtype, zero: bool = False, stride=None) -> TensorRef:
     """A new TensorRef whose only copy is in host memory (a big result), contiguous or with
     ``stride``."""
-    plain = raw.empty(tuple(size), dtype=dtype) if stride is None else raw.empty_strided(tuple(size), stride, dtype=dtype)
+    plain = (raw.empty(tuple(size), dtype=dtype) if stride is None
+             else raw.empty_strided(tuple(size), stride, dtype=dtype))
     if zero:
         plain.zero_()
     ref = mgr.manage_tensor(plain, requires_grad=False, shared=False)

@@ -52,7 +52,8 @@ def reads_rows_alone(weight) -> bool:
     """Whether an embedding of the table ``weight`` reads the rows it needs alone, given few
     enough of them (Note [Rows of a table]): a table of ``ROWS_MIN_TABLE`` bytes or more,
     under a budget, with no gradient to record."""
-    if not isinstance(weight, TensorRef) or mgr.settings.budget_value is None or mgr.limit is None or mgr.backend.passthrough:
+    if (not isinstance(weight, TensorRef) or mgr.settings.budget_value is None or mgr.limit is None
+            or mgr.backend.passthrough):
         return False
     if torch.is_grad_enabled() and weight.requires_grad:
         return False  # (training: the table is read and written whole by the step anyway)

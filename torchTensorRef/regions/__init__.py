@@ -315,5 +315,5 @@ def uninstall() -> None:
 
 install()
 
-__all__ = ["enabled", "fraction", "under_budget", "train", "region", "no_region", "auto", "in_region", "Region", "NotARegion",
-           "run_method", "install", "uninstall"]
+__all__ = ["enabled", "fraction", "under_budget", "train", "region", "no_region", "auto", "in_region", "Region",
+           "NotARegion", "run_method", "install", "uninstall"]

@@ -144,7 +144,9 @@ class Training:
         self.inside = inside
         self.refs = []  # the TensorRefs given as leaves, in order
         self.reads = []  # per leaf: the inner graph's (node, input) pairs that read it, where several do
-        self.slots = 0  # the node's inputs: each leaf's TensorRef once per read (Note [Gradients summed inside a region])
+        # the node's inputs: each leaf's TensorRef once per read (Note [Gradients summed
+        # inside a region])
+        self.slots = 0
         self.leaves = []  # their plain leaves
         self.leaf_edges = []
         self.by_storage = {}  # storage key of a working-set block -> a TensorRef of it

@@ -10,15 +10,19 @@ budget, or, where torchTensorRef is disabled or inside :class:`PlainMode`, a pla
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+from torch import Tensor
+from torch._ops import OpOverload
+from torch.types import Device
 
 from ...core import context, raw
 from ...core.tensor_ref import block_of
 from .backward_errors import FAILED, failed_result, in_backward, keep_for_backward
 from .tensor import NAME, SimTensor
 
-_libraries = []  # torch.library registrations live as long as these objects
+_libraries: List[torch.library.Library] = []  # torch.library registrations live as long as these objects
 
 
 def register_factories() -> None:
@@ -26,26 +30,32 @@ def register_factories() -> None:
     # torchTensorRef is disabled, a plain SimTensor (as plain torch makes plain CUDA tensors).
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kernels for a device, not new ops)
 
-    def empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None,
-                            memory_format=None):
+    def empty_memory_format(size: Sequence[int], *, dtype: Optional[torch.dtype] = None,
+                            layout: Optional[torch.layout] = None, device: Device = None,
+                            pin_memory: Optional[bool] = None,
+                            memory_format: Optional[torch.memory_format] = None) -> Tensor:
         return _empty(size, None, dtype, memory_format)
 
-    def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    def empty_strided(size: Sequence[int], stride: Sequence[int], *, dtype: Optional[torch.dtype] = None,
+                      layout: Optional[torch.layout] = None, device: Device = None,
+                      pin_memory: Optional[bool] = None) -> Tensor:
         return _empty(size, stride, dtype, None)
 
-    def copy_from(src, dst, non_blocking=False):
+    def copy_from(src: Tensor, dst: Tensor, non_blocking: bool = False) -> Tensor:
         # Reached where PyTorch bypasses tensor subclasses (``torch.tensor(data, device="sim")``
         # converts its data with Python dispatch off): copy between the CPU bytes directly.
         _bytes_of(dst, written=True).copy_(_bytes_of(src, written=False))
         return dst
 
-    def copy_from_and_resize(src, dst):
+    def copy_from_and_resize(src: Tensor, dst: Tensor) -> Tensor:
         if dst.shape != src.shape:
             raise RuntimeError(f"_copy_from_and_resize to a sim tensor of another shape ({tuple(dst.shape)} "
                                f"from {tuple(src.shape)}) is not supported")
         return copy_from(src, dst)
 
-    def efficient_zero_tensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    def efficient_zero_tensor(size: Sequence[int], *, dtype: Optional[torch.dtype] = None,
+                              layout: Optional[torch.layout] = None, device: Device = None,
+                              pin_memory: Optional[bool] = None) -> Tensor:
         return _empty(size, None, dtype, None).zero_()  # (a plain zero tensor: the same values)
 
     lib.impl("_efficientzerotensor", efficient_zero_tensor, "PrivateUse1")
@@ -66,8 +76,8 @@ _CPU_MADE_FACTORIES = ("tril_indices", "triu_indices", "kaiser_window", "kaiser_
                        "kaiser_window.beta")
 
 
-def _made_on_cpu(op):
-    def kernel(*args, **kwargs):
+def _made_on_cpu(op: OpOverload) -> Callable[..., Tensor]:
+    def kernel(*args: Any, **kwargs: Any) -> Tensor:
         made = op(*args, **dict(kwargs, device=torch.device("cpu")))
         return _empty(made.size(), made.stride(), made.dtype, None).copy_(made)
 
@@ -97,7 +107,7 @@ class PlainMode(torch.utils._python_dispatch.TorchDispatchMode):
 
     marks_plain = True  # (core.context.is_disabled looks for it)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: OpOverload, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         _plain.depth = getattr(_plain, "depth", 0) + 1
         try:
             return func(*args, **(kwargs or {}))
@@ -113,10 +123,12 @@ class PlainMode(torch.utils._python_dispatch.TorchDispatchMode):
 _plain = threading.local()
 
 
-def _empty(size, stride, dtype, memory_format):
+def _empty(size: Sequence[int], stride: Optional[Sequence[int]], dtype: Optional[torch.dtype],
+           memory_format: Optional[torch.memory_format]):  # (a tensor, or FAILED in a backward)
     tensorsManager = context.manager()
 
-    if context.is_disabled() or getattr(_plain, "depth", 0) or tensorsManager.backend.name != NAME:
+    plain_depth: int = getattr(_plain, "depth", 0)
+    if context.is_disabled() or plain_depth or tensorsManager.backend.name != NAME:
         if stride is None:
             plain = raw.empty(size, dtype=dtype, memory_format=memory_format or torch.contiguous_format)
         else:

@@ -6,13 +6,14 @@ bit-identical to the CPU reference. Registered once, by ``register()`` (``device
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
+from torch._ops import OpOverload
 
 from .tensor import NAME
 
-_libraries = []  # torch.library registrations live as long as these objects
+_libraries: List[torch.library.Library] = []  # torch.library registrations live as long as these objects
 
 # -- autocast: the CPU policy (aten/src/ATen/autocast_mode.cpp), by (op, overload) -------------
 
@@ -65,16 +66,18 @@ def register_autocast() -> None:
     _libraries.extend([fallthrough, lib])
 
 
-_AUTOCAST_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+# (the stubs' DispatchKey lacks the autocast keys of the PrivateUse1 backend)
+_AUTOCAST_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)  # type: ignore[attr-defined]
 
 
-def _eligible(value) -> bool:
+def _eligible(value: object) -> bool:
     return (isinstance(value, torch.Tensor) and value.device.type == NAME and value.is_floating_point()
             and value.dtype is not torch.float64)
 
 
-def _autocast_kernel(op, policy: str):
-    def kernel(*args, **kwargs):
+def _autocast_kernel(op: OpOverload, policy: str) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        dtype: Optional[torch.dtype]
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEY):
             if policy == "lower":
                 dtype = torch.get_autocast_dtype(NAME)
@@ -92,7 +95,7 @@ def _autocast_kernel(op, policy: str):
     return kernel
 
 
-def _tensors(args, kwargs):
+def _tensors(args: tuple, kwargs: dict) -> Iterator[Any]:
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, (list, tuple)):
             yield from value
@@ -100,7 +103,7 @@ def _tensors(args, kwargs):
             yield value
 
 
-def _cast(value, dtype):
+def _cast(value: Any, dtype: torch.dtype) -> Any:
     if _eligible(value):
         return value if value.dtype == dtype else value.to(dtype)
     if isinstance(value, (list, tuple)):

@@ -10,8 +10,10 @@ with :func:`report_backward_errors`, which raises the kept error.
 from __future__ import annotations
 
 import threading
+from typing import Any, List, Optional
 
 import torch
+from torch._ops import OpOverload
 
 # -- errors raised while autograd runs backward ------------------------------------------------
 #
@@ -35,14 +37,14 @@ class _Failed:
 FAILED = _Failed()
 
 
-def failed_result(func):
+def failed_result(func: OpOverload) -> Optional[_Failed]:
     """What backward op ``func`` returns when it failed: ``FAILED``, or ``None`` for an op that
     returns nothing (an in-place ``_foreach_`` op, in an optimizer step run by a gradient hook),
     for which torch would raise on anything else, in Python, and abort."""
     return FAILED if func._schema.returns else None
 
 
-_kept_errors: list = []
+_kept_errors: List[BaseException] = []
 _kept_lock = threading.Lock()
 
 
@@ -57,7 +59,7 @@ def keep_for_backward(error: BaseException) -> None:
         _kept_errors.append(error)
 
 
-def _take_kept():
+def _take_kept() -> Optional[BaseException]:
     with _kept_lock:
         kept = _kept_errors[0] if _kept_errors else None
         del _kept_errors[:]
@@ -70,7 +72,7 @@ def report_backward_errors() -> None:
 
     original = torch.autograd.graph._engine_run_backward
 
-    def run_backward(*args, **kwargs):
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
         with _kept_lock:
             del _kept_errors[:]
         try:
@@ -85,6 +87,7 @@ def report_backward_errors() -> None:
             raise kept.with_traceback(kept.__traceback__)
         return result
 
-    run_backward.__wrapped__ = original
+    # (an attribute set on a function, as functools.wraps sets it: the stubs know none)
+    run_backward.__wrapped__ = original  # type: ignore[attr-defined]
     torch.autograd.graph._engine_run_backward = run_backward
     torch.autograd._engine_run_backward = run_backward

@@ -35,9 +35,10 @@ private-use device) ``"sim"`` falls back to its lenient form, whose TensorRefs r
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, List, Optional
 
 import torch
+from torch.types import Device
 
 from ...core import context
 from .. import streams
@@ -99,7 +100,11 @@ def register() -> Optional[torch.device]:
         return sim_tensor.registered_device
 
 
-class _SimGuard(torch._C._acc.DeviceGuard if hasattr(torch._C, "_acc") else object):
+#: the base of a Python device guard, where this torch has one
+_DeviceGuard: Any = torch._C._acc.DeviceGuard if hasattr(torch._C, "_acc") else object
+
+
+class _SimGuard(_DeviceGuard):
     """The device guard: the device is ``sim:0``, its streams and events are no-ops (PyTorch's).
 
     Defined here rather than PyTorch's dummy one: with that one, a C++ error in a backward
@@ -107,7 +112,7 @@ class _SimGuard(torch._C._acc.DeviceGuard if hasattr(torch._C, "_acc") else obje
     ``backward_errors.py``).
     """
 
-    def type_(self):
+    def type_(self) -> torch._C._autograd.DeviceType:
         return torch._C._autograd.DeviceType.PrivateUse1
 
 
@@ -135,16 +140,16 @@ class _SimModule:
     def manual_seed_all(self, seed: int) -> None:
         pass  # the simulated device computes with the CPU's kernels and generator
 
-    def get_amp_supported_dtype(self):
+    def get_amp_supported_dtype(self) -> List[torch.dtype]:
         return [torch.float16, torch.bfloat16]
 
-    def synchronize(self, device=None) -> None:
+    def synchronize(self, device: Device = None) -> None:
         """Wait for every pending copy (as ``torch.cuda.synchronize``)."""
         tensorsManager = context.manager()
 
         tensorsManager.synchronize()
 
-    def memory_allocated(self, device=None) -> int:
+    def memory_allocated(self, device: Device = None) -> int:
         """Bytes of the device in use (as ``torch.cuda.memory_allocated``)."""
         tensorsManager = context.manager()
 
@@ -155,19 +160,19 @@ class _SimModule:
     Stream = streams.SimStream
     Event = streams.SimEvent
 
-    def stream(self, stream) -> "streams.SimStreamContext":
+    def stream(self, stream: Optional[streams.SimStream]) -> streams.SimStreamContext:
         return streams.SimStreamContext(stream)
 
-    def current_stream(self, device=None) -> "streams.SimStream":
+    def current_stream(self, device: Device = None) -> streams.SimStream:
         return streams.DEFAULT_STREAM
 
-    def default_stream(self, device=None) -> "streams.SimStream":
+    def default_stream(self, device: Device = None) -> streams.SimStream:
         return streams.DEFAULT_STREAM
 
-    def set_stream(self, stream) -> None:
+    def set_stream(self, stream: streams.SimStream) -> None:
         pass
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         raise AttributeError(f"module 'torch.{NAME}' has no attribute {name!r}")
 
 
@@ -182,24 +187,26 @@ class _SimModule:
 # ``torch.Generator`` a subclass of PyTorch's class that makes one for "sim" and PyTorch's own
 # generator for any other device; every generator is an instance of it, as before.
 _TorchGenerator = torch._C.Generator
+#: the metaclass of PyTorch's generators (pybind11's)
+_TorchGeneratorType: Any = type(_TorchGenerator)
 
 
-class _GeneratorType(type(_TorchGenerator)):
+class _GeneratorType(_TorchGeneratorType):
     """The type of what ``torch.Generator`` names once "sim" is registered."""
 
-    def __call__(cls, *args, **kwargs):
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is not Generator:
             return super().__call__(*args, **kwargs)  # (a subclass: SimGenerator, or the user's own)
         if _names_sim(args, kwargs):
             return SimGenerator()
         return _TorchGenerator(*args, **kwargs)
 
-    def __instancecheck__(cls, instance):
+    def __instancecheck__(cls, instance: object) -> bool:
         if cls is Generator:
             return isinstance(instance, _TorchGenerator)
         return super().__instancecheck__(instance)
 
-    def __subclasscheck__(cls, subclass):
+    def __subclasscheck__(cls, subclass: type) -> bool:
         if cls is Generator:
             return issubclass(subclass, _TorchGenerator)
         return super().__subclasscheck__(subclass)
@@ -215,8 +222,9 @@ Generator.__module__, Generator.__qualname__ = "torch", "Generator"
 class SimGenerator(Generator):
     """A random number generator of the simulated device (Note [Generators of sim])."""
 
+    # (the stubs declare PyTorch's ``device`` a writable attribute; it is read-only there too)
     @property
-    def device(self) -> torch.device:
+    def device(self) -> torch.device:  # type: ignore[override]
         return torch.device(NAME, 0)
 
     def clone_state(self) -> "SimGenerator":
@@ -224,12 +232,12 @@ class SimGenerator(Generator):
         clone.set_state(self.get_state())
         return clone
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         # (PyTorch's rebuilds a CPU generator: the state is the CPU's, the class says "sim")
         return SimGenerator, (), _TorchGenerator.__reduce__(self)[2]
 
 
-def _names_sim(args, kwargs) -> bool:
+def _names_sim(args: tuple, kwargs: dict) -> bool:
     """Whether ``torch.Generator(*args, **kwargs)`` asks for the simulated device."""
     device = kwargs.get("device", args[0] if args else None)
     if not isinstance(device, (str, torch.device)):
@@ -243,4 +251,5 @@ def _names_sim(args, kwargs) -> bool:
 
 
 def _install_generators() -> None:
-    torch.Generator = Generator
+    # (torch's name rebound to a subclass of the class it names: the stubs say it is a class)
+    torch.Generator = Generator  # type: ignore[misc]

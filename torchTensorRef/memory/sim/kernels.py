@@ -9,9 +9,12 @@ the activated gates that backward reuses). Registered once, when ``"sim"`` is re
 
 from __future__ import annotations
 
-import torch
+from typing import Optional, Tuple
 
-_library = None
+import torch
+from torch import Tensor
+
+_library: Optional[torch.library.Library] = None
 
 
 def register() -> None:
@@ -26,14 +29,17 @@ def register() -> None:
     _library = lib
 
 
-def _gates(input_gates, hidden_gates, input_bias, hidden_bias):
+def _gates(input_gates: Tensor, hidden_gates: Tensor, input_bias: Optional[Tensor],
+           hidden_bias: Optional[Tensor]) -> Tensor:
     gates = input_gates + hidden_gates
     if input_bias is not None:
+        assert hidden_bias is not None  # (aten passes both biases or neither)
         gates = gates + input_bias + hidden_bias
     return gates
 
 
-def lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+def lstm_cell(input_gates: Tensor, hidden_gates: Tensor, cx: Tensor, input_bias: Optional[Tensor] = None,
+              hidden_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``(hy, cy, workspace)``; the workspace holds the activated gates i, f, g, o."""
     i, f, g, o = _gates(input_gates, hidden_gates, input_bias, hidden_bias).chunk(4, 1)
     i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
@@ -42,7 +48,8 @@ def lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
     return hy, cy, torch.cat((i, f, g, o), 1)
 
 
-def lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+def lstm_cell_backward(grad_hy: Optional[Tensor], grad_cy: Optional[Tensor], cx: Tensor, cy: Tensor, workspace: Tensor,
+                       has_bias: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """``(grad_gates, grad_cx, grad_bias)`` of :func:`lstm_cell`."""
     i, f, g, o = workspace.chunk(4, 1)
     tanh_cy = cy.tanh()
@@ -56,9 +63,11 @@ def lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
     return grad_gates, grad_c * f, grad_bias
 
 
-def gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+def gru_cell(input_gates: Tensor, hidden_gates: Tensor, hx: Tensor, input_bias: Optional[Tensor] = None,
+             hidden_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``(hy, workspace)``; the workspace holds r, z, n, hx and the hidden part of n's gate."""
     if input_bias is not None:
+        assert hidden_bias is not None  # (as in _gates)
         input_gates, hidden_gates = input_gates + input_bias, hidden_gates + hidden_bias
     ir, iz, i_n = input_gates.chunk(3, 1)
     hr, hz, h_n = hidden_gates.chunk(3, 1)
@@ -68,7 +77,8 @@ def gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
     return hy, torch.cat((r, z, n, hx, h_n), 1)
 
 
-def gru_cell_backward(grad_hy, workspace, has_bias):
+def gru_cell_backward(grad_hy: Tensor, workspace: Tensor,
+                      has_bias: bool) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """``(grad_input_gates, grad_hidden_gates, grad_hx, grad_input_bias, grad_hidden_bias)``."""
     r, z, n, hx, h_n = workspace.chunk(5, 1)
     grad_n = grad_hy * (1 - z) * (1 - n * n)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -44,7 +44,7 @@ class BufferPool:
         self.cached_bytes = 0
         self.hits = 0
         self._free: "OrderedDict[int, torch.UntypedStorage]" = OrderedDict()  # (cdata -> storage), oldest first
-        self._by_size: dict = {}  # nbytes -> [cdata, ...]
+        self._by_size: Dict[int, List[int]] = {}  # nbytes -> [cdata, ...]
 
     def take(self, nbytes: int) -> Optional[torch.Tensor]:
         """A kept buffer of exactly ``nbytes`` as a flat uint8 tensor, or ``None``."""
@@ -98,7 +98,11 @@ class BufferPool:
 
 
 class _Entry(weakref.ref):
+    """A live allocation: a weakref to its storage, with its key and counted bytes."""
+
     __slots__ = ("key", "nbytes")
+    key: Optional[int]  # (``None`` once forgotten: its death is not counted again)
+    nbytes: int
 
 
 class Allocated:
@@ -107,14 +111,15 @@ class Allocated:
     def __init__(self, block_bytes: Callable[[int], int] = lambda n: n):
         #: the device bytes an allocation of n bytes takes (the backend sets CUDA's rounding)
         self.block_bytes = block_bytes
-        self._live: dict = {}  # storage._cdata -> _Entry
+        self._live: Dict[int, _Entry] = {}  # storage._cdata -> _Entry
         self._total = 0
         self._peak = 0  # the most ``_total`` has been since ``reset_peak()``
-        self._in_use: dict = {}  # cdata -> storage: kept by the pool while a tensor still uses it
-        self._dead: list = []  # entries whose storage died (appended by the weakref callback)
+        #: cdata -> storage: kept by the pool while a tensor still uses it
+        self._in_use: Dict[int, torch.UntypedStorage] = {}
+        self._dead: List[_Entry] = []  # entries whose storage died (appended by the weakref callback)
         self._lock = threading.Lock()
 
-    def track(self, storage) -> None:
+    def track(self, storage: torch.UntypedStorage) -> None:
         """Count ``storage`` (once, at its current size) while it lives."""
         key = storage._cdata
         nbytes = self.block_bytes(storage.nbytes())
@@ -138,7 +143,7 @@ class Allocated:
                 if self._total > self._peak:
                     self._peak = self._total
 
-    def untrack(self, storage) -> None:
+    def untrack(self, storage: torch.UntypedStorage) -> None:
         """Stop counting ``storage`` (kept by the pool for reuse) once no tensor uses its
         bytes: a write-back still queued on a copy stream reads them, and CUDA's allocator
         counts a freed block as allocated until the streams that used it are done with it."""
@@ -149,7 +154,7 @@ class Allocated:
                 return
             self._forget(storage._cdata)
 
-    def _forget(self, key) -> None:
+    def _forget(self, key: int) -> None:
         # (the lock held)
         entry = self._live.pop(key, None)
         if entry is not None:

@@ -9,9 +9,10 @@ succeeded, the device object SimTensors report.
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
+from torch._ops import OpOverload
 
 from ...core import raw
 from .backward_errors import failed_result, in_backward, keep_for_backward
@@ -42,7 +43,10 @@ class SimTensor(torch.Tensor):
 
     # (no __slots__: module.to("sim") swaps a parameter with its SimTensor, which needs the
     # same slots)
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    #: the plain CPU tensor holding its bytes
+    data_: torch.Tensor
+    # (torch's stubs type the impl as a plain function, the attribute as a classmethod)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, requires_grad: bool = False):
@@ -66,21 +70,23 @@ class SimTensor(torch.Tensor):
         t.data_ = data
         return t
 
-    def __init__(self, data, requires_grad=False):
+    def __init__(self, data: torch.Tensor, requires_grad: bool = False) -> None:
         pass
 
     # The subclass protocol of PyTorch's wrapper tensors: with it, ``module.to("sim")``
     # swaps each parameter with its SimTensor in place, as ``.data =`` does for CUDA (tied
     # weights stay tied; a new Parameter per module would untie them).
-    def __tensor_flatten__(self):
+    def __tensor_flatten__(self) -> Tuple[List[str], None]:
         return ["data_"], None
 
     @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+    def __tensor_unflatten__(inner: dict, meta: None, outer_size: Any, outer_stride: Any) -> SimTensor:
         return SimTensor(inner["data_"])
 
+    # (torch declares it by assigning a plain function, which mypy reads as an instance method)
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func: OpOverload, types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: Optional[dict] = None) -> Any:
         from ...core.op_specs import spec_of
 
         kwargs = kwargs or {}
@@ -108,7 +114,7 @@ class SimTensor(torch.Tensor):
         if spec.return_args and all(i is not None for i in spec.return_args):
             # in place: the very tensors written are returned
             written = [args[i] if i < len(args) else kwargs[spec.func._schema.arguments[i].name]
-                       for i in spec.return_args]
+                       for i in spec.return_args if i is not None]  # (every one is: the filter types it)
             return written[0] if len(written) == 1 else tuple(written)
         return _rewrap(out, args, kwargs)
 
@@ -126,16 +132,16 @@ class SimTensor(torch.Tensor):
         return self.data_.tolist()
 
     @property
-    def data(self):
-        return torch._C.TensorBase.data.__get__(self)
+    def data(self) -> torch.Tensor:
+        return raw.TENSOR_DATA.__get__(self)
 
     @data.setter
-    def data(self, new):
+    def data(self, new: torch.Tensor) -> None:
         # ``p.data = t`` copies t's metadata into p's C++ tensor, not the bytes this class holds
-        torch._C.TensorBase.data.__set__(self, new)
+        raw.TENSOR_DATA.__set__(self, new)
         self.data_ = new.data_ if isinstance(new, SimTensor) else new
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol: Any) -> Any:
         # Saved as the plain CPU tensor of its values (as a TensorRef is), so that a file
         # holds plain tensors only and loads with weights_only=True anywhere.
         plain = self.data_.detach()
@@ -146,7 +152,7 @@ class SimTensor(torch.Tensor):
         plain.__dict__.update(attributes)
         return plain.__reduce_ex__(protocol)
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict) -> SimTensor:
         if id(self) in memo:
             return memo[id(self)]
         new = SimTensor(self.data_.clone(), requires_grad=self.requires_grad)
@@ -185,7 +191,7 @@ def _attributes(t: SimTensor) -> dict:
 SimTensor.__name__ = "tensor"
 
 
-def _unwrap(value):
+def _unwrap(value: Any) -> Any:
     if isinstance(value, SimTensor):
         return value.data_
     if isinstance(value, torch.device) and value.type == NAME:
@@ -197,7 +203,7 @@ def _unwrap(value):
     return value
 
 
-def _rewrap(out, args, kwargs):
+def _rewrap(out: Any, args: tuple, kwargs: dict) -> Any:
     """Outputs as SimTensors: a view of an argument's bytes wraps the same bytes."""
     if isinstance(out, torch.Tensor) and not isinstance(out, SimTensor):
         if out.device.type == "cpu" and not out.is_meta and not out.is_nested:
