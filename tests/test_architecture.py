@@ -1,5 +1,5 @@
 """The package's layers (docs/architecture.md): imports run downward only, no circles, no
-module longer than 500 lines.
+module longer than 500 lines, no function longer than 60 lines in the layers that run ops.
 
 Every ``import`` and ``from ... import`` in the package counts, the ones inside functions
 too: a lazy import is still a dependency, only a hidden one.
@@ -21,6 +21,9 @@ PACKAGE = "torchTensorRef"
 #: bottom to top; a module may import its own layer's modules and the layers below
 LAYERS = ("core", "strategies", "analysis", "memory", "ops", "regions", "integrations", "")
 MAX_LINES = 500
+#: the layers whose functions run on every op or region call, kept short enough to read whole
+SHORT_FUNCTION_LAYERS = ("memory", "ops", "regions")
+MAX_FUNCTION_LINES = 60
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -130,6 +133,26 @@ def test_the_graph_sees_lazy_imports():
 def test_no_module_is_longer_than_500_lines(name):
     lines = len(_modules()[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{name} has {lines} lines"
+
+
+def _functions(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.lineno, node.end_lineno - node.lineno + 1
+
+
+@pytest.mark.parametrize("layer", SHORT_FUNCTION_LAYERS)
+def test_no_function_is_longer_than_60_lines_in_the_layers_that_run_ops(layer):
+    long = [f"{path.relative_to(ROOT)}:{line} {name} ({n} lines)"
+            for path in sorted((ROOT / layer).rglob("*.py")) for name, line, n in _functions(path)
+            if n > MAX_FUNCTION_LINES]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines in {layer}/: {long}"
+
+
+def test_the_function_length_check_counts_decorators_out_and_the_body_in(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("@staticmethod\ndef f():\n" + "    x = 1\n" * 61 + "\n\nasync def g():\n    pass\n")
+    assert list(_functions(path)) == [("f", 2, 62), ("g", 66, 2)]
 
 
 def test_the_public_names_are_importable_from_the_package():
