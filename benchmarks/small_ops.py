@@ -268,7 +268,14 @@ def _managed_phase(work: Work, plain, repeats: int, device: str, strategy: str, 
     return {**out, "ops": stats["ops"] // repeats, "equal": outputs_equal(outs, work.expected(device)),
             "peak_device_bytes": max(peak, stats["peak_device_bytes"]),
             "bytes_moved": (stats["bytes_to_device"] + stats["bytes_to_host"]) // repeats,
-            "evictions": stats["evictions"] // repeats}
+            "evictions": stats["evictions"] // repeats, "ahead": ahead_share(stats)}
+
+
+def ahead_share(stats: dict):
+    """The share of the bytes brought to the device that a prefetch issued during an earlier
+    op brought in (``None`` where nothing came in)."""
+    into = stats["bytes_to_device"]
+    return stats["bytes_prefetched_ahead"] / into if into else None
 
 
 def training_base(work: Work) -> int:
@@ -334,16 +341,18 @@ def region_rows(work: Work, repeats: int, only: str = "") -> list:
 def region_table(work: dict) -> str:
     lines = [f"{work['work']}, module regions: ratio to plain torch on the row's device",
              f"  {'row':<26} {'ms/run':>8} {'plain ms':>8} {'ratio':>7} {'fastest':>7} {'ops/run':>8} "
-             f"{'MiB moved':>9} {'peak/budget':>11} {'floor':>6}  equal"]
+             f"{'MiB moved':>9} {'ahead':>6} {'peak/budget':>11} {'floor':>6}  equal"]
     for r in work["region_rows"]:
         if r.get("fits") is False:
             lines.append(f"  {r['row']:<26} does not fit ({r['budget']} bytes)")
             continue
         within = f"{r['peak_device_bytes'] / r['budget']:11.3f}" if r["budget"] else f"{'-':>11}"
         floor = f"{r['copy_floor']:6.3f}" if "copy_floor" in r else f"{'-':>6}"
+        ahead = f"{r['ahead']:6.3f}" if r.get("ahead") is not None else f"{'-':>6}"
         lines.append(f"  {r['row']:<26} {statistics.median(r['times']) * 1e3:8.2f} "
                      f"{statistics.median(r['plain_times']) * 1e3:8.2f} {r['ratio']:7.3f} {r['ratio_of_fastest']:7.3f} "
-                     f"{r['ops']:8d} {r['bytes_moved'] / common.MIB:9.2f} {within} {floor}  {r['equal']}")
+                     f"{r['ops']:8d} {r['bytes_moved'] / common.MIB:9.2f} {ahead} {within} {floor}  {r['equal']}")
+    lines.append("  ahead: the share of the bytes brought to the device by a prefetch issued during an earlier op")
     lines.append("  floor (sim-cpu rows): plain's time plus the bytes moved at the host's copy rate, as a ratio "
                  "to plain")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from paired import (assert_identical, budget, needs_fast_path, paging, plain_tor
                     small_sim_capacity)
 from torchTensorRef import DeviceOutOfMemoryError, HostMemoryError, tensorsManager as tm
 from torchTensorRef.memory.room import is_out_of_memory
-from torchTensorRef.strategies import Flow
+from torchTensorRef.strategies import Flow, Strategy
 from torchTensorRef.core.tensor_ref import block_of
 
 KIB = 1024
@@ -317,6 +317,40 @@ def test_a_prefetch_used_counts_as_one_hit_and_no_miss():
     stats = tm.stats()
     assert (stats["prefetch_hits"], stats["prefetch_misses"], stats["prefetches_unused"]) == (1, 0, 0)
     assert a.tolist() == [3.0] * 256
+
+
+def test_bytes_are_counted_by_how_they_came_in():
+    # A prefetch issued before the op that reads it counts as ahead; a demand fetch does not.
+    a = _prefetched_ones()
+    b = torch.ones(256)
+    b.toCPU()
+    a.add_(b)
+    stats = tm.stats()
+    nbytes = 256 * 4
+    assert (stats["bytes_prefetched"], stats["bytes_prefetched_ahead"], stats["bytes_on_demand"]) == (
+        nbytes, nbytes, nbytes)
+    assert stats["bytes_to_device"] == stats["bytes_prefetched"] + stats["bytes_on_demand"]
+    assert a.tolist() == [2.0] * 256
+
+
+class _PrefetchOwnInputs(Strategy):
+    """Prefetches an op's own blocks as the op begins: too late to overlap anything."""
+
+    def before_op(self, op):
+        for block in op.blocks:
+            self.manager.prefetch(block)
+
+
+def test_a_prefetch_issued_by_the_op_that_reads_it_is_not_ahead():
+    tm.strategy = _PrefetchOwnInputs()
+    a = torch.ones(256)
+    a.toCPU()
+    tm.reset_stats()
+    a.add_(1)
+    stats = tm.stats()
+    assert (stats["prefetches"], stats["prefetch_hits"], stats["bytes_prefetched"]) == (1, 1, 256 * 4)
+    assert (stats["bytes_prefetched_ahead"], stats["bytes_on_demand"]) == (0, 0)
+    assert a.tolist() == [2.0] * 256
 
 
 # -- results sharing one new storage ------------------------------------------------------------------

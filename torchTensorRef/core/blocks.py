@@ -85,7 +85,7 @@ class Block:
 
     __slots__ = (
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
-        "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched",
+        "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched", "prefetch_op",
         "dev_pending", "host_pending", "external", "host_only", "host_shared", "exposed",
         "disk", "spilling", "views", "fetches", "explicit", "__weakref__",
     )
@@ -113,6 +113,9 @@ class Block:
         self.from_op: bool = False
         #: brought in by a prefetch and not used since (for the hit/miss statistics)
         self.prefetched: bool = False
+        #: the first op index whose use of it counts as brought in ahead (the op after the one
+        #: during which its last prefetch was issued)
+        self.prefetch_op: int = -1
         # (``dev_pending``, ``host_pending``, ``disk`` and ``spilling`` are typed ``Any``: their
         # types are memory/'s, above the core: ``Pending`` of ``streams.py``, ``FileRange`` of
         # ``disk.py``, the spill of ``host_tier.py``)

@@ -16,11 +16,14 @@ allocator's cache, are not counted (docs/concepts.md says what is promised). ``"
 emulates the workspaces (``SimBackend.workspace``).
 
 Note [Stream-ordered frees]: a device buffer that a copy on another stream still reads or
-writes (a write-back's source, a prefetch dropped before it was used) stays allocated
-until that copy ends, whatever the manager did with its block: CUDA's allocator frees it
-once the event recorded after the copy completes. Such buffers are counted here
-(``pending``) until their copy is known to have ended, so that the count is the
-allocator's.
+writes (a write-back's source, a prefetch dropped before it was used) must not be reused
+before that copy ends, whatever the manager did with its block. On CUDA ``record_stream``
+keeps the allocator from reusing it until the event recorded after the copy completes,
+while ``memory_allocated`` stops counting it at the free (the caching allocator lowers its
+allocated bytes in ``free``, before it waits on the stream's events); on ``"sim"`` the
+stand-in copy holds the buffer, which stays allocated until the copy is waited on. Such
+buffers are counted here (``pending``) until their copy is known to have ended: the count
+is then at or above the allocator's on both.
 """
 
 from __future__ import annotations

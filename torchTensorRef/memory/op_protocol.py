@@ -141,10 +141,15 @@ class OpProtocol:
         return len(missing)
 
     def arrived(self, block: Block) -> None:
-        """An op is about to read ``block``, brought in by a prefetch: count the hit and
-        order the op after the copy (the compute stream waits for it; the host does not)."""
+        """An op is about to read ``block`` (its ``last_use`` set), brought in by a prefetch:
+        count the hit, and its bytes as brought in ahead where an earlier op issued the
+        prefetch; order the op after the copy (the compute stream waits for it; the host does
+        not)."""
         if block.arrived():
-            self.m.statistics.counters["prefetch_hits"] += 1
+            counters = self.m.statistics.counters
+            counters["prefetch_hits"] += 1
+            if block.last_use >= block.prefetch_op:
+                counters["bytes_prefetched_ahead"] += block.nbytes
 
     def _refuse_growing_external(self, ctx: OpInFlight) -> None:
         # The op runs on the accelerator copy, which could grow; but the host bytes are shared

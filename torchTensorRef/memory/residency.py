@@ -72,7 +72,9 @@ class Residency:
                 mode = "blocking"
         backend.streams.copy_ordered(dev, src if src is not None else raw.flat_bytes(block.host_storage()))
         self._now_resident(block, dev, start, mode)
-        m.statistics.counters["fetches"] += 1
+        counters = m.statistics.counters
+        counters["fetches"] += 1
+        counters["bytes_on_demand"] += block.nbytes
 
     def prefetch(self, block: Block) -> bool:
         """Bring ``block`` in ahead of use on a side stream (no budget check); whether it did.
@@ -104,7 +106,10 @@ class Residency:
             block.host_pending.wait_compute()
         pending = backend.streams.copy_async(dev, raw.flat_bytes(block.host_storage()), prefetch=True)
         self._now_resident(block, dev, start, "async", pending)
-        m.statistics.counters["prefetches"] += 1
+        block.prefetch_op = m.op_count  # (ops from this index on run after the one issuing it)
+        counters = m.statistics.counters
+        counters["prefetches"] += 1
+        counters["bytes_prefetched"] += block.nbytes
         return True
 
     def _now_resident(self, block: Block, dev: torch.Tensor, start: int, mode: str,
@@ -132,8 +137,8 @@ class Residency:
         m.books.left_device(block)
         held = pending is not None and not pending.done()
         if held:
-            # (a prefetch never waited on: its copy may still write the buffer, which stays
-            # allocated until it ends, and is not reused before: Note [Stream-ordered frees])
+            # (a prefetch never waited on: its copy may still write the buffer, which is not
+            # reused before it ends, and is counted until then: Note [Stream-ordered frees])
             m.accounting.hold(pending, m.backend.block_bytes(block.nbytes))
         self.drop_dev(block, reuse=not held)
         m.statistics.counters["evictions"] += 1

@@ -17,7 +17,8 @@ from . import streams
 STAT_KEYS = (
     "bytes_to_device", "bytes_to_host", "fetches", "writebacks", "evictions",
     "prefetches", "prefetch_hits", "prefetch_misses", "prefetches_unused", "prefetches_dropped",
-    "host_syncs", "bytes_from_disk", "bytes_to_disk",
+    "host_syncs", "bytes_from_disk", "bytes_to_disk", "bytes_on_demand", "bytes_prefetched",
+    "bytes_prefetched_ahead",
 )
 
 
@@ -41,7 +42,10 @@ class Statistics:
         Keys: ``bytes_to_device``, ``bytes_to_host``, ``peak_device_bytes``,
         ``device_bytes``, ``ops``, ``evictions``, ``fetches``, ``writebacks``,
         ``prefetches``, ``prefetch_hits``, ``prefetch_misses``, ``prefetches_unused``,
-        ``prefetches_dropped``, ``host_syncs``, ``budget``, ``device``, ``strategy``,
+        ``prefetches_dropped``, ``bytes_on_demand`` (brought to the device because an op
+        needed them), ``bytes_prefetched`` (brought in by prefetches), ``bytes_prefetched_ahead``
+        (of those, the bytes an op read that an earlier op's prefetch brought: the copy could
+        overlap that op's work), ``host_syncs``, ``budget``, ``device``, ``strategy``,
         ``tensors`` (live TensorRefs), ``tensors_on_device``, ``blocks``,
         ``blocks_on_device``, ``host_bytes`` (host copies of paged blocks, CPU tensors
         not counted), ``peak_host_bytes``, ``host_budget``, ``bytes_from_disk``,

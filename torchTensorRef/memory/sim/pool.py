@@ -145,8 +145,9 @@ class Allocated:
 
     def untrack(self, storage: torch.UntypedStorage) -> None:
         """Stop counting ``storage`` (kept by the pool for reuse) once no tensor uses its
-        bytes: a write-back still queued on a copy stream reads them, and CUDA's allocator
-        counts a freed block as allocated until the streams that used it are done with it."""
+        bytes: a write-back still queued on a copy stream reads them (the stand-in copy holds
+        them until it is waited on; CUDA's allocator stops counting a freed buffer at once and
+        holds back only its reuse: Note [Stream-ordered frees] in ``accounting.py``)."""
         with self._lock:
             users = raw.storage_users(storage)
             if users is not None and users > 1:
