@@ -545,3 +545,48 @@ def test_real_models_small_on_sim_equal_to_plain_within_their_budgets(tmp_path):
     if "diffusers" not in missing:
         offload = rows[("unet denoise 2 steps", "diffusers group offload")]
         assert offload["moved"] == 2 * result["models"]["denoiser"]["weight_bytes"] and "equal" in offload
+
+
+CLIENT_TESTS = '''
+import torch
+
+
+def test_a_plain_tensor():
+    assert type(torch.zeros(2)) is torch.Tensor
+
+
+def test_values():
+    assert torch.arange(4.0).sum().item() == 6.0
+
+
+class TestOnADevice:
+    torch_device = "cpu"
+
+    def test_the_device(self):
+        assert torch.ones(2, device=self.torch_device).device.type == "cpu"
+'''
+
+
+def test_client_tests_finds_what_the_import_changes_and_nothing_else(tmp_path):
+    """``benchmarks/client_tests.py``: a library's tests run plain, with the import, and on
+    "sim"; the comparison names exactly the tests whose outcome the import changed."""
+    import subprocess
+
+    from benchmarks import client_tests
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "test_client.py").write_text(CLIENT_TESTS)
+    for variant in client_tests.VARIANTS:
+        done = subprocess.run([sys.executable, "benchmarks/client_tests.py", "run", variant,
+                               str(tmp_path / f"{variant}.tsv"), "--tests", str(tmp_path / "test_client.py")],
+                              cwd=root, capture_output=True, text=True, timeout=300)
+        assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+    plain, cpu, sim = (client_tests.load(str(tmp_path / f"{v}.tsv")) for v in client_tests.VARIANTS)
+    assert {k.split("::", 1)[1]: o for k, (o, _m) in plain.items()} == {
+        "test_a_plain_tensor": "passed", "test_values": "passed", "TestOnADevice::test_the_device": "passed"}
+    # the import makes factories give TensorRefs; on "sim" the test class runs on "sim"
+    assert sorted(k.split("::", 1)[1] for k in client_tests.regressions(plain, cpu)) == ["test_a_plain_tensor"]
+    assert sorted(k.split("::", 1)[1] for k in client_tests.regressions(plain, sim)) == [
+        "TestOnADevice::test_the_device", "test_a_plain_tensor"]
+    text = client_tests.report(str(tmp_path / "plain.tsv"), str(tmp_path / "sim.tsv"))
+    assert "regressions: 2, of which OutOfBudgetError: 0" in text

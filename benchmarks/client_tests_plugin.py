@@ -1,0 +1,64 @@
+"""A pytest plugin that runs a client library's own tests with torchTensorRef imported.
+
+Loaded by ``client_tests.py`` (``-p client_tests_plugin``); the variant comes from
+``TORCHTENSORREF_CLIENT_VARIANT``:
+
+- ``plain``: nothing imported (the reference run);
+- ``cpu``: ``import torchTensorRef`` and nothing else (device "cpu", no budget);
+- ``sim``: device "sim", Flow, the budget ``TORCHTENSORREF_CLIENT_BUDGET`` (default 256KiB),
+  and every collected test class with a ``torch_device`` attribute runs on "sim".
+
+Each test's outcome is appended to ``TORCHTENSORREF_CLIENT_OUTCOMES`` as
+``node id <TAB> outcome <TAB> first line of the error``, by the process that sees every
+report (xdist's controller, so a crashed worker's test is reported too).
+"""
+
+from __future__ import annotations
+
+import os
+
+VARIANT = os.environ.get("TORCHTENSORREF_CLIENT_VARIANT", "plain")
+OUTCOMES = os.environ.get("TORCHTENSORREF_CLIENT_OUTCOMES")
+
+if VARIANT != "plain":
+    import torchTensorRef
+    from torchTensorRef import tensorsManager
+
+    if VARIANT == "sim":
+        tensorsManager.device = "sim"
+        tensorsManager.strategy = "flow"
+        tensorsManager.budget = os.environ.get("TORCHTENSORREF_CLIENT_BUDGET", "256KiB")
+
+_seen: dict = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    if VARIANT != "sim":
+        return
+    for item in items:
+        cls = getattr(item, "cls", None)
+        if cls is not None and hasattr(cls, "torch_device"):
+            cls.torch_device = "sim"
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "call" and report.outcome == "passed":
+        return  # (setup and teardown that passed say nothing about the test)
+    previous = _seen.get(report.nodeid)
+    if previous in ("failed", "error"):
+        return  # (a teardown after a failed call does not replace the failure)
+    outcome = "error" if report.when != "call" and report.outcome == "failed" else report.outcome
+    message = ""
+    if outcome != "passed" and report.longrepr is not None:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        text = crash.message if crash is not None else str(report.longrepr)
+        message = text.strip().splitlines()[0][:300] if text.strip() else ""
+    _seen[report.nodeid] = outcome
+    if OUTCOMES and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(OUTCOMES, "a") as f:
+            f.write(f"{report.nodeid}\t{outcome}\t{message}\n")
+
+
+def pytest_report_header(config):
+    where = torchTensorRef.__file__ if VARIANT != "plain" else "not imported"
+    return f"torchTensorRef variant {VARIANT}: {where}"
