@@ -12,6 +12,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import regions, tensorsManager as tm
+from torchTensorRef.regions import stores
 from paired import budget, plain_torch
 
 #: (strategy, budget of the test's module in bytes or None)
@@ -213,6 +214,59 @@ def test_a_submodule_replaced_between_calls_is_in_the_working_set_and_the_old_on
     plain, managed = both(None, program, setting)
     torch.testing.assert_close(managed[0], plain[0], rtol=0, atol=0)
     assert managed[1] == 1 and managed[2] is plain[2] is True
+
+
+class Adapters(torch.nn.Module):
+    """A layer and adapters in a ModuleDict, as a library injects them; its forward slices its
+    layers into a new ModuleList, as Llama's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.adapters = torch.nn.ModuleDict()
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        for adapter in self.adapters.values():
+            x = x + adapter(x)
+        return x
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_an_adapter_added_to_a_module_dict_after_calls_is_in_the_working_set(setting):
+    # only changes to modules a region has read make the regions read their modules again:
+    # an adapter added to the ModuleDict of a module that ran as a region must be one of them
+    def program(module):
+        x = torch.ones(2, 8).to(module.layers[0].weight.device)
+        outs = []
+        with torch.no_grad():
+            outs.append(values(module(x)))
+            torch.manual_seed(1)
+            module.adapters["a"] = torch.nn.Linear(8, 8)
+            outs += [values(module(x)), values(module(x))]
+            before = tm.stats()["ops"]
+            module(x)
+            ops = tm.stats()["ops"] - before
+        return outs, ops
+
+    plain, managed = compare(Adapters, program, setting)
+    assert_same(plain[0], managed[0])
+    assert managed[1] == 1  # (still one region: the new adapter's weights are in its working set)
+
+
+def test_a_forward_that_slices_its_layers_does_not_make_regions_read_their_modules_again():
+    # Llama's forward slices ``self.layers[:n]`` into a new ModuleList at every call: its
+    # add_module calls made every region read all its modules again at its next call
+    module = Adapters()
+    regions.region(module)
+    x = torch.ones(2, 8)
+    with torch.no_grad():
+        module(x)
+        before = stores.structure[0]
+        module(x)
+        module(x)
+    assert stores.structure[0] == before
 
 
 def test_a_compiled_region_given_a_nested_tensor_says_why_it_cannot_run():

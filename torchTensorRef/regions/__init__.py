@@ -170,6 +170,7 @@ class _ModuleInfo:
                     break
             else:
                 return
+        stores.watch(module.modules())
         self.slots = parameter_slots(module)
         self.held = held_values(module)
         self.sizes = tuple((d, len(d)) for m in module.modules() for d in (m._parameters, m._buffers))

@@ -17,12 +17,17 @@ reading the view until it returns.
 
 Replacing a submodule (``model.layers[0] = layer``, an adapter injected by a library), or
 giving a module a tensor or a container of them to hold, is noted too: the regions' records
-of which tensors their modules hold are read again (``structure``).
+of which tensors their modules hold are read again (``structure``). Only for a module a
+region has read (``watched``): a forward that builds a container of existing modules on each
+call (Llama's ``self.layers[:n]`` slices its ModuleList into a new one) changes no region's
+modules, and reading every region's modules again at each of its calls cost more than the
+calls' own bookkeeping.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -39,13 +44,21 @@ class _Running(threading.local):
 
 
 running = _Running()
-#: bumped whenever a submodule is assigned anywhere: regions read their modules' tensors again
+#: bumped whenever a watched module is given a submodule, a tensor or a container: regions
+#: read their modules' tensors again
 structure = [0]
+#: the modules some region has read (``watch``): only their changes bump ``structure``
+watched: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def watch(modules) -> None:
+    """Bump ``structure`` from now on when one of ``modules`` changes what it holds."""
+    watched.update(modules)
 
 
 def _module_setattr(self, name, value):
     """``nn.Module.__setattr__``, noting what a region's call assigns (Note [Stores on modules])."""
-    if isinstance(value, (torch.nn.Module, _Tensor, dict, list)):
+    if isinstance(value, (torch.nn.Module, _Tensor, dict, list)) and self in watched:
         structure[0] += 1  # (a submodule, or a value a region's call may read: ``scan.held_values``)
     call = running.call
     if call is None:
@@ -62,7 +75,8 @@ def _module_setattr(self, name, value):
 
 
 def _module_add_module(self, name, module):
-    structure[0] += 1
+    if self in watched:
+        structure[0] += 1
     return _original_add_module(self, name, module)
 
 
