@@ -253,8 +253,15 @@ def managed_row(work: Work, plain, repeats: int, device: str, strategy: str, bud
     return row
 
 
+#: Flow's arguments in the managed rows (``--lookahead``, ``--prefetch-evicts``); none: its defaults
+FLOW_OPTIONS: dict = {}
+
+
 def _managed_phase(work: Work, plain, repeats: int, device: str, strategy: str, budget) -> dict:
-    run = work.runner(common.managed_copy(work.model, device, strategy), torchTensorRef.manage(work.ids.clone()))
+    model = common.managed_copy(work.model, device, strategy)
+    if strategy == "flow" and FLOW_OPTIONS:
+        tm.strategy = torchTensorRef.strategies.Flow(**FLOW_OPTIONS)
+    run = work.runner(model, torchTensorRef.manage(work.ids.clone()))
     # The budget covers what the device holds outside the manager (Note [Budget on CUDA]): the
     # plain reference's model on the same device, timed beside this row. ``budget`` is the
     # manager's share on top of it.
@@ -448,7 +455,15 @@ def main(argv=None) -> dict:
                         help="the module regions tables alone (the per-op rows are left out)")
     parser.add_argument("--rows", default="", metavar="TEXT",
                         help="only the module regions rows whose label contains TEXT (e.g. 'sim-cpu')")
+    parser.add_argument("--lookahead", type=int, default=None, help="Flow's lookahead in the managed rows")
+    parser.add_argument("--prefetch-evicts", action="store_true",
+                        help="Flow may evict clean blocks needed later to prefetch (prefetch_evicts=True)")
     args = parser.parse_args(argv)
+    FLOW_OPTIONS.clear()
+    if args.lookahead is not None:
+        FLOW_OPTIONS["lookahead"] = args.lookahead
+    if args.prefetch_evicts:
+        FLOW_OPTIONS["prefetch_evicts"] = True
     torch.set_num_threads(1)
     size = SIZES[args.size]
     repeats = args.repeats or size["repeats"]
@@ -467,7 +482,7 @@ def main(argv=None) -> dict:
                 works.append(run_work(work, repeats, regions=not args.no_regions, only=args.rows))
     result = {"torch": torch.__version__, "threads": 1, "size": args.size, "repeats": repeats, "warmup": WARMUP,
               "clock": "process CPU time", "tokens": size["tokens"], "prompt": size["prompt"],
-              "requests": size["requests"],
+              "requests": size["requests"], "flow_options": dict(FLOW_OPTIONS),
               "train_batch": [size["batch"], size["seq"]], "llama": size["llama"], "gpt2": size["gpt2"],
               "works": works}
     print(f"1 thread, torch {torch.__version__}, {repeats} repeats per row (process CPU time); ratio: median of "
