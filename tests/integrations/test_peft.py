@@ -214,3 +214,76 @@ def test_generate_with_the_adapter_gives_plain_torch_s_tokens(strategy):
     for a, b in zip(got, expected):
         assert torch.equal(a, b), f"{a} != {b}"
     check_paged()
+
+
+class LinearOfAParameter(torch.nn.Module):
+    """A layer computing on its weight Parameter directly (no nn.Linear): peft adapts it with
+    ``target_parameters``, a parametrization registered and removed in every forward."""
+
+    def __init__(self, inputs, outputs):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(inputs, outputs))
+        self.bias = torch.nn.Parameter(torch.ones(outputs))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class MlpOfParameters(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin0 = LinearOfAParameter(10, 20)
+        self.lin1 = LinearOfAParameter(20, 2)
+
+    def forward(self, x):
+        return torch.log_softmax(self.lin1(torch.relu(self.lin0(x.float()))), dim=-1)
+
+
+def target_parameters_run(device=None, strategy=None):
+    """An eval call, then SGD steps of a LoRA on ``lin0.weight`` by ``target_parameters``;
+    (outputs, losses, the base layer's parameter names, the base weight, the adapter)."""
+    torch.manual_seed(0)
+    model = MlpOfParameters()
+    if device is not None:
+        model = model.to(device)
+    x = torch.arange(90).view(9, 10)
+    x = x.to(device) if device is not None else x
+    model.eval()
+    outs = [to_plain(model(x))]
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, peft.LoraConfig(target_parameters=["lin0.weight"], init_lora_weights=False))
+    if strategy is not None:
+        # (a budget a few times the model's bytes: a region's first backward keeps all the
+        # room it leaves, and evicts the rest of the model for it)
+        tm.strategy, tm.budget = strategy, budget(64 * 1024)
+        tm.reset_stats()
+    model.eval()
+    outs.append(to_plain(model(x)))
+    model.train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        out = model(x)
+        loss = torch.nn.functional.nll_loss(out, torch.arange(len(out)).to(out.device) % 2)
+        loss.backward()
+        optimizer.step()
+        losses.append(to_plain(loss))
+    base_layer = model.base_model.model.lin0.base_layer
+    names = sorted(n for n, _ in base_layer.named_parameters())
+    return outs, losses, names, to_plain(base_layer.weight), lora_weights(model)
+
+
+@pytest.mark.parametrize("strategy", strategies.NAMES)
+def test_target_parameters_keeps_the_base_weight_a_parameter_and_trains_as_plain_torch(strategy):
+    # the region gave its call a plain view of the frozen weight; the parametrization's
+    # removal registered that view back as a buffer: the weight left named_parameters(),
+    # silently, and its device copy stayed allocated outside the manager
+    with plain_torch():
+        expected = target_parameters_run(tm.torch_device)
+    got = target_parameters_run(strategy=strategy)
+    assert tm.stats()["peak_device_bytes"] <= tm.budget
+    assert got[2] == expected[2] == ["bias", "weight"]
+    for a, b in zip(got[0] + got[1] + [got[3]], expected[0] + expected[1] + [expected[3]]):
+        assert torch.equal(a, b)
+    assert_equal_dicts(got[4], expected[4])

@@ -406,6 +406,45 @@ def test_a_parametrization_registered_in_forward_trains_as_in_plain_torch(settin
     assert_same(plain, managed)
 
 
+class SeesItsParameters(torch.nn.Module):
+    """Notes, in its forward, whether its weights are ``nn.Parameter``s (a frozen one and a
+    trainable one), as libraries ask before moving them by their kind."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = torch.nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+        self.trained = torch.nn.Linear(3, 3)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append([isinstance(p, torch.nn.Parameter) for p in (self.frozen.weight, self.trained.weight)])
+        for _ in range(8):
+            x = x + 0.0
+        return self.trained(self.frozen(x))
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_a_region_s_call_sees_its_parameters_as_parameters(setting):
+    # the call was given plain views: peft's ``target_parameters`` registers a
+    # parametrization in forward and its removal put the frozen weight's view back as a
+    # buffer (``isinstance(view, nn.Parameter)`` was False): the weight left
+    # named_parameters(), silently
+    def program(module):
+        x = torch.ones(2, 3).to(module.frozen.weight.device)
+        with torch.no_grad():
+            module(x)
+            before = tm.stats()["ops"]
+            module(x)
+            ops = tm.stats()["ops"] - before
+        module(x).sum().backward()
+        return module.seen, ops
+
+    plain, managed = compare(SeesItsParameters, program, setting)
+    assert managed[0] == plain[0] == [[True, True]] * 3
+    assert managed[1] == 1  # (the calls ran as a region)
+
+
 def assert_same(plain, managed) -> None:
     if isinstance(plain, torch.Tensor):
         torch.testing.assert_close(managed, plain, rtol=0, atol=0)

@@ -147,6 +147,13 @@ class Giver:
             given = SimTensor(plain)
         else:
             given = plain
+        if a.__dict__.get("_is_param") and not given.__dict__.get("_is_param"):
+            # A Parameter is given as a Parameter (``isinstance(p, nn.Parameter)``, as torch's
+            # own ``_is_param`` mark makes it): code that moves a module's parameters by their
+            # kind (a parametrization registered and removed in forward, peft's
+            # ``target_parameters``) put the view back as a buffer otherwise, and the module
+            # lost the parameter, silently.
+            given._is_param = True
         # (the version of what the call got: on "sim" the wrapper's counts the writes; an
         # inference tensor has none, and the call may write it: None)
         self.views[id(a)] = (a, given, plain, None if given.is_inference() else given._version)
