@@ -46,7 +46,8 @@ def run(variant: str, outcomes: str, tests: str, budget: str, pytest_args: List[
     out = pathlib.Path(outcomes).resolve()
     out.unlink(missing_ok=True)
     root = _repository_root(pathlib.Path(tests).resolve())
-    env = dict(os.environ, TORCHTENSORREF_CLIENT_VARIANT=variant, TORCHTENSORREF_CLIENT_OUTCOMES=str(out),
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # (not the caller's pytest's)
+    env.update(TORCHTENSORREF_CLIENT_VARIANT=variant, TORCHTENSORREF_CLIENT_OUTCOMES=str(out),
                TORCHTENSORREF_CLIENT_BUDGET=budget)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as folder:

@@ -30,6 +30,13 @@ if VARIANT != "plain":
         tensorsManager.budget = os.environ.get("TORCHTENSORREF_CLIENT_BUDGET", "256KiB")
 
 _seen: dict = {}
+#: whether this process is one of xdist's workers (asked of pytest's configuration: a
+#: variable in the environment may be inherited from a pytest run that started this one)
+_worker = [False]
+
+
+def pytest_configure(config):
+    _worker[0] = hasattr(config, "workerinput")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,7 +61,7 @@ def pytest_runtest_logreport(report):
         text = crash.message if crash is not None else str(report.longrepr)
         message = text.strip().splitlines()[0][:300] if text.strip() else ""
     _seen[report.nodeid] = outcome
-    if OUTCOMES and "PYTEST_XDIST_WORKER" not in os.environ:
+    if OUTCOMES and not _worker[0]:
         with open(OUTCOMES, "a") as f:
             f.write(f"{report.nodeid}\t{outcome}\t{message}\n")
 
