@@ -445,6 +445,42 @@ def test_a_region_s_call_sees_its_parameters_as_parameters(setting):
     assert managed[1] == 1  # (the calls ran as a region)
 
 
+class ReadsItsWeightsAttributes(torch.nn.Module):
+    """Scales by an attribute its weight carries, and counts its calls on the weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        w = self.lin.weight
+        w.calls = w.calls + 1
+        for _ in range(8):
+            x = x + 0.0
+        return self.lin(x) * getattr(w, "scale", 1.0)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_a_region_s_call_reads_and_sets_its_tensors_attributes_as_plain_torch(setting):
+    # the call's views carried none of the attributes set on the parameters: a forward
+    # reading one with a default computed with the default, silently
+    def program(module):
+        # (set once the module is on its device: plain torch's ``.to("sim")`` swaps each
+        # parameter with a new one, as it swaps a tensor subclass's, and their attributes)
+        module.lin.weight.scale, module.lin.weight.calls = 3.0, 0
+        x = torch.ones(2, 3).to(module.lin.weight.device)
+        with torch.no_grad():
+            outs = [values(module(x)) for _ in range(3)]
+            before = tm.stats()["ops"]
+            module(x)
+            ops = tm.stats()["ops"] - before
+        return outs, module.lin.weight.calls, module.lin.weight.scale, ops
+
+    plain, managed = compare(ReadsItsWeightsAttributes, program, setting)
+    assert_same(plain[:3], managed[:3])
+    assert managed[1] == 4 and managed[3] == 1
+
+
 def assert_same(plain, managed) -> None:
     if isinstance(plain, torch.Tensor):
         torch.testing.assert_close(managed, plain, rtol=0, atol=0)

@@ -66,7 +66,7 @@ from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim.allocation import PlainMode
 from ..ops.op_context import blocks_of_list, wrap_one
 from .inside import Inside, Measure, measured
-from .op import MAX_WRAPPERS, Giver, RegionContext, RegionSpec, Wrapper, bytes_of
+from .op import MAX_WRAPPERS, Giver, RegionContext, RegionSpec, Wrapper, bytes_of, take_back_attributes
 from . import stores
 from .step import Plan, Step
 from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad,
@@ -369,6 +369,7 @@ class Region:
             for d, k, v in call.slots + call.restores:
                 if get_item(d, k) is views[id(v)][1]:
                     d[k] = v
+            take_back_attributes(views)
             self._note_stores(call)
 
     def _kept_wrappers(self, mgr, sim: bool, call: Call):

@@ -15,6 +15,21 @@ _Tensor = torch.Tensor
 
 #: SimTensors kept per region for the TensorRefs it saw (Note [Kept wrappers])
 MAX_WRAPPERS = 1024
+#: a SimTensor's own attributes, never its TensorRef's
+_WRAPPER_ATTRIBUTES = frozenset({"data_"})
+_MISSING = object()
+
+
+def take_back_attributes(views) -> None:
+    """Set on each TensorRef the attributes the call set on what it was given for it
+    (``call.views``), as plain torch's call would have set them on the tensor itself."""
+    for ref, given, _plain, _version in views.values():
+        got = given.__dict__
+        if got:
+            mine = ref.__dict__
+            for k, v in got.items():
+                if mine.get(k, _MISSING) is not v and k not in _WRAPPER_ATTRIBUTES:
+                    mine[k] = v
 
 
 class RegionSpec:
@@ -147,13 +162,15 @@ class Giver:
             given = SimTensor(plain)
         else:
             given = plain
-        if a.__dict__.get("_is_param") and not given.__dict__.get("_is_param"):
-            # A Parameter is given as a Parameter (``isinstance(p, nn.Parameter)``, as torch's
-            # own ``_is_param`` mark makes it): code that moves a module's parameters by their
-            # kind (a parametrization registered and removed in forward, peft's
-            # ``target_parameters``) put the view back as a buffer otherwise, and the module
-            # lost the parameter, silently.
-            given._is_param = True
+        attributes = a.__dict__
+        if attributes:
+            # What a tensor carries is what the call reads of it, as in plain torch: torch's
+            # ``_is_param`` mark (``isinstance(p, nn.Parameter)``) and its users' attributes.
+            # Without the mark, code that moves a module's parameters by their kind (a
+            # parametrization registered and removed in forward, peft's ``target_parameters``)
+            # put the view back as a buffer, and the module lost the parameter, silently.
+            # (``take_back_attributes`` gives the TensorRef what the call set.)
+            given.__dict__.update(attributes)
         # (the version of what the call got: on "sim" the wrapper's counts the writes; an
         # inference tensor has none, and the call may write it: None)
         self.views[id(a)] = (a, given, plain, None if given.is_inference() else given._version)
