@@ -338,17 +338,26 @@ def region_rows(work: Work, repeats: int, only: str = "") -> list:
             row.update(row=label, device=device, budget_fraction=fraction, budget=budget, regions=on)
             if device == common.SIM_CPU and row.get("fits") is not False:
                 plain_s = statistics.median(row["plain_times"])
-                row.update(host_copy_bytes_per_s=rate, copy_floor=1 + row["bytes_moved"] / rate / plain_s)
+                row.update(host_copy_bytes_per_s=rate, copy_floor=1 + row["bytes_moved"] / rate / plain_s,
+                           host_us_per_op=host_us_per_op(row, rate))
             rows.append(row)
     finally:
         torchTensorRef.regions.enabled, torchTensorRef.regions.under_budget = previous
     return rows
 
 
+def host_us_per_op(row: dict, rate: float) -> float:
+    """µs the manager adds per op of a sim-cpu row beyond plain torch's kernels and the copies'
+    floor: (the row's median time - plain's - its bytes at the host's copy rate) / its ops. With
+    regions, an op is a region call (or one op a region ran op by op)."""
+    added = statistics.median(row["times"]) - statistics.median(row["plain_times"]) - row["bytes_moved"] / rate
+    return added / row["ops"] * 1e6
+
+
 def region_table(work: dict) -> str:
     lines = [f"{work['work']}, module regions: ratio to plain torch on the row's device",
              f"  {'row':<26} {'ms/run':>8} {'plain ms':>8} {'ratio':>7} {'fastest':>7} {'ops/run':>8} "
-             f"{'MiB moved':>9} {'ahead':>6} {'peak/budget':>11} {'floor':>6}  equal"]
+             f"{'MiB moved':>9} {'ahead':>6} {'peak/budget':>11} {'floor':>6} {'us/op':>7}  equal"]
     for r in work["region_rows"]:
         if r.get("fits") is False:
             lines.append(f"  {r['row']:<26} does not fit ({r['budget']} bytes)")
@@ -356,12 +365,16 @@ def region_table(work: dict) -> str:
         within = f"{r['peak_device_bytes'] / r['budget']:11.3f}" if r["budget"] else f"{'-':>11}"
         floor = f"{r['copy_floor']:6.3f}" if "copy_floor" in r else f"{'-':>6}"
         ahead = f"{r['ahead']:6.3f}" if r.get("ahead") is not None else f"{'-':>6}"
+        per_op = f"{r['host_us_per_op']:7.1f}" if "host_us_per_op" in r else f"{'-':>7}"
         lines.append(f"  {r['row']:<26} {statistics.median(r['times']) * 1e3:8.2f} "
                      f"{statistics.median(r['plain_times']) * 1e3:8.2f} {r['ratio']:7.3f} {r['ratio_of_fastest']:7.3f} "
-                     f"{r['ops']:8d} {r['bytes_moved'] / common.MIB:9.2f} {ahead} {within} {floor}  {r['equal']}")
+                     f"{r['ops']:8d} {r['bytes_moved'] / common.MIB:9.2f} {ahead} {within} {floor} {per_op}  "
+                     f"{r['equal']}")
     lines.append("  ahead: the share of the bytes brought to the device by a prefetch issued during an earlier op")
     lines.append("  floor (sim-cpu rows): plain's time plus the bytes moved at the host's copy rate, as a ratio "
                  "to plain")
+    lines.append("  us/op (sim-cpu rows): time added per op (a region call, with regions) beyond plain and the "
+                 "copies' floor")
     return "\n".join(lines)
 
 
