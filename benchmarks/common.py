@@ -296,3 +296,32 @@ def regions_off():
         yield
     finally:
         torchTensorRef.regions.enabled = previous
+
+
+def copy_rates(cuda_device, timed, nbytes: int, repeats: int = 5) -> dict:
+    """Best host-to-device (``h2d``) and device-to-host (``d2h``) copy rates of a pinned
+    ``nbytes`` buffer on ``cuda_device``, in bytes/s, timed with CUDA events. With no CUDA
+    device (``None``: "sim", whose device is host memory) a host memcpy's rate, timed by
+    ``timed(fn) -> (result, seconds)``, both ways."""
+    with torchTensorRef.disabled():
+        if cuda_device is None:
+            src = torch.empty(nbytes, dtype=torch.uint8)
+            dst = torch.empty_like(src)
+            best = min(timed(lambda: dst.copy_(src))[1] for _ in range(repeats))
+            return {"h2d": nbytes / best, "d2h": nbytes / best, "bytes": nbytes, "pinned": False}
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=cuda_device)
+        out = {"bytes": nbytes, "pinned": True}
+        for key, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+            dst.copy_(src, non_blocking=True)  # (warm-up)
+            ms = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                ms.append(start.elapsed_time(end))
+            out[key] = nbytes / (min(ms) / 1e3)
+        del host, dev
+        return out

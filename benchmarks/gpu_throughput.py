@@ -139,28 +139,7 @@ class Device:
 
     def bandwidth(self, nbytes: int, repeats: int = 5) -> dict:
         """Best host-to-device and device-to-host copy rates of a pinned ``nbytes`` buffer (bytes/s)."""
-        with torchTensorRef.disabled():
-            if not self.cuda:  # the simulated device copies host memory to host memory
-                src = torch.empty(nbytes, dtype=torch.uint8)
-                dst = torch.empty_like(src)
-                best = min(self.timed(lambda: dst.copy_(src))[1] for _ in range(repeats))
-                return {"h2d": nbytes / best, "d2h": nbytes / best, "bytes": nbytes, "pinned": False}
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.compute)
-            out = {"bytes": nbytes, "pinned": True}
-            for key, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
-                dst.copy_(src, non_blocking=True)  # warm-up
-                ms = []
-                for _ in range(repeats):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    dst.copy_(src, non_blocking=True)
-                    end.record()
-                    end.synchronize()
-                    ms.append(start.elapsed_time(end))
-                out[key] = nbytes / (min(ms) / 1e3)
-            del host, dev
-            return out
+        return common.copy_rates(self.compute if self.cuda else None, self.timed, nbytes, repeats)
 
 
 # -- one configuration -----------------------------------------------------------------------------

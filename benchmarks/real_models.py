@@ -271,26 +271,8 @@ class Run:
         return stats["peak_device_bytes"] + outside if managed else stats.get("max_memory_allocated")
 
     def measure_bandwidth(self, nbytes: int, repeats: int = 5) -> dict:
-        """Best pinned host-to-device copy rate (bytes/s); on "sim" a host memcpy's."""
-        with torchTensorRef.disabled():
-            if not self.cuda:
-                src = torch.empty(nbytes, dtype=torch.uint8)
-                dst = torch.empty_like(src)
-                best = min(self.timed(lambda: dst.copy_(src))[1] for _ in range(repeats))
-                return {"h2d": nbytes / best, "bytes": nbytes, "pinned": False}
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.plain_device)
-            dev.copy_(host, non_blocking=True)  # (warm-up)
-            ms = []
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                dev.copy_(host, non_blocking=True)
-                end.record()
-                end.synchronize()
-                ms.append(start.elapsed_time(end))
-            del host, dev
-            return {"h2d": nbytes / (min(ms) / 1e3), "bytes": nbytes, "pinned": True}
+        """Best pinned copy rates (bytes/s); on "sim" a host memcpy's."""
+        return common.copy_rates(self.plain_device if self.cuda else None, self.timed, nbytes, repeats)
 
     # rows
     def row(self, body: Optional[Callable[[dict], None]], *, cap: Optional[float] = None,
