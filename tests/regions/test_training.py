@@ -332,6 +332,57 @@ def test_retain_graph_keeps_the_region_s_graph_and_without_it_a_second_backward_
         loss.backward()
 
 
+@pytest.mark.parametrize("fraction", [None, 0.75], ids=["no-budget", "paged"])
+@pytest.mark.parametrize("call", ["backward()", "backward(retain_graph=True)", "autograd.backward(positional)",
+                                  "autograd.grad()", "autograd.grad(positional)", "autograd.grad(create_graph=True)"])
+def test_a_region_s_inner_graph_is_freed_as_its_backward_runs_unless_the_backward_keeps_its_graph(call, fraction):
+    """Note [Keeping the inner graph]: what a region saved goes once its node ran (as plain
+    torch frees each node's saved tensors), not at the backward's end; it is kept where the
+    backward keeps its graph, however ``retain_graph`` is given."""
+    keeps = call not in ("backward()", "autograd.grad()")
+    with plain_torch():
+        x = torch.randn(4, 16)
+        plain_model = stack().to(tm.torch_device)
+        px = x.to(tm.torch_device).requires_grad_()
+        plain = torch.autograd.grad(plain_model(px).sum(), [px] + list(plain_model.parameters()))
+    model = stack()
+    if fraction is not None:
+        tm.strategy = "flow"
+        tm.budget = budget(int(fraction * weight_bytes(model)))
+    mx = torchTensorRef.manage(x.cpu()).requires_grad_()
+    for _ in range(2):
+        model(mx)  # (the first calls with these shapes are measured op by op: the model's, then its blocks')
+    loss = model(mx).sum()
+    nodes = link_nodes(loss)
+    assert len(nodes) == 1 if fraction is None else len(nodes) > 1  # (paged: the blocks, or their modules)
+    seen = []
+    # (the input's gradient comes once every region's node ran, before the backward ends)
+    mx.register_hook(lambda g: seen.append([n.training.released for n in nodes]))
+    params = [mx] + list(model.parameters())
+    got = None
+    if call == "backward()":
+        loss.backward()
+    elif call == "backward(retain_graph=True)":
+        loss.backward(retain_graph=True)
+    elif call == "autograd.backward(positional)":
+        torch.autograd.backward(loss, None, True)
+    elif call == "autograd.grad()":
+        got = torch.autograd.grad(loss, params)
+    elif call == "autograd.grad(positional)":
+        got = torch.autograd.grad(loss, params, None, True)
+    else:
+        # (a region's backward records no graph: it refuses, and is not run again)
+        with pytest.raises(RuntimeError, match="create_graph=True"):
+            torch.autograd.grad(loss, params, create_graph=True)
+        assert not any(n.training.released for n in nodes)
+        return
+    assert seen == [[not keeps] * len(nodes)]
+    assert_identical(list(plain), list(got) if got is not None else [mx.grad] + grads(model))
+    assert all(n.training.released is not keeps for n in nodes)
+    if fraction is not None:
+        assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
 class Squash(torch.nn.Module):
     """Its last op (sigmoid) saves its result: the call's output."""
 

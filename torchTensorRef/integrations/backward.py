@@ -30,10 +30,23 @@ FUNCTIONS = (("torch.autograd", "backward"), ("torch.autograd", "grad"))
 
 
 def guard_wrapper(wrapped, instance, args, kwargs):
-    """``torch.autograd.backward`` / ``grad``, after the checks of the Note."""
+    """``torch.autograd.backward`` / ``grad``, after the checks of the Note; regions' backwards
+    keep their inner graphs while it runs as it keeps its own (Note [Keeping the inner graph]
+    in ``regions/training.py``)."""
     roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
     check(roots)
-    return wrapped(*args, **kwargs)
+    with training.backwards.call(_keeps_graph(wrapped, args, kwargs)):
+        return wrapped(*args, **kwargs)
+
+
+def _keeps_graph(wrapped, args, kwargs) -> bool:
+    """Whether this call of ``torch.autograd.backward`` or ``grad`` keeps the graph it runs."""
+    # positional: backward(tensors, grad_tensors, retain_graph, create_graph),
+    # grad(outputs, inputs, grad_outputs, retain_graph, create_graph)
+    at = 2 if wrapped.__name__ == "backward" else 3
+    retain = args[at] if len(args) > at else kwargs.get("retain_graph")
+    create = args[at + 1] if len(args) > at + 1 else kwargs.get("create_graph", False)
+    return bool(create) if retain is None else bool(retain)
 
 
 def check(roots) -> None:

@@ -20,7 +20,7 @@ call that needs gradients builds its own graph inside and links it to the Tensor
    autograd accumulates into the parameters' ``.grad`` as it would any other.
 
 The inner graph is kept until autograd frees the node's saved tensors (``retain_graph``
-honoured): a callback at the end of the backward looks.
+honoured: Note [Keeping the inner graph]): a callback at the end of the backward looks.
 
 Kernels are plain torch's, in plain torch's order, and nothing is recomputed: gradients are
 bit for bit plain torch's on the same device (Note [Gradients summed inside a region]).
@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
@@ -101,6 +102,51 @@ def watch_backward(region, out) -> None:
             nodes[id(t.grad_fn)] = t.grad_fn
     for node in nodes.values():
         node.register_prehook(seen)
+
+
+class Backwards:
+    """The backward calls in flight, and how many keep their graph (Note [Keeping the inner graph]).
+
+    Note [Keeping the inner graph]: a region's backward runs its inner graph with
+    ``torch.autograd.grad``. Asked to retain that graph, the engine frees none of the
+    tensors it saved as the backward goes, as plain torch's backward frees each node's: the
+    backward's gradients are then new allocations beside every activation, not memory just
+    let go of, and a pass-through AdamW step of a small Llama took 1.12x plain torch's time
+    against 1.05x without (``benchmarks/small_ops.py --work train``). So the inner graph is
+    retained only where the backward running it keeps its own graph: ``torch.autograd.backward``
+    and ``grad`` (which ``Tensor.backward`` calls) are wrapped (``integrations/backward.py``)
+    and say here, for as long as they run, whether they keep it (``retain_graph``, which
+    defaults to ``create_graph``). The engine may run the node on another thread than the
+    caller's (a device's), and calls on several threads may overlap: the inner graph is
+    freed only while every backward in flight frees its own, and kept where none is known
+    (an engine started without the wrapped functions).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.keeping = 0
+
+    @contextlib.contextmanager
+    def call(self, keep: bool):
+        """A backward call runs inside: ``keep``, whether it keeps its graph."""
+        with self.lock:
+            self.running += 1
+            self.keeping += keep
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.keeping -= keep
+
+    def keep_graph(self) -> bool:
+        """Whether a region's backward running now must keep its inner graph."""
+        return self.keeping > 0 or self.running == 0
+
+
+#: the backward calls in flight (the wrapped ``torch.autograd.backward`` and ``grad`` report them)
+backwards = Backwards()
 
 
 def foreign_hooks() -> bool:
@@ -295,6 +341,7 @@ class Training:
             return (None,) * self.slots
         refs = [s.ref for s in self.saved if s.ref is not None]
         refs += [g for _e, g in given if isinstance(g, TensorRef)]
+        keep = backwards.keep_graph()
         with BackwardStep(region, refs, self.key, self.inside) as step:
             sim = self.sim
 
@@ -314,8 +361,7 @@ class Training:
             previous = context.enter_plain(step.device)
             try:
                 with mode, step.meter():
-                    out = torch.autograd.grad(edges, self.leaf_edges, plain_grads, retain_graph=True,
-                                              allow_unused=True)
+                    out = torch.autograd.grad(edges, self.leaf_edges, plain_grads, retain_graph=keep, allow_unused=True)
             finally:
                 context.exit_plain(previous)
                 for h in hooks:
@@ -329,7 +375,10 @@ class Training:
                     per_slot += got + [None] * (len(reads) - len(got))
             out = parts = None
             result = step.results(per_slot)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._release_if_freed(node))
+        if keep:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._release_if_freed(node))
+        else:
+            self.release()  # (its graph is freed: the activations it saved go now, not at the backward's end)
         return result
 
     def _release_if_freed(self, node) -> None:
