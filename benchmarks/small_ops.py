@@ -299,27 +299,15 @@ def training_base(work: Work) -> int:
     return peak
 
 
-def host_copy_rate(model: torch.nn.Module, repeats: int = 9) -> float:
-    """Bytes per second of process time to copy the model's tensors into buffers already
-    mapped (a fetch on the lenient "sim" is a host memcpy; a caching allocator would spare it
-    the page faults of a new buffer): the fastest of ``repeats``, a bound no pager beats."""
-    with torchTensorRef.disabled():
-        tensors = [t.detach() for t in common.plain_copy(model).state_dict().values()]
-        buffers = [torch.empty_like(t) for t in tensors]
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        best = min(_seconds(lambda: [b.copy_(t) for b, t in zip(buffers, tensors)]) for _ in range(repeats))
-    return nbytes / best
-
-
 def region_rows(work: Work, repeats: int, only: str = "") -> list:
     """``REGION_ROWS`` for ``work``: each a fresh copy, timed against plain torch on its device.
     Budgets are fractions of the weights (decoding) or of a no-budget step's peak (training).
 
     A sim-cpu row's copy floor: plain torch's time plus its bytes moved at the host's copy
-    rate (``host_copy_rate``), as a ratio to plain. Its copies are host memcpys counted in
+    rate (``common.host_copy_rate``), as a ratio to plain. Its copies are host memcpys counted in
     the process time beside the kernels: no pager moving those bytes could take less."""
     base = training_base(work) if work.kind == "train" else common.param_bytes(work.model)
-    rate = host_copy_rate(work.model)
+    rate = common.host_copy_rate(work.model)
     plains = {}
     rows = []
     previous = torchTensorRef.regions.enabled, torchTensorRef.regions.under_budget

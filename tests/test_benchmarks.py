@@ -21,7 +21,8 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common, cuda_peak, gpu_throughput, op_paths, overhead, plots, run_all, small_ops, transfer  # noqa: E402
+from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, overhead, plots, region_calls, run_all,  # noqa: E402
+                        small_ops, transfer)
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -393,6 +394,34 @@ def test_run_all_copies_headline_plots_to_assets(tmp_path, monkeypatch):
     monkeypatch.setattr(run_all, "HEADLINES", {"flow_vs_reference": "headline.png"})
     run_all.main(["--quick", "--only", "flow_vs_reference", "--out", str(out), "--assets", str(assets)])
     assert (assets / "headline.png").read_bytes() == (out / "flow_vs_reference.png").read_bytes()
+
+
+@pytest.mark.parametrize("prefetch_evicts", [False, True], ids=["flow", "flow-prefetch-evicts"])
+def test_region_calls_times_region_calls_alone_within_the_budget(fresh_manager, tmp_path, prefetch_evicts):
+    path = tmp_path / "region_calls.json"
+    argv = ["--layers", "8", "--width", "32", "--repeats", "3", "--json", str(path)]
+    result = region_calls.main(argv + (["--prefetch-evicts"] if prefetch_evicts else []))
+    rows = result["rows"]
+    assert list(rows) == [label for label, _fraction in region_calls.ROWS]
+    for label, r in rows.items():
+        assert r["equal"], label
+        assert r["calls"] == 8, label  # one op of the manager per block: region calls alone
+        assert r["ms"] > 0 and r["plain_ms"] > 0 and r["copy_floor"] >= 1, label
+        if r["budget"] is not None:
+            assert r["peak_device_bytes"] <= r["budget"], label
+    for label in ("no budget", "Flow, fits (2x)"):
+        assert rows[label]["bytes_moved"] == 0 and rows[label]["fetches_per_call"] == 0
+    for label in ("Flow, 50%", "Flow, 25%"):
+        r = rows[label]
+        assert r["plan"], label  # timed once Flow follows its plan
+        assert r["fetches_per_call"] > 0 and r["evictions_per_call"] > 0, label
+    assert rows["Flow, 25%"]["bytes_moved"] >= rows["Flow, 50%"]["bytes_moved"]
+    if prefetch_evicts:  # (at 50% the next block fits beside the current one: it comes in ahead)
+        assert rows["Flow, 50%"]["ahead"] > 0.9
+    with open(path) as f:
+        saved = json.load(f)
+    assert saved["command"].startswith("python benchmarks/region_calls.py --layers 8")
+    assert saved["result"]["rows"]["Flow, 50%"]["calls"] == 8
 
 
 def test_op_paths_times_every_path_and_the_plan_row_follows_its_plan(fresh_manager, tmp_path):
