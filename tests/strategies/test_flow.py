@@ -8,6 +8,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import DeviceOutOfMemoryError, OutOfBudgetError, tensorsManager as tm
 from torchTensorRef.analysis.offline import reference_moves
+from torchTensorRef.core.tensor_ref import block_of
 from torchTensorRef.strategies import Flow, Strategy
 from paired import assert_identical, budget, plain_torch, to_plain
 
@@ -354,3 +355,51 @@ def test_a_tiny_block_predicted_dead_is_evicted_after_the_weights(fresh_manager)
     stats = fresh_manager.stats()
     assert stats["evictions"] > 0  # the weights page
     assert stats["writebacks"] == 3  # ... and only the results asked for (toCPU) are written back
+
+
+def test_a_tiny_block_needed_again_stays_while_the_weights_page(fresh_manager):
+    """A bias or a norm's weight moved costs a copy's fixed cost for almost no room: while
+    the large weights page through the budget, the tiny ones used every step stay (each
+    block a region: its working set comes in whole, and room is made for all of it)."""
+    from torchTensorRef import regions
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(64)
+            self.up = torch.nn.Linear(64, 256)  # (weights of 64 KiB; biases, norm: 1 KiB and less)
+            self.down = torch.nn.Linear(256, 64)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+    def run(model, x):
+        with torch.no_grad():
+            return model(x)
+
+    x = torch.randn(1, 64)
+    torch.manual_seed(0)
+    with plain_torch():
+        plain = torch.nn.Sequential(*[Block() for _ in range(8)]).eval().to(tm.torch_device)
+        expected = to_plain(run(plain, x.target.to(tm.torch_device)))
+    fresh_manager.strategy = Flow()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block() for _ in range(8)]).eval()
+    regions.no_region(model)
+    for block in model:
+        regions.region(block)
+    weights = sum(p.proxyInfo.nbytes for p in model.parameters())
+    fresh_manager.budget = budget(weights // 2)  # (a bias: under 1/256 of it)
+    for _ in range(6):
+        assert torch.equal(to_plain(run(model, x)), expected)
+    assert fresh_manager.strategy.plan is not None
+    tiny = [p for p in model.parameters() if p.proxyInfo.nbytes < 16 * KIB]
+    large = [p for p in model.parameters() if p.proxyInfo.nbytes >= 16 * KIB]
+    fetched = [block_of(p).fetches for p in tiny + large]
+    fresh_manager.reset_stats()
+    for _ in range(3):
+        assert torch.equal(to_plain(run(model, x)), expected)
+    now = [block_of(p).fetches for p in tiny + large]
+    assert now[len(tiny):] != fetched[len(tiny):]  # the weights page
+    assert now[:len(tiny)] == fetched[:len(tiny)]  # ... the biases and norms stay
+    assert fresh_manager.stats()["peak_device_bytes"] <= fresh_manager.budget

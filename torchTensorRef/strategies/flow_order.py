@@ -24,6 +24,13 @@ UNKNOWN = 1 << 60
 #: hundreds of such vectors per call; a training step's activations are larger and keep
 #: their rank. (Measured: docs/benchmarks/README.md, "Flow's choices, as measured".)
 _TINY_BYTES = 16 * 1024
+#: a block smaller than ``_TINY_BYTES`` and than this fraction of the budget, that the
+#: program uses again, is evicted last too: each of its moves costs a copy's fixed cost for
+#: almost no room, where the bytes are the rest of a layer (a bias, a norm's weight: a
+#: third of the moves of a stack of MLP blocks at half its weights, for the same bytes:
+#: ``benchmarks/region_calls.py``). Under a budget of only tiny blocks (small models) they
+#: keep Belady's rank.
+_SMALL_SHARE = 256
 
 
 # Note [Dirty blocks cost two copies]: evicting a clean block costs one copy, its fetch when
@@ -74,13 +81,17 @@ class Order:
         nxt = self.learning.predict(block.id, n)
         if nxt is None:
             return UNKNOWN - block.last_use  # recency: least recently used first
-        if nxt != DEAD and not block.clean:
-            return n + (nxt - n) // 2  # (Note [Dirty blocks cost two copies])
-        if nxt == DEAD:
-            if block.clean:
-                return DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
-            if block.nbytes < _TINY_BYTES:
-                return n + 1  # evicted last: see _TINY_BYTES
+        if nxt != DEAD:
+            if block.nbytes < _TINY_BYTES and self.manager is not None \
+                    and block.nbytes * _SMALL_SHARE < (self.manager.limit or 0):
+                return n + 1  # needed again, and tiny beside the budget: evicted last (see _SMALL_SHARE)
+            if not block.clean:
+                return n + (nxt - n) // 2  # (Note [Dirty blocks cost two copies])
+            return nxt
+        if block.clean:
+            return DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
+        if block.nbytes < _TINY_BYTES:
+            return n + 1  # evicted last: see _TINY_BYTES
         return nxt
 
     def push(self, block, n: int) -> None:
