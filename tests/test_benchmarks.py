@@ -302,8 +302,14 @@ def test_small_ops_region_rows_match_plain_torch_within_their_budgets(small_ops_
         assert list(rows) == [label for label, *_ in small_ops.REGION_ROWS]
         for r in rows.values():
             assert r.get("fits") is not False and r["equal"], r
+            least, most = small_ops.WARMUP
+            assert least <= r["warmup_runs"] <= most, r
             if r["budget"] is not None:
                 assert r["peak_device_bytes"] <= r["budget"], r
+                # timed once Flow follows its plan, or after the most warm-up runs
+                assert r["plan"] or r["warmup_runs"] == most, r
+            else:
+                assert r["warmup_runs"] == least, r
         # regions run a module call as one op: fewer ops than the per-op path, on every device form
         for device in ("pass-through", "sim, Flow, 50%", "sim-cpu, Flow, 50%"):
             assert rows[f"{device}, regions"]["ops"] < rows[f"{device}, per op"]["ops"], device
