@@ -19,8 +19,9 @@ call that needs gradients builds its own graph inside and links it to the Tensor
    on their plain views, and the gradients it gives for the leaves become TensorRefs, which
    autograd accumulates into the parameters' ``.grad`` as it would any other.
 
-The inner graph is kept until autograd frees the node's saved tensors (``retain_graph``
-honoured: Note [Keeping the inner graph]): a callback at the end of the backward looks.
+The inner graph is freed once the node ran, unless the backward keeps its graph (Note
+[Keeping the inner graph]); a kept one goes when autograd frees the node's saved tensors: a
+callback at the end of the backward looks.
 
 Kernels are plain torch's, in plain torch's order, and nothing is recomputed: gradients are
 bit for bit plain torch's on the same device (Note [Gradients summed inside a region]).
@@ -109,11 +110,10 @@ class Backwards:
 
     Note [Keeping the inner graph]: a region's backward runs its inner graph with
     ``torch.autograd.grad``. Asked to retain that graph, the engine frees none of the
-    tensors it saved as the backward goes, as plain torch's backward frees each node's: the
-    backward's gradients are then new allocations beside every activation, not memory just
-    let go of, and a pass-through AdamW step of a small Llama took 1.12x plain torch's time
-    against 1.05x without (``benchmarks/small_ops.py --work train``). So the inner graph is
-    retained only where the backward running it keeps its own graph: ``torch.autograd.backward``
+    tensors it saved as the backward goes, as plain torch's backward frees each node's: every
+    activation stays allocated (under a budget, paged as a block) until the whole backward
+    ends. So the inner graph is retained only where the backward running it keeps its own
+    graph: ``torch.autograd.backward``
     and ``grad`` (which ``Tensor.backward`` calls) are wrapped (``integrations/backward.py``)
     and say here, for as long as they run, whether they keep it (``retain_graph``, which
     defaults to ``create_graph``). The engine may run the node on another thread than the

@@ -26,10 +26,9 @@ UNKNOWN = 1 << 60
 _TINY_BYTES = 16 * 1024
 #: a block smaller than ``_TINY_BYTES`` and than this fraction of the budget, that the
 #: program uses again, is evicted last too: each of its moves costs a copy's fixed cost for
-#: almost no room, where the bytes are the rest of a layer (a bias, a norm's weight: a
-#: third of the moves of a stack of MLP blocks at half its weights, for the same bytes:
-#: ``benchmarks/region_calls.py``). Under a budget of only tiny blocks (small models) they
-#: keep Belady's rank.
+#: almost no room (a bias, a norm's weight). Under a budget of only tiny blocks (small
+#: models) they keep Belady's rank. (Measured: docs/benchmarks/README.md, "Flow's choices,
+#: as measured".)
 _SMALL_SHARE = 256
 
 
