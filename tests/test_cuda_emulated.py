@@ -197,3 +197,29 @@ def test_sim_is_not_registered_where_cuda_is_available(cuda):
     # From torch 2.8 on, a registered private-use device breaks every CUDA backward.
     reason = sim_device.unavailable_reason()
     assert reason is not None and "CUDA" in reason
+
+
+def test_a_large_buffer_is_counted_at_what_the_allocator_s_counter_grew_by(cuda, monkeypatch):
+    # (Note [Allocator slack]: a 2.5 MiB request served from a cached 3 MiB block is counted
+    # at 3 MiB by memory_allocated; the small pool splits off every rest)
+    from torchTensorRef.memory.devices import Backend, cuda_block_bytes
+
+    backend = CudaBackend(0)
+    grows = []
+
+    def allocate(self, nbytes):
+        cuda.allocated += grows.pop(0)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(Backend, "allocate", allocate)
+    grows.append(3 * MiB)
+    large = backend.allocate(2 * MiB + MiB // 2)
+    assert backend.dev_bytes(large.untyped_storage()) == 3 * MiB
+    # asked again (no longer the last allocation): as planned, and a kernel's result too
+    assert backend.dev_bytes(large.untyped_storage()) == cuda_block_bytes(2 * MiB + MiB // 2)
+    reads = cuda.counter_reads
+    grows.append(4096)
+    small = backend.allocate(4000)
+    assert backend.dev_bytes(small.untyped_storage()) == 4096
+    assert cuda.counter_reads == reads  # (no reading for a small one)
+    assert backend.slack() == MiB

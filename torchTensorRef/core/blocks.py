@@ -87,7 +87,7 @@ class Block:
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
         "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched", "prefetch_op",
         "dev_pending", "host_pending", "external", "host_only", "host_shared", "exposed",
-        "disk", "spilling", "views", "fetches", "explicit", "__weakref__",
+        "disk", "spilling", "views", "fetches", "explicit", "dev_bytes", "__weakref__",
     )
 
     def __init__(self, nbytes: int, on_ref_dead: Optional[Callable[..., None]] = None) -> None:
@@ -96,6 +96,9 @@ class Block:
         self.host: Optional[torch.UntypedStorage] = None
         self.host_valid: bool = False
         self.dev: Optional[torch.UntypedStorage] = None
+        #: the device bytes ``dev`` is counted at against the budget: what the device's
+        #: allocator counts for it (Note [Allocator slack] in ``memory/sim/caching.py``)
+        self.dev_bytes: int = 0
         #: bumped whenever ``dev`` or ``host`` changes, so TensorRefs know a cached view is stale
         self.gen: int = 0
         #: identity of the storage ops run on, to recognise op outputs that alias it

@@ -24,6 +24,16 @@ allocated bytes in ``free``, before it waits on the stream's events); on ``"sim"
 stand-in copy holds the buffer, which stays allocated until the copy is waited on. Such
 buffers are counted here (``pending``) until their copy is known to have ended: the count
 is then at or above the allocator's on both.
+
+Note [Room for the allocator's slack]: a block is counted at what the device's allocator
+counts for its buffer (``Backend.dev_bytes``), which may exceed ``Backend.block_bytes`` by up
+to ``slack`` (Note [Allocator slack] in ``sim/caching.py``): the slack is known only once
+the buffer is allocated. So room is made for ``slack`` more than asked (``Room.make``), which
+keeps the next allocation within the budget whatever block it gets, and the room made is
+remembered (``promised``) until allocations take it. After an allocation that came with
+slack, blocks the op does not use are evicted until the room still promised, and the
+``slack`` of the next one, fit again (``Room.settle``). Where nothing is left to evict the
+margin is given up rather than the op refused: the count shows any overshoot.
 """
 
 from __future__ import annotations
@@ -50,10 +60,13 @@ class Accounting:
         overshoot: the most bytes ever in use above the budget (stays 0 when it holds).
         warmed: the ``workspace_key()``s whose workspaces the device has made.
         checks: room checks made (one in ``READ_EVERY`` reads the device).
+        slack: the most the device's allocator may count one allocation above
+            ``Backend.block_bytes`` (Note [Room for the allocator's slack]).
+        promised: bytes of the room last made that no allocation has taken yet.
     """
 
     __slots__ = ("resident", "pending", "pending_bytes", "elsewhere", "elsewhere_bytes", "limit", "peak",
-                 "overshoot", "warmed", "checks")
+                 "overshoot", "warmed", "checks", "slack", "promised")
 
     def __init__(self) -> None:
         self.resident: int = 0
@@ -66,6 +79,8 @@ class Accounting:
         self.overshoot: int = 0
         self.warmed: Set[object] = set()
         self.checks: int = 0
+        self.slack: int = 0
+        self.promised: int = 0
 
     def in_use(self) -> int:
         """Bytes counted against the budget now (the last reading of what is elsewhere)."""
@@ -83,9 +98,18 @@ class Accounting:
             return None
         return max(limit - self.resident - self.pending_bytes - self.elsewhere_bytes, 0)
 
-    def add(self, nbytes: int) -> None:
-        """A block became resident with ``nbytes`` (as the allocator gives them)."""
+    def room_for(self, planned: int, nbytes: int) -> int:
+        """Room a new allocation of ``nbytes`` needs, ``planned`` as ``Backend.block_bytes``
+        counts it: the allocator's ``slack`` on top where a large one may get it (the pool
+        of allocations of at most ``slack`` bytes splits off every rest)."""
+        return planned + self.slack if nbytes > self.slack else planned
+
+    def add(self, nbytes: int, planned: int = 0) -> None:
+        """A block became resident with ``nbytes`` (as the allocator counts them), taking
+        ``planned`` bytes of the room promised to it (``Backend.block_bytes``)."""
         self.resident += nbytes
+        if planned:
+            self.promised = max(self.promised - planned, 0)
         used = self.resident + self.pending_bytes
         if used > self.peak:
             self.peak = used

@@ -27,6 +27,7 @@ from ..core import raw
 from ..core.sizes import format_size
 from .pinned import PinnedMemory
 from .sim import device as sim_device
+from .sim.caching import CachingAllocator
 from .sim.pool import ALLOCATED, BufferPool
 from .streams import CudaStreams, SimStreams
 
@@ -116,9 +117,19 @@ class Backend:
         return 0
 
     def block_bytes(self, nbytes: int) -> int:
-        """Device bytes an allocation of ``nbytes`` takes (what the budget counts for a
+        """Device bytes an allocation of ``nbytes`` takes (what the budget plans for a
         block): the device's allocator rounds sizes up (``cuda_block_bytes``)."""
         return nbytes
+
+    def dev_bytes(self, storage: torch.UntypedStorage) -> int:
+        """Device bytes the allocator counts for ``storage``, a live device allocation (what
+        the budget counts for a block): ``block_bytes`` of its size, or more where the
+        allocator gave it a larger block (Note [Allocator slack])."""
+        return self.block_bytes(storage.nbytes())
+
+    def slack(self) -> int:
+        """The most ``dev_bytes`` of a new allocation may exceed its ``block_bytes``."""
+        return 0
 
     def track(self, storage: torch.UntypedStorage) -> None:
         """``storage`` is a new device allocation made by a kernel (the simulated device
@@ -227,6 +238,12 @@ class SimBackend(Backend):
     def block_bytes(self, nbytes: int) -> int:
         return cuda_block_bytes(nbytes) if self.rounding else nbytes
 
+    def dev_bytes(self, storage: torch.UntypedStorage) -> int:
+        return self.allocated.counted(storage) if self.rounding else storage.nbytes()
+
+    def slack(self) -> int:
+        return _SMALL_SIZE if self.rounding else 0
+
     def max_allocated(self) -> int:
         """The most bytes the device held at once since ``reset_peak()``, workspaces included
         (as ``torch.cuda.max_memory_allocated``)."""
@@ -239,6 +256,7 @@ class SimBackend(Backend):
         """Count allocations at the sizes CUDA's allocator gives them (``True``) or as asked."""
         self.rounding = rounding
         self.allocated.block_bytes = self.block_bytes
+        self.allocated.placement = PLACEMENT if rounding else None
 
     def track(self, storage: torch.UntypedStorage) -> None:
         self.allocated.track(storage)
@@ -281,6 +299,11 @@ class SimBackend(Backend):
         return True
 
 
+#: where the simulated device places its allocations while it emulates CUDA's allocator
+#: (one for the process, as its allocations are: Note [Allocator slack])
+PLACEMENT = CachingAllocator()
+
+
 def workspace_key() -> Union[str, int]:
     """Whose workspace a kernel uses: on CUDA one per thread's cuBLAS handle, and autograd
     runs every backward kernel of a device on that device's own thread."""
@@ -301,6 +324,8 @@ class CudaBackend(Backend):
         self.index = index
         self.resolved = False
         self.pinned = PinnedMemory(emulated=False, limit=pinned_limit)
+        #: (storage key, bytes counted) of the last large buffer ``allocate`` made
+        self._counted = (0, 0)
         if index is not None:
             self.resolve()
 
@@ -331,6 +356,27 @@ class CudaBackend(Backend):
         return max(cuda_allocated(self.compute) - managed_bytes, 0)
 
     block_bytes = staticmethod(cuda_block_bytes)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        if nbytes <= _SMALL_SIZE:
+            return super().allocate(nbytes)  # (the small pool splits off every rest: no slack)
+        # What the allocator counts for the buffer is what its counter grew by (the manager
+        # allocates under its lock; a thread allocating beside it would only add to it).
+        before = cuda_allocated(self.compute)
+        buffer = super().allocate(nbytes)
+        self._counted = (buffer.untyped_storage()._cdata, cuda_allocated(self.compute) - before)
+        return buffer
+
+    def dev_bytes(self, storage: torch.UntypedStorage) -> int:
+        planned = cuda_block_bytes(storage.nbytes())
+        key, counted = self._counted
+        if key != storage._cdata:
+            return planned  # (a kernel's result: its slack shows in the device's next reading)
+        self._counted = (0, 0)
+        return min(max(counted, planned), planned + _SMALL_SIZE)
+
+    def slack(self) -> int:
+        return _SMALL_SIZE
 
     def warm_up(self, backward: bool = True) -> None:
         # One small product, in plain torch: cuBLAS (and cuBLASLt, for a product with a

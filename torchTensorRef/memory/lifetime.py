@@ -86,7 +86,7 @@ class Books:
             self.external -= 1  # (a late unmark_external sees the block dead)
         if block.dev is not None:
             del self.resident[block.id]
-            m.accounting.remove(m.backend.block_bytes(block.nbytes))
+            m.accounting.remove(block.dev_bytes)
             if m.trace is not None:
                 m.trace.resized(time.perf_counter_ns(), m.accounting.resident)
         if block.host is not None:
@@ -123,13 +123,14 @@ class Books:
             block.arriving(storage, pending)
         self.resident[block.id] = block
         m = self.m
-        m.accounting.add(m.backend.block_bytes(block.nbytes))
+        backend = m.backend
+        block.dev_bytes = backend.dev_bytes(storage)
+        m.accounting.add(block.dev_bytes, backend.block_bytes(block.nbytes))
 
     def left_device(self, block: Block) -> None:
         """``block``'s device copy is no longer counted (the caller drops the copy)."""
         del self.resident[block.id]
-        m = self.m
-        m.accounting.remove(m.backend.block_bytes(block.nbytes))
+        self.m.accounting.remove(block.dev_bytes)
 
     def host_written(self, block: Block) -> None:
         """An op on the host wrote ``block``'s host copy: a device copy is stale now."""
@@ -154,5 +155,4 @@ class Books:
 
     def pinned_bytes(self) -> int:
         """Device bytes of the resident blocks that are pinned there."""
-        size = self.m.backend.block_bytes
-        return sum(size(b.nbytes) for b in self.resident.values() if b.pins)
+        return sum(b.dev_bytes for b in self.resident.values() if b.pins)

@@ -221,18 +221,19 @@ class TensorsManager:
         return self.accounting.in_use()
 
     def room(self) -> Optional[int]:
-        """Accelerator bytes that still fit under the budget now; ``None`` when unlimited.
-
-        For strategies that bring blocks in ahead of time: ``fetch`` does not check the
-        budget, so a prefetch must fit in ``room()`` (less what the op in flight will add).
-        """
+        """Accelerator bytes that still fit under the budget now; ``None`` when unlimited
+        (``fetch`` does not check the budget: a prefetch must fit in it, less what the op in
+        flight will add)."""
         with self.lock:
             return self.accounting.room()
 
     def block_bytes(self, nbytes: int) -> int:
-        """Device bytes a block of ``nbytes`` takes, as the budget counts it (the device's
-        allocator rounds sizes up: ``Backend.block_bytes``)."""
+        """Device bytes a block of ``nbytes`` takes, as the budget plans it (``Backend.block_bytes``)."""
         return self.backend.block_bytes(nbytes)
+
+    def alloc_bytes(self, nbytes: int) -> int:
+        """Room a new block of ``nbytes`` needs (Note [Room for the allocator's slack])."""
+        return self.accounting.room_for(self.backend.block_bytes(nbytes), nbytes)
 
     def resident_blocks(self) -> Collection[Block]:
         """The blocks with a valid accelerator copy (for strategies)."""
@@ -402,6 +403,7 @@ class TensorsManager:
         # (CUDA's and sim's allocators hold plain tensors beside ours: Note [Allocated bytes on sim])
         acct.elsewhere = not backend.passthrough
         acct.elsewhere_bytes = 0  # (a reading of the old device)
+        acct.slack = backend.slack()
         acct.warmed = set()
         self.unresolved = backend.name == "cuda" and not backend.resolved
         self.declared = backend.declared

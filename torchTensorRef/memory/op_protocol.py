@@ -250,9 +250,11 @@ class OpProtocol:
             # (``Books.made_resident`` inlined: this runs for every op's result)
             block.set_dev(storage)
             books.resident[block.id] = block
-            m.accounting.add(backend.block_bytes(nbytes))
             if backend.simulated:
                 backend.track(storage)  # (made by a CPU kernel: Note [Allocated bytes on sim])
+            planned = backend.block_bytes(nbytes)
+            block.dev_bytes = backend.dev_bytes(storage) if m.accounting.slack else planned
+            m.accounting.add(block.dev_bytes, planned)
             block.last_use = index
         return block
 
@@ -261,10 +263,11 @@ class OpProtocol:
         m = self.m
         m.host_tier.disk_stale(block)
         if block.dev is not None:
-            size = m.backend.block_bytes
-            m.accounting.add(size(nbytes) - size(block.nbytes))
             if m.backend.simulated:
                 m.backend.track(block.dev)  # (resized in place: counted at its new size)
+            counted = m.backend.dev_bytes(block.dev)
+            m.accounting.add(counted - block.dev_bytes)
+            block.dev_bytes = counted
             if block.host is not None:  # the host copy has the old size: drop it
                 m.residency.drop_host(block)
             if m.trace is not None:

@@ -72,6 +72,8 @@ class Residency:
                 mode = "blocking"
         backend.streams.copy_ordered(dev, src if src is not None else raw.flat_bytes(block.host_storage()))
         self._now_resident(block, dev, start, mode)
+        if block.dev_bytes > backend.block_bytes(block.nbytes):
+            m.device_room.settle(set(protect) | {block.id})
         counters = m.statistics.counters
         counters["fetches"] += 1
         counters["bytes_on_demand"] += block.nbytes
@@ -91,6 +93,11 @@ class Residency:
             m.host_tier.read_ahead(block)  # only on disk: the op will find it in host memory, or nearer
             return False
         if not backend.pinned.is_pinned(block.host) and not m.host_tier.pin_host(block):
+            return False
+        acct = m.accounting
+        if acct.slack and acct.limit is not None and (
+                acct.in_use() + acct.room_for(backend.block_bytes(block.nbytes), block.nbytes) > acct.limit):
+            m.statistics.counters["prefetches_dropped"] += 1  # (the allocator's slack would not fit)
             return False
         start = time.perf_counter_ns()
         try:
@@ -139,7 +146,7 @@ class Residency:
         if held:
             # (a prefetch never waited on: its copy may still write the buffer, which is not
             # reused before it ends, and is counted until then: Note [Stream-ordered frees])
-            m.accounting.hold(pending, m.backend.block_bytes(block.nbytes))
+            m.accounting.hold(pending, block.dev_bytes)
         self.drop_dev(block, reuse=not held)
         m.statistics.counters["evictions"] += 1
         if m.trace is not None:
@@ -186,7 +193,7 @@ class Residency:
         if backend.pinned.is_pinned(host) and not (block.external or block.host_shared):
             pending = backend.streams.copy_async(raw.flat_bytes(host), dev, prefetch=False)
             block.host_pending = pending
-            m.accounting.hold(pending, backend.block_bytes(block.nbytes))  # (the device copy, until the copy ends)
+            m.accounting.hold(pending, block.dev_bytes)  # (the device copy, until the copy ends)
         else:
             # Into pageable memory (the host waits), or into bytes others read directly.
             self.wait_pending_host(block)

@@ -104,7 +104,8 @@ class Room:
 
     def make(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int = 0) -> None:
         """Evict (strategy's choice) until ``nbytes`` more fit in the budget; ``allocated`` of
-        them are already allocated, to become blocks (a region's outputs): not outside too."""
+        them are already allocated, to become blocks (a region's outputs): not outside too.
+        Room is made for the allocator's ``slack`` too (Note [Room for the allocator's slack])."""
         m = self.m
         acct = m.accounting
         limit = acct.limit
@@ -120,12 +121,30 @@ class Room:
                 acct.warmed.add(key)
                 m.backend.warm_up(backward=False)
                 self.used_bytes()
-        if (acct.resident + acct.pending_bytes + acct.elsewhere_bytes + nbytes <= limit
+        acct.promised = nbytes - allocated
+        margin = acct.slack if acct.promised > acct.slack else 0  # (a small allocation has none)
+        if (acct.resident + acct.pending_bytes + acct.elsewhere_bytes + nbytes + margin <= limit
                 and (not acct.elsewhere or acct.checks % READ_EVERY)):
             return  # the common case: without asking the device (CUDA) what else it holds
-        self._evict_for(nbytes, protect, op_name, allocated, limit)
+        self._evict_for(nbytes, protect, op_name, allocated, limit, margin)
 
-    def _evict_for(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int, limit: int) -> None:
+    def settle(self, protect: Collection[int]) -> None:
+        """An allocation came with slack: evict what ``protect`` does not name until the room
+        still promised, and the slack of the next allocation, fit (Note [Room for the
+        allocator's slack])."""
+        m = self.m
+        acct = m.accounting
+        limit = acct.limit
+        if limit is None or acct.in_use() + acct.promised + acct.slack <= limit:
+            return
+        while acct.in_use() + acct.promised + acct.slack > limit:
+            victim = m.strategy.choose_victim(protect)
+            if victim is None:
+                return  # (the margin is given up: the count shows any overshoot)
+            m.residency.evict(victim)
+
+    def _evict_for(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int, limit: int,
+                   margin: int = 0) -> None:
         m = self.m
         acct = m.accounting
         while True:
@@ -134,7 +153,7 @@ class Room:
             used = self.used_bytes()
             taken = min(allocated, acct.elsewhere_bytes)  # (a reading counts them outside the manager)
             acct.elsewhere_bytes, used = acct.elsewhere_bytes - taken, used - taken
-            if used + nbytes <= limit:
+            if used + nbytes + margin <= limit:
                 return
             victim = m.strategy.choose_victim(protect)
             if victim is not None:
@@ -144,6 +163,8 @@ class Room:
             if acct.pending:
                 self.retire(wait=True)  # nothing left to evict: wait for the copies
                 continue
+            if used + nbytes <= limit:
+                return  # (the room fits without the slack's margin: given up, not refused)
             raise OutOfBudgetError(
                 op_name, used + nbytes, limit,
                 f"{format_size(m.books.pinned_bytes())} is pinned and the rest is in use by this op",

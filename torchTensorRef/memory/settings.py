@@ -225,8 +225,9 @@ class Settings:
     @property
     def sim_rounding(self) -> bool:
         """Whether the simulated device (``"sim"``) counts each allocation at the size CUDA's
-        caching allocator gives it (rounded up to 512 bytes: ``devices.cuda_block_bytes``),
-        as the budget does on CUDA; default ``False``. Blocks count so against the budget and
+        caching allocator gives it (rounded up to 512 bytes: ``devices.cuda_block_bytes``,
+        and placed in its blocks as it places them: Note [Allocator slack]), as the budget
+        does on CUDA; default ``False``. Blocks count so against the budget and
         in ``peak_device_bytes``, so that a CPU machine shows what a GPU would."""
         return self.sim_rounding_value
 
@@ -246,6 +247,7 @@ class Settings:
                     raise ValueError("sim_rounding cannot change while blocks are pinned on the device")
                 self._evict_everything()
                 backend.set_rounding(value)
+                m.accounting.slack = backend.slack()
                 m.device_room.read_outside()
             self.sim_rounding_value = value
 

@@ -69,15 +69,16 @@ def room() -> Optional[int]:
     if limit is None or mgr.backend.passthrough:
         return None
     with mgr.lock:
-        pinned = sum(b.nbytes for b in mgr.books.resident.values() if b.pins)
+        pinned = sum(b.dev_bytes for b in mgr.books.resident.values() if b.pins)
         return limit - mgr.read_outside() - pinned
 
 
 def block_bytes(nbytes: int) -> int:
-    """Device bytes an allocation of ``nbytes`` takes, as the budget counts it: the device's
-    allocator rounds sizes up (512 bytes on CUDA, more for large ones), so pieces sized by
+    """Device bytes an allocation of ``nbytes`` may take, as the budget counts it: the
+    device's allocator rounds sizes up (512 bytes on CUDA, more for large ones) and may give
+    a large one a larger block (Note [Room for the allocator's slack]), so pieces sized by
     their exact bytes would not fit the room they were cut for."""
-    return mgr.backend.block_bytes(nbytes)
+    return mgr.alloc_bytes(nbytes)
 
 
 def refs_bytes(values, seen=None) -> int:

@@ -76,7 +76,7 @@ class Prefetch:
         mgr = self.manager
         # Make room only from clean blocks predicted to be needed after op m: evicting them
         # is free, while a dirty one might still die (be freed) before it is needed.
-        while mgr.in_use() + mgr.block_bytes(block.nbytes) > limit:  # (as the allocator gives it)
+        while mgr.in_use() + mgr.alloc_bytes(block.nbytes) > limit:  # (as the allocator may give it)
             if not self.options.prefetch_evicts:
                 return False
             protect = {b.id for b in protect_blocks}

@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ...core import raw
+from .caching import Block, CachingAllocator
 
 #: buffers smaller than this are not kept
 MIN_BYTES = 1 << 20
@@ -100,9 +101,11 @@ class BufferPool:
 class _Entry(weakref.ref):
     """A live allocation: a weakref to its storage, with its key and counted bytes."""
 
-    __slots__ = ("key", "nbytes")
+    __slots__ = ("key", "nbytes", "request", "block")
     key: Optional[int]  # (``None`` once forgotten: its death is not counted again)
     nbytes: int
+    request: int  # (the storage's own size)
+    block: Optional[Block]  # (its place in ``Allocated.placement``, where that is emulated)
 
 
 class Allocated:
@@ -111,6 +114,9 @@ class Allocated:
     def __init__(self, block_bytes: Callable[[int], int] = lambda n: n):
         #: the device bytes an allocation of n bytes takes (the backend sets CUDA's rounding)
         self.block_bytes = block_bytes
+        #: where set, allocations are counted at the blocks CUDA's caching allocator would
+        #: give them, slack included (Note [Allocator slack])
+        self.placement: Optional[CachingAllocator] = None
         self._live: Dict[int, _Entry] = {}  # storage._cdata -> _Entry
         self._total = 0
         self._peak = 0  # the most ``_total`` has been since ``reset_peak()``
@@ -122,26 +128,48 @@ class Allocated:
     def track(self, storage: torch.UntypedStorage) -> None:
         """Count ``storage`` (once, at its current size) while it lives."""
         key = storage._cdata
-        nbytes = self.block_bytes(storage.nbytes())
+        request = storage.nbytes()
         entry = self._live.get(key)
         if self._in_use and key in self._in_use:
             with self._lock:
                 self._in_use.pop(key, None)  # (handed out again: counted as it is)
         if entry is not None and entry() is not None:
-            if entry.nbytes != nbytes:  # (resized in place)
+            if entry.request != request:  # (resized in place: a new allocation)
                 with self._lock:
-                    self._total += nbytes - entry.nbytes
-                    entry.nbytes = nbytes
+                    self._total -= entry.nbytes
+                    self._place(entry, request)
             return  # (the common case for a SimTensor: a view of a counted storage)
         entry = _Entry(storage, self._dead.append)
-        entry.key, entry.nbytes = key, nbytes
+        entry.key, entry.block = key, None
         with self._lock:
             self._live[key] = entry  # (a dead entry at this address: its storage is gone)
-            self._total += nbytes
+            self._place(entry, request)
             if self._total > self._peak:
                 self._drain()  # (deaths not counted yet are no part of a peak)
                 if self._total > self._peak:
                     self._peak = self._total
+
+    def _place(self, entry: _Entry, request: int) -> None:
+        # (the lock held) count ``entry`` at ``request`` bytes, as the device's allocator does
+        placement = self.placement
+        if placement is not None:
+            if entry.block is not None:
+                placement.free(entry.block)
+            entry.block = placement.malloc(request) if request else None
+            entry.nbytes = 0 if entry.block is None else entry.block.size
+        else:
+            entry.block = None
+            entry.nbytes = self.block_bytes(request)
+        entry.request = request
+        self._total += entry.nbytes
+
+    def counted(self, storage: torch.UntypedStorage) -> int:
+        """The bytes ``storage`` is counted at (``block_bytes`` of its size where it is not
+        tracked)."""
+        entry = self._live.get(storage._cdata)
+        if entry is None or entry() is None:
+            return self.block_bytes(storage.nbytes())
+        return entry.nbytes
 
     def untrack(self, storage: torch.UntypedStorage) -> None:
         """Stop counting ``storage`` (kept by the pool for reuse) once no tensor uses its
@@ -159,8 +187,15 @@ class Allocated:
         # (the lock held)
         entry = self._live.pop(key, None)
         if entry is not None:
-            self._total -= entry.nbytes
+            self._release(entry)
             entry.key = None  # (its death, if queued, is not counted again)
+
+    def _release(self, entry: _Entry) -> None:
+        # (the lock held)
+        self._total -= entry.nbytes
+        if entry.block is not None and self.placement is not None:
+            self.placement.free(entry.block)
+            entry.block = None
 
     def total(self) -> int:
         """Bytes of the live allocations."""
@@ -191,7 +226,7 @@ class Allocated:
             entry = dead.pop()
             if entry.key is None:
                 continue
-            self._total -= entry.nbytes
+            self._release(entry)
             if self._live.get(entry.key) is entry:
                 del self._live[entry.key]
 
