@@ -82,3 +82,51 @@ def test_training_keeps_the_allocator_s_count_within_the_budget(slack, strategy,
     # The device's own count, slack included, stays within the budget, and is the manager's.
     assert stats["max_memory_allocated"] <= tm.budget
     assert stats["max_memory_allocated"] == stats["peak_device_bytes"] + stats["outside_bytes"]
+
+
+@sim_only
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_a_llama_trains_through_regions_with_the_allocator_s_count_within_the_budget(slack, regions_on, share):
+    # (regions keep room for what they allocate inside, and AdamW's list ops bring in many
+    # large blocks at once: both with room for the slack, beside cuBLAS-like workspaces)
+    transformers = pytest.importorskip("transformers")
+    tm = slack
+    tm.sim_workspace = 33 * 2**20
+    config = transformers.LlamaConfig(vocab_size=4000, hidden_size=1024, intermediate_size=2816,
+                                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                                      torch_dtype=torch.bfloat16)
+    ids = torch.randint(1, 4000, (1, 128), generator=torch.Generator().manual_seed(0))
+
+    def train(model, ids):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    try:
+        with plain_torch():
+            torch.manual_seed(0)
+            plain = transformers.LlamaForCausalLM(config).to(torch.bfloat16).to("sim")
+            plain_losses = train(plain, ids.to("sim"))
+            plain_weights = [p.detach().cpu() for p in plain.parameters()]
+            del plain
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        tm.strategy = "flow"
+        tm.budget = budget(int(weights * share))
+        tm.reset_stats()
+        losses = train(model, torchTensorRef.manage(ids))
+        stats = tm.stats()
+        assert losses == plain_losses
+        for p, q in zip(model.parameters(), plain_weights):
+            assert torch.equal(p.detach().cpu(), q)
+        assert stats["evictions"] > 0
+        assert stats["max_memory_allocated"] <= tm.budget
+    finally:
+        tm.sim_workspace = 0

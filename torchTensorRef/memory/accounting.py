@@ -104,6 +104,11 @@ class Accounting:
         of allocations of at most ``slack`` bytes splits off every rest)."""
         return planned + self.slack if nbytes > self.slack else planned
 
+    def within(self, left: int) -> int:
+        """Room to keep, out of ``left``, for allocations the allocator may give ``slack``
+        more: a large one needs it, while ``slack`` bytes or less hold only small ones."""
+        return max(left - self.slack, min(left, self.slack))
+
     def add(self, nbytes: int, planned: int = 0) -> None:
         """A block became resident with ``nbytes`` (as the allocator counts them), taking
         ``planned`` bytes of the room promised to it (``Backend.block_bytes``)."""

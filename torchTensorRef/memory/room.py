@@ -135,13 +135,21 @@ class Room:
         m = self.m
         acct = m.accounting
         limit = acct.limit
-        if limit is None or acct.in_use() + acct.promised + acct.slack <= limit:
+        if limit is None:
             return
         while acct.in_use() + acct.promised + acct.slack > limit:
+            held = acct.pending_bytes
+            if held:
+                self.retire()  # finished copies give their buffers back (on "sim": all)
+                if acct.pending_bytes < held:
+                    continue
             victim = m.strategy.choose_victim(protect)
-            if victim is None:
+            if victim is not None:
+                m.residency.evict(victim)
+            elif acct.pending:
+                self.retire(wait=True)  # nothing left to evict: wait for the copies
+            else:
                 return  # (the margin is given up: the count shows any overshoot)
-            m.residency.evict(victim)
 
     def _evict_for(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int, limit: int,
                    margin: int = 0) -> None:

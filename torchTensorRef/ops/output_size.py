@@ -104,14 +104,18 @@ def _meta_tensors(args, kwargs):
 
 def _device_bytes(sizes) -> int:
     """Device bytes of allocations of ``sizes`` (an int: one allocation), each as the
-    device's allocator gives it."""
+    device's allocator gives it. Room is made for one allocation's slack (``Room.make``);
+    several large ones add the slack the others may get (Note [Room for the allocator's
+    slack])."""
     block_bytes = _mgr.backend.block_bytes
     if sizes.__class__ is int:
         return block_bytes(sizes)
-    total = 0
+    total = large = 0
+    slack = _mgr.accounting.slack
     for n in sizes:
         total += block_bytes(n)
-    return total
+        large += n > slack
+    return total + slack * (large - 1) if large > 1 and slack else total
 
 
 def _storage_nbytes(value) -> int:

@@ -134,18 +134,21 @@ class Inside:
 
 
 class Measure(TorchDispatchMode):
-    """Peak live bytes of the new blocks (and plain storages) the ops of a call allocate,
-    each counted as ``block_bytes`` counts it (the device's allocator rounds sizes up, and
-    the budget counts what it takes)."""
+    """Peak live bytes of the new blocks (and plain storages) the ops of a call allocate:
+    ``peak`` with each counted as ``block_bytes`` counts it, the room it may take (the
+    device's allocator rounds sizes up and may give a large one more:
+    ``TensorsManager.alloc_bytes``), and ``counted_peak`` with each as the device counts it
+    (``dev_bytes`` of its storage)."""
 
-    def __init__(self, known, block_bytes):
+    def __init__(self, known, block_bytes, dev_bytes=None):
         super().__init__()
         self.block_bytes = block_bytes
+        self.dev_bytes = dev_bytes
         self.known = known  # ids of the blocks that are not the call's: its inputs'
         self.read: set = set()  # ids of the blocks the ops were given
-        self.live: dict = {}  # storage key -> [bytes, tensors alive]
-        self.now = 0
-        self.peak = 0
+        self.live: dict = {}  # storage key -> [bytes, tensors alive, bytes counted]
+        self.now = self.counted_now = 0
+        self.peak = self.counted_peak = 0
         self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -165,28 +168,35 @@ class Measure(TorchDispatchMode):
     def _track(self, t) -> None:
         if isinstance(t, TensorRef):
             block = block_of(t)
-            key, nbytes = block.id, block.nbytes
+            key, nbytes, counted = block.id, block.nbytes, block.dev_bytes
         else:
             if t.__class__ is SimTensor:
                 t = t.data_
             if t.layout is not torch.strided or t.is_meta or t.is_nested:
                 return
-            key, nbytes = t.untyped_storage()._cdata, None
+            key, nbytes, counted = t.untyped_storage()._cdata, None, 0
         if key in self.known:
             return
         if nbytes is None:
-            nbytes = t.untyped_storage().nbytes()
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            if self.dev_bytes is not None:
+                counted = self.dev_bytes(storage)
         nbytes = self.block_bytes(nbytes)
+        counted = counted or nbytes
         entry = self.live.get(key)
         if entry is None:
-            entry = self.live[key] = [0, 0]
+            entry = self.live[key] = [0, 0, 0]
         if nbytes > entry[0]:
             # (new, or grown: a storage resized in place, or one at the address of an empty
             # storage a tracked tensor let go of with ``set_``, the tensor still alive)
             self.now += nbytes - entry[0]
-            entry[0] = nbytes
+            self.counted_now += counted - entry[2]
+            entry[0], entry[2] = nbytes, counted
             if self.now > self.peak:
                 self.peak = self.now
+            if self.counted_now > self.counted_peak:
+                self.counted_peak = self.counted_now
         entry[1] += 1
         weakref.finalize(t, self._died, key)
 
@@ -197,3 +207,4 @@ class Measure(TorchDispatchMode):
             if entry[1] == 0:
                 del self.live[key]
                 self.now -= entry[0]
+                self.counted_now -= entry[2]

@@ -266,7 +266,7 @@ class Region:
         training = Training(self, plan.key, self.device_views and getattr(mgr.backend, "strict", False),
                             plan.paged, ctx.estimate) if plan.grad else None
         # (its inputs' storages are not its own)
-        meter = Measure({b.dev_key for b in ctx.blocks}, mgr.backend.block_bytes) if plan.meter else None
+        meter = Measure({b.dev_key for b in ctx.blocks}, mgr.alloc_bytes, mgr.backend.dev_bytes) if plan.meter else None
         try:
             out = self._run(mgr, call, fn, args, kwargs, plan.on_host, training, meter)
         except BaseException:
@@ -297,7 +297,7 @@ class Region:
             inside = None
         elif meter is not None:
             self.inside.record(key, call.held, meter.peak)
-            inside = max(plan.ctx.estimate, meter.peak)
+            inside = max(plan.ctx.estimate, meter.counted_peak)
         else:
             inside = plan.ctx.estimate
         if near is not None and near[0] != key:
@@ -320,7 +320,7 @@ class Region:
         """The call op by op (within the budget, as any code), measuring the bytes its ops
         allocate: what the call will need inside as a region; with ``grad``, whether its
         backward asks for gradients of the gradients."""
-        meter = Measure({block_of(r).id for r in call.refs}, mgr.backend.block_bytes)
+        meter = Measure({block_of(r).id for r in call.refs}, mgr.alloc_bytes)
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
         running, stores.running.call = stores.running.call, call  # (what it assigns: Note [Stores on modules])
         try:

@@ -125,7 +125,7 @@ class BackwardStep:
             self.step.begin()  # (no op-by-op fallback here: the graph is plain)
             if limited and self.seen is None:
                 # (the blocks' storages once resident: views of them are not new bytes)
-                self.measuring = Measure({b.dev_key for b in blocks}, backend.block_bytes)
+                self.measuring = Measure({b.dev_key for b in blocks}, mgr.alloc_bytes, backend.dev_bytes)
         return self
 
     def _room(self, blocks) -> int:
@@ -139,7 +139,9 @@ class BackwardStep:
         # (asked of the device: a reading from before the forward's end may count tensors
         # freed since, and the room would then be more than the op's check allows; counted
         # as the device counts it, so that the check does not round it past the budget)
-        room = largest_within(mgr.limit - mgr.read_outside() - self.held, size)
+        # (less the allocator's slack on the blocks it brings in: Note [Room for the
+        # allocator's slack])
+        room = largest_within(mgr.accounting.within(mgr.limit - mgr.read_outside() - self.held), size)
         # Until measured, under a budget all the room it leaves (what a backward's formulas
         # allocate is not bounded by the forward: recomputing a checkpointed forward inside
         # it takes several times the forward's); with none, twice the blocks and the
@@ -171,6 +173,6 @@ class BackwardStep:
         inside = self.ctx.estimate
         if self.step.limited and self.measuring is not None:
             self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
-            inside = self.measuring.peak  # (what it took, kept room or not)
+            inside = self.measuring.counted_peak  # (what it took, kept room or not)
         self.step.end(inside)
         return False
