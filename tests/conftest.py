@@ -49,7 +49,9 @@ def fresh_manager():
     yield tm
     # The budget is a promise: no test may have gone above it (a test that shows an
     # overshoot on purpose resets the stats).
-    overshoot = tm.stats()["worst_overshoot_bytes"]
+    stats = tm.stats()
+    overshoot = stats["worst_overshoot_bytes"]
+    device_overshoot = stats["device_overshoot_bytes"]  # (read where check_device is on)
     leaked = list(tm.callbacks.handles)
     for handle in leaked:
         handle.remove()  # (a callback left behind would turn the fast path off for later tests)
@@ -63,6 +65,7 @@ def fresh_manager():
     tm.offload_dir = None
     torchTensorRef.patch()
     assert overshoot == 0, f"{overshoot} bytes in use above the budget"
+    assert device_overshoot == 0, f"the device held {device_overshoot} bytes above the budget at an op's end"
     assert not leaked, f"the test left {len(leaked)} callback(s) added: remove them with handle.remove()"
 
 

@@ -60,12 +60,14 @@ ENVIRONMENT = {
     "TORCHTENSORREF_BUDGET": "budget",
     "TORCHTENSORREF_HOST_BUDGET": "host_budget",
     "TORCHTENSORREF_OFFLOAD_DIR": "offload_dir",
+    "TORCHTENSORREF_CHECK_DEVICE": "check_device",
 }
 
 
 def configure_from_environment(environ=None) -> None:
     """Apply ``TORCHTENSORREF_DEVICE``, ``_STRATEGY``, ``_BUDGET``, ``_HOST_BUDGET``,
-    ``_OFFLOAD_DIR``, ``_SIM_WORKSPACE``, ``_SIM_ROUNDING`` and ``_SIM_STRICT`` to the manager.
+    ``_OFFLOAD_DIR``, ``_SIM_WORKSPACE``, ``_SIM_ROUNDING``, ``_SIM_STRICT`` and ``_CHECK_DEVICE``
+    to the manager.
 
     Raises:
         ValueError: naming the variable and what it accepts.

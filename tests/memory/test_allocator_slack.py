@@ -41,9 +41,13 @@ def _train(model, x, y, steps=3):
 
 @pytest.fixture
 def slack(fresh_manager):
+    """``"sim"`` placing allocations as CUDA's allocator does, the device asked after every
+    op (the fixture then checks it never held more than the budget)."""
     tm = fresh_manager
     tm.sim_rounding = True
+    tm.check_device = True
     yield tm
+    tm.check_device = False
     tm.sim_rounding = False
 
 
@@ -130,3 +134,31 @@ def test_a_llama_trains_through_regions_with_the_allocator_s_count_within_the_bu
         assert stats["max_memory_allocated"] <= tm.budget
     finally:
         tm.sim_workspace = 0
+
+
+@sim_only
+def test_check_device_records_what_the_device_held_above_the_budget_at_an_op_s_end(fresh_manager):
+    tm = fresh_manager
+    x = torch.ones(1024)
+    y = x + 1
+    tm.budget = budget(64 * 1024)
+    with pytest.raises(ValueError, match="check_device must be True or False"):
+        tm.check_device = "maybe"
+    assert tm.check_device is False
+    try:
+        tm.check_device = True
+        tm.reset_stats()
+        y = x + 1
+        assert tm.stats()["device_overshoot_bytes"] == 0
+        with torchTensorRef.disabled():  # the program's own device tensor, past the budget
+            extra = torch.empty(60 * 1024, dtype=torch.uint8, device="sim")
+        y = x * y
+        over = tm.stats()["device_overshoot_bytes"]
+        assert 0 < over <= 60 * 1024
+        tm.check_device = False
+        tm.reset_stats()
+        y = x * y
+        assert tm.stats()["device_overshoot_bytes"] == 0  # (not asked)
+        del extra
+    finally:
+        tm.check_device = False

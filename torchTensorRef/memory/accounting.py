@@ -63,10 +63,12 @@ class Accounting:
         slack: the most the device's allocator may count one allocation above
             ``Backend.block_bytes`` (Note [Room for the allocator's slack]).
         promised: bytes of the room last made that no allocation has taken yet.
+        device_overshoot: the most the device itself held above the budget at an op's end,
+            where asked (``tensorsManager.check_device``).
     """
 
     __slots__ = ("resident", "pending", "pending_bytes", "elsewhere", "elsewhere_bytes", "limit", "peak",
-                 "overshoot", "warmed", "checks", "slack", "promised")
+                 "overshoot", "warmed", "checks", "slack", "promised", "device_overshoot")
 
     def __init__(self) -> None:
         self.resident: int = 0
@@ -81,6 +83,7 @@ class Accounting:
         self.checks: int = 0
         self.slack: int = 0
         self.promised: int = 0
+        self.device_overshoot: int = 0
 
     def in_use(self) -> int:
         """Bytes counted against the budget now (the last reading of what is elsewhere)."""
@@ -166,4 +169,4 @@ class Accounting:
     def reset_peak(self) -> None:
         """The peak restarts from the bytes in use now; no overshoot."""
         self.peak = self.resident + self.pending_bytes
-        self.overshoot = 0
+        self.overshoot = self.device_overshoot = 0

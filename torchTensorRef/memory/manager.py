@@ -72,6 +72,7 @@ class TensorsManager:
     host_reserve = Setting()
     host_budget = Setting()
     offload_dir = Setting()
+    check_device = Setting()
 
     def __init__(self) -> None:
         #: the one lock over the manager's state (re-entrant: autograd's threads run ops too)
@@ -130,8 +131,8 @@ class TensorsManager:
         self.fast_watch = strategy if watching and strategy.follows_fast_ops() else None
         self.fast = (not self.callbacks.handles and self.trace is None and self._fault_injector is None
                      and not self.capturing and (not watching or self.fast_watch is not None)
-                     # (emulated workspaces are made on the generic path: OpProtocol._before_kernel)
-                     and not getattr(self.backend, "workspace", 0))
+                     # (emulated workspaces are made, and the device checked, on the generic path)
+                     and not getattr(self.backend, "workspace", 0) and not self.settings.check_device_value)
 
     def hooks_changed(self) -> None:
         """The strategy's ``needs_every_op()`` or ``follows_fast_ops()`` changed its answer."""
@@ -216,8 +217,7 @@ class TensorsManager:
         return self.accounting.fits(nbytes)
 
     def in_use(self) -> int:
-        """Device bytes counted against the budget now: resident blocks, buffers copies still
-        use and (CUDA) what else the device last said it holds."""
+        """Device bytes counted against the budget now (``Accounting.in_use``)."""
         return self.accounting.in_use()
 
     def room(self) -> Optional[int]:

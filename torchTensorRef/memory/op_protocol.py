@@ -314,8 +314,20 @@ class OpProtocol:
                 m.device_room.make(0, (), ctx.name)
             except OutOfBudgetError:
                 pass
+        if m.settings.check_device_value:
+            self._check_device()
         if m.trace is not None:
             self._record(ctx)
+
+    def _check_device(self) -> None:
+        """Record how far above the budget the device's own count is now (everything it has
+        allocated: the manager's blocks, the buffers copies use, what is outside)."""
+        m = self.m
+        acct = m.accounting
+        if acct.limit is not None:
+            over = m.backend.in_use_elsewhere(0) - acct.limit
+            if over > acct.device_overshoot:
+                acct.device_overshoot = over
 
     def _record(self, ctx: OpInFlight) -> None:
         trace = self.m.trace

@@ -58,8 +58,8 @@ class Setting:
 
 class Settings:
     """``device``, ``strategy``, ``budget``, ``sim_workspace``, ``sim_rounding``,
-    ``sim_strict``, ``pinned_limit``, ``sim_capacity``, ``host_reserve``, ``host_budget``
-    and ``offload_dir``: each setter validates its value and changes nothing when it refuses.
+    ``sim_strict``, ``pinned_limit``, ``sim_capacity``, ``host_reserve``, ``host_budget``,
+    ``offload_dir`` and ``check_device``: each setter validates its value and changes nothing when it refuses.
 
     Attributes:
         budget: the budget as set (``None``: the device's capacity; ``Accounting.limit`` is
@@ -75,6 +75,7 @@ class Settings:
         self.sim_workspace_value: int = 0
         self.sim_rounding_value: bool = False
         self.sim_strict_value: bool = True
+        self.check_device_value: bool = False
         self.pinned_limit_value: int = default_limit()
 
     @property
@@ -275,6 +276,22 @@ class Settings:
                 except Exception:
                     self.sim_strict_value = previous
                     raise
+
+    @property
+    def check_device(self) -> bool:
+        """Whether the device is asked, after every op, how much it has allocated (default
+        ``False``: a reading costs more than an op): the most it held above the budget at an
+        op's end is ``stats()["device_overshoot_bytes"]``. A check of the budget's promise in
+        the device's own figures (``torch.cuda.memory_allocated`` on CUDA), for tests and
+        debugging (``TORCHTENSORREF_CHECK_DEVICE``)."""
+        return self.check_device_value
+
+    @check_device.setter
+    def check_device(self, value: Union[bool, str]) -> None:
+        value = _flag(value, "check_device")
+        with self.m.lock:
+            self.check_device_value = value
+            self.m.refresh_fast()
 
     def limit_for(self, budget: Optional[int]) -> Optional[int]:
         """The limit in force for ``budget`` on the current device."""

@@ -50,7 +50,9 @@ class Statistics:
         ``blocks_on_device``, ``host_bytes`` (host copies of paged blocks, CPU tensors
         not counted), ``peak_host_bytes``, ``host_budget``, ``bytes_from_disk``,
         ``bytes_to_disk``, ``pinned_bytes``, ``outside_bytes`` (device bytes allocated
-        outside the manager at the last reading: Note [Budget on CUDA]); on CUDA also
+        outside the manager at the last reading: Note [Budget on CUDA]),
+        ``device_overshoot_bytes`` (the most the device held above the budget at an op's
+        end, read there only with ``tensorsManager.check_device``); on CUDA also
         ``max_memory_allocated`` and ``max_memory_reserved`` (torch.cuda's, since the
         last ``reset_stats()``), and on ``"sim"`` ``max_memory_allocated`` (the most its
         allocator held at once since then: the manager's blocks, the program's plain
@@ -64,6 +66,7 @@ class Statistics:
             out["ops"] = m.op_count - self.ops_at_reset
             out["peak_device_bytes"] = acct.peak
             out["worst_overshoot_bytes"] = acct.overshoot
+            out["device_overshoot_bytes"] = acct.device_overshoot
             out["device_bytes"] = acct.resident
             out["budget"] = acct.limit
             out["device"] = m.device
