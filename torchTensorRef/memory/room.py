@@ -146,10 +146,10 @@ class Room:
             victim = m.strategy.choose_victim(protect)
             if victim is not None:
                 m.residency.evict(victim)
-            elif acct.pending:
-                self.retire(wait=True)  # nothing left to evict: wait for the copies
+            elif acct.pending and acct.in_use() + acct.promised > limit:
+                self.retire(wait=True)  # nothing left to evict, and short of more than the margin
             else:
-                return  # (the margin is given up: the count shows any overshoot)
+                return  # (the margin is given up, not waited for: the count shows any overshoot)
 
     def _evict_for(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int, limit: int,
                    margin: int = 0) -> None:
@@ -168,11 +168,11 @@ class Room:
                 m.note_pressure()
                 m.residency.evict(victim)
                 continue
+            if used + nbytes <= limit:
+                return  # (the room fits without the slack's margin: given up, not waited for)
             if acct.pending:
                 self.retire(wait=True)  # nothing left to evict: wait for the copies
                 continue
-            if used + nbytes <= limit:
-                return  # (the room fits without the slack's margin: given up, not refused)
             raise OutOfBudgetError(
                 op_name, used + nbytes, limit,
                 f"{format_size(m.books.pinned_bytes())} is pinned and the rest is in use by this op",
