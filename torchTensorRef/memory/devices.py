@@ -239,7 +239,11 @@ class SimBackend(Backend):
         return cuda_block_bytes(nbytes) if self.rounding else nbytes
 
     def dev_bytes(self, storage: torch.UntypedStorage) -> int:
-        return self.allocated.counted(storage) if self.rounding else storage.nbytes()
+        if not self.rounding:
+            return storage.nbytes()
+        # (at least the rounding: the count of an allocation made while another backend,
+        # built and not used, set the process's allocations to be counted as asked)
+        return max(self.allocated.counted(storage), cuda_block_bytes(storage.nbytes()))
 
     def slack(self) -> int:
         return _SMALL_SIZE if self.rounding else 0
