@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torchTensorRef
-from torchTensorRef import tensorsManager as tm
+from torchTensorRef import TensorRef, tensorsManager as tm
 from torchTensorRef.integrations import optimizers
 from paired import assert_identical, budget, plain_torch
 
@@ -121,3 +121,126 @@ def test_the_step_s_hooks_run_once_per_step(fresh_manager):
     assert seen == ["pre", "post"]
     assert all(len(g["params"]) for g in opt.param_groups)  # (the groups are whole again)
     assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
+# -- Note [Optimizer steps on plain tensors] ----------------------------------------------------
+
+PLAIN_STEP_OPTIMIZERS = {
+    **OPTIMIZERS,
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2),  # (no state at all)
+    "nadam-per-parameter": lambda ps: torch.optim.NAdam(ps, lr=1e-2, foreach=False),
+    "adagrad-foreach": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, foreach=True),
+    "rmsprop-default": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+}
+
+
+def counted_steps():
+    """The steps that ran on plain tensors, counted while the context is open."""
+    calls = []
+    real = optimizers.run_on_views
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    optimizers.run_on_views = counting
+    return calls, real
+
+
+@pytest.mark.parametrize("strategy", ["genoa", "flow"])
+@pytest.mark.parametrize("name", list(PLAIN_STEP_OPTIMIZERS))
+def test_a_step_with_nothing_to_page_runs_on_plain_tensors_as_plain_torch(fresh_manager, name, strategy):
+    steps = 4
+    make = PLAIN_STEP_OPTIMIZERS[name]
+    with plain_torch():
+        dev = tm.torch_device
+        plain_ps = [p.to(dev).requires_grad_() for p in params()]
+        expected, plain_opt, _ = train(plain_ps, make, steps)
+    tm.strategy = strategy
+    ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
+    calls, real = counted_steps()
+    try:
+        managed, opt, _ = train(ps, make, steps)
+    finally:
+        optimizers.run_on_views = real
+    assert len(calls) == steps - 1  # (the first step makes the state: op by op)
+    assert_identical([p.detach() for p in expected], [p.detach() for p in managed])
+    assert_identical([dict(plain_opt.state[p]) for p in plain_ps], [dict(opt.state[p]) for p in managed])
+    assert all(type(p) is TensorRef and type(p.grad) is TensorRef for p in managed)
+    assert all(type(v) is TensorRef for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    assert [p._version for p in managed] == [p._version for p in expected]  # (autograd's in-place checks)
+    # Genoa wrote every block back after the step: the host copies hold what the step wrote
+    tm.evict_all()
+    assert_identical([p.detach() for p in expected], [p.detach() for p in managed])
+
+
+def test_the_step_on_plain_tensors_is_one_op_of_the_manager(fresh_manager):
+    ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
+    _, opt, _ = train(ps, OPTIMIZERS["adamw-foreach"], 2)
+    for p, g in zip(ps, grads(5)):
+        p.grad = g
+    before = tm.stats()["ops"]
+    state_dicts = [opt.state[p] for p in ps]
+    opt.step()
+    assert tm.stats()["ops"] - before == 1
+    assert all(opt.state[p] is s for p, s in zip(ps, state_dicts))  # (the same dicts, the same parameters)
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], ps))
+
+
+def test_a_parameter_without_a_gradient_is_left_as_it_is(fresh_manager):
+    ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
+    managed, opt, _ = train(ps, OPTIMIZERS["adamw-foreach"], 2)
+    frozen = managed[0].detach().clone()
+    managed[0].grad = None
+    calls, real = counted_steps()
+    try:
+        opt.step()  # (what it steps changed: op by op, and remembered)
+        opt.step()  # (on plain tensors again)
+    finally:
+        optimizers.run_on_views = real
+    assert calls == [1]
+    assert torch.equal(managed[0].detach(), frozen)
+    assert type(managed[0]) is TensorRef and managed[0].grad is None
+
+
+@pytest.mark.parametrize("why", ["closure", "tensor learning rate", "plain gradient", "budget"])
+def test_a_step_the_manager_cannot_give_plain_tensors_runs_op_by_op(fresh_manager, why):
+    ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
+    lr = torch.tensor(1e-2) if why == "tensor learning rate" else 1e-2
+    _, opt, _ = train(ps, lambda ps: torch.optim.AdamW(ps, lr=lr, foreach=False), 2)
+    if why == "plain gradient":
+        with torchTensorRef.disabled(device=tm.torch_device):
+            ps[0].grad = torch.ones(ps[0].shape, device=tm.torch_device)
+    if why == "budget":
+        tm.budget = budget(4 * 1024 * KIB)
+    calls, real = counted_steps()
+    try:
+        if why == "closure":
+            opt.step(lambda: None)
+        else:
+            opt.step()
+    finally:
+        optimizers.run_on_views = real
+    assert calls == []
+
+
+def test_an_error_inside_the_step_leaves_the_optimizer_as_it_was(fresh_manager):
+    ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
+    _, opt, _ = train(ps, OPTIMIZERS["adamw-foreach"], 2)
+    groups = [list(g["params"]) for g in opt.param_groups]
+    state = {id(p): dict(opt.state[p]) for p in ps}
+    betas = opt.param_groups[0]["betas"]
+    opt.param_groups[0]["betas"] = (0.9,)  # (the step reads two)
+    calls, real = counted_steps()
+    try:
+        with pytest.raises(ValueError):
+            opt.step()
+    finally:
+        opt.param_groups[0]["betas"] = betas
+        optimizers.run_on_views = real
+    assert calls == [1]
+    assert all(a is b for g, h in zip(opt.param_groups, groups) for a, b in zip(g["params"], h))
+    assert all(type(p.grad) is TensorRef for p in ps)
+    assert all(opt.state[p][k] is v for p in ps for k, v in state[id(p)].items())
+    assert all(b.pins == 0 for b in tm.books.blocks.values())
+    opt.step()  # (and it steps again)

@@ -17,14 +17,33 @@ position as on the whole list.
 The step runs whole where it is given a closure (it evaluates the loss: once per step),
 where its class was stepped before ``torchTensorRef`` was imported (its hooks would run once
 per part), and with nothing to page.
+
+Note [Optimizer steps on plain tensors]: with nothing to page (no budget, or pass-through),
+each of a step's list ops would still take the manager's path for every op, as the forward
+did before regions: AdamW's step is some twenty such ops per parameter group. The step of a
+``SLICED`` class runs instead as one op of the manager (``regions.views_call``): its
+parameters, gradients and state are made resident and pinned together, the step runs on
+plain tensors of their bytes (its parameter lists and its state swapped for the duration
+of the call, keyed by the plain parameters), and what it wrote is marked written, with the
+version counters plain torch's would have. It does so once the optimizer is in its steady
+state: the parameters with gradients, and the names in their state, are those the previous
+step left. A first step makes the state, and tensors made inside a step are new blocks: it
+runs op by op, as does a step given a closure, one whose groups hold tensors (a tensor
+learning rate), or one with a tensor that is not a TensorRef.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import defaultdict
+
 import torch
 
+from .. import regions
 from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as _mgr
+from ..regions.op import RegionSpec
+from ..regions.views_call import run_on_views
 
 #: optimizers whose step updates each parameter from its own gradient and state alone
 SLICED = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Adadelta")
@@ -32,6 +51,11 @@ SLICED = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAda
 STEP_METHODS = tuple((f"torch.optim.{name.lower()}:{name}", "step") for name in SLICED)
 #: the classes themselves: a subclass may mix parameters in a step of its own
 _CLASSES = tuple(getattr(torch.optim, name) for name in SLICED)
+#: what each optimizer's last step left (``_shape``): a step that finds the same runs on
+#: plain tensors (Note [Optimizer steps on plain tensors])
+_left: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+#: the op the strategies see for a step on plain tensors (Flow keys its history on it)
+_STEP = RegionSpec("optimizer step")
 
 
 def _bytes(t) -> int:
@@ -72,11 +96,14 @@ def parts(opt: torch.optim.Optimizer):
 
 
 def step_wrapper(wrapped, instance, args, kwargs):
-    """``Optimizer.step`` of a ``SLICED`` class: in parts where its state does not fit."""
+    """``Optimizer.step`` of a ``SLICED`` class: in parts where its state does not fit, on
+    plain tensors where nothing is paged."""
     opt, rest = (instance, args) if instance is not None else (args[0] if args else None, args[1:])
     if (not isinstance(opt, torch.optim.Optimizer) or rest or kwargs.get("closure") is not None
             or getattr(wrapped, "hooked", False)):
         return wrapped(*args, **kwargs)
+    if _nothing_to_page() and type(opt) in _CLASSES:
+        return _whole(opt, wrapped, args, kwargs)
     split = parts(opt)
     if split is None:
         return wrapped(*args, **kwargs)
@@ -92,3 +119,87 @@ def step_wrapper(wrapped, instance, args, kwargs):
         for g, ps in zip(groups, whole):
             g["params"] = ps
     return out
+
+
+def _nothing_to_page() -> bool:
+    return (regions.enabled and _mgr.trace is None and not _mgr.lock._is_owned()
+            and (_mgr.backend.passthrough or _mgr.settings.budget_value is None)
+            and not torch.compiler.is_compiling())
+
+
+def _shape(opt: torch.optim.Optimizer):
+    """Each parameter, whether it has a gradient and its state's names; ``None`` where a
+    tensor of the step is not a TensorRef or a group holds one (the step runs op by op)."""
+    state = opt.state
+    out = []
+    for g in opt.param_groups:
+        if g.get("differentiable"):
+            return None  # (its step is part of a graph: on the TensorRefs autograd tracks)
+        for k, v in g.items():
+            if k != "params" and isinstance(v, torch.Tensor):
+                return None
+        for p in g["params"]:
+            grad = p.grad
+            if not isinstance(p, TensorRef) or grad is not None and not isinstance(grad, TensorRef):
+                return None
+            s = state.get(p)
+            if s:
+                for v in s.values():
+                    if isinstance(v, torch.Tensor) and not isinstance(v, TensorRef):
+                        return None
+            out.append((p, grad is not None, tuple(s) if s else ()))
+    return tuple(out)
+
+
+def _whole(opt: torch.optim.Optimizer, wrapped, args, kwargs):
+    """The step with nothing to page: on plain tensors in its steady state, else op by op;
+    what it leaves is remembered (Note [Optimizer steps on plain tensors])."""
+    shape = _shape(opt)
+    if shape is None or _left.get(opt) != shape:
+        out = wrapped(*args, **kwargs)
+    else:
+        out = _on_plain_tensors(opt, wrapped, args, kwargs)
+    _left[opt] = _shape(opt)
+    return out
+
+
+def _on_plain_tensors(opt: torch.optim.Optimizer, wrapped, args, kwargs):
+    groups, state = opt.param_groups, opt.state
+    # (a parameter without a gradient is not given: the step passes it by, as a TensorRef)
+    params = [p for g in groups for p in g["params"] if p.grad is not None]
+    entries = [(p, k, v) for p in params for k, v in (state.get(p) or {}).items() if isinstance(v, TensorRef)]
+    refs = params + [p.grad for p in params] + [v for _p, _k, v in entries]
+    n = len(params)
+
+    def step(views, adopt):
+        plain = dict(zip(map(id, params), views))
+        swapped: defaultdict = defaultdict(dict)
+        for p, view, grad in zip(params, views, views[n:2 * n]):
+            view.grad = grad
+            swapped[view] = dict(state.get(p) or {})
+        for (p, k, _v), view in zip(entries, views[2 * n:]):
+            swapped[plain[id(p)]][k] = view
+        whole = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = [plain.get(id(p), p) for p in g["params"]]
+            opt.state = swapped
+            return wrapped(*args, **kwargs)
+        finally:
+            opt.state = state
+            for g, ps in zip(groups, whole):
+                g["params"] = ps
+            given = dict(zip(map(id, views), refs))
+            for p, view in zip(params, views):
+                view.grad = None
+                # (what the step assigned to its state: a view given back is its TensorRef)
+                mine = state[p]
+                for k, v in swapped[view].items():
+                    ref = given.get(id(v))
+                    if ref is not None:
+                        if mine.get(k) is not ref:
+                            mine[k] = ref
+                    else:
+                        mine[k] = adopt(v) if isinstance(v, torch.Tensor) else v
+
+    return run_on_views(_STEP, refs, step)

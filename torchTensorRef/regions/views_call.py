@@ -1,0 +1,106 @@
+"""A call given plain tensors for a list of TensorRefs, as one op of the manager (an
+optimizer's step: Note [Optimizer steps on plain tensors] in ``integrations/optimizers.py``).
+
+Where a region (``mechanism.py``) swaps a module's parameters for plain views, this gives
+the views to the caller's function, which puts them where the call reads them. The blocks
+are made resident and pinned as one op's (``Step``), creation functions make plain tensors,
+and after the call each TensorRef counts as written, its version counter moved as its
+view's moved (as plain torch's tensor's would have: autograd's in-place checks read it).
+Every one counts as written, not only those whose counters moved: a list op writing in
+place (``_foreach_add_``) moves no counter on some devices, and a write missed is a
+device copy lost at the next eviction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..core import context
+from ..core.tensor_ref import TensorRef, block_of, compute_view
+from ..memory.manager import tensorsManager as _mgr
+from ..memory.sim.allocation import PlainMode
+from ..memory.sim.tensor import SimTensor
+from ..ops.op_context import blocks_of_list
+from .mechanism import state
+from .op import RegionContext, RegionSpec, Wrapper
+from .step import Step
+
+
+def run_on_views(spec: RegionSpec, refs: Sequence[TensorRef], fn: Callable[[list, Callable], Any]) -> Any:
+    """``fn(views, adopt)`` as one op that may write each of ``refs``, ``views[i]`` a plain
+    tensor of ``refs[i]``'s bytes (its device copy; a host-only block's host copy).
+    ``adopt(t)`` gives back, for a tensor the call made or was given, its TensorRef (a view
+    joins its TensorRef's block; anything else becomes a new block). ``fn`` must keep none
+    of the views past its return.
+
+    Raises:
+        OutOfBudgetError: the blocks do not fit the budget together; nothing changed.
+    """
+    mgr = _mgr
+    with mgr.lock:
+        mgr.drain()
+        blocks = blocks_of_list([block_of(r) for r in refs])
+        ctx = RegionContext(spec, blocks, [], (), {}, False)
+        ctx.estimate = 0
+    step = Step(ctx, False)
+    step.begin()
+    backend = mgr.backend
+    sim = getattr(backend, "strict", False) and not backend.passthrough
+    try:
+        with mgr.lock:
+            views = [_view(r, sim) for r in refs]
+    except BaseException:
+        step.abort()
+        raise
+    versions = [None if v.is_inference() else v._version for v in views]
+    wrap = Wrapper(mgr, ctx, {id(v): r for v, r in zip(views, refs)}, True)
+
+    def adopt(t):
+        with mgr.lock:
+            return wrap(t)
+
+    device = None if backend.passthrough else backend.declared
+    state.depth += 1  # (the modules it calls run plain)
+    previous = context.enter_plain(device)
+    try:
+        with PlainMode() if sim else contextlib.nullcontext():
+            out = fn(views, adopt)
+    except BaseException:
+        _written(refs, views, versions)
+        step.abort()
+        raise
+    finally:
+        context.exit_plain(previous)
+        state.depth -= 1
+    _written(refs, views, versions)
+    step.end(None)
+    return out
+
+
+def _view(ref: TensorRef, sim: bool) -> torch.Tensor:
+    view = compute_view(ref)  # (a host-only block's: its host copy)
+    if sim and not block_of(ref).host_only:
+        return SimTensor(view)  # (strict "sim": a device tensor, as torch sees it)
+    return view
+
+
+def _written(refs, views, versions) -> None:
+    """Each of ``refs`` marked written, its version moved as its view's moved."""
+    mgr = _mgr
+    moved: dict = {}
+    with mgr.lock:
+        for ref in refs:
+            block = block_of(ref)
+            if block.host_only:
+                mgr.host_written(block)
+            else:
+                mgr.mark_written((block,))
+    for ref, view, version in zip(refs, views, versions):
+        if version is not None and view._version != version:
+            moved.setdefault(view._version - version, []).append(ref)
+    for delta, moved_refs in moved.items():
+        for _ in range(delta):
+            torch.autograd.graph.increment_version(moved_refs)
