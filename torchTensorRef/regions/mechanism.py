@@ -64,6 +64,7 @@ from ..core.errors import OutOfBudgetError
 from ..core.tensor_ref import block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim.allocation import PlainMode
+from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import blocks_of_list, wrap_one
 from .inside import Inside, Measure, measured
 from .op import MAX_WRAPPERS, Giver, RegionContext, RegionSpec, Wrapper, bytes_of, take_back_attributes
@@ -346,21 +347,22 @@ class Region:
     def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool, training=None, meter=None):
         backend = mgr.backend
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
-        giver = Giver(call, on_host, training, sim, self._kept_wrappers(mgr, sim, call))
-        cargs = tuple(giver.tree(a) for a in args)
-        ckwargs = {k: giver.tree(v) for k, v in kwargs.items()} if kwargs else {}
+        give = Giver(call, on_host, training, sim, self._kept_wrappers(mgr, sim, call)).tree
+        cargs = [give(a) for a in args]
+        ckwargs = {k: give(v) for k, v in kwargs.items()} if kwargs else {}
         device = None if on_host or backend.passthrough else backend.declared
-        plain_mode = PlainMode() if sim else contextlib.nullcontext()
-        hooks = training.hooks() if training is not None else contextlib.nullcontext()
-        counting = meter if meter is not None else contextlib.nullcontext()
         views = call.views
         state.depth += 1
         previous = context.enter_plain(device)
         running, stores.running.call = stores.running.call, call  # (Note [Stores on modules])
         try:
             for d, k, v in call.slots:
-                d[k] = giver.tree(v)
-            with plain_mode, hooks, counting:
+                d[k] = give(v)
+            if not sim and training is None and meter is None:
+                return fn(*cargs, **ckwargs)  # (no context to enter: the call as it is)
+            plain_mode = PlainMode() if sim else contextlib.nullcontext()
+            hooks = training.hooks() if training is not None else contextlib.nullcontext()
+            with plain_mode, hooks, meter if meter is not None else contextlib.nullcontext():
                 return fn(*cargs, **ckwargs)
         finally:
             stores.running.call = running
@@ -391,28 +393,34 @@ class Region:
             wrappers.clear()
         return wrappers, {id(v) for _d, _k, v in call.slots[:call.params]}
 
-    def _follow_rebinds(self, mgr, ctx, call: Call) -> None:
-        """A view the call was given and rebound (``param.data = t``: peft's merges, FSDP's
-        flat parameters) gives its TensorRef the new bytes, as plain torch's tensor has them;
-        the region runs op by op from then on (Note [Stores on modules])."""
-        changed = []
-        for ref, given, _plain, _version in call.views.values():
-            now = bytes_of(given)
-            if now is not None and (now.untyped_storage()._cdata != block_of(ref).dev_key or now.shape != ref.shape):
+    def _given_back(self, mgr, ctx, call: Call):
+        """The views the call was given, by id, with their TensorRefs; and the blocks it wrote.
+
+        A view the call rebound (``param.data = t``: peft's merges, FSDP's flat parameters)
+        gives its TensorRef the new bytes, as plain torch's tensor has them; the region runs
+        op by op from then on (Note [Stores on modules])."""
+        views = call.views
+        given, written, changed = {}, [], None
+        for ref, view, _plain, version in views.values():
+            given[id(view)] = ref
+            block = block_of(ref)
+            if version is None or view._version != version:
+                written.append(block)
+            now = view.data_ if view.__class__ is SimTensor else view
+            if now.untyped_storage()._cdata != block.dev_key or now.shape != ref.shape:
+                changed = changed or []
                 changed.append((ref, now))
         if changed:
             self.mutates = True
             for ref, now in changed:
                 ref.data = wrap_one(now.detach(), ctx, mgr)
-
-    def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):
-        self._follow_rebinds(mgr, ctx, call)
-        views = call.views
-        written = [block_of(ref) for ref, given, _p, version in views.values()
-                   if version is None or given._version != version]
         for ref in call.kernel_written:
             if id(ref) in views:
                 written.append(block_of(ref))
+        return given, written
+
+    def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):
+        given, written = self._given_back(mgr, ctx, call)
         if written:
             ctx.written = blocks_of_list(written)
             if on_host:
@@ -420,7 +428,6 @@ class Region:
                     mgr.host_written(b)
             else:
                 mgr.mark_written(ctx.written)
-        given = {id(e[1]): e[0] for e in views.values()}
         inputs = {b.dev_key for b in ctx.blocks}
         fresh = {}
         before = {id(v) for _c, _k, v in call.objects}

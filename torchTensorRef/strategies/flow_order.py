@@ -48,6 +48,24 @@ _SMALL_SHARE = 256
 # measured".)
 
 
+def _rank(block, n: int, nxt: Optional[int], limit: int) -> int:
+    """``Order.priority`` of ``block`` at op ``n``, its next use predicted at ``nxt`` (``None``:
+    unknown), under a budget of ``limit`` bytes."""
+    if nxt is None:
+        return UNKNOWN - block.last_use  # recency: least recently used first
+    if nxt != DEAD:
+        if block.nbytes < _TINY_BYTES and block.nbytes * _SMALL_SHARE < limit:
+            return n + 1  # needed again, and tiny beside the budget: evicted last (see _SMALL_SHARE)
+        if not block.clean:
+            return n + (nxt - n) // 2  # (Note [Dirty blocks cost two copies])
+        return nxt
+    if block.clean:
+        return DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
+    if block.nbytes < _TINY_BYTES:
+        return n + 1  # evicted last: see _TINY_BYTES
+    return nxt
+
+
 def _first(entry) -> int:
     return entry[0]
 
@@ -77,21 +95,8 @@ class Order:
 
     def priority(self, block, n: int) -> int:
         """How good a victim ``block`` is at op ``n``: the higher, the sooner it goes."""
-        nxt = self.learning.predict(block.id, n)
-        if nxt is None:
-            return UNKNOWN - block.last_use  # recency: least recently used first
-        if nxt != DEAD:
-            if block.nbytes < _TINY_BYTES and self.manager is not None \
-                    and block.nbytes * _SMALL_SHARE < (self.manager.limit or 0):
-                return n + 1  # needed again, and tiny beside the budget: evicted last (see _SMALL_SHARE)
-            if not block.clean:
-                return n + (nxt - n) // 2  # (Note [Dirty blocks cost two copies])
-            return nxt
-        if block.clean:
-            return DEAD + 1  # among dead blocks, clean ones go first: dropping them is free
-        if block.nbytes < _TINY_BYTES:
-            return n + 1  # evicted last: see _TINY_BYTES
-        return nxt
+        limit = (self.manager.limit or 0) if self.manager is not None else 0
+        return _rank(block, n, self.learning.predict(block.id, n), limit)
 
     def push(self, block, n: int) -> None:
         """Rank ``block`` at op ``n`` in the heap (its earlier entry goes stale)."""
@@ -127,8 +132,12 @@ class Order:
         """Resident blocks, best victim last, ranked by the plan at op ``n`` (once per op)."""
         if self._ranking[0] == n:
             return self._ranking[1]
-        priority = self.priority
-        ranked = [(priority(block, n), block.id, block) for block in self.manager.resident_blocks()]
+        # (``priority`` for each block, its calls unrolled: this ranks every resident block)
+        learning = self.learning
+        next_use, births = learning.plan.next_use, learning.births
+        limit = self.manager.limit or 0
+        ranked = [(_rank(block, n, next_use(block.id, n, births, DEAD), limit), block.id, block)
+                  for block in self.manager.resident_blocks()]
         ranked.sort(key=_first)
         self._ranking = (n, ranked)
         return ranked
