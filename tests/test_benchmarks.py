@@ -21,8 +21,8 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, overhead, plots, region_calls, run_all,  # noqa: E402
-                        small_ops, transfer)
+from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, optimizer_step, overhead, plots,  # noqa: E402
+                        region_calls, run_all, small_ops, transfer)
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -428,6 +428,18 @@ def test_region_calls_times_region_calls_alone_within_the_budget(fresh_manager, 
         saved = json.load(f)
     assert saved["command"].startswith("python benchmarks/region_calls.py --layers 8")
     assert saved["result"]["rows"]["Flow, 50%"]["calls"] == 8
+
+
+def test_optimizer_step_times_the_step_alone_as_one_op_and_op_by_op(fresh_manager, tmp_path):
+    path = tmp_path / "optimizer_step.json"
+    result = optimizer_step.main(["--size", "tiny", "--steps", "3", "--json", str(path)])
+    rows = result["rows"]
+    assert list(rows) == [label for label, _device, _one in optimizer_step.ROWS]
+    for label, r in rows.items():
+        assert r["equal"], label  # (the parameters of plain torch, bit for bit, after every step)
+        assert r["ms"] > 0 and r["plain_ms"] > 0, label
+        assert (r["ops_per_step"] == 1) == r["one_op"], label
+    assert json.loads(path.read_text())["command"].startswith("python benchmarks/optimizer_step.py --size tiny")
 
 
 def test_op_paths_times_every_path_and_the_plan_row_follows_its_plan(fresh_manager, tmp_path):
