@@ -408,6 +408,64 @@ def test_a_batch_norm_in_training_mode_keeps_its_running_statistics_as_a_region(
         assert_identical(expected, managed.state_dict()[name])
 
 
+class _Counting(torch.nn.Module):
+    """Adds its input to a buffer with an in-place list op, which moves no version counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+        self.register_buffer("seen", torch.zeros(32))
+
+    def forward(self, x):
+        torch._foreach_add_([self.seen], [x.sum(0)])
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("strategy", ["genoa", "flow"])
+def test_a_buffer_written_by_an_in_place_list_op_keeps_its_writes_as_a_region(strategy):
+    # (Note [Unversioned writes]: in eval mode, with nothing else marking its buffers
+    # written, the region took the buffer as unchanged and eviction dropped the update)
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[_Counting() for _ in range(4)]).eval()
+
+    x = torch.ones(2, 32)
+    with plain_torch():
+        plain = model().to(tm.torch_device)
+        with torch.no_grad():
+            for _ in range(5):
+                plain(to_plain(x).to(tm.torch_device))
+    tm.strategy = strategy
+    managed = model()
+    regions.no_region(managed)
+    for layer in managed:
+        regions.region(layer)
+    tm.budget = budget(10 * 1024)  # (two of the four layers' 4.3 KiB: every pass evicts)
+    with torch.no_grad():
+        for _ in range(5):  # (the first call of each layer measures op by op)
+            ops_before = tm.stats()["ops"]
+            managed(x)
+    assert tm.stats()["ops"] - ops_before == 4  # (one op per layer: the last calls were regions)
+    assert tm.stats()["evictions"] > 0
+    tm.evict_all()
+    for name, expected in plain.state_dict().items():
+        assert_identical(expected, managed.state_dict()[name])
+
+
+def test_an_in_place_list_op_is_put_in_compiled_graphs_as_torch_s_own():
+    from torchTensorRef.integrations import compiler
+
+    compiler.hide_from_compiler()
+
+    def step(a, b):
+        torch._foreach_add_(a, b)
+        return a[0] * 2
+
+    with torchTensorRef.disabled():
+        explained = torch._dynamo.explain(step)([torch.zeros(3)], [torch.ones(3)])
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
 def test_the_switch_turns_regions_off():
     model = mlp()
     x = torchTensorRef.manage(torch.randn(4, 16))

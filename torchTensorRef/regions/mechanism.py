@@ -16,7 +16,8 @@ aten op (``memory/op_protocol.py``):
 3. an input whose view the call wrote (its version counter moved, or it is a buffer of a
    module in training mode: batch norm's kernels update the running statistics without
    moving their counters, or an inference tensor, made under ``torch.inference_mode()``,
-   which has no counter) is marked written; each
+   which has no counter, or a tensor an in-place list op wrote: Note [Unversioned writes]
+   in ``unversioned.py``) is marked written; each
    output, and each new tensor the call stored in an object it was given, becomes a
    TensorRef (a view of an input joins its block, anything else is a new resident block),
    room being made for the new ones first;
@@ -68,7 +69,7 @@ from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import blocks_of_list, wrap_one
 from .inside import Inside, Measure, measured
 from .op import MAX_WRAPPERS, Giver, RegionContext, RegionSpec, Wrapper, bytes_of, take_back_attributes
-from . import stores
+from . import stores, unversioned
 from .step import Plan, Step
 from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad,
                    objects_of, scan_call, select_object_slots)
@@ -355,6 +356,7 @@ class Region:
         state.depth += 1
         previous = context.enter_plain(device)
         running, stores.running.call = stores.running.call, call  # (Note [Stores on modules])
+        recording = unversioned.start()
         try:
             for d, k, v in call.slots:
                 d[k] = give(v)
@@ -365,6 +367,7 @@ class Region:
             with plain_mode, hooks, meter if meter is not None else contextlib.nullcontext():
                 return fn(*cargs, **ckwargs)
         finally:
+            call.unversioned = unversioned.stop(recording)
             stores.running.call = running
             context.exit_plain(previous)
             state.depth -= 1
@@ -401,10 +404,11 @@ class Region:
         op by op from then on (Note [Stores on modules])."""
         views = call.views
         given, written, changed = {}, [], None
+        unversioned_ids = call.unversioned
         for ref, view, _plain, version in views.values():
             given[id(view)] = ref
             block = block_of(ref)
-            if version is None or view._version != version:
+            if version is None or view._version != version or id(view) in unversioned_ids:
                 written.append(block)
             now = view.data_ if view.__class__ is SimTensor else view
             if now.untyped_storage()._cdata != block.dev_key or now.shape != ref.shape:
