@@ -409,25 +409,30 @@ def test_a_batch_norm_in_training_mode_keeps_its_running_statistics_as_a_region(
 
 
 class _Counting(torch.nn.Module):
-    """Adds its input to a buffer with an in-place list op, which moves no version counter."""
+    """Adds its input to a buffer in a way that moves no version counter of the buffer's."""
 
-    def __init__(self):
+    def __init__(self, how: str):
         super().__init__()
+        self.how = how
         self.lin = torch.nn.Linear(32, 32)
         self.register_buffer("seen", torch.zeros(32))
 
     def forward(self, x):
-        torch._foreach_add_([self.seen], [x.sum(0)])
+        if self.how == "list op":
+            torch._foreach_add_([self.seen], [x.sum(0)])
+        else:
+            self.seen.data.add_(x.sum(0))  # (the counter of the alias ``.data`` made moves)
         return self.lin(x)
 
 
+@pytest.mark.parametrize("how", ["list op", "through .data"])
 @pytest.mark.parametrize("strategy", ["genoa", "flow"])
-def test_a_buffer_written_by_an_in_place_list_op_keeps_its_writes_as_a_region(strategy):
+def test_a_buffer_written_with_no_counter_moving_keeps_its_writes_as_a_region(strategy, how):
     # (Note [Unversioned writes]: in eval mode, with nothing else marking its buffers
     # written, the region took the buffer as unchanged and eviction dropped the update)
     def model():
         torch.manual_seed(0)
-        return torch.nn.Sequential(*[_Counting() for _ in range(4)]).eval()
+        return torch.nn.Sequential(*[_Counting(how) for _ in range(4)]).eval()
 
     x = torch.ones(2, 32)
     with plain_torch():

@@ -146,6 +146,7 @@ class Measure(TorchDispatchMode):
         self.dev_bytes = dev_bytes
         self.known = known  # ids of the blocks that are not the call's: its inputs'
         self.read: set = set()  # ids of the blocks the ops were given
+        self.wrote: set = set()  # ids of the blocks the ops wrote in place (Note [Unversioned writes])
         self.live: dict = {}  # storage key -> [bytes, tensors alive, bytes counted]
         self.now = self.counted_now = 0
         self.peak = self.counted_peak = 0
@@ -156,6 +157,8 @@ class Measure(TorchDispatchMode):
         for a in tree_leaves((args, kwargs)):
             if isinstance(a, TensorRef):
                 self.read.add(block_of(a).id)
+        if func._schema.is_mutable:
+            self._writes(func, args, kwargs)
         out = func(*args, **(kwargs or {}))
         if isinstance(out, _Tensor):
             self._track(out)
@@ -164,6 +167,17 @@ class Measure(TorchDispatchMode):
                 if isinstance(o, _Tensor):
                     self._track(o)
         return out
+
+    def _writes(self, func, args, kwargs) -> None:
+        """The blocks of the TensorRefs op ``func`` writes in place, by its schema."""
+        for i, arg in enumerate(func._schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, TensorRef):
+                    self.wrote.add(block_of(t).id)
 
     def _track(self, t) -> None:
         if isinstance(t, TensorRef):

@@ -131,6 +131,9 @@ class Region:
         self.probes = 0  # calls with gradients run op by op to see their backward
         #: a call changed its module's own state (Note [Stores on modules]): op by op from now on
         self.mutates = False
+        #: ids of the blocks of its module's tensors that a measured call wrote in place: its
+        #: calls count them as written (Note [Unversioned writes] in ``unversioned.py``)
+        self.writes: set = set()
 
     @property
     def name(self) -> str:
@@ -334,6 +337,8 @@ class Region:
             self._note_stores(call)
         if grad:
             watch_backward(self, out)
+        if meter.wrote:
+            self.writes.update(meter.wrote.intersection(block_of(v).id for _d, _k, v in call.slots))
         held = call.all_held
         used = self.inside.learn_uses(key, held, meter.read)
         self.inside.record(key, sum(block_of(held[i]).nbytes for i in used), meter.peak)
@@ -404,11 +409,11 @@ class Region:
         op by op from then on (Note [Stores on modules])."""
         views = call.views
         given, written, changed = {}, [], None
-        unversioned_ids = call.unversioned
+        unversioned_ids, writes = call.unversioned, self.writes
         for ref, view, _plain, version in views.values():
             given[id(view)] = ref
             block = block_of(ref)
-            if version is None or view._version != version or id(view) in unversioned_ids:
+            if version is None or view._version != version or id(view) in unversioned_ids or block.id in writes:
                 written.append(block)
             now = view.data_ if view.__class__ is SimTensor else view
             if now.untyped_storage()._cdata != block.dev_key or now.shape != ref.shape:
