@@ -157,8 +157,9 @@ class Measure(TorchDispatchMode):
         for a in tree_leaves((args, kwargs)):
             if isinstance(a, TensorRef):
                 self.read.add(block_of(a).id)
-        if func._schema.is_mutable:
-            self._writes(func, args, kwargs)
+        schema = getattr(func, "_schema", None)  # (an operator of a higher order has none)
+        if schema is not None and schema.is_mutable:
+            self._writes(schema, args, kwargs)
         out = func(*args, **(kwargs or {}))
         if isinstance(out, _Tensor):
             self._track(out)
@@ -168,9 +169,9 @@ class Measure(TorchDispatchMode):
                     self._track(o)
         return out
 
-    def _writes(self, func, args, kwargs) -> None:
-        """The blocks of the TensorRefs op ``func`` writes in place, by its schema."""
-        for i, arg in enumerate(func._schema.arguments):
+    def _writes(self, schema, args, kwargs) -> None:
+        """The blocks of the TensorRefs an op of ``schema`` writes in place."""
+        for i, arg in enumerate(schema.arguments):
             info = arg.alias_info
             if info is None or not info.is_write:
                 continue
