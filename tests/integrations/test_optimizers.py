@@ -203,7 +203,7 @@ def test_a_parameter_without_a_gradient_is_left_as_it_is(fresh_manager):
     assert type(managed[0]) is TensorRef and managed[0].grad is None
 
 
-@pytest.mark.parametrize("why", ["closure", "tensor learning rate", "plain gradient", "budget"])
+@pytest.mark.parametrize("why", ["closure", "tensor argument", "tensor learning rate", "plain gradient", "budget"])
 def test_a_step_the_manager_cannot_give_plain_tensors_runs_op_by_op(fresh_manager, why):
     ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
     lr = torch.tensor(1e-2) if why == "tensor learning rate" else 1e-2
@@ -217,6 +217,12 @@ def test_a_step_the_manager_cannot_give_plain_tensors_runs_op_by_op(fresh_manage
     try:
         if why == "closure":
             opt.step(lambda: None)
+        elif why == "tensor argument":
+            # (as GradScaler calls a fused step: AdamW's own step takes no such argument, so
+            # the step given to the wrapper records what it was given)
+            given = []
+            optimizers.step_wrapper(lambda **kwargs: given.append(kwargs), opt, (), {"found_inf": torch.zeros(())})
+            assert len(given) == 1 and type(given[0]["found_inf"]) is TensorRef
         else:
             opt.step()
     finally:

@@ -28,8 +28,9 @@ of the call, keyed by the plain parameters), and what it wrote is marked written
 version counters plain torch's would have. It does so once the optimizer is in its steady
 state: the parameters with gradients, and the names in their state, are those the previous
 step left. A first step makes the state, and tensors made inside a step are new blocks: it
-runs op by op, as does a step given a closure, one whose groups hold tensors (a tensor
-learning rate), or one with a tensor that is not a TensorRef.
+runs op by op, as does a step given a closure or a tensor (GradScaler's scale, to a fused
+step), one whose groups hold tensors (a tensor learning rate), or one with a tensor that is
+not a TensorRef.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def _whole(opt: torch.optim.Optimizer, wrapped, args, kwargs):
     """The step with nothing to page: on plain tensors in its steady state, else op by op;
     what it leaves is remembered (Note [Optimizer steps on plain tensors])."""
     shape = _shape(opt)
-    if shape is None or _left.get(opt) != shape:
+    # (a tensor among its arguments, as GradScaler gives a fused step its scale: op by op)
+    if shape is None or _left.get(opt) != shape or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         out = wrapped(*args, **kwargs)
     else:
         out = _on_plain_tensors(opt, wrapped, args, kwargs)
