@@ -1,9 +1,12 @@
 """An optimizer step whose state does not fit the budget runs in parts of the parameters
 (Note [Optimizer steps in parts] in torchTensorRef/integrations/optimizers.py): the same
 parameters as plain torch on the same device, bit for bit, with each tensor brought in and
-written back once per step instead of once per formula term."""
+written back once per step instead of once per formula term. With nothing to page, a step
+runs as one op on plain tensors (Note [Optimizer steps on plain tensors]), bit for bit too."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
@@ -250,3 +253,41 @@ def test_an_error_inside_the_step_leaves_the_optimizer_as_it_was(fresh_manager):
     assert all(opt.state[p][k] is v for p in ps for k, v in state[id(p)].items())
     assert all(b.pins == 0 for b in tm.books.blocks.values())
     opt.step()  # (and it steps again)
+
+
+def test_a_training_loop_as_users_write_it_steps_on_plain_tensors_as_plain_torch(fresh_manager):
+    # default AdamW (the device's choice of kernels), gradients zeroed both ways and clipped
+    # op by op, a scheduler, the optimizer saved and restored midway
+    def loop():
+        dev = tm.torch_device
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(dev)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(dev)
+        for i in range(6):
+            opt.zero_grad(set_to_none=i % 2 == 0)
+            m(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+            sched.step()
+            if i == 3:
+                saved = io.BytesIO()
+                torch.save(opt.state_dict(), saved)
+                saved.seek(0)
+                opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+                opt.load_state_dict(torch.load(saved))
+                sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+        return [p.detach() for p in m.parameters()], opt
+
+    with plain_torch():
+        expected, _ = loop()
+    tm.strategy = "flow"
+    calls, real = counted_steps()
+    try:
+        managed, opt = loop()
+    finally:
+        optimizers.run_on_views = real
+    assert len(calls) == 4  # (all but the first step of each optimizer, which makes its state)
+    assert_identical(expected, managed)
+    assert all(type(v) is TensorRef for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
