@@ -201,6 +201,30 @@ def test_inference_mode(paging):
     assert type(managed[0]) is TensorRef and managed[2]
 
 
+@pytest.mark.parametrize("op", ["list op", "one tensor"])
+def test_a_write_to_a_saved_tensor_fails_its_backward_as_in_plain_torch(op, paging):
+    # (Note [Versions of list writes]: a list op moved no counter of a TensorRef's, and the
+    # backward ran on the written values where plain torch refuses)
+    def run():
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3)
+        y = (x * w).sum()
+        before = w._version
+        if op == "list op":
+            torch._foreach_mul_([w], 2.0)
+        else:
+            w.mul_(2.0)
+        moved = w._version - before
+        try:
+            y.backward()
+        except RuntimeError as e:
+            return moved, "modified by an inplace operation" in str(e)
+        return moved, None
+
+    plain, managed = run_both(run)
+    assert plain == managed == (1, True)
+
+
 def test_enable_grad_inside_no_grad(paging):
     def run():
         x = torch.randn(3, requires_grad=True)

@@ -33,11 +33,13 @@ class OpSpec:
         host_args: ``(position, name)`` of the tensor arguments that accelerator kernels
             read in host memory and refuse on the device (``lengths`` of
             ``_pack_padded_sequence``, the per-position ``scalars`` of ``_foreach_addcmul``).
+        list_writes: the ``write_args`` that are lists of tensors (the list of
+            ``_foreach_add_``): Note [Versions of list writes].
         handler: special-case handler, or ``None`` for the generic path.
     """
 
     __slots__ = ("func", "name", "write_args", "return_args", "allocates", "restrides", "one_result", "one_tensor",
-                 "call", "host_results", "host_args", "handler")
+                 "call", "host_results", "host_args", "handler", "list_writes")
 
     def __init__(self, func: OpOverload) -> None:
         self.func = func
@@ -83,6 +85,28 @@ class OpSpec:
         self.host_args: Tuple[Tuple[int, str], ...] = tuple(
             (i, a.name) for i, a in enumerate(schema.arguments) if a.name in host)
         self.handler: Optional[Handler] = _HANDLERS.get(func)
+        self.list_writes: Tuple[Tuple[int, str], ...] = tuple(
+            (i, n) for i, n in self.write_args if isinstance(schema.arguments[i].type, torch.ListType))
+
+
+def move_list_versions(spec: OpSpec, args: tuple, kwargs: dict, cls: type) -> None:
+    """Move the version counter of each ``cls`` tensor in the lists op ``spec`` wrote.
+
+    Note [Versions of list writes]: an in-place list op (``torch._foreach_add_``) moves
+    the version counter of each plain tensor it writes, once, as any in-place op does; but
+    not that of a tensor subclass's wrapper (a TensorRef, a ``SimTensor``), whose bytes
+    are written below it. Autograd's check that a tensor saved for backward was not
+    written since reads that counter, and so does a region, to find what its call wrote
+    (Note [Regions] in ``regions/mechanism.py``). The wrappers' counters are moved here
+    after the op, as plain torch moves a plain tensor's.
+    """
+    moved: list = []
+    for i, name in spec.list_writes:
+        arg = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(arg, (list, tuple)):
+            moved.extend(t for t in arg if isinstance(t, cls))
+    if moved:
+        torch.autograd.graph.increment_version(moved)
 
 
 #: ops whose schema says their result aliases the argument, which copy where they must:

@@ -77,14 +77,14 @@ def break_graph_at_wrappers() -> None:
     """
     import torch._dynamo
 
-    from .wrapped import IN_GRAPHS, PATCHED
+    from .wrapped import PATCHED
 
     # What disallow_in_graph raises for a function it would not put in a graph anyway:
     # RuntimeError on torch 2.13, its own IncorrectUsage (an Exception only) on 2.11 and
     # older (looked up here, not at import: the compiler may be loaded after this module).
     not_in_graphs = (RuntimeError, getattr(torch._dynamo.exc, "IncorrectUsage", RuntimeError))
-    for key, (_original, wrapper) in PATCHED.items():
-        if id(wrapper) not in _breaks and key not in IN_GRAPHS:
+    for _original, wrapper in PATCHED.values():
+        if id(wrapper) not in _breaks:
             try:
                 torch._dynamo.disallow_in_graph(wrapper)
             except not_in_graphs:  # a function the compiler never puts in a graph: it runs eagerly

@@ -23,7 +23,6 @@ from ..core import context
 from ..core.tensor_ref import TensorRef, saving, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..ops import raw_kernels
-from ..regions import unversioned
 from . import backward, checkpoint, compiler, creation, distributed, generation, optimizers, wrapped
 from .manage import adopt
 from .plain import disabled, probe_wrapper
@@ -294,7 +293,6 @@ def _targets():
     targets += [(owner, name, generation.generate_wrapper) for owner, name in GENERATION_METHODS]
     targets += [(owner, name, optimizers.step_wrapper) for owner, name in optimizers.STEP_METHODS]
     targets += [(owner, name, backward.guard_wrapper) for owner, name in backward.FUNCTIONS]
-    targets += [("torch", name, unversioned.wrapper) for name in unversioned.FUNCTIONS]
     return targets
 
 

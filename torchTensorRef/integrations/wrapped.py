@@ -9,12 +9,6 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from ..regions import unversioned
-
 #: (module, name) -> (the original, our wrapper)
 PATCHED: Dict[Tuple[str, str], Tuple[object, object]] = {}
 
-#: the wrapped functions the compiler puts in its graphs as the functions they wrap: their
-#: wrappers only record what a region's call wrote (Note [Unversioned writes] in
-#: ``regions/unversioned.py``), and a compiled graph is not a region's call
-IN_GRAPHS = frozenset(("torch", name) for name in unversioned.FUNCTIONS)

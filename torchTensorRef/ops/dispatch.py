@@ -31,7 +31,7 @@ import time
 import torch
 
 from ..core import raw
-from ..core.op_specs import OpSpec, spec_of, specs
+from ..core.op_specs import OpSpec, move_list_versions, spec_of, specs
 from ..core.tensor_ref import TensorRef, compute_view, make_ref, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.op_protocol import tight_result
@@ -62,8 +62,12 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         return workers.run_in_worker(func, args, kwargs)  # Note [Forked workers]
     try:
         if spec.handler is not None:
-            return spec.handler(func, args, kwargs, spec)
-        return run_unhandled(func, args, kwargs, spec)
+            out = spec.handler(func, args, kwargs, spec)
+        else:
+            out = run_unhandled(func, args, kwargs, spec)
+        if spec.list_writes:
+            move_list_versions(spec, args, kwargs, TensorRef)  # (Note [Versions of list writes])
+        return out
     except BaseException as e:
         # (not only Exceptions: a KeyboardInterrupt or SystemExit from a callback or the fault
         # injector, left pending inside backward, aborts the process as any other error would)

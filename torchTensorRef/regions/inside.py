@@ -146,7 +146,7 @@ class Measure(TorchDispatchMode):
         self.dev_bytes = dev_bytes
         self.known = known  # ids of the blocks that are not the call's: its inputs'
         self.read: set = set()  # ids of the blocks the ops were given
-        self.wrote: set = set()  # ids of the blocks the ops wrote in place (Note [Unversioned writes])
+        self.wrote: set = set()  # ids of the blocks the ops wrote in place (Note [Unversioned writes] in mechanism.py)
         self.live: dict = {}  # storage key -> [bytes, tensors alive, bytes counted]
         self.now = self.counted_now = 0
         self.peak = self.counted_peak = 0

@@ -16,8 +16,8 @@ aten op (``memory/op_protocol.py``):
 3. an input whose view the call wrote (its version counter moved, or it is a buffer of a
    module in training mode: batch norm's kernels update the running statistics without
    moving their counters, or an inference tensor, made under ``torch.inference_mode()``,
-   which has no counter, or a tensor an in-place list op wrote: Note [Unversioned writes]
-   in ``unversioned.py``) is marked written; each
+   which has no counter, or a tensor of its module its measured call wrote: Note
+   [Unversioned writes]) is marked written; each
    output, and each new tensor the call stored in an object it was given, becomes a
    TensorRef (a view of an input joins its block, anything else is a new resident block),
    room being made for the new ones first;
@@ -51,6 +51,18 @@ Autograd cannot see through a region (the call runs on plain views, not on the T
 autograd tracks): a call that needs gradients builds its own graph inside, linked to the
 TensorRefs' by one autograd node whose backward is a step of the pager too (Note [Regions
 with gradients] in ``training.py``).
+
+Note [Unversioned writes]: a write through ``tensor.data`` (``self.running.data.mul_(m)``)
+moves the version counter of the alias ``.data`` made, not the tensor's. A module in eval
+mode (in training mode its buffers count as written anyway) that wrote its buffer so lost
+the write under a budget: the block was taken as unchanged, and its eviction dropped the
+device copy. A region's first call with given shapes runs op by op, measured, where each
+aten op's schema says which of its arguments it writes in place: the blocks of the
+module's tensors it wrote there (``Measure.wrote``) count as written at every later call of
+the region (``Region.writes``). A module that starts writing a tensor so only after its
+measured calls is not seen, nor is a kernel writing through a raw pointer. (In-place list
+ops move the counters of what they write: Note [Versions of list writes] in
+``core/op_specs.py``.)
 """
 
 from __future__ import annotations
@@ -69,7 +81,7 @@ from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import blocks_of_list, wrap_one
 from .inside import Inside, Measure, measured
 from .op import MAX_WRAPPERS, Giver, RegionContext, RegionSpec, Wrapper, bytes_of, take_back_attributes
-from . import stores, unversioned
+from . import stores
 from .step import Plan, Step
 from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad,
                    objects_of, scan_call, select_object_slots)
@@ -132,7 +144,7 @@ class Region:
         #: a call changed its module's own state (Note [Stores on modules]): op by op from now on
         self.mutates = False
         #: ids of the blocks of its module's tensors that a measured call wrote in place: its
-        #: calls count them as written (Note [Unversioned writes] in ``unversioned.py``)
+        #: calls count them as written (Note [Unversioned writes])
         self.writes: set = set()
 
     @property
@@ -361,7 +373,6 @@ class Region:
         state.depth += 1
         previous = context.enter_plain(device)
         running, stores.running.call = stores.running.call, call  # (Note [Stores on modules])
-        recording = unversioned.start()
         try:
             for d, k, v in call.slots:
                 d[k] = give(v)
@@ -372,7 +383,6 @@ class Region:
             with plain_mode, hooks, meter if meter is not None else contextlib.nullcontext():
                 return fn(*cargs, **ckwargs)
         finally:
-            call.unversioned = unversioned.stop(recording)
             stores.running.call = running
             context.exit_plain(previous)
             state.depth -= 1
@@ -409,11 +419,11 @@ class Region:
         op by op from then on (Note [Stores on modules])."""
         views = call.views
         given, written, changed = {}, [], None
-        unversioned_ids, writes = call.unversioned, self.writes
+        writes = self.writes
         for ref, view, _plain, version in views.values():
             given[id(view)] = ref
             block = block_of(ref)
-            if version is None or view._version != version or id(view) in unversioned_ids or block.id in writes:
+            if version is None or view._version != version or block.id in writes:
                 written.append(block)
             now = view.data_ if view.__class__ is SimTensor else view
             if now.untyped_storage()._cdata != block.dev_key or now.shape != ref.shape:

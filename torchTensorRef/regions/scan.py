@@ -24,7 +24,7 @@ class Call:
     """One region call's TensorRefs and where they sit."""
 
     __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held", "kernel_written",
-                 "nested", "stores", "restores", "held_objects", "unversioned")
+                 "nested", "stores", "restores", "held_objects")
 
     def __init__(self):
         self.refs = []  # TensorRefs among the arguments, then the slots'
@@ -40,7 +40,6 @@ class Call:
         self.stores = []  # (module, attribute name) the call assigned (Note [Stores on modules])
         self.restores = []  # (dict, key, TensorRef) given back after the call, as ``slots``
         self.held_objects = []  # containers its modules hold (searched for what it stored after)
-        self.unversioned = ()  # ids of the tensors it wrote with no counter moving (Note [Unversioned writes])
 
 
 def is_object(a) -> bool:

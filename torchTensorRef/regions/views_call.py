@@ -6,9 +6,8 @@ the views to the caller's function, which puts them where the call reads them. T
 are made resident and pinned as one op's (``Step``), creation functions make plain tensors,
 and after the call each TensorRef counts as written, its version counter moved as its
 view's moved (as plain torch's tensor's would have: autograd's in-place checks read it).
-Every one counts as written, not only those whose counters moved: a list op writing in
-place (``_foreach_add_``) moves no counter on some devices, and a write missed is a
-device copy lost at the next eviction.
+Every one counts as written, not only those whose counters moved: a write no counter shows
+(through ``.data``, by a raw kernel) would be a device copy lost at the next eviction.
 """
 
 from __future__ import annotations

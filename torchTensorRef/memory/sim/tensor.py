@@ -87,7 +87,7 @@ class SimTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: OpOverload, types: Any, args: tuple = (),  # type: ignore[override]
                            kwargs: Optional[dict] = None) -> Any:
-        from ...core.op_specs import spec_of
+        from ...core.op_specs import move_list_versions, spec_of
 
         kwargs = kwargs or {}
         target = kwargs.get("device")
@@ -102,6 +102,8 @@ class SimTensor(torch.Tensor):
         if on_host:
             return out
         spec = spec_of(func)
+        if spec.list_writes:
+            move_list_versions(spec, args, kwargs, SimTensor)  # (Note [Versions of list writes])
         if spec.write_args:  # resize_, t_, out=, addbmm_ ...: the wrappers follow their bytes' new geometry
             for i, name in spec.write_args:
                 arg = args[i] if i < len(args) else kwargs.get(name)
