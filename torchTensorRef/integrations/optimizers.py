@@ -159,9 +159,10 @@ def _whole(opt: torch.optim.Optimizer, wrapped, args, kwargs):
     # (a tensor among its arguments, as GradScaler gives a fused step its scale: op by op)
     if shape is None or _left.get(opt) != shape or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         out = wrapped(*args, **kwargs)
+        _left[opt] = _shape(opt)  # (a step op by op may have made state)
     else:
+        # (what ``_left`` holds stays: a state name the step added makes the next step op by op)
         out = _on_plain_tensors(opt, wrapped, args, kwargs)
-    _left[opt] = _shape(opt)
     return out
 
 

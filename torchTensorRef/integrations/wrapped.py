@@ -11,4 +11,3 @@ from typing import Dict, Tuple
 
 #: (module, name) -> (the original, our wrapper)
 PATCHED: Dict[Tuple[str, str], Tuple[object, object]] = {}
-

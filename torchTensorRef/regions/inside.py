@@ -6,9 +6,11 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..core.op_specs import spec_of
 from ..core.tensor_ref import TensorRef, block_of
 from ..memory.sim.tensor import SimTensor
 
@@ -157,9 +159,10 @@ class Measure(TorchDispatchMode):
         for a in tree_leaves((args, kwargs)):
             if isinstance(a, TensorRef):
                 self.read.add(block_of(a).id)
-        schema = getattr(func, "_schema", None)  # (an operator of a higher order has none)
-        if schema is not None and schema.is_mutable:
-            self._writes(schema, args, kwargs)
+        if isinstance(func, OpOverload):  # (an operator of a higher order has no schema)
+            writes = spec_of(func).write_args
+            if writes:
+                self._writes(writes, args, kwargs)
         out = func(*args, **(kwargs or {}))
         if isinstance(out, _Tensor):
             self._track(out)
@@ -169,13 +172,10 @@ class Measure(TorchDispatchMode):
                     self._track(o)
         return out
 
-    def _writes(self, schema, args, kwargs) -> None:
-        """The blocks of the TensorRefs an op of ``schema`` writes in place."""
-        for i, arg in enumerate(schema.arguments):
-            info = arg.alias_info
-            if info is None or not info.is_write:
-                continue
-            value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
+    def _writes(self, writes, args, kwargs) -> None:
+        """The blocks of the TensorRefs an op writes in place (``writes``: its ``OpSpec.write_args``)."""
+        for i, name in writes:
+            value = args[i] if i < len(args) else (kwargs or {}).get(name)
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, TensorRef):
                     self.wrote.add(block_of(t).id)

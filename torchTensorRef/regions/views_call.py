@@ -91,12 +91,14 @@ def _written(refs, views, versions) -> None:
     mgr = _mgr
     moved: dict = {}
     with mgr.lock:
+        on_device = []
         for ref in refs:
             block = block_of(ref)
             if block.host_only:
                 mgr.host_written(block)
             else:
-                mgr.mark_written((block,))
+                on_device.append(block)
+        mgr.mark_written(on_device)
     for ref, view, version in zip(refs, views, versions):
         if version is not None and view._version != version:
             moved.setdefault(view._version - version, []).append(ref)
