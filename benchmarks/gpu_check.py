@@ -5,8 +5,9 @@
 Runs four steps, each as a subprocess in its own process group, with its own time limit and
 its output (stdout and stderr together) in ``DIR/<step>.log``:
 
-- ``suite``: the test suite on CUDA in parallel workers
-  (``TORCHTENSORREF_TEST_DEVICE=cuda python -m pytest -n N -q -rfE -p no:cacheprovider``, with
+- ``suite``: the test suite on CUDA in parallel workers, the device checked after every op
+  (``TORCHTENSORREF_TEST_DEVICE=cuda TORCHTENSORREF_CHECK_DEVICE=1``
+  ``python -m pytest -n N -q -rfE -p no:cacheprovider``, with
   ``--timeout`` per test where pytest-timeout is installed), junit XML in ``DIR/suite.xml``;
 - ``cuda``: the GPU-marked tests (``python -m pytest -m cuda -q -rfE``), junit XML in ``DIR/cuda.xml``;
 - ``demo``: ``python -m torchTensorRef demo --device cuda --out DIR/demo`` (the plot is written, never shown);
@@ -189,6 +190,12 @@ def cuda_test_files() -> List[str]:
                 if "mark.cuda" in f.read():
                     found.append(os.path.relpath(path, ROOT))
     return sorted(found)
+
+
+#: what a step's environment adds: the suite asks the device after every op whether it held
+#: more than the budget (``tensorsManager.check_device``; a test where it did fails), unless
+#: the caller's environment says otherwise
+STEP_ENV = {"suite": {"TORCHTENSORREF_CHECK_DEVICE": "1"}}
 
 
 def commands(args, out: str, device: str, info: dict) -> Dict[str, List[str]]:
@@ -481,7 +488,7 @@ def main(argv=None) -> int:
             continue
         step["limit_s"] = round(limit, 1)
         print(f"gpu_check: {name} (limit {limit:.0f} s): {step['command']}", file=sys.stderr, flush=True)
-        step.update(run_step(argv_of[name], env, step["log"], limit, args.grace))
+        step.update(run_step(argv_of[name], STEP_ENV.get(name, {}) | env, step["log"], limit, args.grace))
         if name in ("suite", "cuda"):
             step.update(pytest_findings(step["log"], os.path.join(out, f"{name}.xml")))
         elif name == "demo":

@@ -77,8 +77,9 @@ ROW = {"config": "resident", "budget_fraction": None, "budget": None,
        "train": {"seconds": 0.25, "moved": 0, "peak": 2048}}
 
 
-def _run(args, timeout=120):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+def _run(args, timeout=120, **environ):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, **environ)
+    env = {k: v for k, v in env.items() if v is not None}
     return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -207,3 +208,13 @@ def test_the_suite_runs_in_workers_with_a_limit_per_test_where_the_plugins_are_t
     assert argv["demo"][-5:] == ["demo", "--device", "cuda", "--out", f"{tmp_path}/demo"]
     assert " ".join(argv["throughput"]).endswith(
         f"benchmarks/gpu_throughput.py --device cuda --size small --json {tmp_path}/gpu_throughput.json")
+
+
+@pytest.mark.parametrize("given, seen", [(None, "1"), ("0", "0")])
+def test_the_suite_asks_the_device_after_every_op_unless_the_caller_says_otherwise(tmp_path, given, seen):
+    show = tmp_path / "show.py"
+    show.write_text("import os\nprint('check_device=' + os.environ.get('TORCHTENSORREF_CHECK_DEVICE', '-'))\n")
+    done = _run(["--out", str(tmp_path / "out"), "--allow-cpu", "--skip", "cuda,demo,throughput",
+                 "--command", f"suite={{python}} {show}"], TORCHTENSORREF_CHECK_DEVICE=given)
+    log = (tmp_path / "out" / "suite.log").read_text()
+    assert f"check_device={seen}" in log, done.stdout + done.stderr + log

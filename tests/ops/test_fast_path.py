@@ -10,7 +10,7 @@ from torchTensorRef import tensorsManager
 from torchTensorRef.ops import dispatch
 from torchTensorRef.core.op_specs import spec_of
 from paired import (EMULATED_WORKSPACES, ON_SIM, SIM_ONLY_REASON, assert_identical, budget, needs_fast_path,
-                    plain_torch, values)
+                    plain_torch, sim_only, values)
 
 aten = torch.ops.aten
 
@@ -146,6 +146,37 @@ def test_a_block_that_must_be_fetched_takes_the_generic_path(fresh_manager, coun
     assert fresh_manager.stats()["bytes_to_device"] == x.proxyInfo.nbytes
     y + 1  # now everything is resident
     assert counted == {"fast": 1, "generic": 1}
+
+
+@sim_only
+@needs_fast_path
+def test_check_device_reads_the_device_after_an_op_of_the_fast_path(fresh_manager, counted):
+    """The device's own count is checked at the end of the ops the fast path runs too, so a
+    suite run with ``check_device`` on keeps them on it."""
+    tm = fresh_manager
+    tm.strategy = "flow"
+    checking = tm.check_device  # (on where the suite runs with TORCHTENSORREF_CHECK_DEVICE=1)
+    x = torch.ones(1024)
+    tm.budget = budget(64 * 1024)
+    try:
+        tm.check_device = True
+        assert tm.fast
+        y = x + 1
+        tm.reset_stats()
+        with torchTensorRef.disabled():  # the program's own device tensor, past the budget
+            extra = torch.empty(60 * 1024, dtype=torch.uint8, device="sim")
+        counted.update(fast=0, generic=0)
+        y = x * y
+        assert counted == {"fast": 1, "generic": 0}
+        over = tm.stats()["device_overshoot_bytes"]
+        assert 0 < over <= 60 * 1024
+        with plain_torch():
+            expected = torch.ones(1024) * (torch.ones(1024) + 1)
+        assert_identical(y, expected)
+        del extra
+        tm.reset_stats()  # (the overshoot above was the test's own)
+    finally:
+        tm.check_device = checking
 
 
 @needs_fast_path

@@ -131,8 +131,8 @@ class TensorsManager:
         self.fast_watch = strategy if watching and strategy.follows_fast_ops() else None
         self.fast = (not self.callbacks.handles and self.trace is None and self._fault_injector is None
                      and not self.capturing and (not watching or self.fast_watch is not None)
-                     # (emulated workspaces are made, and the device checked, on the generic path)
-                     and not getattr(self.backend, "workspace", 0) and not self.settings.check_device_value)
+                     # (emulated workspaces are made on the generic path)
+                     and not getattr(self.backend, "workspace", 0))
 
     def hooks_changed(self) -> None:
         """The strategy's ``needs_every_op()`` or ``follows_fast_ops()`` changed its answer."""

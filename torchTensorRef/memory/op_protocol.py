@@ -315,11 +315,11 @@ class OpProtocol:
             except OutOfBudgetError:
                 pass
         if m.settings.check_device_value:
-            self._check_device()
+            self.check_device()
         if m.trace is not None:
             self._record(ctx)
 
-    def _check_device(self) -> None:
+    def check_device(self) -> None:
         """Record how far above the budget the device's own count is now (everything it has
         allocated: the manager's blocks, the buffers copies use, what is outside)."""
         m = self.m

@@ -291,7 +291,6 @@ class Settings:
         value = _flag(value, "check_device")
         with self.m.lock:
             self.check_device_value = value
-            self.m.refresh_fast()
 
     def limit_for(self, budget: Optional[int]) -> Optional[int]:
         """The limit in force for ``budget`` on the current device."""

@@ -158,7 +158,10 @@ def run_fast(func, args, kwargs, spec: OpSpec):
     """Run ``func`` on resident blocks only (Note [Fast path]); ``_NOT_FAST`` if it cannot."""
     mgr = _mgr
     with mgr.lock:
-        return _run_fast_locked(mgr, func, args, kwargs, spec)  # (Note [Plain views die under the lock])
+        out = _run_fast_locked(mgr, func, args, kwargs, spec)  # (Note [Plain views die under the lock])
+        if mgr.settings.check_device_value and out is not _NOT_FAST:
+            mgr.protocol.check_device()  # (as the generic path's ``finish`` does)
+        return out
 
 
 def _run_fast_locked(mgr, func, args, kwargs, spec: OpSpec):
