@@ -8,6 +8,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import tensorsManager as tm
+from torchTensorRef.core.tensor_ref import block_of
 from torchTensorRef.strategies import Flow
 from paired import assert_identical, budget, needs_fast_path, plain_torch, to_plain
 
@@ -210,3 +211,69 @@ def test_a_strategy_refusing_fast_ops_sees_every_op_in_its_hooks(fresh_manager):
     assert flow.generic == tm.stats()["ops"] == 12
     assert flow.fast > 0  # resident ones were offered, and refused
     assert all(torch.equal(to_plain(t), to_plain(torch.full((256,), 8.0))) for t in tensors)
+
+
+def test_victims_replayed_from_the_plan_are_the_ones_ranking_chooses(fresh_manager, monkeypatch):
+    """Note [Victims replayed from the plan]: the same bytes as ranking every time, for a
+    fraction of the rankings; a remembered victim that may not go now is not taken."""
+    from torchTensorRef.strategies import flow_order
+
+    rankings = []
+    rank = flow_order.Order._plan_rank
+
+    def counted(self, n):
+        if self._ranking[0] != n:
+            rankings.append(n)
+        return rank(self, n)
+
+    monkeypatch.setattr(flow_order.Order, "_plan_rank", counted)
+    monkeypatch.setattr(flow_order, "REPLAYS", 1)  # every victim ranked
+    ranked = _run(Flow(), 0.5, steps=12)
+    ranked_count = len(rankings)
+    rankings.clear()
+    monkeypatch.setattr(flow_order, "REPLAYS", 4)
+    replayed = _run(Flow(), 0.5, steps=12)
+    assert replayed[3][-4:] == [True] * 4
+    assert replayed[0] == ranked[0] and replayed[2] == ranked[2]  # the same losses and bytes, step by step
+    assert_identical(ranked[1], replayed[1])
+    assert 0 < len(rankings) < ranked_count / 2
+
+    # A remembered victim pinned since is not taken: the ranking picks another. (Pinned as
+    # ``tensorsManager.pin`` pins, without its fetch: an op the plan does not have would drop
+    # the plan, and the victims remembered with it.)
+    strategy = tm.strategy
+    model = _mlp()
+    params = list(model.parameters())
+    tm.budget = budget(int(sum(p.numel() * 4 for p in params)))  # (the weights: with gradients and momenta, a third)
+    pinned, evicted, refused = [], [], []
+
+    def after_step(i):
+        if i != 5:
+            return
+        assert strategy.plan is not None
+        remembered = {role for chosen in strategy.order._chosen.values() for _t, _c, role in chosen}
+        weight = next(p for p in params if block_of(p).id in remembered and p.dim() == 2)
+        block_of(weight).pins += 1
+        pinned.append(block_of(weight))
+        evict = tm.residency.evict
+        monkeypatch.setattr(tm.residency, "evict", lambda block: (evicted.append(block.id), evict(block)))
+        again = flow_order.Order._again
+
+        def asked_again(self, role, *args):
+            block = again(self, role, *args)
+            if block is None and role == pinned[0].id:
+                refused.append(role)
+            return block
+
+        monkeypatch.setattr(flow_order.Order, "_again", asked_again)
+
+    try:
+        _train(model, 11, _input(), after_step)
+    finally:
+        for block in pinned:
+            block.pins -= 1
+        tm.budget = None
+    assert refused  # (the pinned weight was remembered as a victim, and not taken)
+    assert evicted  # (there was paging, with other victims)
+    assert pinned[0].id not in evicted
+    assert strategy.plan is not None

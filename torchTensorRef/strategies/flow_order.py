@@ -5,7 +5,8 @@ first (clean ones before dirty ones), then the one needed farthest ahead, a dirt
 distance counting half (Note [Dirty blocks cost two copies]); blocks with no prediction
 after those, least recently used first. While learning, the resident blocks are kept in a
 heap, re-ranked after each op that touches them; while following the plan, they are ranked
-only when room has to be made, once per op.
+only when room has to be made, once per op, and a victim chosen at an offset of the plan is
+taken again there one period later (Note [Victims replayed from the plan]).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _TINY_BYTES = 16 * 1024
 #: models) they keep Belady's rank. (Measured: docs/benchmarks/README.md, "Flow's choices,
 #: as measured".)
 _SMALL_SHARE = 256
+#: periods a victim chosen by ranking is taken again at its offset before the blocks are
+#: ranked there anew (Note [Victims replayed from the plan])
+REPLAYS = 4
 
 
 # Note [Dirty blocks cost two copies]: evicting a clean block costs one copy, its fetch when
@@ -46,6 +50,20 @@ _SMALL_SHARE = 256
 # far ahead as the layer's weights: ranked by distance alone, it would be written back and
 # fetched again at every step. (Measured: docs/benchmarks/README.md, "Flow's choices, as
 # measured".)
+
+
+# Note [Victims replayed from the plan]: a program that follows the plan repeats its period
+# with the same blocks resident at the same offsets, so the victims chosen at an offset are
+# those chosen there one period earlier. Ranking the resident blocks costs a next-use lookup
+# each (a region call under a budget ranks some thirty blocks; the lookups were the largest
+# share of its host time), so each victim chosen at offset ``k`` by ranking is remembered by
+# its role (``flow_plan.py``), and at offset ``k`` of the next ``REPLAYS - 1`` periods,
+# asked in the same way, the block in that role is taken again if it may still go (resident,
+# unpinned, not protected, clean where asked, ranked above ``worse_than``). Anything else
+# ranks the blocks as before and remembers the new choice, and so does every ``REPLAYS``-th
+# period: where the program drifted from what was resident then, a remembered choice is
+# corrected within that many periods. A remembered victim is always a block that may be
+# evicted, so a worse guess costs bytes, never a value.
 
 
 def _rank(block, n: int, nxt: Optional[int], limit: int) -> int:
@@ -84,6 +102,8 @@ class Order:
     _stamp: Dict[int, int]  # block id -> stamp of its live entry in the heap
     _counter: int  # the last stamp given
     _ranking: Tuple[int, list]  # (op, [(priority, id, block)], best victim last) while following the plan
+    _chosen: Dict[int, list]  # plan offset -> [(period ranked in, call, role)] (Note [Victims replayed from the plan])
+    _asked: Tuple[int, int]  # (op, victims asked for at it so far) while following the plan
 
     def __init__(self, learning: Learning, manager):
         self.learning = learning
@@ -92,6 +112,8 @@ class Order:
         self._stamp = {}
         self._counter = 0
         self._ranking = (-1, [])
+        self._chosen = {}
+        self._asked = (-1, 0)
 
     def priority(self, block, n: int) -> int:
         """How good a victim ``block`` is at op ``n``: the higher, the sooner it goes."""
@@ -120,6 +142,8 @@ class Order:
     def forget_ranking(self) -> None:
         """A plan was compiled: the next victim is chosen from a ranking by it."""
         self._ranking = (-1, [])
+        self._chosen = {}
+        self._asked = (-1, 0)
 
     def victim(self, protect, n: int, worse_than: Optional[int] = None, clean_only: bool = False):
         """The best victim at op ``n``: resident, unpinned, its id not in ``protect``, clean if
@@ -143,6 +167,51 @@ class Order:
         return ranked
 
     def _plan_victim(self, protect, n: int, worse_than: Optional[int], clean_only: bool):
+        """The victim the plan ranks best, or the one chosen here one period earlier (Note
+        [Victims replayed from the plan])."""
+        plan = self.learning.plan
+        k = plan.offset(n)
+        turn = (n - plan.base) // plan.period
+        i = self._asked[1] + 1 if self._asked[0] == n else 0
+        self._asked = (n, i)
+        call = (clean_only, None if worse_than is None else worse_than - n)
+        chosen = self._chosen.get(k)
+        if chosen is not None and i < len(chosen):
+            ranked_at, was_call, role = chosen[i]
+            if was_call == call and turn - ranked_at < REPLAYS:
+                block = self._again(role, protect, n, worse_than, clean_only)
+                if block is not None:
+                    return block
+        block = self._ranked_victim(protect, n, worse_than, clean_only)
+        if chosen is None:
+            chosen = self._chosen[k] = []
+        del chosen[i:]
+        if block is not None:
+            chosen.append((turn, call, self._role(block, n)))
+        return block
+
+    def _role(self, block, n: int):
+        """``block``'s role at op ``n`` (``flow_plan.py``): its id, or (age, slot) if made
+        within the last period."""
+        birth = self.learning.births.get(block.id)
+        if birth is None or birth[0] < n - self.learning.plan.period:
+            return block.id
+        return (n - birth[0], birth[1])
+
+    def _again(self, role, protect, n: int, worse_than: Optional[int], clean_only: bool):
+        """The block in ``role`` at op ``n`` if it may be evicted as asked, else ``None``."""
+        learning = self.learning
+        bid = role if role.__class__ is int else learning.born_at(n - role[0], role[1])
+        block = self.manager.resident_block(bid) if bid is not None else None
+        if block is None or block.pins or bid in protect or (clean_only and not block.clean):
+            return None
+        if worse_than is not None:
+            nxt = learning.plan.next_use(bid, n, learning.births, DEAD)
+            if _rank(block, n, nxt, self.manager.limit or 0) <= worse_than:
+                return None
+        return block
+
+    def _ranked_victim(self, protect, n: int, worse_than: Optional[int], clean_only: bool):
         ranked = self._plan_rank(n)
         resident = self.manager.resident_block
         for i in range(len(ranked) - 1, -1, -1):
