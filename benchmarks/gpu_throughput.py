@@ -79,11 +79,14 @@ SIZES = {
                  bandwidth_bytes=16 << 20),
 }
 STRATEGIES = ("flow", "genoa")
-#: configurations beside the strategies' names (``--strategies``): Flow whose prefetches may
-#: evict clean blocks needed later than the one they bring in, looking two ops (regions) ahead,
-#: so that the next region's weights are copied while this one computes (off by default:
-#: the price is the room of one region more, in bytes moved; a GPU says what it buys)
-STRATEGY_SPECS = {"flow-evicting": lambda: Flow(prefetch_evicts=True, lookahead=2)}
+#: configurations beside the strategies' names (``--strategies``): Flow whose prefetches
+#: always evict clean blocks needed later than the one they bring in, looking two ops
+#: (regions) ahead, so that the next region's weights are copied while this one computes,
+#: whatever the bytes; and Flow whose prefetches only fill free memory. Flow's default
+#: evicts for the next op where a trial of its plan found it costs at most 10% more bytes
+#: (Note [Evicting for the next op]): a GPU says what each buys
+STRATEGY_SPECS = {"flow-evicting": lambda: Flow(prefetch_evicts=True, lookahead=2),
+                  "flow-free": lambda: Flow(prefetch_evicts=False)}
 #: the manager's counters each managed row reports, per call (generate) or per step (train)
 COUNTERS = ("fetches", "prefetches", "prefetch_hits", "evictions", "writebacks", "host_syncs")
 WORKLOADS = ("generate", "train")
@@ -450,8 +453,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="the same as --size tiny")
     parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
-                        help="the managed configurations: strategy names, or flow-evicting (Flow whose "
-                             "prefetches may evict, two ops ahead); the first one also runs with no budget")
+                        help="the managed configurations: strategy names, flow-evicting (Flow whose "
+                             "prefetches always evict, two ops ahead) or flow-free (Flow whose prefetches "
+                             "never evict); the first one also runs with no budget")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
                         help="greedy generate() calls, AdamW training steps, or both (the default)")
     parser.add_argument("--gpu", metavar="NAME", default=None,

@@ -186,19 +186,20 @@ def test_gpu_throughput_no_predict_measures_without_recording():
 
 
 def test_gpu_throughput_counts_the_moves_of_each_managed_row_and_offers_evicting_prefetches():
-    args = ["--device", "sim", "--tiny", "--fractions", "0.5", "--strategies", "flow", "flow-evicting",
+    args = ["--device", "sim", "--tiny", "--fractions", "0.5", "--strategies", "flow-free", "flow-evicting",
             "--workloads", "generate", "--no-predict"]
     result = gpu_throughput.main(args)
     rows = {(r["config"], r["budget_fraction"]): r for r in result["rows"]}
-    plain, free = rows[("resident", None)]["generate"], rows[("flow", None)]["generate"]
-    flow, evicting = rows[("flow", 0.5)]["generate"], rows[("flow-evicting", 0.5)]["generate"]
+    plain, free = rows[("resident", None)]["generate"], rows[("flow-free", None)]["generate"]
+    flow, evicting = rows[("flow-free", 0.5)]["generate"], rows[("flow-evicting", 0.5)]["generate"]
     for m in (plain, flow, evicting):  # the median of the timed calls
         assert len(m["call_seconds"]) == gpu_throughput.SIZES["tiny"]["timed_calls"]
         assert m["seconds"] == statistics.median(m["call_seconds"])
     assert "counters" not in plain and free["counters"]["fetches"] == 0 == free["counters"]["evictions"]
     assert flow["tokens_equal_resident"] and evicting["tokens_equal_resident"]
     assert flow["moved"] > 0 and flow["counters"]["evictions"] > 0
-    # prefetches that may evict bring in ahead most of what plain Flow fetches when it is needed
+    # prefetches that may evict bring in ahead most of what Flow filling free memory only
+    # fetches when it is needed
     assert evicting["counters"]["prefetches"] > flow["counters"]["prefetches"]
     assert evicting["counters"]["fetches"] < flow["counters"]["fetches"]
     assert evicting["peak_to_budget"] <= 1.0

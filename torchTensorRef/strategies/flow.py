@@ -15,7 +15,9 @@ stops repeating (data-dependent control flow), predictions fall back to recency 
 which is always correct, only slower.
 
 Before each op runs Flow looks a few ops ahead and prefetches their blocks into free
-memory, so copies overlap compute on a GPU.
+memory, so copies overlap compute on a GPU; while it follows a plan, it also evicts for the
+next op's blocks where a trial found that costs few bytes (Note [Evicting for the next op]
+in ``flow_prefetch.py``).
 
 Once the sequence has repeated for a whole period, Flow compiles that period into a plan
 (``flow_plan.py``) and follows it: each op is only checked against the plan, and blocks are
@@ -38,7 +40,7 @@ from .flow_learn import Learning
 from .flow_options import FlowOptions
 from .flow_order import Order
 from .flow_plan import Plan
-from .flow_prefetch import Prefetch
+from .flow_prefetch import Prefetch, Trial
 
 
 class _Option:
@@ -62,11 +64,11 @@ class Flow(Strategy):
         min_period: shortest op sequence accepted as a repeating period.
         max_history: ops of history kept to find the period (longer loops fall back to LRU).
         prefetch_evicts: let a prefetch evict clean blocks needed later than the prefetched
-            one (default: off, on every device). Prefetching into free memory only never
-            adds traffic; evicting for a prefetch can force out a block that would have
-            stayed had the op waited, and that costs bytes, while a GPU's timeline of copies
-            and kernels predicts no time gained for them (docs/benchmarks/README.md, "Flow's
-            choices, as measured"); so the simulated device and CUDA decide alike.
+            one: ``True`` for every prefetch, ``False`` for none (only free memory is
+            filled: this never adds traffic), ``None`` (the default) for the next op's blocks
+            where a trial of each plan both ways found it costs at most 10% more bytes (Note
+            [Evicting for the next op] in ``flow_prefetch.py``). The simulated device and
+            CUDA decide alike.
         plan: compile the period into a plan once it repeated whole, and follow it (the same
             decisions at a fraction of the per-op cost); ``False`` keeps learning every op.
         disk_lookahead: while following the plan, start reading from disk the long-lived
@@ -95,17 +97,17 @@ class Flow(Strategy):
     disk_lookahead = _Option()
 
     def __init__(self, lookahead: int = 6, min_period: int = 1, max_history: int = 50_000,
-                 prefetch_evicts: bool = False, plan: bool = True, disk_lookahead: int = 64):
+                 prefetch_evicts: Optional[bool] = None, plan: bool = True, disk_lookahead: int = 64):
         super().__init__()
-        self.options = FlowOptions(lookahead, min_period, max_history, bool(prefetch_evicts), plan,
-                                   disk_lookahead)
+        evicts = None if prefetch_evicts is None else bool(prefetch_evicts)
+        self.options = FlowOptions(lookahead, min_period, max_history, evicts, plan, disk_lookahead)
         self._reset()
 
     def _reset(self) -> None:
         """Start from nothing learnt, with the manager now attached (or none)."""
         self.learning = Learning(self.options)
         self.order = Order(self.learning, self.manager)
-        self.prefetching = Prefetch(self.options, self.learning, self.order, self.manager)
+        self.prefetching = Prefetch(self.options, self.learning, self.order, self.manager, Trial())
         self._now = -1
 
     @property
@@ -145,8 +147,11 @@ class Flow(Strategy):
         learning = self.learning
         if learning.plan is not None:
             if learning.follows(n, func, op.blocks):
+                if n >= self.prefetching.trial.due:
+                    self.prefetching.period_began(n)
                 return
             learning.leave_plan(n, mgr.block)
+            self.prefetching.plan_left()
             mgr.hooks_changed()  # every op goes through the hooks again
             self.order.rebuild(n)
         if learning.record(n, func, op.blocks):
@@ -180,6 +185,7 @@ class Flow(Strategy):
         """The last ``period`` ops all repeated the period before them: follow them as a plan."""
         self.learning.compile(n)
         self.order.forget_ranking()
+        self.prefetching.plan_compiled()
         self.manager.hooks_changed()  # ops that move nothing may take the fast path again
 
     def before_run(self, op) -> None:
@@ -208,6 +214,8 @@ class Flow(Strategy):
         if learning.plan is None or not learning.follows(n, func, blocks):
             return False  # the generic path runs it: before_op finds the divergence
         mgr, options = self.manager, self.options
+        if n >= self.prefetching.trial.due:
+            self.prefetching.period_began(n)
         if options.lookahead and not mgr.all_resident():
             self.prefetching.planned(n, blocks, reserved)
         if options.disk_lookahead and mgr.disk_blocks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(slots=True)
@@ -16,7 +17,7 @@ class FlowOptions:
     lookahead: int = 6
     min_period: int = 1
     max_history: int = 50_000
-    prefetch_evicts: bool = False
+    prefetch_evicts: Optional[bool] = None
     compiles_plan: bool = True
     disk_lookahead: int = 64
 

@@ -2,39 +2,158 @@
 
 Before each op runs, Flow looks ``lookahead`` ops ahead (by its prediction while learning,
 by the plan's list while following it) and prefetches their blocks into free memory, so
-copies overlap compute on a GPU. While following the plan it also starts reading from disk
-the long-lived blocks the op ``disk_lookahead`` ops ahead uses (Note [Three levels]),
-making host room from free host copies needed later.
+copies overlap compute on a GPU; while following a plan it may also evict for the next op's
+blocks, where that costs few bytes (Note [Evicting for the next op]). While following the
+plan it also starts reading from disk the long-lived blocks the op ``disk_lookahead`` ops
+ahead uses (Note [Three levels]), making host room from free host copies needed later.
+
+Note [Evicting for the next op]: under a budget the device is full of blocks kept for later,
+so a prefetch into free memory seldom finds room, and the next op's blocks are fetched when
+it needs them, on the compute stream, after the kernels queued before it: the copies do not
+overlap compute. Evicting a clean block needed later than the prefetched one makes the room,
+and one op ahead (a decoder layer's region while the one before it runs) is enough to
+overlap. It costs bytes where the blocks kept across steps must make room for the next op's
+working set: on the small models of ``benchmarks/small_ops.py`` at 25% of the weights
+nothing, per op or by regions, and by regions at 50% 1.4x the bytes, a whole layer of four
+no longer kept. So with ``prefetch_evicts=None`` (the default), each plan is tried both
+ways (``Trial``): after a period to settle, ``MEASURED`` periods prefetching into free memory
+only, then, after another, ``MEASURED`` evicting for the next op. The evicting way is kept
+where it moved at most ``EVICTING_BYTES`` times the bytes per period. The choice is
+remembered for the plan's ops and budget: a later plan of the same loop (each
+``generate()`` call compiles its own) needs no new trial, and goes on with one left
+unfinished. Byte counts are what "sim" measures exactly; whether the overlap is worth more
+bytes than that is a question of the GPU's timeline, which the trial does not see.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections import Counter
+from typing import Any, Dict, Optional
 
 from .flow_learn import Learning
 from .flow_options import FlowOptions
 from .flow_order import UNKNOWN, Order
 
+#: the most bytes per period prefetching one op ahead may move, evicting for it, as a ratio
+#: to prefetching into free memory only (Note [Evicting for the next op])
+EVICTING_BYTES = 1.10
+#: the periods measured each way (the bytes of one period may differ from the next: a
+#: decoding loop's key/value cache grows)
+MEASURED = 4
+#: the most choices remembered (plans of distinct loops and budgets)
+REMEMBERED = 64
+_NEVER = 1 << 62
+
+
+class Trial:
+    """Whether prefetches evict for the next op while Flow follows the current plan (Note
+    [Evicting for the next op]).
+
+    Each plan's periods are measured after one to settle: ``MEASURED`` of them prefetching
+    into free memory only, then, after one more to settle, ``MEASURED`` evicting for the next
+    op. A plan of the same loop compiled later (each ``generate()`` call compiles its own)
+    goes on where the last one left off, so loops shorter than a trial are tried too.
+    """
+
+    __slots__ = ("evicts", "due", "start", "skip", "key", "tally", "chosen")
+
+    def __init__(self) -> None:
+        self.evicts = False  # prefetches evict for the next op now
+        self.due = _NEVER  # the op at which the next period begins
+        self.start = 0  # bytes moved when the period now measured began
+        self.skip = 0  # boundaries until a period is measured (the first ones settle)
+        self.key: Optional[tuple] = None  # the plan's ops and budget
+        #: key -> [bytes, periods] measured into free memory, then evicting, while undecided
+        self.tally: Dict[tuple, list] = {}
+        self.chosen: Dict[tuple, bool] = {}  # key -> evicts
+
+    def begin(self, plan, limit: int) -> None:
+        """A plan was compiled: use the choice made for its loop, or go on trying both ways."""
+        # (the ops of the period whatever op it begins at: a later plan of the same loop may
+        # begin elsewhere in it)
+        self.key = key = (limit, plan.period, frozenset(Counter(plan.funcs).items()))
+        known = self.chosen.get(key)
+        if known is not None:
+            self.evicts, self.due = known, _NEVER
+            return
+        tally = self.tally.setdefault(key, [0, 0, 0, 0])
+        self.evicts = tally[1] >= MEASURED
+        self.skip = 2  # (the first boundary begins a period to settle, the second ends it)
+        self.due = plan.base + plan.period
+
+    def end(self) -> None:
+        """The program left the plan (what was measured stays for its loop's next plan)."""
+        self.evicts = False
+        self.due = _NEVER
+
+    def period_began(self, n: int, period: int, moved: int) -> None:
+        """Op ``n`` begins a period of the plan; ``moved``: bytes moved so far."""
+        self.due = n + period
+        if self.skip:
+            self.skip -= 1
+            self.start = moved
+            return
+        tally = self.tally[self.key]
+        at = 2 if self.evicts else 0
+        tally[at] += moved - self.start
+        tally[at + 1] += 1
+        self.start = moved
+        if tally[at + 1] < MEASURED:
+            return
+        if self.evicts:
+            self._choose(tally[2] * tally[1] <= EVICTING_BYTES * tally[0] * tally[3])  # (bytes per period)
+        elif not tally[0]:
+            self._choose(False)  # (nothing moved: nothing to bring in ahead)
+        else:
+            self.evicts = True
+            self.skip = 1  # (a period to settle)
+
+    def _choose(self, evicts: bool) -> None:
+        self.evicts = evicts
+        self.due = _NEVER
+        self.tally.pop(self.key, None)
+        if len(self.chosen) >= REMEMBERED:
+            self.chosen.clear()
+        self.chosen[self.key] = evicts
+
 
 class Prefetch:
     """Flow's prefetches to the device and read-aheads from disk.
 
-    It owns no state of its own: it reads the settings (``lookahead``, ``disk_lookahead``,
-    ``prefetch_evicts``), asks the learning part what comes next and the order part what
-    may make room, and moves blocks through the manager (``prefetch``, ``evict``,
-    ``read_ahead``, ``drop_host_copy``).
+    It reads the settings (``lookahead``, ``disk_lookahead``, ``prefetch_evicts``), asks the
+    learning part what comes next and the order part what may make room, and moves blocks
+    through the manager (``prefetch``, ``evict``, ``read_ahead``, ``drop_host_copy``). Its
+    own state is the trial of evicting for the next op (``trial``).
     """
 
     options: FlowOptions
     learning: Learning
     order: Order
     manager: Any  # the TensorsManager (its strategy interface), or None before attach
+    trial: Trial
 
-    def __init__(self, options: FlowOptions, learning: Learning, order: Order, manager):
+    def __init__(self, options: FlowOptions, learning: Learning, order: Order, manager, trial: Trial):
         self.options = options
         self.learning = learning
         self.order = order
         self.manager = manager
+        self.trial = trial
+
+    # -- evicting for the next op (Note [Evicting for the next op]) ------------------------
+
+    def plan_compiled(self) -> None:
+        plan, options, limit = self.learning.plan, self.options, self.manager.limit
+        if plan is not None and options.prefetch_evicts is None and options.lookahead and limit is not None:
+            self.trial.begin(plan, limit)
+
+    def plan_left(self) -> None:
+        self.trial.end()
+
+    def period_began(self, n: int) -> None:
+        """Op ``n``, following the plan, is at or past the start of the period the trial awaits."""
+        stats = self.manager.stats()
+        plan = self.learning.plan
+        self.trial.period_began(n - plan.offset(n), plan.period, stats["bytes_to_device"] + stats["bytes_to_host"])
 
     # -- to the device ---------------------------------------------------------------------
 
@@ -48,7 +167,7 @@ class Prefetch:
             block = lookup(bid)
             if block is None or block.dev is not None:
                 continue
-            if not self._prefetch_one(block, n, m, limit, ()):
+            if not self._prefetch_one(block, n, m, limit, (), bool(self.options.prefetch_evicts)):
                 return
             self.order.push(block, n)
 
@@ -58,7 +177,11 @@ class Prefetch:
         mgr, plan = self.manager, self.learning.plan
         limit = mgr.limit - reserved  # the op's results still need their room
         lookup, born_at = mgr.block, self.learning.born_at
+        evicts = self.options.prefetch_evicts
+        next_only = evicts is None and self.trial.evicts  # (evicting for the next op only)
         for j, role in plan.ahead[plan.offset(n)]:
+            if next_only and j > 1:
+                return  # (a block brought in for a later op would be the next op's victim)
             if role.__class__ is int:
                 block = lookup(role)
             else:
@@ -67,17 +190,17 @@ class Prefetch:
             if block is None or block.dev is not None:
                 continue
             # (the plan's ranking may predate this op's fetches: its blocks are protected)
-            if not self._prefetch_one(block, n, n + j, limit, blocks):
+            if not self._prefetch_one(block, n, n + j, limit, blocks, bool(evicts) or next_only):
                 return
 
-    def _prefetch_one(self, block, n: int, m: int, limit: int, protect_blocks) -> bool:
-        """Prefetch ``block``, needed at op ``m``, at op ``n`` within ``limit``; ``False`` if it
-        does not fit (nothing further is tried then)."""
+    def _prefetch_one(self, block, n: int, m: int, limit: int, protect_blocks, evicts: bool = False) -> bool:
+        """Prefetch ``block``, needed at op ``m``, at op ``n`` within ``limit`` (evicting for it
+        where ``evicts``); ``False`` if it does not fit (nothing further is tried then)."""
         mgr = self.manager
         # Make room only from clean blocks predicted to be needed after op m: evicting them
         # is free, while a dirty one might still die (be freed) before it is needed.
         while mgr.in_use() + mgr.alloc_bytes(block.nbytes) > limit:  # (as the allocator may give it)
-            if not self.options.prefetch_evicts:
+            if not evicts:
                 return False
             protect = {b.id for b in protect_blocks}
             victim = self.order.victim(protect, n, worse_than=m, clean_only=True)

@@ -1,0 +1,166 @@
+"""Flow's prefetches: evicting for the next op where a trial of the plan finds it costs few
+bytes (Note [Evicting for the next op] in ``strategies/flow_prefetch.py``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from torchTensorRef import regions, tensorsManager as tm
+from torchTensorRef.strategies import Flow, flow_prefetch
+from torchTensorRef.strategies.flow_prefetch import EVICTING_BYTES, MEASURED, Trial
+from paired import assert_identical, budget, plain_torch, to_plain
+
+WIDTH = 64
+LAYERS = 8
+
+
+def _stack(layers=LAYERS):
+    """Residual MLP blocks (seeded) of 129 KiB each, run in a cycle."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[
+        torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH))
+        for _ in range(layers)])
+
+
+def _forward(model, x):
+    for layer in model:
+        x = x + layer(x)
+    return x
+
+
+def _steady(strategy, fraction, as_regions=False, layers=LAYERS, calls=40, measured=10):
+    """``measured`` forwards after ``calls``, under ``strategy`` at ``fraction`` of the weights
+    of ``layers`` layers: (outputs, stats of the measured forwards)."""
+    tm.strategy = strategy
+    model = _stack(layers)
+    x = torch.rand(1, WIDTH, generator=torch.Generator().manual_seed(1), device="cpu").to(tm.torch_device)
+    previous = regions.enabled, regions.under_budget
+    if as_regions:
+        regions.enabled = regions.under_budget = True
+        for layer in model:
+            regions.region(layer)
+    tm.budget = budget(int(fraction * sum(p.numel() * 4 for p in model.parameters())))
+    try:
+        with torch.no_grad():
+            for _ in range(calls):
+                _forward(model, x)
+            tm.reset_stats()
+            out = [to_plain(_forward(model, x)) for _ in range(measured)]
+        return out, tm.stats()
+    finally:
+        tm.budget = None
+        regions.enabled, regions.under_budget = previous
+
+
+def _plain(layers=LAYERS):
+    with plain_torch():
+        model = _stack(layers)
+        x = torch.rand(1, WIDTH, generator=torch.Generator().manual_seed(1), device="cpu").to(tm.torch_device)
+        with torch.no_grad():
+            return to_plain(_forward(model, x))
+
+
+@pytest.mark.parametrize("as_regions", [False, True], ids=["per op", "regions"])
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_flow_evicts_for_the_next_op_where_it_moves_no_more_bytes(fresh_manager, fraction, as_regions):
+    expected = _plain()
+    free_only, free_stats = _steady(Flow(prefetch_evicts=False), fraction, as_regions)
+    flow = Flow()
+    auto, auto_stats = _steady(flow, fraction, as_regions)
+    for out in free_only + auto:
+        assert_identical(out, expected)
+    trial = flow.prefetching.trial
+    assert trial.chosen == {trial.key: True}  # (kept after its trial)
+    assert free_stats["bytes_prefetched_ahead"] < 0.1 * free_stats["bytes_to_device"]  # (the device is full)
+    assert auto_stats["bytes_prefetched_ahead"] >= 0.95 * auto_stats["bytes_to_device"] > 0
+    assert auto_stats["bytes_to_device"] <= EVICTING_BYTES * free_stats["bytes_to_device"]
+
+
+def test_flow_prefetches_into_free_memory_only_where_evicting_costs_more_bytes(fresh_manager, monkeypatch):
+    """Evicting for the next op moves about the bytes here (the trial above): with a limit the
+    evicting way cannot meet, Flow goes back to filling free memory only."""
+    monkeypatch.setattr(flow_prefetch, "EVICTING_BYTES", 0.5)
+    expected = _plain()
+    free_only, free_stats = _steady(Flow(prefetch_evicts=False), 0.5, as_regions=True)
+    flow = Flow()
+    auto, auto_stats = _steady(flow, 0.5, as_regions=True)
+    for out in free_only + auto:
+        assert_identical(out, expected)
+    trial = flow.prefetching.trial
+    assert trial.chosen == {trial.key: False}
+    assert auto_stats["bytes_to_device"] == free_stats["bytes_to_device"]
+    assert auto_stats["bytes_prefetched_ahead"] == free_stats["bytes_prefetched_ahead"]
+
+
+def _plan(funcs, base=0):
+    return SimpleNamespace(period=len(funcs), base=base, funcs=funcs)
+
+
+def _periods(trial, n, moved, each, count):
+    """``count`` periods of ``each`` bytes from op ``n`` (``moved`` so far): (n, moved) after."""
+    for _ in range(count):
+        n, moved = n + 4, moved + each
+        trial.period_began(n, 4, moved)
+    return n, moved
+
+
+def test_the_trial_measures_each_way_and_remembers_its_choice():
+    trial = Trial()
+    plan = _plan(["a", "b", "c", "d"], base=100)
+    trial.begin(plan, limit=1000)
+    assert not trial.evicts and trial.due == 104  # (the first op after the compiled period)
+    trial.period_began(104, 4, 0)
+    n, moved = _periods(trial, 104, 0, 50, 1)  # a period to settle
+    n, moved = _periods(trial, n, moved, 100, MEASURED - 1)  # measured: free memory only
+    assert not trial.evicts and trial.due == n + 4
+    n, moved = _periods(trial, n, moved, 100, 1)
+    assert trial.evicts  # evicting from here on: a period to settle, then measured
+    n, moved = _periods(trial, n, moved, 300, 1)
+    n, moved = _periods(trial, n, moved, int(EVICTING_BYTES * 100), MEASURED)
+    assert trial.evicts and trial.due > 1 << 40  # (at most EVICTING_BYTES times the bytes: kept)
+
+    trial.begin(_plan(["c", "d", "a", "b"], base=900), limit=1000)  # the same loop, begun elsewhere
+    assert trial.evicts and trial.due > 1 << 40
+    trial.begin(plan, limit=2000)  # another budget: tried again
+    assert not trial.evicts and trial.due == 104
+
+
+@pytest.mark.parametrize("free, evicting, evicts", [(100, 111, False), (100, 110, True), (0, 0, False)])
+def test_the_trial_keeps_evicting_only_within_its_bytes(free, evicting, evicts):
+    trial = Trial()
+    trial.begin(_plan(["a", "b", "c", "d"]), limit=1000)
+    trial.period_began(4, 4, 0)
+    n, moved = _periods(trial, 4, 0, 7, 1)
+    n, moved = _periods(trial, n, moved, free, MEASURED)
+    if free:
+        n, moved = _periods(trial, n, moved, 7, 1)
+        n, moved = _periods(trial, n, moved, evicting, MEASURED)
+    assert trial.due > 1 << 40  # (decided)
+    assert trial.evicts is evicts
+
+
+def test_a_later_plan_of_the_loop_goes_on_with_the_trial():
+    """Each ``generate()`` call compiles a plan of its own, for fewer periods than a trial."""
+    trial = Trial()
+    loop = ["a", "b", "c", "d"]
+    trial.begin(_plan(loop), limit=1000)
+    trial.period_began(4, 4, 0)
+    n, moved = _periods(trial, 4, 0, 100, 1 + MEASURED - 1)  # settled, then all but one measured
+    trial.end()  # the program left the plan
+    assert not trial.evicts and trial.due > 1 << 40
+    trial.begin(_plan(loop, base=500), limit=1000)
+    assert not trial.evicts  # (still measuring into free memory)
+    trial.period_began(504, 4, moved)
+    n, moved = _periods(trial, 504, moved, 1000, 1)  # a period to settle: not counted
+    n, moved = _periods(trial, n, moved, 100, 1)
+    assert trial.evicts
+    trial.end()
+    trial.begin(_plan(loop, base=900), limit=1000)
+    assert trial.evicts  # (measuring the evicting way)
+    trial.period_began(904, 4, moved)
+    n, moved = _periods(trial, 904, moved, 1000, 1)
+    n, moved = _periods(trial, n, moved, 200, MEASURED)
+    assert not trial.evicts and trial.due > 1 << 40  # twice the bytes: prefetches fill free memory only
