@@ -277,3 +277,36 @@ def test_victims_replayed_from_the_plan_are_the_ones_ranking_chooses(fresh_manag
     assert evicted  # (there was paging, with other victims)
     assert pinned[0].id not in evicted
     assert strategy.plan is not None
+
+
+def test_a_loop_seen_before_is_followed_as_soon_as_its_period_is_found(fresh_manager):
+    """Note [A loop seen before]: after an op outside the loop (a ``generate()`` call's prompt),
+    the plan is compiled when the period is found again, not a period later."""
+    strategy = Flow()
+    tm.strategy = strategy
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64) * 0.1 for _ in range(4)]
+    x = torch.randn(1, 64)
+    tm.budget = budget(2 * ws[0].proxyInfo.nbytes + 4096)  # (two of the four weights)
+
+    def ops_until_the_plan(limit=200):
+        """Run the loop (a matmul and a tanh per weight) op by op until Flow follows a plan:
+        the ops it took, and the last result."""
+        y = x
+        for i in range(limit):
+            y = y @ ws[i // 2 % 4] if i % 2 == 0 else torch.tanh(y)
+            if strategy.plan is not None and i % 2 == 1:
+                return i + 1, y
+        raise AssertionError("no plan")
+
+    first, _y = ops_until_the_plan()
+    x.add_(0)  # an op outside the loop: the plan is left
+    assert strategy.plan is None
+    again, y = ops_until_the_plan()
+    assert again < first - 4  # (a whole period, 8 ops, less checking)
+    with plain_torch():
+        expected = x.target.to(tm.torch_device)
+        for i in range(again):
+            expected = expected @ ws[i // 2 % 4].target.to(tm.torch_device) if i % 2 == 0 else torch.tanh(expected)
+    assert_identical(to_plain(y), to_plain(expected))
+    tm.budget = None

@@ -10,6 +10,7 @@ import torch
 
 from torchTensorRef import regions, tensorsManager as tm
 from torchTensorRef.strategies import Flow, flow_prefetch
+from torchTensorRef.strategies.flow_plan import loop_key
 from torchTensorRef.strategies.flow_prefetch import EVICTING_BYTES, MEASURED, Trial
 from paired import assert_identical, budget, plain_torch, to_plain
 
@@ -96,7 +97,7 @@ def test_flow_prefetches_into_free_memory_only_where_evicting_costs_more_bytes(f
 
 
 def _plan(funcs, base=0):
-    return SimpleNamespace(period=len(funcs), base=base, funcs=funcs)
+    return SimpleNamespace(period=len(funcs), base=base, funcs=funcs, key=loop_key(funcs))
 
 
 def _periods(trial, n, moved, each, count):

@@ -18,10 +18,20 @@ from bisect import bisect_right
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .flow_options import FlowOptions
-from .flow_plan import Plan
+from .flow_plan import Plan, loop_key
 
 #: the predicted next use of a block not used again within a whole period
 DEAD = 1 << 62
+#: the most loops remembered (Note [A loop seen before])
+LOOPS = 64
+
+# Note [A loop seen before]: a plan is compiled once the period found has repeated for a whole
+# period, which checks that it is the loop and not a stretch that happens to repeat. A program
+# leaves its plan and learns again at every change of its sequence: each ``generate()`` call
+# begins with its prompt's pass, and the decoding loop's period is found again after two
+# tokens, then checked for a third. Where the period found is that of a loop compiled before
+# (the same aten ops, ``flow_plan.loop_key``), the check was made then: the plan is compiled at
+# once. If it is not the loop after all, its first op that differs drops it, as any plan.
 
 
 def _span(t: int) -> int:
@@ -46,6 +56,8 @@ class Learning:
     plan: Optional[Plan]
     #: op index -> aten op (its ``OpSpec``)
     funcs: Dict[int, object]
+    #: ``loop_key`` of the plans compiled (Note [A loop seen before])
+    loops: set
     #: op index -> ids of the blocks it read
     op_blocks: Dict[int, Tuple[int, ...]]
     #: op index -> ids of the blocks it created
@@ -86,6 +98,7 @@ class Learning:
         self._period_since = 0
         self._displaced = None
         self._plan_from = 0
+        self.loops = set()
 
     # -- recording -------------------------------------------------------------------------
 
@@ -364,15 +377,27 @@ class Learning:
 
     def compile_due(self, n: int) -> bool:
         """Whether the last ``period`` ops, up to op ``n``, all repeated the period before them
-        and the history holds two periods: then the plan may be compiled."""
+        and the history holds two periods, or the period was found at op ``n`` and is that of
+        a loop compiled before (Note [A loop seen before]): then the plan may be compiled."""
         period = self.period
-        return (period is not None and n - self._period_since >= period
-                and 2 * period <= self.options.max_history and self.options.compiles_plan)
+        if period is None or 2 * period > self.options.max_history or not self.options.compiles_plan:
+            return False
+        since = n - self._period_since
+        return since >= period or (since == 0 and bool(self.loops) and self._loop_key(n) in self.loops)
+
+    def _loop_key(self, n: int) -> tuple:
+        """``loop_key`` of the period ending at op ``n``, as ``Plan.compile`` would make it."""
+        funcs, recorded = self.funcs, self.op_blocks
+        return loop_key([funcs[m] if m in funcs and m in recorded else None
+                         for m in range(n - self.period + 1, n + 1)])
 
     def compile(self, n: int) -> None:
         """Compile the period ending at op ``n`` into the plan."""
-        self.plan = Plan.compile(self.period, n, self.funcs, self.op_blocks, self._role, self.options.lookahead)
+        self.plan = plan = Plan.compile(self.period, n, self.funcs, self.op_blocks, self._role, self.options.lookahead)
         self._plan_from = n + 1
+        if len(self.loops) >= LOOPS:
+            self.loops.clear()
+        self.loops.add(plan.key)
 
     def follows(self, n: int, func, blocks) -> bool:
         """Whether op ``n`` (aten op ``func`` reading ``blocks``) follows the plan."""

@@ -21,16 +21,23 @@ have while learning, and goes on learning from there (Note [Leaving the plan] in
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import Counter
 from typing import Callable, Dict, List, Optional, Tuple
 
 #: a long-lived block's role is its id; a block made during the period is (age, slot)
 Role = object
 
 
+def loop_key(funcs) -> tuple:
+    """A period's aten ops (``None`` for a hole), as one key whatever op the period begins at:
+    a later plan of the same loop may begin elsewhere in it."""
+    return (len(funcs), frozenset(Counter(funcs).items()))
+
+
 class Plan:
     """One compiled period: ops ``base .. base + period - 1`` as Flow recorded them."""
 
-    __slots__ = ("period", "base", "funcs", "roles", "long_uses", "made_uses", "ahead")
+    __slots__ = ("period", "base", "funcs", "roles", "long_uses", "made_uses", "ahead", "key")
 
     def __init__(self, period: int, base: int):
         self.period = period
@@ -43,6 +50,8 @@ class Plan:
         self.made_uses: Dict[Tuple[int, int], List[int]] = {}
         #: per offset: ((j, role), ...) read by the op j ops later (1 <= j <= lookahead)
         self.ahead: List[Tuple[Tuple[int, Role], ...]] = []
+        #: the loop it follows, whatever op its period begins at (``loop_key``)
+        self.key: tuple = ()
 
     @classmethod
     def compile(cls, period: int, end: int, funcs: Dict[int, object], op_blocks: Dict[int, tuple],
@@ -72,6 +81,7 @@ class Plan:
                     made_uses.setdefault(((k - age) % period, slot), []).append(age)
         for ages in made_uses.values():
             ages.sort()  # a block made late in the period is used early in the next one
+        plan.key = loop_key(plan.funcs)
         for k in range(period):
             own = set(plan.roles[k])
             seen = set()

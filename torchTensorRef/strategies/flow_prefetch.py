@@ -27,7 +27,6 @@ bytes than that is a question of the GPU's timeline, which the trial does not se
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Dict, Optional
 
 from .flow_learn import Learning
@@ -69,9 +68,7 @@ class Trial:
 
     def begin(self, plan, limit: int) -> None:
         """A plan was compiled: use the choice made for its loop, or go on trying both ways."""
-        # (the ops of the period whatever op it begins at: a later plan of the same loop may
-        # begin elsewhere in it)
-        self.key = key = (limit, plan.period, frozenset(Counter(plan.funcs).items()))
+        self.key = key = (limit, plan.key)
         known = self.chosen.get(key)
         if known is not None:
             self.evicts, self.due = known, _NEVER
