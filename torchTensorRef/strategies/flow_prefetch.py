@@ -39,7 +39,7 @@ EVICTING_BYTES = 1.10
 #: the periods measured each way (the bytes of one period may differ from the next: a
 #: decoding loop's key/value cache grows)
 MEASURED = 4
-#: the most choices remembered (plans of distinct loops and budgets)
+#: the most choices, and trials under way, remembered (plans of distinct loops and budgets)
 REMEMBERED = 64
 _NEVER = 1 << 62
 
@@ -62,7 +62,8 @@ class Trial:
         self.start = 0  # bytes moved when the period now measured began
         self.skip = 0  # boundaries until a period is measured (the first ones settle)
         self.key: Optional[tuple] = None  # the plan's ops and budget
-        #: key -> [bytes, periods] measured into free memory, then evicting, while undecided
+        #: key -> [bytes, periods] measured into free memory, then [bytes, periods] measured
+        #: evicting, while undecided
         self.tally: Dict[tuple, list] = {}
         self.chosen: Dict[tuple, bool] = {}  # key -> evicts
 
@@ -73,6 +74,8 @@ class Trial:
         if known is not None:
             self.evicts, self.due = known, _NEVER
             return
+        if key not in self.tally and len(self.tally) >= REMEMBERED:
+            self.tally.clear()
         tally = self.tally.setdefault(key, [0, 0, 0, 0])
         self.evicts = tally[1] >= MEASURED
         self.skip = 2  # (the first boundary begins a period to settle, the second ends it)
