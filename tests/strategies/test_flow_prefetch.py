@@ -32,10 +32,13 @@ def _forward(model, x):
     return x
 
 
-def _steady(strategy, fraction, as_regions=False, layers=LAYERS, calls=40, measured=10):
+def _steady(strategy, fraction, as_regions=False, layers=LAYERS, calls=40, measured=10, attached=None):
     """``measured`` forwards after ``calls``, under ``strategy`` at ``fraction`` of the weights
-    of ``layers`` layers: (outputs, stats of the measured forwards)."""
+    of ``layers`` layers (``attached(strategy)`` once it is the manager's): (outputs, stats of
+    the measured forwards)."""
     tm.strategy = strategy
+    if attached is not None:
+        attached(strategy)
     model = _stack(layers)
     x = torch.rand(1, WIDTH, generator=torch.Generator().manual_seed(1), device="cpu").to(tm.torch_device)
     previous = regions.enabled, regions.under_budget
@@ -165,3 +168,25 @@ def test_a_later_plan_of_the_loop_goes_on_with_the_trial():
     n, moved = _periods(trial, 904, moved, 1000, 1)
     n, moved = _periods(trial, n, moved, 200, MEASURED)
     assert not trial.evicts and trial.due > 1 << 40  # twice the bytes: prefetches fill free memory only
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_while_learning_flow_evicts_for_the_next_op_as_the_last_plan_chose(fresh_manager, fraction):
+    """Between plans (a ``generate()`` call's prompt and first tokens) Flow predicts by the
+    period it knows, and prefetches as the last plan's trial chose. (A Flow that never
+    compiles a plan learns all along: its trial's choice is set here.)"""
+    expected = _plain()
+    free = Flow(plan=False)
+    free_only, free_stats = _steady(free, fraction)
+    learning = Flow(plan=False)
+
+    def chose_to_evict(flow):
+        flow.prefetching.trial.last = True  # (as if a plan's trial had chosen to evict)
+
+    evicting, evicting_stats = _steady(learning, fraction, attached=chose_to_evict)
+    for out in free_only + evicting:
+        assert_identical(out, expected)
+    assert free.period is not None and learning.period is not None and learning.plan is None
+    assert free_stats["bytes_prefetched_ahead"] < 0.1 * free_stats["bytes_to_device"]
+    assert evicting_stats["bytes_prefetched_ahead"] >= 0.95 * evicting_stats["bytes_to_device"] > 0
+    assert evicting_stats["bytes_to_device"] <= EVICTING_BYTES * free_stats["bytes_to_device"]

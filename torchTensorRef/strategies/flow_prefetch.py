@@ -21,8 +21,10 @@ only, then, after another, ``MEASURED`` evicting for the next op. The evicting w
 where it moved at most ``EVICTING_BYTES`` times the bytes per period. The choice is
 remembered for the plan's ops and budget: a later plan of the same loop (each
 ``generate()`` call compiles its own) needs no new trial, and goes on with one left
-unfinished. Byte counts are what "sim" measures exactly; whether the overlap is worth more
-bytes than that is a question of the GPU's timeline, which the trial does not see.
+unfinished. Between plans, while Flow learns by a period it knows (a ``generate()`` call's
+prompt and first tokens), prefetches evict for the next op as the last plan's trial chose.
+Byte counts are what "sim" measures exactly; whether the overlap is worth more bytes than
+that is a question of the GPU's timeline, which the trial does not see.
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ class Trial:
     goes on where the last one left off, so loops shorter than a trial are tried too.
     """
 
-    __slots__ = ("evicts", "due", "start", "skip", "key", "tally", "chosen")
+    __slots__ = ("evicts", "last", "due", "start", "skip", "key", "tally", "chosen")
 
     def __init__(self) -> None:
         self.evicts = False  # prefetches evict for the next op now
+        self.last = False  # the choice of the last plan that had one (for learning after it)
         self.due = _NEVER  # the op at which the next period begins
         self.start = 0  # bytes moved when the period now measured began
         self.skip = 0  # boundaries until a period is measured (the first ones settle)
@@ -72,7 +75,8 @@ class Trial:
         self.key = key = (limit, plan.key)
         known = self.chosen.get(key)
         if known is not None:
-            self.evicts, self.due = known, _NEVER
+            self.evicts = self.last = known
+            self.due = _NEVER
             return
         if key not in self.tally and len(self.tally) >= REMEMBERED:
             self.tally.clear()
@@ -109,7 +113,7 @@ class Trial:
             self.skip = 1  # (a period to settle)
 
     def _choose(self, evicts: bool) -> None:
-        self.evicts = evicts
+        self.evicts = self.last = evicts
         self.due = _NEVER
         self.tally.pop(self.key, None)
         if len(self.chosen) >= REMEMBERED:
@@ -163,11 +167,15 @@ class Prefetch:
         mgr = self.manager
         limit = mgr.limit - reserved  # the op's results still need their room
         lookup = mgr.block
+        evicts = self.options.prefetch_evicts
+        next_only = evicts is None and self.trial.last  # (as the last plan chose)
         for m, bid in self.learning.upcoming(n):
+            if next_only and m > n + 1:
+                return
             block = lookup(bid)
             if block is None or block.dev is not None:
                 continue
-            if not self._prefetch_one(block, n, m, limit, (), bool(self.options.prefetch_evicts)):
+            if not self._prefetch_one(block, n, m, limit, (), bool(evicts) or next_only):
                 return
             self.order.push(block, n)
 
