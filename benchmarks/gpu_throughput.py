@@ -83,8 +83,8 @@ STRATEGIES = ("flow", "genoa")
 #: always evict clean blocks needed later than the one they bring in, looking two ops
 #: (regions) ahead, so that the next region's weights are copied while this one computes,
 #: whatever the bytes; and Flow whose prefetches only fill free memory. Flow's default
-#: evicts for the next op where a trial of its plan found it costs at most 10% more bytes
-#: (Note [Evicting for the next op]): a GPU says what each buys
+#: evicts for the next op where a trial of its plan found it faster (on CUDA; on "sim",
+#: costing at most 10% more bytes: Note [Evicting for the next op])
 STRATEGY_SPECS = {"flow-evicting": lambda: Flow(prefetch_evicts=True, lookahead=2),
                   "flow-free": lambda: Flow(prefetch_evicts=False)}
 #: the manager's counters each managed row reports, per call (generate) or per step (train)

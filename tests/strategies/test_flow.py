@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ import torchTensorRef
 from torchTensorRef import DeviceOutOfMemoryError, OutOfBudgetError, tensorsManager as tm
 from torchTensorRef.analysis.offline import reference_moves
 from torchTensorRef.core.tensor_ref import block_of
-from torchTensorRef.strategies import Flow, Strategy
+from torchTensorRef.strategies import Flow, Strategy, flow_prefetch
+from torchTensorRef.strategies.flow_plan import loop_key
 from paired import assert_identical, budget, plain_torch, to_plain
 
 KIB = 1024
@@ -309,18 +312,31 @@ def test_flow_rejects_bad_settings():
         Flow(lookahead=-1)
 
 
-def test_a_prefetch_evicts_only_when_asked_on_every_device(fresh_manager, monkeypatch):
-    """The simulated device and CUDA make the same decisions: by default a prefetch only
-    fills free memory, whatever the device."""
-    flow = Flow()
-    fresh_manager.strategy = flow
-    monkeypatch.setattr(type(fresh_manager), "device_kind", property(lambda self: "cuda"))
-    flow.device_changed()
-    assert not flow.prefetch_evicts
+def test_a_prefetch_evicts_as_asked_or_as_a_trial_decides_by_the_device(fresh_manager, monkeypatch):
+    """By default each plan's trial decides (Note [Evicting for the next op]): by the time its
+    periods take on CUDA, where copies overlap kernels, and by their bytes on "sim"; asked
+    for, a prefetch always or never evicts, whatever the device."""
+    calls = []
+    begin = flow_prefetch.Trial.begin
+    monkeypatch.setattr(flow_prefetch.Trial, "begin",
+                        lambda self, plan, limit, timed=False: (calls.append(timed), begin(self, plan, limit, timed)))
+    fresh_manager.budget = budget(64 * KIB)
+    for kind in ("sim", "cuda"):
+        flow = Flow()
+        fresh_manager.strategy = flow
+        with monkeypatch.context() as m:
+            m.setattr(type(fresh_manager), "device_kind", property(lambda self: kind))
+            flow.device_changed()
+            assert flow.prefetch_evicts is None
+            flow.learning.plan = SimpleNamespace(period=2, base=0, funcs=["a", "b"], key=loop_key(["a", "b"]))
+            flow.prefetching.plan_compiled()
+        flow.learning.plan = None
+    fresh_manager.budget = None
+    assert calls == [False, True]
     evicting = Flow(prefetch_evicts=True)
     fresh_manager.strategy = evicting
-    evicting.device_changed()
-    assert evicting.prefetch_evicts
+    assert evicting.prefetch_evicts is True
+    assert Flow(prefetch_evicts=False).prefetch_evicts is False
 
 
 def test_a_tiny_block_predicted_dead_is_evicted_after_the_weights(fresh_manager):

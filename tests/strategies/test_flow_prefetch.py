@@ -146,6 +146,25 @@ def test_the_trial_keeps_evicting_only_within_its_bytes(free, evicting, evicts):
     assert trial.evicts is evicts
 
 
+@pytest.mark.parametrize("free_seconds, evicting_seconds, evicts", [(1.0, 0.9, True), (1.0, 1.0, False)])
+def test_on_a_gpu_the_trial_keeps_the_faster_way_whatever_its_bytes(free_seconds, evicting_seconds, evicts):
+    """Timed (CUDA), the evicting way is kept where its periods took less time, even for twice
+    the bytes: the copies overlap the kernels there."""
+    trial = Trial()
+    trial.begin(_plan(["a", "b", "c", "d"]), limit=1000, timed=True)
+    n, moved, now = 4, 0, 0.0
+    # (bytes, seconds) of each period ending at a boundary: none yet, the settling period, the
+    # measured periods into free memory, settling, the measured periods evicting
+    periods = ([(0, 0.0), (7, 0.5)] + [(100, free_seconds)] * MEASURED + [(7, 0.5)]
+               + [(200, evicting_seconds)] * MEASURED)
+    for nbytes, seconds in periods:
+        moved, now = moved + nbytes, now + seconds
+        trial.period_began(n, 4, moved, now)
+        n = trial.due
+    assert trial.due > 1 << 40  # (decided)
+    assert trial.evicts is evicts
+
+
 def test_a_later_plan_of_the_loop_goes_on_with_the_trial():
     """Each ``generate()`` call compiles a plan of its own, for fewer periods than a trial."""
     trial = Trial()

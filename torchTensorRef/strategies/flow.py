@@ -66,9 +66,9 @@ class Flow(Strategy):
         prefetch_evicts: let a prefetch evict clean blocks needed later than the prefetched
             one: ``True`` for every prefetch, ``False`` for none (only free memory is
             filled: this never adds traffic), ``None`` (the default) for the next op's blocks
-            where a trial of each plan both ways found it costs at most 10% more bytes (Note
-            [Evicting for the next op] in ``flow_prefetch.py``). The simulated device and
-            CUDA decide alike.
+            where a trial of each plan both ways found it faster on CUDA, or costing at most
+            10% more bytes on the simulated device (Note [Evicting for the next op] in
+            ``flow_prefetch.py``).
         plan: compile the period into a plan once it repeated whole, and follow it (the same
             decisions at a fraction of the per-op cost); ``False`` keeps learning every op.
         disk_lookahead: while following the plan, start reading from disk the long-lived

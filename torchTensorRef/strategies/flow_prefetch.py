@@ -17,18 +17,20 @@ working set: on the small models of ``benchmarks/small_ops.py`` at 25% of the we
 nothing, per op or by regions, and by regions at 50% 1.4x the bytes, a whole layer of four
 no longer kept. So with ``prefetch_evicts=None`` (the default), each plan is tried both
 ways (``Trial``): after a period to settle, ``MEASURED`` periods prefetching into free memory
-only, then, after another, ``MEASURED`` evicting for the next op. The evicting way is kept
-where it moved at most ``EVICTING_BYTES`` times the bytes per period. The choice is
-remembered for the plan's ops and budget: a later plan of the same loop (each
-``generate()`` call compiles its own) needs no new trial, and goes on with one left
-unfinished. Between plans, while Flow learns by a period it knows (a ``generate()`` call's
-prompt and first tokens), prefetches evict for the next op as the last plan's trial chose.
-Byte counts are what "sim" measures exactly; whether the overlap is worth more bytes than
-that is a question of the GPU's timeline, which the trial does not see.
+only, then, after another, ``MEASURED`` evicting for the next op. On CUDA, where a copy on
+the side stream overlaps the kernels, the evicting way is kept where its periods took less
+time: the overlap may be worth more bytes. On "sim", whose copies overlap nothing and whose
+clock says nothing of a GPU's, it is kept where it moved at most ``EVICTING_BYTES`` times the
+bytes per period. The choice is remembered for the plan's ops and budget: a later plan of
+the same loop (each ``generate()`` call compiles its own) needs no new trial, and goes on
+with one left unfinished. Between plans, while Flow learns by a period it knows (a
+``generate()`` call's prompt and first tokens), prefetches evict for the next op as the last
+plan's trial chose.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, Optional
 
 from .flow_learn import Learning
@@ -56,23 +58,27 @@ class Trial:
     goes on where the last one left off, so loops shorter than a trial are tried too.
     """
 
-    __slots__ = ("evicts", "last", "due", "start", "skip", "key", "tally", "chosen")
+    __slots__ = ("evicts", "last", "due", "start", "started", "skip", "key", "timed", "tally", "chosen")
 
     def __init__(self) -> None:
         self.evicts = False  # prefetches evict for the next op now
         self.last = False  # the choice of the last plan that had one (for learning after it)
         self.due = _NEVER  # the op at which the next period begins
         self.start = 0  # bytes moved when the period now measured began
+        self.started = 0.0  # and the time then, in seconds
+        self.timed = False  # decided by time (a GPU), else by bytes
         self.skip = 0  # boundaries until a period is measured (the first ones settle)
         self.key: Optional[tuple] = None  # the plan's ops and budget
-        #: key -> [bytes, periods] measured into free memory, then [bytes, periods] measured
+        #: key -> [bytes, periods, seconds] measured into free memory, then the same measured
         #: evicting, while undecided
         self.tally: Dict[tuple, list] = {}
         self.chosen: Dict[tuple, bool] = {}  # key -> evicts
 
-    def begin(self, plan, limit: int) -> None:
-        """A plan was compiled: use the choice made for its loop, or go on trying both ways."""
+    def begin(self, plan, limit: int, timed: bool = False) -> None:
+        """A plan was compiled: use the choice made for its loop, or go on trying both ways
+        (``timed``: deciding by the time its periods take, else by their bytes)."""
         self.key = key = (limit, plan.key)
+        self.timed = timed
         known = self.chosen.get(key)
         if known is not None:
             self.evicts = self.last = known
@@ -80,7 +86,7 @@ class Trial:
             return
         if key not in self.tally and len(self.tally) >= REMEMBERED:
             self.tally.clear()
-        tally = self.tally.setdefault(key, [0, 0, 0, 0])
+        tally = self.tally.setdefault(key, [0, 0, 0.0, 0, 0, 0.0])
         self.evicts = tally[1] >= MEASURED
         self.skip = 2  # (the first boundary begins a period to settle, the second ends it)
         self.due = plan.base + plan.period
@@ -90,22 +96,28 @@ class Trial:
         self.evicts = False
         self.due = _NEVER
 
-    def period_began(self, n: int, period: int, moved: int) -> None:
-        """Op ``n`` begins a period of the plan; ``moved``: bytes moved so far."""
+    def period_began(self, n: int, period: int, moved: int, now: float = 0.0) -> None:
+        """Op ``n`` begins a period of the plan; ``moved``: bytes moved so far; ``now``: the
+        time, in seconds."""
         self.due = n + period
         if self.skip:
             self.skip -= 1
-            self.start = moved
+            self.start, self.started = moved, now
             return
         tally = self.tally[self.key]
-        at = 2 if self.evicts else 0
+        at = 3 if self.evicts else 0
         tally[at] += moved - self.start
         tally[at + 1] += 1
-        self.start = moved
+        tally[at + 2] += now - self.started
+        self.start, self.started = moved, now
         if tally[at + 1] < MEASURED:
             return
         if self.evicts:
-            self._choose(tally[2] * tally[1] <= EVICTING_BYTES * tally[0] * tally[3])  # (bytes per period)
+            free, evicting = tally[0:3], tally[3:6]
+            if self.timed:  # (seconds per period)
+                self._choose(evicting[2] * free[1] < free[2] * evicting[1])
+            else:  # (bytes per period)
+                self._choose(evicting[0] * free[1] <= EVICTING_BYTES * free[0] * evicting[1])
         elif not tally[0]:
             self._choose(False)  # (nothing moved: nothing to bring in ahead)
         else:
@@ -148,7 +160,7 @@ class Prefetch:
     def plan_compiled(self) -> None:
         plan, options, limit = self.learning.plan, self.options, self.manager.limit
         if plan is not None and options.prefetch_evicts is None and options.lookahead and limit is not None:
-            self.trial.begin(plan, limit)
+            self.trial.begin(plan, limit, timed=self.manager.device_kind == "cuda")
 
     def plan_left(self) -> None:
         self.trial.end()
@@ -157,7 +169,8 @@ class Prefetch:
         """Op ``n``, following the plan, is at or past the start of the period the trial awaits."""
         stats = self.manager.stats()
         plan = self.learning.plan
-        self.trial.period_began(n - plan.offset(n), plan.period, stats["bytes_to_device"] + stats["bytes_to_host"])
+        self.trial.period_began(n - plan.offset(n), plan.period, stats["bytes_to_device"] + stats["bytes_to_host"],
+                                time.perf_counter())
 
     # -- to the device ---------------------------------------------------------------------
 
