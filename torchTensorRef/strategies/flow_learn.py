@@ -223,7 +223,8 @@ class Learning:
         if self.period == period and n - at < _span(period):
             self._period_since = since
 
-    def _role(self, block_id: int, m: int, period: int):
+    def role(self, block_id: int, m: int, period: int):
+        """Block ``block_id``'s role at op ``m`` (``flow_plan.py``): its id, or (age, slot)."""
         # Note [State carried over a period]: a block made exactly one period before the op
         # that reads it is a role, not a long-lived block: what one step hands the next (a
         # key/value cache a layer extends, generate()'s ids and mask) is made by op k and read
@@ -243,7 +244,7 @@ class Learning:
         a, b = self.op_blocks.get(n), self.op_blocks.get(m)
         if a is None or b is None or len(a) != len(b):
             return False
-        role = self._role
+        role = self.role
         return all(x == y or role(x, n, t) == role(y, m, t) for x, y in zip(a, b))
 
     def _mismatch_in_window(self, n: int, t: int) -> Optional[int]:
@@ -393,7 +394,7 @@ class Learning:
 
     def compile(self, n: int) -> None:
         """Compile the period ending at op ``n`` into the plan."""
-        self.plan = plan = Plan.compile(self.period, n, self.funcs, self.op_blocks, self._role, self.options.lookahead)
+        self.plan = plan = Plan.compile(self.period, n, self.funcs, self.op_blocks, self.role, self.options.lookahead)
         self._plan_from = n + 1
         if len(self.loops) >= LOOPS:
             self.loops.clear()

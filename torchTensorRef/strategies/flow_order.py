@@ -187,16 +187,8 @@ class Order:
             chosen = self._chosen[k] = []
         del chosen[i:]
         if block is not None:
-            chosen.append((turn, call, self._role(block, n)))
+            chosen.append((turn, call, self.learning.role(block.id, n, plan.period)))
         return block
-
-    def _role(self, block, n: int):
-        """``block``'s role at op ``n`` (``flow_plan.py``): its id, or (age, slot) if made
-        within the last period."""
-        birth = self.learning.births.get(block.id)
-        if birth is None or birth[0] < n - self.learning.plan.period:
-            return block.id
-        return (n - birth[0], birth[1])
 
     def _again(self, role, protect, n: int, worse_than: Optional[int], clean_only: bool):
         """The block in ``role`` at op ``n`` if it may be evicted as asked, else ``None``."""
