@@ -155,13 +155,18 @@ def test_generate_under_a_budget_pages_its_model_calls():
     tm.strategy = "flow"
     tm.budget = budget(sum(t.numel() * t.element_size() for t in model.state_dict().values()) // 2)
     tm.reset_stats()  # (the model was made resident before the budget)
+    loops = []
     for (prompt, tokens), plain_tokens in zip(REQUESTS, expected):
         with OpNames() as ops:
             assert_identical(plain_tokens, generate(model, request(ids, prompt), tokens))
         # (at half the weights, a layer's attention and MLP are the regions)
-        assert ops.count(GENERATE) == 0 and ops.count("region LlamaMLP") > 0, \
-            sorted(set(n for n in ops.names if " " in n))
-    assert tm.stats()["peak_device_bytes"] <= tm.budget
+        assert ops.count("region LlamaMLP") > 0, sorted(set(n for n in ops.names if " " in n))
+        loops.append(ops.count(GENERATE))
+    # the first call runs op by op, measuring what generate()'s own loop makes; the others
+    # run that loop on plain tensors, one op of the manager (Note [Loops on plain tensors])
+    assert loops == [0, 1, 1]
+    stats = tm.stats()
+    assert stats["peak_device_bytes"] <= tm.budget and stats["max_memory_allocated"] <= tm.budget
 
 
 def test_regions_off_or_torch_disabled_leave_generate_as_it_is():

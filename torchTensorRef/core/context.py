@@ -72,3 +72,15 @@ def enter_plain(device: Optional[torch.device]) -> Optional[torch.device]:
 def exit_plain(previous: Optional[torch.device]) -> None:
     _local.depth -= 1
     _local.device = previous
+
+
+def suspend_plain() -> tuple:
+    """Leave this thread's ``disabled()`` scopes for a while; returns what
+    :func:`resume_plain` restores."""
+    saved = getattr(_local, "depth", 0), getattr(_local, "device", None)
+    _local.depth, _local.device = 0, None
+    return saved
+
+
+def resume_plain(saved: tuple) -> None:
+    _local.depth, _local.device = saved

@@ -10,13 +10,14 @@ region of its model (``regions.run_method``): the model's parameters and the cal
 are made resident once, the whole loop runs on plain tensors, and the result (the ids, or
 the output object with its tensors) comes back as TensorRefs.
 
-It stays on the old path, its model calls regions one by one, where that cannot be
-transparent:
+Under a budget (the whole model does not fit at once, or need not), the loop runs on plain
+tensors all the same, and its model's calls are regions that page (Note [Loops on plain
+tensors] in ``regions/scope.py``).
 
-- under a budget (the whole model does not fit at once, or need not);
-- where an argument is code or an object the loop would hand plain tensors to (a streamer,
-  logits processors, stopping criteria, an assistant model, a cache given in): those must
-  see TensorRefs, as module hooks must (a hooked model is no region either).
+It stays on the old path, its model calls regions one by one, where an argument is code or
+an object the loop would hand plain tensors to (a streamer, logits processors, stopping
+criteria, an assistant model, a cache given in): those must see TensorRefs, as module hooks
+must (a hooked model is no region either).
 """
 
 from __future__ import annotations

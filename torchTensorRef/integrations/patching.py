@@ -23,6 +23,7 @@ from ..core import context
 from ..core.tensor_ref import TensorRef, saving, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..ops import raw_kernels
+from ..regions.mechanism import state as loops
 from . import backward, checkpoint, compiler, creation, distributed, generation, optimizers, wrapped
 from .manage import adopt
 from .plain import disabled, probe_wrapper
@@ -132,7 +133,10 @@ def _creation_wrapper(wrapped, instance, args, kwargs):
                 and creation.device_context() is None):
             kwargs = dict(kwargs, device=device)
         return wrapped(*args, **kwargs)
-    return creation.create(wrapped, args, kwargs)
+    out = creation.create(wrapped, args, kwargs)
+    if loops.glue is not None and not loops.depth:
+        loops.glue.track(out)  # (made under the manager's lock: Note [Loops on plain tensors])
+    return out
 
 
 def _sharing_wrapper(wrapped, instance, args, kwargs):

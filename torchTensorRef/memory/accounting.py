@@ -65,10 +65,12 @@ class Accounting:
         promised: bytes of the room last made that no allocation has taken yet.
         device_overshoot: the most the device itself held above the budget at an op's end,
             where asked (``tensorsManager.check_device``).
+        reserved: room kept, within ``elsewhere_bytes``, for plain tensors code outside the
+            manager's ops will make (Note [Loops on plain tensors] in ``regions/scope.py``).
     """
 
     __slots__ = ("resident", "pending", "pending_bytes", "elsewhere", "elsewhere_bytes", "limit", "peak",
-                 "overshoot", "warmed", "checks", "slack", "promised", "device_overshoot")
+                 "overshoot", "warmed", "checks", "slack", "promised", "device_overshoot", "reserved")
 
     def __init__(self) -> None:
         self.resident: int = 0
@@ -84,6 +86,12 @@ class Accounting:
         self.slack: int = 0
         self.promised: int = 0
         self.device_overshoot: int = 0
+        self.reserved: int = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """Keep ``nbytes`` more of room (less, where negative) for plain tensors to come."""
+        self.reserved += nbytes
+        self.elsewhere_bytes += nbytes
 
     def in_use(self) -> int:
         """Bytes counted against the budget now (the last reading of what is elsewhere)."""

@@ -26,7 +26,9 @@ aten = torch.ops.aten
 
 def _host_values(ref) -> torch.Tensor:
     if not isinstance(ref, TensorRef):
-        return ref.detach().clone()
+        # (a plain device tensor too: a loop on plain tensors gives its ids as they are,
+        # Note [Loops on plain tensors] in ``regions/scope.py``)
+        return ref.detach().to("cpu", copy=True)
     with mgr.lock:
         mgr.sync_host(block_of(ref))
         return host_view(ref).detach().clone()

@@ -52,6 +52,7 @@ from ..ops.split_handlers import reads_rows_alone
 from . import stores
 from .mechanism import NotARegion, Region, in_region, state
 from .scan import held_values, parameter_slots
+from .scope import Scope
 from .threads import callers
 
 #: regions on or off, for the whole process
@@ -210,7 +211,7 @@ def _module_call(self, *args, **kwargs):
     """``nn.Module.__call__``: the call as a region where it is one (Note [Module regions])."""
     # (compiling first: dynamo inlines this function into graphs and must see no more of it)
     if torch.compiler.is_compiling() or not enabled or state.depth or _wrapped.depth \
-            or self._compiled_call_impl is not None or context.is_disabled() \
+            or self._compiled_call_impl is not None or (context.is_disabled() and not state.scope) \
             or (_mgr.trace is not None and not _mgr.trace.regions) or self.__class__.__name__ in _WRAPPERS:
         return _original_call(self, *args, **kwargs)
     if self.__class__.__name__ in _OP_BY_OP_WRAPPERS:
@@ -266,8 +267,11 @@ def _as_region(module, info: _ModuleInfo, region: Region, fn, args, kwargs, **op
     else as it is."""
     if callers.claim():
         try:
-            return region.run(fn, args, kwargs, info.slots, kernel_written=info.kernel_written(module), held=info.held,
-                              **options)
+            out = region.run(fn, args, kwargs, info.slots, kernel_written=info.kernel_written(module), held=info.held,
+                             **options)
+            if state.glue is not None:
+                state.glue.track(out)  # (what a loop on plain tensors holds: Note [Loops on plain tensors])
+            return out
         except NotARegion:
             pass
         finally:
@@ -279,19 +283,24 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
     """``fn(*args, **kwargs)``, the method ``name`` of ``module`` that computes on the module's
     tensors and its arguments alone (transformers' ``generate``: Note [Generation as one
     region] in ``integrations/generation.py``), as one region where it can be one, else as
-    it is. Only with nothing to page (no budget, or pass-through): under a budget the
-    whole model does not fit, and its calls inside are regions of their own. No room is
-    kept for what the method allocates inside: with no budget only the device's capacity
-    bounds it, as it bounds plain torch (and the manager's peak does not count it)."""
-    if torch.compiler.is_compiling() or not enabled or state.depth or _wrapped.depth or context.is_disabled() \
-            or _mgr.trace is not None or _override.get(module) is False \
-            or (_mgr.settings.budget_value is not None and not _mgr.backend.passthrough):
+    it is. With nothing to page (no budget, or pass-through) it is one region; no room is
+    kept for what the method allocates inside: only the device's capacity bounds it, as it
+    bounds plain torch (and the manager's peak does not count it). Under a budget the whole
+    model does not fit: the method runs as a loop on plain tensors whose module calls are
+    regions of their own (Note [Loops on plain tensors] in ``scope.py``)."""
+    if torch.compiler.is_compiling() or not enabled or state.depth or state.scope or state.glue is not None \
+            or _wrapped.depth or context.is_disabled() or _mgr.trace is not None or _override.get(module) is False:
         return fn(*args, **kwargs)
     callers.enter()  # (Note [Regions and threads])
     try:
         info = _module_info(module)
         if info.compiled or info.hooked(module) or module._compiled_call_impl is not None:
             return fn(*args, **kwargs)
+        if _mgr.settings.budget_value is not None and not _mgr.backend.passthrough:
+            scope = info.methods.get((name, "scope"))
+            if scope is None:
+                scope = info.methods[(name, "scope")] = Scope(f"{name} {type(module).__name__}")
+            return scope.run(fn, args, kwargs)
         region = info.methods.get(name)
         if region is None:
             region = info.methods[name] = Region(f"{name} {type(module).__name__}")

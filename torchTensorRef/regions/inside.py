@@ -1,5 +1,20 @@
 """What a region allocates inside: the peak bytes measured on a call, by argument shapes
-(Note [Regions] in ``mechanism.py``)."""
+(Note [Regions] in ``mechanism.py``).
+
+Note [Calls larger than measured]: serving sends ``generate()`` calls of every prompt
+length, and each step of the longest one yet is larger than any call measured (training
+on batches padded to their longest sequence alike). Measured op by op, every such call
+would cost the per-op path and break the period Flow learned (a layer's one op becomes its
+seventy). A call within ``inside.GROWTH`` (in elements) of a measured call of the same
+structure, needing gradients alike, runs as a region instead: room is made
+for that call's peak grown as the square of the growth (attention's scores grow with the
+square of a prompt) and as the objects' tensors grew, the call reads the objects' tensors
+the measured one read, and a dispatch mode on its plain tensors (no op of the manager)
+measures its peak, recorded for its shapes. A peak above the room made is reported as
+``worst_overshoot_bytes``, as any excess over the budget. With gradients, its backward's
+first run keeps the room a first run does (Note [Regions with gradients] in
+``training.py``).
+"""
 
 from __future__ import annotations
 
@@ -45,7 +60,7 @@ def measured(table: dict, key):
 GROWTH = 2.0
 
 
-def _numel(size) -> int:
+def numel(size) -> int:
     n = 1
     for d in size:
         n *= d
@@ -110,7 +125,7 @@ class Inside:
             for (size, dtype), (was, was_dtype) in zip(shapes, other_shapes):
                 if dtype != was_dtype or len(size) != len(was):
                     break
-                n, m = _numel(size), _numel(was)
+                n, m = numel(size), numel(was)
                 if n > m:
                     if m == 0:
                         break

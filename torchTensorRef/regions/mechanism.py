@@ -29,23 +29,10 @@ the region runs with given argument shapes under a budget: that call runs op by 
 keeps the budget, as any code does) under a dispatch mode that follows the live bytes of
 the blocks and storages its ops create, to their peak. Later calls with the same shapes, or
 no larger ones (``inside.measured``), run as regions and make room for that peak, scaled by
-the growth of the tensors held in objects
-(a cache that grows each step), and measure again when those have doubled; a working set
-whose peak does not fit beside it runs op by op. The manager's peak counts the working set
-plus the room kept for the inside.
-
-Note [Calls larger than measured]: serving sends ``generate()`` calls of every prompt
-length, and each step of the longest one yet is larger than any call measured (training
-on batches padded to their longest sequence alike). Measured op by op, every such call
-would cost the per-op path and break the period Flow learned (a layer's one op becomes its
-seventy). A call within ``inside.GROWTH`` (in elements) of a measured call of the same
-structure, needing gradients alike, runs as a region instead: room is made
-for that call's peak grown as the square of the growth (attention's scores grow with the
-square of a prompt) and as the objects' tensors grew, the call reads the objects' tensors
-the measured one read, and a dispatch mode on its plain tensors (no op of the manager)
-measures its peak, recorded for its shapes. A peak above the room made is reported as
-``worst_overshoot_bytes``, as any excess over the budget. With gradients, its backward's
-first run keeps the room a first run does (Note [Regions with gradients]).
+the growth of the tensors held in objects (a cache that grows each step), and measure again
+when those have doubled (larger calls: Note [Calls larger than measured] in ``inside.py``);
+a working set whose peak does not fit beside it runs op by op. The manager's peak counts
+the working set plus the room kept for the inside.
 
 Autograd cannot see through a region (the call runs on plain views, not on the TensorRefs
 autograd tracks): a call that needs gradients builds its own graph inside, linked to the
@@ -71,6 +58,7 @@ import contextlib
 import threading
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode, _pop_mode_temporarily
 
 from ..core import context
 from ..core.errors import OutOfBudgetError
@@ -87,11 +75,12 @@ from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object
                    objects_of, scan_call, select_object_slots)
 from .training import Training, foreign_hooks, probe_second_order, watch_backward
 
-_Tensor = torch.Tensor
-
-
 class _State(threading.local):
     depth = 0  # regions running on this thread
+    #: a loop on plain tensors runs on this thread (Note [Loops on plain tensors] in ``scope.py``)
+    scope = False
+    #: the ``Glue`` following the ops of such a loop (or of its first call, op by op), or None
+    glue = None
 
 
 state = _State()
@@ -100,6 +89,13 @@ state = _State()
 def in_region() -> bool:
     """Whether a region is running on this thread (its code runs on plain tensors)."""
     return state.depth > 0
+
+
+def _out_of_glue():
+    """A region called from a loop on plain tensors runs without its ``Glue`` mode: its ops
+    are the region's (Note [Loops on plain tensors] in ``scope.py``)."""
+    glue = state.glue
+    return _pop_mode_temporarily() if glue is not None and _current_mode() is glue else contextlib.nullcontext()
 
 
 
@@ -340,10 +336,15 @@ class Region:
         meter = Measure({block_of(r).id for r in call.refs}, mgr.alloc_bytes)
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
         running, stores.running.call = stores.running.call, call  # (what it assigns: Note [Stores on modules])
+        # (called from a loop on plain tensors, it runs as it would outside one: what it
+        # makes and keeps, a cache's tensors, are blocks: Note [Loops on plain tensors])
+        outside = context.suspend_plain() if state.scope else None
         try:
-            with meter:
+            with _out_of_glue(), meter:
                 out = fn(*args, **kwargs)
         finally:
+            if outside is not None:
+                context.resume_plain(outside)
             stores.running.call = running
             state.depth -= 1
             self._note_stores(call)
@@ -376,11 +377,11 @@ class Region:
         try:
             for d, k, v in call.slots:
                 d[k] = give(v)
-            if not sim and training is None and meter is None:
+            if not sim and training is None and meter is None and state.glue is None:
                 return fn(*cargs, **ckwargs)  # (no context to enter: the call as it is)
             plain_mode = PlainMode() if sim else contextlib.nullcontext()
             hooks = training.hooks() if training is not None else contextlib.nullcontext()
-            with plain_mode, hooks, meter if meter is not None else contextlib.nullcontext():
+            with _out_of_glue(), plain_mode, hooks, meter if meter is not None else contextlib.nullcontext():
                 return fn(*cargs, **ckwargs)
         finally:
             stores.running.call = running
@@ -449,10 +450,14 @@ class Region:
                 mgr.mark_written(ctx.written)
         inputs = {b.dev_key for b in ctx.blocks}
         fresh = {}
-        before = {id(v) for _c, _k, v in call.objects}
         # the new tensors: outputs, and what the call stored in the objects it was given
+        # (called from a loop on plain tensors, its outputs stay plain: Note [Loops on plain
+        # tensors] in ``scope.py``)
+        plain_out = state.scope and not state.depth
+        before = {id(v) for _c, _k, v in call.objects}
         found = []
-        collect_plain(out, given, found, set())
+        if not plain_out:
+            collect_plain(out, given, found, set())
         stored = []
         seen: set = set()
         objects = objects_of(ctx.args, ctx.kwargs) + call.held_objects
@@ -476,7 +481,7 @@ class Region:
         for container, k, v in stored:
             container[k] = wrap(v)
         stores.wrap_stored(on_modules, wrap)
-        wrapped = wrap.tree(out)
+        wrapped = wrap.tree(out) if not plain_out else wrap.given_back(out, inputs)
         if training is not None:
             linked = wrap.linked
             by_storage = {bytes_of(p).untyped_storage()._cdata: r for p, r in linked}
@@ -484,7 +489,7 @@ class Region:
             if linked:
                 # (the node's outputs are these same TensorRefs, now with its grad_fn)
                 training.link([p for p, _r in linked], [r for _p, r in linked])
-        if paged:
+        if paged or plain_out:
             # A reading of the device in ``make_room`` counted the new tensors, allocated and
             # not yet blocks, as outside the manager; kept, that reading made the next calls
             # look larger than the budget (a decoder layer ran op by op): read it again.

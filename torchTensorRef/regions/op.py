@@ -100,22 +100,33 @@ class Wrapper:
             return ref
         return wrap_one(plain, self.ctx, self.mgr)
 
-    def tree(self, out):
+    def given_back(self, out, inputs):
+        """``out`` with its tensors on the inputs' storages (``inputs``: their keys) as
+        TensorRefs, the new ones left plain (Note [Loops on plain tensors] in ``scope.py``)."""
+        def keep(t):
+            plain = bytes_of(t)
+            if plain is None or (id(t) not in self.given and plain.untyped_storage()._cdata not in inputs):
+                return t
+            return self(t)
+        return self.tree(out, keep)
+
+    def tree(self, out, wrap=None):
+        wrap = wrap or self
         if isinstance(out, _Tensor):
-            return self(out)
+            return wrap(out)
         cls = out.__class__
         if cls is tuple or cls is list:
-            return cls(self.tree(o) for o in out)
+            return cls(self.tree(o, wrap) for o in out)
         if isinstance(out, tuple) and hasattr(out, "_fields"):
-            return cls(*(self.tree(o) for o in out))
+            return cls(*(self.tree(o, wrap) for o in out))
         if isinstance(out, dict):  # (ModelOutput is a dict whose items mirror its attributes)
             for k, v in list(out.items()):
-                w = self.tree(v)
+                w = self.tree(v, wrap)
                 if w is not v:
                     out[k] = w
             return out
         if isinstance(out, (list, tuple)):
-            return cls(self.tree(o) for o in out)
+            return cls(self.tree(o, wrap) for o in out)
         return out
 
 
