@@ -199,7 +199,7 @@ class Flow(Strategy):
             if learning.plan is not None:
                 self.prefetching.planned(op.index, op.blocks, op.output_estimate())
             else:
-                self.prefetching.predicted(op.index, op.output_estimate())
+                self.prefetching.predicted(op.index, op.blocks, op.output_estimate())
         if learning.plan is not None and options.disk_lookahead and mgr.disk_blocks:
             self.prefetching.read_ahead(op.index)
 

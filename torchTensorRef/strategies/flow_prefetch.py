@@ -174,9 +174,9 @@ class Prefetch:
 
     # -- to the device ---------------------------------------------------------------------
 
-    def predicted(self, n: int, reserved: int) -> None:
-        """While learning: prefetch, at op ``n``, what the next ops read by prediction, leaving
-        ``reserved`` bytes for the op's results."""
+    def predicted(self, n: int, blocks, reserved: int) -> None:
+        """While learning: prefetch, at op ``n`` (reading ``blocks``, which no prefetch evicts),
+        what the next ops read by prediction, leaving ``reserved`` bytes for the op's results."""
         mgr = self.manager
         limit = mgr.limit - reserved  # the op's results still need their room
         lookup = mgr.block
@@ -188,7 +188,7 @@ class Prefetch:
             block = lookup(bid)
             if block is None or block.dev is not None:
                 continue
-            if not self._prefetch_one(block, n, m, limit, (), bool(evicts) or next_only):
+            if not self._prefetch_one(block, n, m, limit, blocks, bool(evicts) or next_only):
                 return
             self.order.push(block, n)
 
