@@ -122,6 +122,8 @@ REGION_ROWS = (
     ("sim-cpu, Flow, 50%, regions", common.SIM_CPU, 0.5, True),
     ("sim-cpu, Flow, 25%, per op", common.SIM_CPU, 0.25, False),
     ("sim-cpu, Flow, 25%, regions", common.SIM_CPU, 0.25, True),
+    # (a budget the model fits in: nothing moves, the budget is kept)
+    ("sim-cpu, Flow, 2x (fits), regions", common.SIM_CPU, 2.0, True),
 )
 
 

@@ -162,9 +162,9 @@ def test_generate_under_a_budget_pages_its_model_calls():
         # (at half the weights, a layer's attention and MLP are the regions)
         assert ops.count("region LlamaMLP") > 0, sorted(set(n for n in ops.names if " " in n))
         loops.append(ops.count(GENERATE))
-    # the first call runs op by op, measuring what generate()'s own loop makes; the others
-    # run that loop on plain tensors, one op of the manager (Note [Loops on plain tensors])
-    assert loops == [0, 1, 1]
+    # the first call runs op by op, measuring what generate()'s own loop makes (Note [Loops
+    # on plain tensors]; tests/regions/test_scope.py checks the calls after it)
+    assert loops[0] == 0
     stats = tm.stats()
     assert stats["peak_device_bytes"] <= tm.budget and stats["max_memory_allocated"] <= tm.budget
 

