@@ -32,11 +32,8 @@ given to ``run_method``, without gradients) runs as a *scope* instead:
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch._ops import OpOverload
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import context
 from ..core.errors import OutOfBudgetError
@@ -46,7 +43,7 @@ from ..memory.manager import tensorsManager as _mgr
 from ..ops.op_context import blocks_of_list
 from ..ops.output_size import estimate_output_bytes
 from .mechanism import state
-from .inside import GROWTH, measured, numel
+from .inside import GROWTH, Measure, measured, numel
 from .op import Giver, RegionContext, RegionSpec, Wrapper, bytes_of
 from .scan import collect_plain, scan_call
 from .step import Step
@@ -54,7 +51,7 @@ from .step import Step
 _Tensor = torch.Tensor
 
 
-class Glue(TorchDispatchMode):
+class Glue(Measure):
     """The ops of a scope's own code and the live bytes of what they make (and of what its
     regions give it), to their peak (Note [Loops on plain tensors]).
 
@@ -63,12 +60,9 @@ class Glue(TorchDispatchMode):
     """
 
     def __init__(self, scope: "Scope", guard: bool):
-        super().__init__()
+        super().__init__(set(), _mgr.backend.block_bytes)
         self.scope = scope
         self.guard = guard
-        self.live: dict = {}  # storage (or block) key -> [bytes, tensors alive]
-        self.now = 0  # bytes of the live storages the ops made
-        self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -97,33 +91,6 @@ class Glue(TorchDispatchMode):
         elif isinstance(out, dict):
             for o in out.values():
                 self.track(o)
-
-    def _track(self, t: _Tensor) -> None:
-        if isinstance(t, TensorRef):
-            block = block_of(t)
-            key, nbytes = block.id, block.nbytes
-        else:
-            plain = bytes_of(t)
-            if plain is None or plain.layout is not torch.strided or plain.device != _mgr.backend.compute:
-                return
-            storage = plain.untyped_storage()
-            key, nbytes = storage._cdata, storage.nbytes()
-        entry = self.live.get(key)
-        if entry is None:
-            entry = self.live[key] = [_mgr.backend.block_bytes(nbytes), 0]
-            self.now += entry[0]
-            if self.now > self.peak:
-                self.peak = self.now
-        entry[1] += 1
-        weakref.finalize(t, self._died, key)
-
-    def _died(self, key) -> None:
-        entry = self.live.get(key)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.live[key]
-                self.now -= entry[0]
 
 
 #: the settings of ``generate()`` that size what its loop makes (arguments, or a generation
