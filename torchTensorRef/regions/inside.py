@@ -180,11 +180,11 @@ class Measure(TorchDispatchMode):
                 self._writes(writes, args, kwargs)
         out = func(*args, **(kwargs or {}))
         if isinstance(out, _Tensor):
-            self._track(out)
+            self.follow(out)
         elif isinstance(out, (list, tuple)):
             for o in out:
                 if isinstance(o, _Tensor):
-                    self._track(o)
+                    self.follow(o)
         return out
 
     def _writes(self, writes, args, kwargs) -> None:
@@ -195,7 +195,8 @@ class Measure(TorchDispatchMode):
                 if isinstance(t, TensorRef):
                     self.wrote.add(block_of(t).id)
 
-    def _track(self, t) -> None:
+    def follow(self, t) -> None:
+        """Count ``t``'s bytes (its block's, or its storage's) until it dies."""
         if isinstance(t, TensorRef):
             block = block_of(t)
             key, nbytes, counted = block.id, block.nbytes, block.dev_bytes

@@ -32,6 +32,8 @@ given to ``run_method``, without gradients) runs as a *scope* instead:
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch._ops import OpOverload
 
@@ -84,7 +86,7 @@ class Glue(Measure):
     def track(self, out) -> None:
         """Follow the tensors among ``out`` (in tuples, lists and dicts) until they die."""
         if isinstance(out, _Tensor):
-            self._track(out)
+            self.follow(out)
         elif isinstance(out, (list, tuple)):
             for o in out:
                 self.track(o)
@@ -155,6 +157,7 @@ class Scope:
         self.reserve = 0
         #: call key -> (0, the most room its code's tensors took), as ``inside.measured`` reads it
         self.peaks: dict = {}
+        self.running = threading.Lock()  # held by the call running as the scope
 
     def keep(self, nbytes: int) -> None:
         """Keep ``nbytes`` of room for the loop's own tensors (evicting for the growth)."""
@@ -168,18 +171,28 @@ class Scope:
     def run(self, fn, args, kwargs):
         """``fn(*args, **kwargs)`` as a scope where its code's tensors were measured (or a
         call like it was) and take little of the budget; op by op otherwise, the first time
-        measured."""
-        mgr = _mgr
+        measured. One call at a time runs as the scope (another thread's goes op by op)."""
         call = scan_call(args, kwargs, (), ())
-        if not call.refs:
-            return fn(*args, **kwargs)  # (nothing of the manager's to give it)
-        key = _key(call, args, kwargs)
-        seen = measured(self.peaks, key)
-        guard = seen is None
-        if guard:
-            near = _nearest(self.peaks, key)
-            if near is None:
+        if not call.refs or not self.running.acquire(blocking=False):
+            return fn(*args, **kwargs)  # (nothing of the manager's to give it, or busy)
+        try:
+            key = _key(call, args, kwargs)
+            seen = measured(self.peaks, key)
+            if seen is None and _nearest(self.peaks, key) is None:
                 return self._measured(fn, args, kwargs, key)
+            blocks = self._room(call, key, seen)
+            if blocks is None:
+                return fn(*args, **kwargs)
+            return self._as_scope(fn, args, kwargs, call, blocks, key, seen is None)
+        finally:
+            self.running.release()
+
+    def _room(self, call, key, seen):
+        """Sets the room to keep for the call's loop; returns its blocks, or ``None`` where
+        it runs op by op."""
+        mgr = _mgr
+        if seen is None:
+            near = _nearest(self.peaks, key)
             # (grown as its ids and mask grow; ``Glue`` keeps more room where it needs more)
             reserve = int(near[0] * near[1]) + 1
         else:
@@ -194,13 +207,20 @@ class Scope:
         if large:
             self.peaks.setdefault(key, (0, reserve))  # (the later calls go op by op too)
         if large or any(b.host_only for b in blocks):
-            return fn(*args, **kwargs)
+            return None
+        self.reserve = reserve
+        return blocks
+
+    def _as_scope(self, fn, args, kwargs, call, blocks, key, guard: bool):
+        mgr = _mgr
+        reserve = self.reserve
         ctx = RegionContext(self.spec, blocks, [], args, kwargs, False)
-        ctx.estimate = self.reserve = reserve
+        ctx.estimate = reserve
         step = Step(ctx, True)
         try:
             step.begin()  # (its arguments resident, and room for its code's tensors)
         except OutOfBudgetError:
+            self.reserve = 0
             return fn(*args, **kwargs)  # (nothing changed: op by op, as any code)
         with mgr.lock:
             for b in blocks:
