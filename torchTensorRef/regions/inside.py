@@ -60,6 +60,24 @@ def measured(table: dict, key):
 GROWTH = 2.0
 
 
+def growth(shapes, other):
+    """How many times larger ``shapes`` are than ``other`` (in elements, the most of any
+    argument, at least 1), where both have the same structure (kinds and ranks alike);
+    ``None`` where they differ."""
+    if len(shapes) != len(other):
+        return None
+    times = 1.0
+    for (size, kind), (was, was_kind) in zip(shapes, other):
+        if kind != was_kind or len(size) != len(was):
+            return None
+        n, m = numel(size), numel(was)
+        if n > m:
+            if m == 0:
+                return None
+            times = max(times, n / m)
+    return times
+
+
 def numel(size) -> int:
     n = 1
     for d in size:
@@ -119,20 +137,11 @@ class Inside:
         best = None
         for other in self.peaks:
             other_shapes, other_grad = other
-            if other_grad != grad or len(other_shapes) != len(shapes) or (other, held_refs) not in self.uses:
+            if other_grad != grad or (other, held_refs) not in self.uses:
                 continue
-            growth = 1.0
-            for (size, dtype), (was, was_dtype) in zip(shapes, other_shapes):
-                if dtype != was_dtype or len(size) != len(was):
-                    break
-                n, m = numel(size), numel(was)
-                if n > m:
-                    if m == 0:
-                        break
-                    growth = max(growth, n / m)
-            else:
-                if growth <= GROWTH and (best is None or growth < best[1]):
-                    best = (other, growth)
+            times = growth(shapes, other_shapes)
+            if times is not None and times <= GROWTH and (best is None or times < best[1]):
+                best = (other, times)
         return best
 
     def grown(self, near, growth: float, held: int) -> int:

@@ -45,7 +45,7 @@ from ..memory.manager import tensorsManager as _mgr
 from ..ops.op_context import blocks_of_list
 from ..ops.output_size import estimate_output_bytes
 from .mechanism import state
-from .inside import GROWTH, Measure, measured, numel
+from .inside import GROWTH, Measure, growth, measured
 from .op import Giver, RegionContext, RegionSpec, Wrapper, bytes_of
 from .scan import collect_plain, scan_call
 from .step import Step
@@ -124,20 +124,9 @@ def _nearest(peaks: dict, key):
     least, by at most ``GROWTH`` in elements; ``None`` where there is none."""
     best = None
     for other, (_held, peak) in peaks.items():
-        if len(other[0]) != len(key[0]):
-            continue
-        growth = 1.0
-        for (size, kind), (was, was_kind) in zip(key[0], other[0]):
-            if kind != was_kind or len(size) != len(was):
-                break
-            n, m = numel(size), numel(was)
-            if n > m:
-                if m == 0:
-                    break
-                growth = max(growth, n / m)
-        else:
-            if growth <= GROWTH and (best is None or growth < best[1]):
-                best = (peak, growth)
+        times = growth(key[0], other[0])
+        if times is not None and times <= GROWTH and (best is None or times < best[1]):
+            best = (peak, times)
     return best
 
 
