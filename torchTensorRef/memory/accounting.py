@@ -67,10 +67,13 @@ class Accounting:
             where asked (``tensorsManager.check_device``).
         reserved: room kept, within ``elsewhere_bytes``, for plain tensors code outside the
             manager's ops will make (Note [Loops on plain tensors] in ``regions/scope.py``).
+        readings: how many times the device was asked what it holds (``elsewhere_bytes``
+            is as old as the last).
     """
 
     __slots__ = ("resident", "pending", "pending_bytes", "elsewhere", "elsewhere_bytes", "limit", "peak",
-                 "overshoot", "warmed", "checks", "slack", "promised", "device_overshoot", "reserved")
+                 "overshoot", "warmed", "checks", "slack", "promised", "device_overshoot", "reserved",
+                 "readings")
 
     def __init__(self) -> None:
         self.resident: int = 0
@@ -87,6 +90,7 @@ class Accounting:
         self.promised: int = 0
         self.device_overshoot: int = 0
         self.reserved: int = 0
+        self.readings: int = 0
 
     def reserve(self, nbytes: int) -> None:
         """Keep ``nbytes`` more of room (less, where negative) for plain tensors to come."""

@@ -65,6 +65,7 @@ class Room:
     def used_bytes(self) -> int:
         """Device bytes that count against the budget now (asking the device what else it holds)."""
         acct = self.m.accounting
+        acct.readings += 1
         acct.elsewhere_bytes = self.m.backend.in_use_elsewhere(acct.resident + acct.pending_bytes) + acct.reserved
         return acct.resident + acct.pending_bytes + acct.elsewhere_bytes
 

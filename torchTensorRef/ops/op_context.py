@@ -207,8 +207,7 @@ def wrap_one(t, ctx, mgr):
         if t.layout is torch.sparse_coo and mgr.backend.declared.type == "sim" and not ctx.on_host:
             return SimTensor(t)
         return t
-    compute = mgr.backend.compute
-    if t.device != compute and not t.is_cpu:
+    if not t.is_cpu and t.device != mgr.backend.compute:
         return t  # explicitly sent to another device than the manager's: not managed
     key = t.untyped_storage()._cdata
     for b in ctx.blocks:

@@ -72,7 +72,7 @@ from .op import MAX_WRAPPERS, Giver, RegionContext, RegionSpec, Wrapper, bytes_o
 from . import stores
 from .step import Plan, Step
 from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad,
-                   objects_of, scan_call, select_object_slots)
+                   scan_call, select_object_slots)
 from .training import Training, foreign_hooks, probe_second_order, watch_backward
 
 class _State(threading.local):
@@ -421,13 +421,13 @@ class Region:
         views = call.views
         given, written, changed = {}, [], None
         writes = self.writes
-        for ref, view, _plain, version in views.values():
+        for ref, view, address, version in views.values():
             given[id(view)] = ref
             block = block_of(ref)
             if version is None or view._version != version or block.id in writes:
                 written.append(block)
             now = view.data_ if view.__class__ is SimTensor else view
-            if now.untyped_storage()._cdata != block.dev_key or now.shape != ref.shape:
+            if now.data_ptr() != address or now.shape != ref.shape:
                 changed = changed or []
                 changed.append((ref, now))
         if changed:
@@ -460,7 +460,7 @@ class Region:
             collect_plain(out, given, found, set())
         stored = []
         seen: set = set()
-        objects = objects_of(ctx.args, ctx.kwargs) + call.held_objects
+        objects = call.arg_objects + call.held_objects
         for obj in objects:
             collect_object(obj, given, stored, seen, before, OBJECT_DEPTH, [OBJECT_VALUES])
         on_modules = stores.stored(call) if call.stores else ()
@@ -475,6 +475,7 @@ class Region:
                     fresh[s._cdata] = size(s.nbytes())
         nbytes = sum(fresh.values())
         paged = nbytes and not on_host and mgr.limit is not None and not mgr.backend.passthrough
+        readings = mgr.accounting.readings
         if paged:
             mgr.make_room(nbytes, {b.id for b in ctx.blocks}, ctx.name, allocated=nbytes)
         wrap = Wrapper(mgr, ctx, given, self.device_views, training is not None)
@@ -489,7 +490,7 @@ class Region:
             if linked:
                 # (the node's outputs are these same TensorRefs, now with its grad_fn)
                 training.link([p for p, _r in linked], [r for _p, r in linked])
-        if paged or plain_out:
+        if plain_out or mgr.accounting.readings != readings:
             # A reading of the device in ``make_room`` counted the new tensors, allocated and
             # not yet blocks, as outside the manager; kept, that reading made the next calls
             # look larger than the budget (a decoder layer ran op by op): read it again.

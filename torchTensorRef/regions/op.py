@@ -23,7 +23,7 @@ _MISSING = object()
 def take_back_attributes(views) -> None:
     """Set on each TensorRef the attributes the call set on what it was given for it
     (``call.views``), as plain torch's call would have set them on the tensor itself."""
-    for ref, given, _plain, _version in views.values():
+    for ref, given, _address, _version in views.values():
         got = given.__dict__
         if got:
             mine = ref.__dict__
@@ -76,7 +76,10 @@ class Wrapper:
 
     def __init__(self, mgr, ctx, given, device_views, grad=False):
         self.mgr, self.ctx, self.given = mgr, ctx, given
-        self.device_views = device_views
+        backend = mgr.backend
+        #: a CPU tensor the call made on purpose on strict "sim" stays one, as plain torch's would
+        self.cpu_stays = (device_views and not ctx.on_host and getattr(backend, "strict", False)
+                          and backend.declared.type == SIM)
         self.grad = grad
         self.linked = []  # (plain output needing gradients, its TensorRef)
 
@@ -87,9 +90,7 @@ class Wrapper:
         plain = bytes_of(t)
         if plain is None:
             return t
-        if self.device_views and t.__class__ is not SimTensor and self.mgr.backend.declared.type == SIM \
-                and plain.is_cpu and not self.ctx.on_host and getattr(self.mgr.backend, "strict", False):
-            # (a CPU tensor the call made on purpose on "sim" stays one, as plain torch's would)
+        if self.cpu_stays and t.__class__ is not SimTensor and plain.is_cpu:
             return t
         if self.grad and t.requires_grad:
             for p, r in self.linked:
@@ -184,5 +185,6 @@ class Giver:
             given.__dict__.update(attributes)
         # (the version of what the call got: on "sim" the wrapper's counts the writes; an
         # inference tensor has none, and the call may write it: None)
-        self.views[id(a)] = (a, given, plain, None if given.is_inference() else given._version)
+        # (and where its bytes were: a call that rebinds it, ``given.data = t``, moves them)
+        self.views[id(a)] = (a, given, plain.data_ptr(), None if given.is_inference() else given._version)
         return given

@@ -24,7 +24,7 @@ class Call:
     """One region call's TensorRefs and where they sit."""
 
     __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held", "kernel_written",
-                 "nested", "stores", "restores", "held_objects")
+                 "nested", "stores", "restores", "held_objects", "arg_objects")
 
     def __init__(self):
         self.refs = []  # TensorRefs among the arguments, then the slots'
@@ -32,7 +32,7 @@ class Call:
         self.params = 0  # how many of the slots (the first) are the module's parameters and buffers
         self.objects = []  # (container, key, value) of the plain tensors objects held before
         self.held = 0  # bytes of the TensorRefs held by objects
-        self.views = {}  # id(TensorRef) -> (TensorRef, view given to the call, plain view, its version)
+        self.views = {}  # id(TensorRef) -> (TensorRef, view given to the call, its data_ptr, its version)
         self.shapes = []
         self.all_held = []  # every TensorRef the objects hold, in scan order (of which ``slots`` keeps some)
         self.kernel_written = ()  # TensorRefs the call may write with no version counter moving
@@ -40,6 +40,7 @@ class Call:
         self.stores = []  # (module, attribute name) the call assigned (Note [Stores on modules])
         self.restores = []  # (dict, key, TensorRef) given back after the call, as ``slots``
         self.held_objects = []  # containers its modules hold (searched for what it stored after)
+        self.arg_objects = []  # plain objects among its arguments (searched likewise)
 
 
 def is_object(a) -> bool:
@@ -63,6 +64,7 @@ def scan_args(a, call: Call, seen: set, budget: list) -> None:
         for e in a.values():
             scan_args(e, call, seen, budget)
     elif is_object(a):
+        call.arg_objects.append(a)
         scan_object(a, call, seen, budget, OBJECT_DEPTH)
 
 
@@ -149,28 +151,6 @@ def get_item(container, k):
         return container[k]
     except (KeyError, IndexError):
         return None
-
-
-def objects_of(args, kwargs):
-    """The plain objects among a call's arguments (searched for tensors after the call)."""
-    out = []
-
-    def walk(a):
-        if isinstance(a, _Tensor):
-            return
-        if isinstance(a, (list, tuple)):
-            for e in a:
-                walk(e)
-        elif isinstance(a, dict):
-            for e in a.values():
-                walk(e)
-        elif is_object(a):
-            out.append(a)
-
-    walk(args)
-    if kwargs:
-        walk(list(kwargs.values()))
-    return out
 
 
 def output_tensors(out):

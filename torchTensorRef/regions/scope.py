@@ -264,7 +264,7 @@ class Scope:
         """The call's results as TensorRefs (room made for the new ones), its written
         arguments marked."""
         given, written = {}, []
-        for ref, view, _plain, version in call.views.values():
+        for ref, view, _address, version in call.views.values():
             given[id(view)] = ref
             if version is None or view._version != version:
                 written.append(block_of(ref))

@@ -105,7 +105,7 @@ def _aliases(value, call) -> bool:
 
 def given_for(call, value):
     """The TensorRef whose view ``value`` is, as given to ``call``; ``None`` if none."""
-    for ref, given, _plain, _version in call.views.values():
+    for ref, given, _address, _version in call.views.values():
         if given is value:
             return ref
     return None

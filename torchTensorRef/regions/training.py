@@ -265,7 +265,10 @@ class Training:
                     s.watch = ((out, out._version),)
                 s.plain = None
         self.by_storage = {}
-        self.leaf_edges = [get_gradient_edge(leaf) for leaf in self.leaves]
+        # (the reads of a leaf are found by walking the graph from its edge, only where an
+        # argument is a leaf: in ``link``; the backward asks autograd for the leaves' own
+        # gradients, their accumulators kept by the graph, emptied leaves or not)
+        self.leaf_edges = [get_gradient_edge(leaf) for leaf in self.leaves] if self._walked() else []
         if not self.paged:
             return  # (nothing is evicted: a leaf's bytes are its block's for good)
         for leaf in self.leaves:
@@ -279,9 +282,7 @@ class Training:
         self.out_edges = [get_gradient_edge(p) for p in plain_outputs]
         self.outputs = tuple(outputs)
         self.grad_bytes = [p.numel() * p.element_size() for p in plain_outputs]
-        # (only where an argument is a leaf: the graph is walked in Python, and a parameter read
-        # several times inside and outside too is a tied weight across the region's edge)
-        if any(not isinstance(r, torch.nn.Parameter) for r in self.refs):
+        if self.leaf_edges:
             self.reads = _reads(self.leaf_edges, self.out_edges)
         else:
             self.reads = [()] * len(self.refs)
@@ -292,6 +293,13 @@ class Training:
         linked = _Link.apply(self, *inputs)
         self.outputs = ()
         return linked if isinstance(linked, tuple) else (linked,)
+
+    def _walked(self) -> bool:
+        """Whether the inner graph is walked for each leaf's reads (Note [Gradients summed
+        inside a region]): only where an argument is a leaf (a walk in Python costs a visible
+        share of a step, and a parameter read several times inside and outside too is a tied
+        weight across the region's edge)."""
+        return any(not isinstance(r, torch.nn.Parameter) for r in self.refs)
 
     # ---- the backward
 
@@ -361,7 +369,7 @@ class Training:
             previous = context.enter_plain(step.device)
             try:
                 with mode, step.meter():
-                    out = torch.autograd.grad(edges, self.leaf_edges, plain_grads, retain_graph=keep, allow_unused=True)
+                    out = torch.autograd.grad(edges, self.leaves, plain_grads, retain_graph=keep, allow_unused=True)
             finally:
                 context.exit_plain(previous)
                 for h in hooks:
