@@ -22,7 +22,7 @@ pytest.importorskip("accelerate")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, optimizer_step, overhead, plots,  # noqa: E402
-                        region_calls, run_all, small_ops, transfer)
+                        region_anatomy, region_calls, run_all, small_ops, transfer)
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -430,6 +430,25 @@ def test_region_calls_times_region_calls_alone_within_the_budget(fresh_manager, 
         saved = json.load(f)
     assert saved["command"].startswith("python benchmarks/region_calls.py --layers 8")
     assert saved["result"]["rows"]["Flow, 50%"]["calls"] == 8
+
+
+@pytest.mark.parametrize("budget", [None, 0.5], ids=["no-budget", "flow-50"])
+def test_region_anatomy_times_each_step_of_a_region_call_and_gives_them_back(fresh_manager, budget):
+    originals = {(owner, name): owner.__dict__[name] for _label, owner, name in region_anatomy.STEPS}
+    argv = ["--layers", "4", "--width", "16", "--forwards", "5"] + ([] if budget is None else ["--budget", str(budget)])
+    result = region_anatomy.main(argv)
+    assert result["equal"]
+    assert result["ops_per_forward"] == 4  # one op of the manager per block: region calls alone
+    steps = result["steps_us_per_call"]
+    assert list(steps) == [label for label, _owner, _name in region_anatomy.STEPS]
+    # (inclusive times: a step holds the ones below it)
+    assert 0 < steps["        the call"] < steps["      run (views in, call, views out)"] < steps["    step"]
+    assert steps["    step"] < steps["  region"] < steps["module call to region"]
+    if budget is None:
+        assert steps["        fetch"] == 0 and steps["        evict"] == 0
+    else:
+        assert steps["        fetch"] > 0 and steps["        evict"] > 0  # (half the blocks page)
+    assert all(owner.__dict__[name] is fn for (owner, name), fn in originals.items())
 
 
 def test_optimizer_step_times_the_step_alone_as_one_op_and_op_by_op(fresh_manager, tmp_path):

@@ -1,0 +1,169 @@
+"""Where the host time of a region call goes: the steps of the boundary, timed one by one.
+
+The model and rows of ``region_calls.py`` (a stack of ``--layers`` MLP blocks of ``--width``,
+each a region, called on one vector with gradients off, on the lenient ``"sim"``): a forward
+is region calls and nothing else. Each step of the boundary below is wrapped in a timer for
+the run (its inclusive wall time, ``time.perf_counter_ns``), and the table gives µs per region
+call: what the call adds beyond plain torch's forward of the block (timed on its own in the
+same process), then each step. Steps nest (``Region._as_step`` holds ``Step.begin``, the call
+and its outputs); the step "the call" is the block's forward itself, on the plain views.
+
+Figures are wall time on one thread. Each timer adds well under a microsecond per step. A
+small ``--width`` (16) gives the host work with warm caches; at 256 and above the kernels and
+copies before each step evict the caches its code then misses on, which a GPU's kernels and
+copies do not (their memory traffic is the device's).
+
+    python benchmarks/region_anatomy.py [--layers 8] [--width 16] [--forwards 400] [--budget 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import torchTensorRef  # noqa: E402
+import torchTensorRef.regions as regions  # noqa: E402
+from benchmarks import common, region_calls  # noqa: E402
+from benchmarks.common import tm  # noqa: E402
+from torchTensorRef.memory import residency, room  # noqa: E402
+from torchTensorRef.regions import mechanism, op, step  # noqa: E402
+from torchTensorRef.strategies import Flow  # noqa: E402
+
+#: (label, owner, attribute): the steps timed, outermost first; an owner's attribute is
+#: replaced by a timed wrapper for the run and given back after
+STEPS = (
+    ("module call to region", regions, "_call"),
+    ("  region", mechanism.Region, "_call"),
+    ("    scan the call", mechanism, "scan_call"),
+    ("    plan (blocks, room)", mechanism.Region, "_plan"),
+    ("    step", mechanism.Region, "_as_step"),
+    ("      begin (prepare: room, fetches)", step.Step, "begin"),
+    ("        fetch", residency.Residency, "fetch"),
+    ("        evict", residency.Residency, "evict"),
+    ("        make room", room.Room, "make"),
+    ("      run (views in, call, views out)", mechanism.Region, "_run"),
+    ("        the call", region_calls.Block, "forward"),
+    ("      outputs", mechanism.Region, "_finish_outputs"),
+    ("        views given back", mechanism.Region, "_given_back"),
+    ("        outputs wrapped", op.Wrapper, "tree"),
+    ("      end (finish)", step.Step, "end"),
+)
+
+
+def timed_steps(acc: collections.Counter):
+    """Wrap each of ``STEPS`` to add its wall time to ``acc[label]``; returns a function
+    that gives the originals back."""
+    originals = []
+    for label, owner, name in STEPS:
+        fn = owner.__dict__[name]
+        originals.append((owner, name, fn))
+
+        def timed(*args, _fn=fn, _label=label, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                acc[_label] += time.perf_counter_ns() - start
+        setattr(owner, name, timed)
+
+    def restore():
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+    return restore
+
+
+def anatomy(layers: int, width: int, forwards: int, fraction) -> dict:
+    """µs per region call of each step, and of the whole call beyond plain's block forward."""
+    model = region_calls.stack(layers, width)
+    with torchTensorRef.disabled():
+        x = torch.randn(1, width)
+        plain_model = common.plain_copy(model)
+        with torch.no_grad():
+            expected = plain_model(x)
+    managed = common.managed_copy(model, common.SIM_CPU, "flow")
+    tm.strategy = Flow()
+    regions.no_region(managed)
+    for block in managed:
+        regions.region(block)
+    mx = torchTensorRef.manage(x.clone())
+    tm.budget = None if fraction is None else tm.outside_bytes() + int(fraction * common.param_bytes(model))
+
+    def run():
+        with torch.no_grad():
+            return managed(mx)
+
+    for _ in range(region_calls.WARMUP):
+        run()
+    calls = forwards * layers
+    with torchTensorRef.disabled(), torch.no_grad():
+        start = time.perf_counter_ns()
+        for _ in range(forwards):
+            plain_model(x)
+        plain_ns = time.perf_counter_ns() - start
+    acc: collections.Counter = collections.Counter()
+    tm.reset_stats()
+    restore = timed_steps(acc)
+    try:
+        start = time.perf_counter_ns()
+        outs = [run() for _ in range(forwards)]
+        managed_ns = time.perf_counter_ns() - start
+    finally:
+        restore()
+    stats = tm.stats()
+    return {
+        "width": width, "layers": layers, "forwards": forwards, "budget_fraction": fraction,
+        "plain_us_per_block": plain_ns / calls / 1e3,
+        "added_us_per_call": (managed_ns - plain_ns) / calls / 1e3,
+        "steps_us_per_call": {label: acc[label] / calls / 1e3 for label, _o, _n in STEPS},
+        "ops_per_forward": stats["ops"] / forwards,
+        "equal": all(torch.equal(common.as_plain(o), expected) for o in outs),
+    }
+
+
+def table(result: dict) -> str:
+    lines = [f"  plain torch's block forward: {result['plain_us_per_block']:.1f} us; a region call adds "
+             f"{result['added_us_per_call']:.1f} us (with the timers); manager ops per forward: "
+             f"{result['ops_per_forward']:.0f}; outputs equal plain: {result['equal']}",
+             f"  {'step (inclusive)':<40} {'us/call':>8}"]
+    for label, us in result["steps_us_per_call"].items():
+        lines.append(f"  {label:<40} {us:8.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--forwards", type=int, default=400, help="timed forwards")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="Flow's budget as a fraction of the weights (default: none)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torchTensorRef.patch()
+    previous = regions.enabled, regions.under_budget
+    regions.enabled = regions.under_budget = True
+    try:
+        result = anatomy(args.layers, args.width, args.forwards, args.budget)
+    finally:
+        regions.enabled, regions.under_budget = previous
+        tm.budget = None
+        tm.strategy, tm.device, tm.sim_strict = "flow", "cpu", True
+    budget = "no budget" if args.budget is None else f"Flow at {args.budget:.0%} of the weights"
+    print(f"{args.layers} blocks of width {args.width}, one region each, batch 1, no gradients; lenient sim, "
+          f"{budget}; torch {torch.__version__}, 1 thread, {args.forwards} forwards (wall time)")
+    print(table(result))
+    if not result["equal"]:
+        raise SystemExit("outputs differ from plain torch")
+    return result
+
+
+if __name__ == "__main__":
+    main()
