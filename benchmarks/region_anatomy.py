@@ -35,7 +35,6 @@ from benchmarks import common, region_calls  # noqa: E402
 from benchmarks.common import tm  # noqa: E402
 from torchTensorRef.memory import residency, room  # noqa: E402
 from torchTensorRef.regions import mechanism, op, step  # noqa: E402
-from torchTensorRef.strategies import Flow  # noqa: E402
 
 #: (label, owner, attribute): the steps timed, outermost first; an owner's attribute is
 #: replaced by a timed wrapper for the run and given back after
@@ -88,13 +87,7 @@ def anatomy(layers: int, width: int, forwards: int, fraction) -> dict:
         plain_model = common.plain_copy(model)
         with torch.no_grad():
             expected = plain_model(x)
-    managed = common.managed_copy(model, common.SIM_CPU, "flow")
-    tm.strategy = Flow()
-    regions.no_region(managed)
-    for block in managed:
-        regions.region(block)
-    mx = torchTensorRef.manage(x.clone())
-    tm.budget = None if fraction is None else tm.outside_bytes() + int(fraction * common.param_bytes(model))
+    managed, mx = region_calls.managed_stack(model, x, fraction, {})
 
     def run():
         with torch.no_grad():

@@ -69,8 +69,10 @@ def stack(layers: int, width: int) -> torch.nn.Sequential:
         return torch.nn.Sequential(*[Block(width) for _ in range(layers)]).eval()
 
 
-def row(model, x, plain_run, expected, fraction, repeats: int, rate: float, flow_options: dict) -> dict:
-    """One row: a fresh managed copy, warmed up until Flow follows its plan, then timed."""
+def managed_stack(model, x, fraction, flow_options: dict):
+    """A fresh managed copy of the stack on the lenient "sim" under Flow, each block a region
+    (the stack is not one), its input, and the budget at ``fraction`` of the weights
+    (``None``: no budget): ``(managed, managed input)``."""
     managed = common.managed_copy(model, common.SIM_CPU, "flow")
     tm.strategy = Flow(**flow_options)
     regions.no_region(managed)
@@ -79,6 +81,12 @@ def row(model, x, plain_run, expected, fraction, repeats: int, rate: float, flow
     mx = torchTensorRef.manage(x.clone())
     weights = common.param_bytes(model)
     tm.budget = None if fraction is None else tm.outside_bytes() + int(fraction * weights)
+    return managed, mx
+
+
+def row(model, x, plain_run, expected, fraction, repeats: int, rate: float, flow_options: dict) -> dict:
+    """One row: a fresh managed copy, warmed up until Flow follows its plan, then timed."""
+    managed, mx = managed_stack(model, x, fraction, flow_options)
 
     def run():
         with torch.no_grad():
