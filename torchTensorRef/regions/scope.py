@@ -167,21 +167,22 @@ class Scope:
         try:
             key = _key(call, args, kwargs)
             seen = measured(self.peaks, key)
-            if seen is None and _nearest(self.peaks, key) is None:
+            near = _nearest(self.peaks, key) if seen is None else None
+            if seen is None and near is None:
                 return self._measured(fn, args, kwargs, key)
-            blocks = self._room(call, key, seen)
+            blocks = self._room(call, key, seen, near)
             if blocks is None:
                 return fn(*args, **kwargs)
             return self._as_scope(fn, args, kwargs, call, blocks, key, seen is None)
         finally:
             self.running.release()
 
-    def _room(self, call, key, seen):
-        """Sets the room to keep for the call's loop; returns its blocks, or ``None`` where
-        it runs op by op."""
+    def _room(self, call, key, seen, near):
+        """Sets the room to keep for the call's loop (``seen``: its measurement, else ``near``:
+        the nearest measured call and the growth); returns its blocks, or ``None`` where it
+        runs op by op."""
         mgr = _mgr
         if seen is None:
-            near = _nearest(self.peaks, key)
             # (grown as its ids and mask grow; ``Glue`` keeps more room where it needs more)
             reserve = int(near[0] * near[1]) + 1
         else:
