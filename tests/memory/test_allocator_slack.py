@@ -80,8 +80,9 @@ def test_training_keeps_the_allocator_s_count_within_the_budget(slack, strategy,
     for p, q in zip(model.parameters(), plain_weights):
         if share < 0.3:
             # (a 6.2 MB weight is more than the budget: its products run in tiles, whose sums
-            # may round differently in the last bits)
-            torch.testing.assert_close(p.detach().cpu(), q, rtol=1e-5, atol=1e-7)
+            # may round differently in the last bits; by how much depends on the CPU's
+            # vector width)
+            torch.testing.assert_close(p.detach().cpu(), q, rtol=1e-5, atol=1e-6)
         else:
             assert torch.equal(p.detach().cpu(), q)
     assert stats["evictions"] > 0
