@@ -105,6 +105,15 @@ class TensorRef(torch.Tensor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    def __del__(self) -> None:
+        # Note [A dying TensorRef's view]: CPython runs a dying object's finalizer, then its
+        # weakrefs' callbacks (the manager's ``ref_died``, which may release the block), and
+        # only then clears its slots. The cached view would keep the device copy allocated
+        # past its release: the manager would count bytes gone that the device still holds,
+        # and another thread could fill that room. Dropped here, it is gone first.
+        self._tr_view = None
+        self._tr_gen = -1
+
     # (torch declares it by assigning a plain function to the attribute, which mypy reads as
     # an instance method: no classmethod matches that signature)
     @classmethod
