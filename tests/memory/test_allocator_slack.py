@@ -145,6 +145,7 @@ def test_check_device_records_what_the_device_held_above_the_budget_at_an_op_s_e
     tm = fresh_manager
     checking = tm.check_device  # (on where the suite runs with TORCHTENSORREF_CHECK_DEVICE=1)
     tm.check_device = False
+    tm.strategy = "flow"  # (keeps the op's blocks: with the program's tensor, past the budget)
     x = torch.ones(1024)
     y = x + 1
     tm.budget = budget(64 * 1024)

@@ -11,7 +11,8 @@ import torch
 
 from paired import (assert_identical, budget, needs_fast_path, paging, plain_torch, run_both,  # noqa: F401 (a fixture)
                     small_sim_capacity)
-from torchTensorRef import DeviceOutOfMemoryError, HostMemoryError, tensorsManager as tm
+import torchTensorRef
+from torchTensorRef import DeviceOutOfMemoryError, HostMemoryError, OutOfBudgetError, tensorsManager as tm
 from torchTensorRef.memory.room import is_out_of_memory
 from torchTensorRef.strategies import Flow, Strategy
 from torchTensorRef.core.tensor_ref import block_of
@@ -351,6 +352,50 @@ def test_a_prefetch_issued_by_the_op_that_reads_it_is_not_ahead():
     assert (stats["prefetches"], stats["prefetch_hits"], stats["bytes_prefetched"]) == (1, 1, 256 * 4)
     assert (stats["bytes_prefetched_ahead"], stats["bytes_on_demand"]) == (0, 0)
     assert a.tolist() == [2.0] * 256
+
+
+# -- device copies the program still views ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["released", "evicted"])
+def test_a_device_copy_the_program_still_views_counts_until_the_view_goes(how, monkeypatch):
+    # Note [Buffers still viewed]: the device keeps a buffer allocated while a plain view of
+    # it lives, whatever the manager did with its block. The fixture fails the test where the
+    # device held more than the budget at an op's end.
+    monkeypatch.setattr(tm, "check_device", True)
+    tm.strategy = "flow"
+    size = tm.block_bytes(256 * 4)
+    tm.budget = budget(4 * size)
+    floor = tm.in_use()
+    a = torch.full((256,), 2.0)
+    kept = a.target  # (a plain view of its device copy)
+    if how == "released":
+        del a
+    else:
+        a.toCPU()
+    assert tm.in_use() == floor + size  # the device still holds it
+    others = [torch.full((256,), float(i)) for i in range(4)]  # room for three beside it
+    assert tm.stats()["evictions"] > 0
+    with torchTensorRef.disabled():
+        assert kept.cpu().tolist() == [2.0] * 256  # (nothing reused its bytes)
+    del kept
+    others[0].add_(1)  # (the next op sees the view gone)
+    assert tm.in_use() == floor + tm.device_bytes
+    assert [t.tolist() for t in others] == [[float(i + (i == 0))] * 256 for i in range(4)]
+
+
+def test_an_op_that_needs_the_bytes_the_program_still_views_is_refused_until_it_lets_go():
+    # (nothing can wait for a program to drop a view: the op is refused, not waited for)
+    tm.strategy = "flow"
+    tm.budget = budget(2 * tm.block_bytes(256 * 4))
+    a = torch.full((256,), 2.0)
+    kept = a.target
+    del a
+    b = torch.ones(256)
+    with pytest.raises(OutOfBudgetError, match="cumsum.*outside the manager"):
+        b.cumsum(0)  # (b and its sums, one op: two blocks, beside the one still viewed)
+    del kept
+    assert b.cumsum(0).tolist() == [float(i + 1) for i in range(256)]
 
 
 # -- results sharing one new storage ------------------------------------------------------------------

@@ -52,7 +52,8 @@ class Accounting:
     Attributes:
         resident: device bytes of resident blocks, each as the allocator gives it.
         pending: ``(Pending, nbytes)`` of device buffers a copy still uses (Note
-            [Stream-ordered frees]); ``pending_bytes`` their sum.
+            [Stream-ordered frees]); ``pending_bytes`` their sum; and of dropped copies the
+            program still views (``hold_viewed``), whose bytes are in ``elsewhere_bytes``.
         elsewhere: whether the device has allocations beside the manager's to ask about.
         elsewhere_bytes: the last reading of those (``Backend.in_use_elsewhere``).
         limit: the budget in force in bytes (``None``: unlimited).
@@ -146,28 +147,49 @@ class Accounting:
         self.pending.append((pending, nbytes))
         self.pending_bytes += nbytes
 
+    def hold_viewed(self, viewed: Pending, nbytes: int) -> None:
+        """A dropped device copy of ``nbytes`` that the program still views: outside the
+        manager from now on, as a reading of the device counts it, until ``viewed`` ends
+        (Note [Buffers still viewed] in ``residency.py``). Not ``pending_bytes``: no eviction
+        and no wait gives it back, so the room the manager plans with leaves it out."""
+        self.pending.append((viewed, nbytes))
+        self.elsewhere_bytes += nbytes
+
+    def _ended(self, pending: Pending, nbytes: int) -> None:
+        # (a held buffer is freed: a copy's bytes were pending, a viewed copy's outside)
+        if pending.waitable:
+            self.pending_bytes -= nbytes
+        else:
+            self.elsewhere_bytes = max(self.elsewhere_bytes - nbytes, 0)
+
+    def waitable(self) -> bool:
+        """Whether a held buffer's copy is still to be waited for (a buffer the program still
+        views ends when the program drops the view: Note [Buffers still viewed])."""
+        return any(entry[0].waitable and not entry[0].done() for entry in self.pending)
+
     def forget_ended(self) -> None:
         """Forget the held buffers whose copies are known to have ended (asking finishes none)."""
         if self.pending:
             kept = []
             for entry in self.pending:
                 if entry[0].done():
-                    self.pending_bytes -= entry[1]
+                    self._ended(*entry)
                 else:
                     kept.append(entry)
             self.pending = kept
 
     def retire(self, wait_host: Optional[Callable[[Pending], None]] = None) -> None:
         """Forget the held buffers whose copies ended (on ``"sim"``: end them now); with
-        ``wait_host`` (a callable waiting on a pending copy), wait for all of them first."""
+        ``wait_host`` (a callable waiting on a pending copy), wait for every copy first
+        (buffers the program still views are kept while it does)."""
         kept = []
         for pending, nbytes in self.pending:
-            if wait_host is not None:
+            if wait_host is not None and pending.waitable:
                 wait_host(pending)
-            elif not pending.retire():
+            if not pending.retire():
                 kept.append((pending, nbytes))
                 continue
-            self.pending_bytes -= nbytes
+            self._ended(pending, nbytes)
         self.pending = kept
 
     def record_top(self, top: int) -> None:

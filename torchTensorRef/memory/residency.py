@@ -20,7 +20,7 @@ a copy to or from pageable memory, or a wait on a pending write-back that had no
 from __future__ import annotations
 
 import time
-from typing import Collection, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,47 @@ from ..core.tensor_ref import TensorRef, make_ref
 from .room import is_out_of_memory
 from .sim.pool import MIN_BYTES as KEPT_MIN_BYTES
 from .streams import Pending
+
+
+# Note [Buffers still viewed]: a block's device copy may be viewed by plain tensors the
+# manager does not own: a ``target`` the program kept, a plain view autograd saved, a view
+# another thread is still letting go of. Dropping the copy does not free those bytes: the
+# device's allocator counts them until the last view goes (``torch.cuda.memory_allocated``
+# does; "sim" counts the same way). So a dropped copy that PyTorch counts other users of is
+# held as an ``InUse`` (``Accounting.hold_viewed``): counted against the budget as outside
+# the manager, as the program's own device tensors are, until only the manager's reference
+# is left (asked before each op), and only then given to the device for reuse. Nothing can
+# wait for such a view to go: a budget that needs those bytes fails as it would on the device.
+
+
+class InUse(Pending):
+    """A dropped device copy that tensors outside the manager still view (Note [Buffers
+    still viewed]): ended when none does, then passed to ``free``."""
+
+    __slots__ = ("storage", "free")
+    waitable = False
+
+    def __init__(self, storage: torch.UntypedStorage, free: Callable[[torch.UntypedStorage], None]):
+        self.storage: Optional[torch.UntypedStorage] = storage
+        self.free = free
+
+    def wait_compute(self) -> None:
+        pass
+
+    def wait_host(self) -> None:
+        pass  # (a view held by the program ends when the program drops it)
+
+    def done(self) -> bool:
+        storage = self.storage
+        return storage is None or raw.storage_users(storage) == 1
+
+    def retire(self) -> bool:
+        if not self.done():
+            return False
+        storage, self.storage = self.storage, None
+        if storage is not None:
+            self.free(storage)
+        return True
 
 
 class Residency:
@@ -155,10 +196,25 @@ class Residency:
 
     def drop_dev(self, block: Block, reuse: bool = True) -> None:
         """Forget ``block``'s device copy; with ``reuse`` the device may keep its buffer for
-        reuse (``Backend.recycle``, up to :meth:`kept_limit`)."""
+        reuse (``Backend.recycle``, up to :meth:`kept_limit`). A buffer a tensor outside the
+        manager still views stays counted until none does (Note [Buffers still viewed])."""
         storage = block.dev
         block.set_dev(None)
-        if storage is None or block.nbytes < KEPT_MIN_BYTES or not reuse:
+        if storage is None or not reuse:
+            return  # (without reuse: a copy still uses the buffer, counted until it ends)
+        users = raw.storage_users(storage)
+        if users is not None:
+            if block.host_pending is not None:  # (a write-back's own view: counted as such)
+                users -= block.host_pending.buffer_users()
+            if users > 1:
+                self.m.accounting.hold_viewed(InUse(storage, self.recycle), block.dev_bytes)
+                return
+        self.recycle(storage)
+
+    def recycle(self, storage: torch.UntypedStorage) -> None:
+        """The manager is done with the device buffer ``storage``: the device may keep it for
+        reuse (``Backend.recycle``, up to :meth:`kept_limit`)."""
+        if storage.nbytes() < KEPT_MIN_BYTES:
             return  # (small buffers: the C allocator's fast case, and the per-op path)
         m = self.m
         backend = m.backend

@@ -147,7 +147,7 @@ class Room:
             victim = m.strategy.choose_victim(protect)
             if victim is not None:
                 m.residency.evict(victim)
-            elif acct.pending and acct.in_use() + acct.promised > limit:
+            elif acct.waitable() and acct.in_use() + acct.promised > limit:
                 self.retire(wait=True)  # nothing left to evict, and short of more than the margin
             else:
                 return  # (the margin is given up, not waited for: the count shows any overshoot)
@@ -171,7 +171,7 @@ class Room:
                 continue
             if used + nbytes <= limit:
                 return  # (the room fits without the slack's margin: given up, not waited for)
-            if acct.pending:
+            if acct.waitable():
                 self.retire(wait=True)  # nothing left to evict: wait for the copies
                 continue
             raise OutOfBudgetError(

@@ -31,6 +31,8 @@ class Pending:
     """A copy in flight (Note [Pending copies])."""
 
     __slots__ = ()
+    #: whether the host can wait for it to end (a copy can; a view the program holds cannot)
+    waitable = True
 
     def wait_compute(self) -> None:
         """Make later work on the compute stream wait for the copy (the host does not wait)."""
@@ -47,6 +49,11 @@ class Pending:
     def retire(self) -> bool:
         """Whether the copy finished, for accounting; the stand-in finishes it now."""
         return self.done()
+
+    def buffer_users(self) -> int:
+        """Tensors viewing its device buffer that the copy keeps until it ends (the stand-in's
+        one view on "sim"; none on CUDA, where ``record_stream`` keeps the buffer)."""
+        return 0
 
 
 class CudaPending(Pending):
@@ -94,6 +101,9 @@ class SimPending(Pending):
         # By the time memory is needed again, a real copy engine would have finished.
         self._finish()
         return True
+
+    def buffer_users(self) -> int:
+        return 0 if self.src is None else 1
 
 
 class CudaStreams:

@@ -325,6 +325,9 @@ def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
     result = wrap_outputs(out, ctx, spec, args, kwargs, mgr)
     if ctx.outputs and not on_host:
         explicit_results(ctx, args, kwargs)
+    # (the kernel's views go before the strategy evicts: a buffer still viewed stays
+    # counted, Note [Buffers still viewed])
+    del cargs, ckwargs, out
     mgr.finish(ctx)
     return result
 

@@ -295,6 +295,7 @@ class Region:
             with mgr.lock:
                 wrapped, out_bytes = self._finish_outputs(mgr, ctx, call, out, plan.on_host, training)
                 out = None  # (not kept past the lock: Note [Plain views die under the lock] in ops/dispatch.py)
+                call.views.clear()  # (nor the views it was given: Note [Buffers still viewed] in memory/residency.py)
         except BaseException:
             step.abort()
             raise

@@ -383,6 +383,7 @@ class Training:
                     per_slot += got + [None] * (len(reads) - len(got))
             out = parts = None
             result = step.results(per_slot)
+            per_slot = None  # (its views go before the step ends: Note [Buffers still viewed] in memory/residency.py)
         if keep:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._release_if_freed(node))
         else:
