@@ -183,7 +183,7 @@ class _ReadingLock:
         self._depth -= 1
         if not self._depth:
             m = self._manager
-            self.readings.append(m.backend.in_use_elsewhere(m.accounting.resident + m.accounting.pending_bytes))
+            self.readings.append(m.backend.in_use_elsewhere(m.accounting.resident))
         self._inner.release()
         return False
 

@@ -21,9 +21,13 @@ before that copy ends, whatever the manager did with its block. On CUDA ``record
 keeps the allocator from reusing it until the event recorded after the copy completes,
 while ``memory_allocated`` stops counting it at the free (the caching allocator lowers its
 allocated bytes in ``free``, before it waits on the stream's events); on ``"sim"`` the
-stand-in copy holds the buffer, which stays allocated until the copy is waited on. Such
-buffers are counted here (``pending``) until their copy is known to have ended: the count
-is then at or above the allocator's on both.
+stand-in copy holds the buffer until the copy is waited on, and the device counts it free
+at the drop as CUDA's does (``Backend.freed_in_flight``). Such buffers are counted here
+(``pending``) until their copy is known to have ended: the count is then at or above the
+allocator's on both. A reading of the device subtracts only the resident blocks from what
+it holds: subtracting the pending ones too read the bytes outside the manager too low
+while a copy was in flight, and room planned from that reading (a region backward's) was
+refused once the copy ended.
 
 Note [Room for the allocator's slack]: a block is counted at what the device's allocator
 counts for its buffer (``Backend.dev_bytes``), which may exceed ``Backend.block_bytes`` by up

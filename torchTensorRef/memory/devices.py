@@ -158,6 +158,11 @@ class Backend:
         did. CUDA's allocator does this itself."""
         return False
 
+    def freed_in_flight(self, storage: torch.UntypedStorage) -> None:
+        """The manager dropped ``storage`` while a copy on a side stream still uses it: the
+        device counts it free from now on, as CUDA's allocator does with a buffer recorded
+        on another stream (it delays only its reuse: Note [Stream-ordered frees])."""
+
     def is_host(self, device: torch.device) -> bool:
         """Whether ``device``, asked for by a call, means the host and not this device
         (``"cpu"`` is the device of lenient ``"sim"``, whose copies are CPU tensors)."""
@@ -292,6 +297,9 @@ class SimBackend(Backend):
         if kept:
             self.allocated.untrack(storage)  # (cached for reuse: not allocated, as on CUDA)
         return kept
+
+    def freed_in_flight(self, storage: torch.UntypedStorage) -> None:
+        self.allocated.freed(storage)  # (the stand-in copy holds it; the pool reuses it after)
 
     def release_cached(self) -> None:
         self.pool.clear()

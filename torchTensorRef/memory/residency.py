@@ -200,16 +200,20 @@ class Residency:
         manager still views stays counted until none does (Note [Buffers still viewed])."""
         storage = block.dev
         block.set_dev(None)
-        if storage is None or not reuse:
-            return  # (without reuse: a copy still uses the buffer, counted until it ends)
+        if storage is None:
+            return
+        pending = block.host_pending
+        copying = pending.buffer_users() if pending is not None else 0  # (a write-back's own view)
         users = raw.storage_users(storage)
-        if users is not None:
-            if block.host_pending is not None:  # (a write-back's own view: counted as such)
-                users -= block.host_pending.buffer_users()
-            if users > 1:
-                self.m.accounting.hold_viewed(InUse(storage, self.recycle), block.dev_bytes)
-                return
-        self.recycle(storage)
+        if reuse and users is not None and users - copying > 1:
+            self.m.accounting.hold_viewed(InUse(storage, self.recycle), block.dev_bytes)
+            return
+        if copying or not reuse:
+            # (a copy on a side stream still uses it, counted by the manager until it ends;
+            # the device counts it free now: Note [Stream-ordered frees] in accounting.py)
+            self.m.backend.freed_in_flight(storage)
+        if reuse:
+            self.recycle(storage)
 
     def recycle(self, storage: torch.UntypedStorage) -> None:
         """The manager is done with the device buffer ``storage``: the device may keep it for

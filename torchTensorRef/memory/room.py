@@ -66,7 +66,9 @@ class Room:
         """Device bytes that count against the budget now (asking the device what else it holds)."""
         acct = self.m.accounting
         acct.readings += 1
-        acct.elsewhere_bytes = self.m.backend.in_use_elsewhere(acct.resident + acct.pending_bytes) + acct.reserved
+        # (less the resident blocks only: the device counts a buffer a copy still uses free
+        # once dropped, Note [Stream-ordered frees])
+        acct.elsewhere_bytes = self.m.backend.in_use_elsewhere(acct.resident) + acct.reserved
         return acct.resident + acct.pending_bytes + acct.elsewhere_bytes
 
     def read_outside(self) -> int:

@@ -111,12 +111,13 @@ def test_a_buffer_a_queued_write_back_still_reads_is_not_reused(fresh_manager):
 
 
 @sim_only
-def test_a_kept_buffer_counts_as_allocated_while_its_write_back_is_queued(fresh_manager):
-    # As CUDA's allocator: a freed block a stream still uses stays allocated until the stream
-    # is done with it. "sim" stopped counting the buffer when its pool kept it, the queued
-    # write-back still reading it; the manager's readings of what the device holds outside it
-    # then came out low by the write-back's bytes, and the device held more than the budget
-    # (Genoa, AdamW: a real peak 2 MiB over) while the manager counted no overshoot.
+def test_a_buffer_freed_while_its_write_back_is_queued_counts_free_on_the_device_not_for_the_manager(fresh_manager):
+    # As CUDA's allocator: a freed block a stream still uses is counted free at once, and not
+    # reused before the stream is done with it (record_stream). The manager counts it until
+    # the copy ends, and reads what the device holds outside it as the device's count less
+    # its resident blocks: less its pending ones too, that reading came out low while the
+    # copy was in flight (a region backward planned its room from it, and was refused once
+    # the copy ended: Genoa's training on CUDA at 25%).
     tm = fresh_manager
     tm.strategy = "flow"  # (no budget: it stays on the device until evicted)
     with torchTensorRef.disabled():
@@ -128,11 +129,11 @@ def test_a_kept_buffer_counts_as_allocated_while_its_write_back_is_queued(fresh_
     assert block_of(t).dev is not None and tm.accounting.pending_bytes == 0
     with tm.lock:
         tm.evict(block_of(t))  # (as the strategies do) a write-back queued, reading the buffer the pool keeps
-    assert tm.accounting.pending_bytes == 2 * MIB
-    assert allocated.total() == before  # still allocated, as counted in flight
+    assert tm.accounting.pending_bytes == 2 * MIB  # the manager's count: until the copy ends
+    assert allocated.total() == before - 2 * MIB  # the device's: free at once
     assert tm.stats()["outside_bytes"] == outside
     tm.synchronize()
-    assert allocated.total() == before - 2 * MIB  # the copy done: cached, not allocated
+    assert tm.accounting.pending_bytes == 0 and allocated.total() == before - 2 * MIB
     assert tm.stats()["outside_bytes"] == outside
     assert torch.equal(t.cpu(), plain + 1)
 

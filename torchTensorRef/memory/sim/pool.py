@@ -173,15 +173,23 @@ class Allocated:
 
     def untrack(self, storage: torch.UntypedStorage) -> None:
         """Stop counting ``storage`` (kept by the pool for reuse) once no tensor uses its
-        bytes: a write-back still queued on a copy stream reads them (the stand-in copy holds
-        them until it is waited on; CUDA's allocator stops counting a freed buffer at once and
-        holds back only its reuse: Note [Stream-ordered frees] in ``accounting.py``)."""
+        bytes, as CUDA counts a buffer until its last tensor goes (one that a copy still in
+        flight uses was counted free already: ``freed``)."""
         with self._lock:
             users = raw.storage_users(storage)
             if users is not None and users > 1:
                 self._in_use[storage._cdata] = storage
                 return
             self._forget(storage._cdata)
+
+    def freed(self, storage: torch.UntypedStorage) -> None:
+        """Stop counting ``storage`` now: freed while a copy on another stream still uses it,
+        which CUDA's allocator counts free at once (Note [Stream-ordered frees] in
+        ``accounting.py``)."""
+        with self._lock:
+            key = storage._cdata
+            self._in_use.pop(key, None)
+            self._forget(key)
 
     def _forget(self, key: int) -> None:
         # (the lock held)
