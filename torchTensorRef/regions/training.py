@@ -381,7 +381,7 @@ class Training:
                     per_slot.append(g)
                 else:  # (``g``: None, the reads' hooks took its contributions)
                     per_slot += got + [None] * (len(reads) - len(got))
-            out = parts = None
+            out = parts = g = got = None
             result = step.results(per_slot)
             per_slot = None  # (its views go before the step ends: Note [Buffers still viewed] in memory/residency.py)
         if keep:
