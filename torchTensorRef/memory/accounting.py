@@ -169,7 +169,7 @@ class Accounting:
     def waitable(self) -> bool:
         """Whether a held buffer's copy is still to be waited for (a buffer the program still
         views ends when the program drops the view: Note [Buffers still viewed])."""
-        return any(entry[0].waitable and not entry[0].done() for entry in self.pending)
+        return any(entry[0].waitable for entry in self.pending)
 
     def forget_ended(self) -> None:
         """Forget the held buffers whose copies are known to have ended (asking finishes none)."""

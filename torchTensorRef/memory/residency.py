@@ -202,18 +202,21 @@ class Residency:
         block.set_dev(None)
         if storage is None:
             return
+        backend = self.m.backend
+        # (a copy on a side stream still using it is counted by the manager until it ends;
+        # the device counts it free now: Note [Stream-ordered frees] in accounting.py)
+        if not reuse:
+            backend.freed_in_flight(storage)  # (a prefetch still writes it)
+            return
         pending = block.host_pending
         copying = pending.buffer_users() if pending is not None else 0  # (a write-back's own view)
         users = raw.storage_users(storage)
-        if reuse and users is not None and users - copying > 1:
+        if users is not None and users - copying > 1:
             self.m.accounting.hold_viewed(InUse(storage, self.recycle), block.dev_bytes)
             return
-        if copying or not reuse:
-            # (a copy on a side stream still uses it, counted by the manager until it ends;
-            # the device counts it free now: Note [Stream-ordered frees] in accounting.py)
-            self.m.backend.freed_in_flight(storage)
-        if reuse:
-            self.recycle(storage)
+        if copying:
+            backend.freed_in_flight(storage)
+        self.recycle(storage)
 
     def recycle(self, storage: torch.UntypedStorage) -> None:
         """The manager is done with the device buffer ``storage``: the device may keep it for
