@@ -173,6 +173,12 @@ def test_a_region_lets_go_of_its_views_before_the_strategy_evicts_its_blocks(mon
     monkeypatch.setattr(accounting, "hold_viewed", lambda self, viewed, nbytes: (held.append(nbytes),
                                                                                     hold(self, viewed, nbytes)))
     ids = torch.randint(1, 64, (2, 12))
+    with plain_torch():
+        torch.manual_seed(0)
+        plain_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(tm.torch_device)
+        for _ in range(6):
+            plain_model(ids.to(tm.torch_device), labels=ids.to(tm.torch_device)).loss.backward()
+        plain_grads = [p.grad for p in plain_model.parameters()]
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
     tm.strategy = "genoa"
@@ -183,6 +189,7 @@ def test_a_region_lets_go_of_its_views_before_the_strategy_evicts_its_blocks(mon
         loss.backward()
     assert link_nodes(loss)  # (regions ran, with gradients)
     assert held == []
+    assert_identical(plain_grads, [p.grad for p in model.parameters()])
 
 
 def llama_on_batches(lengths, budget_of_weights=3, extra=0):
