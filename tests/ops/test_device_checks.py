@@ -10,7 +10,7 @@ import torch
 
 import torchTensorRef
 from paired import assert_identical, device_type, paging, plain_torch  # noqa: F401  (paging is a fixture)
-from torchTensorRef import TensorRef
+from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.core.tensor_ref import block_of
 
 CPU = torch.device("cpu")
@@ -133,3 +133,77 @@ def test_optimizer_step_counters_are_cpu_tensors_as_in_plain_torch():
     optimizer.step()
     steps = [s["step"] for s in optimizer.state.values()]
     assert [(s.device, s.item()) for s in steps] == [(CPU, 1.0)] * 2
+
+
+def _plain_cpu(*size, requires_grad=False):
+    """A plain CPU tensor the manager does not hold (as a DataLoader's worker gives)."""
+    with torchTensorRef.disabled():
+        return torch.rand(*size, generator=torch.Generator().manual_seed(1), requires_grad=requires_grad)
+
+
+@pytest.mark.parametrize("op", [
+    lambda x, c: x + c,
+    lambda x, c: x @ c,
+    lambda x, c: torch.cat([x, c]),
+], ids=["add", "matmul", "cat"])
+def test_a_plain_cpu_tensor_beside_the_programs_device_tensor_fails_as_on_cuda(op):
+    # "sim" took it as the device's: torch.rand(3, 3, device="sim") + a plain CPU tensor ran,
+    # where CUDA raises
+    x = torch.rand(3, 3, device=device_type())
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        op(x, _plain_cpu(3, 3))
+
+
+def _host_copy_view(kept):
+    t = torch.rand(3, 3)
+    kept.append(t)
+    tensorsManager.evict_all()
+    return t.target  # (a view of its host copy: a CPU tensor, on CUDA too)
+
+
+@pytest.mark.parametrize("make", [lambda kept: _plain_cpu(3, 3, requires_grad=True), _host_copy_view],
+                         ids=["requires grad", "a host copy's view"])
+def test_a_plain_cpu_tensor_that_cannot_be_brought_fails_beside_tensors_made_without_a_device(make):
+    # (brought, the first one's gradient would go to the tensor made for it)
+    x = torch.rand(3, 3)
+    kept: list = []
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        x + make(kept)
+
+
+def test_a_plain_cpu_tensor_an_op_writes_is_left_as_it_was():
+    x = torch.rand(3, 3)
+    c = _plain_cpu(3, 3)
+    before = c.clone()
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        c.add_(x)
+    assert torch.equal(c, before)
+
+
+def test_a_plain_cpu_batch_meets_a_model_made_without_a_device_on_the_accelerator(paging):
+    # A DataLoader's worker gives plain CPU batches, and its process collates TensorRefs made
+    # without a device: both run on the accelerator (on CUDA the plain batch raised "Expected
+    # all tensors to be on the same device")
+    def run(batch):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(3, 4)
+        return torch.cat([layer(batch), batch @ layer.weight.t()])
+
+    batch = _plain_cpu(5, 3)
+    with plain_torch():
+        expected = run(batch.to(device_type()))
+    out = run(batch)
+    assert_identical(expected, out)
+    assert isinstance(out, TensorRef) and out.device.type == device_type() and not _host_only(out)
+    assert not block_of(out).explicit  # (made without a device, as the model)
+
+
+def test_plain_device_tensors_meet_tensor_refs_in_plain_torch():
+    # "sim"'s plain tensors gave their bytes, plain CPU tensors, to a TensorRef's op beside
+    # them: cross_entropy(plain logits, managed targets), which CUDA runs
+    target = torch.tensor([0, 2, 1], device=device_type())
+    with plain_torch():
+        logits = torch.arange(9.0, device=device_type()).reshape(3, 3) / 4
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        expected = torch.nn.functional.cross_entropy(logits, target.target.clone())
+    assert_identical(expected, loss)

@@ -93,6 +93,10 @@ class Backend:
     simulated: bool = False
     #: the device is fixed (only ``"cuda"`` without an index waits for its first use)
     resolved: bool = True
+    #: plain CPU tensors may be the device's: the manager handed out a nested tensor, which
+    #: "sim" keeps as a plain CPU one, as it does what is computed from it (Note [Plain CPU
+    #: tensors] in ``ops/device_checks.py``)
+    nested_results: bool = False
 
     def __init__(self, compute: torch.device, declared: torch.device):
         self.compute = compute

@@ -23,9 +23,22 @@ tensor already there returns it without an op), a plain accelerator tensor given
 and whatever an op computes from one of these. Mixed with CPU tensors they fail as on CUDA.
 "CPU tensors" are the manager's host-only ones (``device="cpu"``, ``.cpu()``, results on the
 host) of at least one dimension: a 0-dim one is a scalar, which accelerator kernels take.
-Plain CPU tensors the manager does not hold (a DataLoader's batches) are brought to the
-accelerator as before, and the ops whose accelerator kernels take CPU tensors
-(``_TAKES_CPU_TENSORS``: copies, indexing) run there.
+Plain CPU tensors the manager does not hold are brought to the accelerator (Note [Plain CPU
+tensors]), and the ops whose accelerator kernels take CPU tensors (``_TAKES_CPU_TENSORS``:
+copies, indexing) run there.
+
+Note [Plain CPU tensors]: a plain CPU tensor the manager does not hold (a batch from a
+DataLoader's worker process, a tensor made under ``disabled()``) beside default-device
+TensorRefs is managed for the op (``bring_plain_tensors``): the op runs on the accelerator, as
+it does on the batches a DataLoader collates in the program's own process, which are
+default-device TensorRefs. Beside the program's own device tensors it is CUDA's error, on
+"sim" as on CUDA; so it is where the op writes it, where it requires grad (its gradient
+would go to the TensorRef made for it, not to it), and for a plain view of a block's host copy
+(``.target`` of a tensor on the host). One exception on "sim": a nested tensor of the device
+is a plain CPU tensor there (no wrapper can hold one), and so is what is computed from it
+(``TransformerEncoder``'s eval fast path), which is the device's on a GPU; once the manager has
+handed out a nested tensor (``Backend.nested_results``), plain CPU tensors are let through as
+the device's.
 """
 
 from __future__ import annotations
@@ -68,14 +81,12 @@ def _plain_tensor_in(values) -> bool:
 def check_devices(spec, args, kwargs, declared, blocks) -> None:
     """On the strict ``"sim"``: refuse CPU tensors beside accelerator TensorRefs where CUDA kernels do.
 
-    Refused: a CPU TensorRef, and a plain view of a block's host copy (what ``.target`` gives
-    for a tensor that is on the host): on CUDA both are CPU tensors, and ``cuda_t + cpu_t``
-    raises. A 0-dim CPU tensor is a scalar, which accelerator kernels accept (Note [Strict
-    sim] in ``memory/sim/device.py``); so do the copies and indexing ops of ``_TAKES_CPU_TENSORS``.
-    Other plain CPU tensors are let through: on the simulated device the results of ops the
-    manager does not page (nested tensors, and the dense tensors computed from them, as in
-    ``TransformerEncoder``'s eval fast path) are plain CPU tensors that are the device's on a
-    GPU, and nothing tells them apart from a program's own CPU tensors.
+    Refused: a CPU TensorRef, and a plain CPU tensor (those that ``bring_plain_tensors`` did
+    not bring): on CUDA both are CPU tensors, and ``cuda_t + cpu_t`` raises. A 0-dim CPU
+    tensor is a scalar, which accelerator kernels accept (Note [Strict sim] in
+    ``memory/sim/device.py``); so do the copies and indexing ops of ``_TAKES_CPU_TENSORS``.
+    Once the device has nested results, plain CPU tensors other than views of host copies
+    are let through (Note [Plain CPU tensors]).
     """
     host_args = ()
     if spec.host_args:
@@ -97,9 +108,9 @@ def check_devices(spec, args, kwargs, declared, blocks) -> None:
         elif (cls is SimTensor or isinstance(a, (TensorRef, SimTensor)) or a.layout is not _strided
               or a.is_nested or a.device.type != "cpu"):
             continue  # (a managed Parameter, a sim Parameter: the device's; sparse: no host copy's view)
-        else:
+        elif _mgr.backend.nested_results:  # (it may be the device's: Note [Plain CPU tensors])
             if hosted is None:  # (only for a plain CPU argument: rare, and the blocks are many)
-                hosted = {b.host._cdata for b in _mgr.host_tier.hosted.values() if b.host is not None}
+                hosted = _hosted_storages()
             if a.untyped_storage()._cdata not in hosted:
                 continue
         if spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
@@ -107,6 +118,59 @@ def check_devices(spec, args, kwargs, declared, blocks) -> None:
         raise RuntimeError(
             f"Expected all tensors to be on the same device, but found at least two devices, "
             f"{declared} and cpu! (when checking the arguments of {spec.name})")
+
+
+def _hosted_storages() -> set:
+    """Keys of the host copies' storages (what a plain view of one has)."""
+    return {b.host._cdata for b in _mgr.host_tier.hosted.values() if b.host is not None}
+
+
+def plain_tensor_among(args, kwargs) -> bool:
+    """Whether an op's arguments (one level of lists) hold a tensor that is not a TensorRef."""
+    return _plain_tensor_in(args) or bool(kwargs and _plain_tensor_in(kwargs.values()))
+
+
+def bring_plain_tensors(spec, args, kwargs, blocks):
+    """Plain CPU tensors beside default-device TensorRefs, as TensorRefs the op brings to the
+    accelerator (Note [Plain CPU tensors]); ``blocks``: those of the TensorRef arguments.
+
+    Returns ``(args, kwargs, refs)`` with them replaced and the new TensorRefs, or ``None``
+    where there is none to bring.
+    """
+    if _mgr.backend.nested_results or spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
+        return None
+    for b in blocks:
+        if b.explicit:
+            return None  # the program's device tensor beside a CPU one: CUDA's error
+    if _plain_device_tensor_in(args, kwargs):
+        return None  # (a plain accelerator tensor: as above)
+    kept = {id(args[i] if i < len(args) else kwargs.get(name)) for i, name in (*spec.write_args, *spec.host_args)}
+    brought: list = []
+    hosted: list = []  # (the host copies' keys, looked up once, for the first plain tensor)
+
+    def bring(a):
+        if (a.__class__ is not _Tensor or a.dim() == 0 or a.requires_grad or a.layout is not _strided
+                or a.is_nested or a.device.type != "cpu" or id(a) in kept):
+            return a
+        if not hosted:
+            hosted.append(_hosted_storages())
+        if a.untyped_storage()._cdata in hosted[0]:
+            return a  # ``.target`` of a tensor on the host: a CPU tensor on CUDA too
+        ref = _mgr.manage_tensor(a)
+        brought.append(ref)
+        return ref
+
+    def each(a):
+        if id(a) in kept:
+            return a  # (written, or read in host memory: a list's elements too)
+        if a.__class__ is list or a.__class__ is tuple:
+            return a.__class__(bring(e) if isinstance(e, _Tensor) else e for e in a)
+        return bring(a) if isinstance(a, _Tensor) else a
+
+    args = tuple(each(a) for a in args)
+    if kwargs:
+        kwargs = {k: each(v) for k, v in kwargs.items()}
+    return (args, kwargs, brought) if brought else None
 
 
 def _check_host_args(spec, args, kwargs, declared) -> tuple:

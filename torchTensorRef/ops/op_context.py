@@ -206,6 +206,8 @@ def wrap_one(t, ctx, mgr):
         # No single storage to page (sparse, nested): a plain tensor of the device, unmanaged.
         if t.layout is torch.sparse_coo and mgr.backend.declared.type == "sim" and not ctx.on_host:
             return SimTensor(t)
+        if t.is_nested and mgr.backend.simulated:
+            mgr.backend.nested_results = True  # (Note [Plain CPU tensors] in ``device_checks.py``)
         return t
     if not t.is_cpu and t.device != mgr.backend.compute:
         return t  # explicitly sent to another device than the manager's: not managed

@@ -15,6 +15,7 @@ import torch
 from torch._ops import OpOverload
 
 from ...core import raw
+from ...core.tensor_ref import TensorRef
 from .backward_errors import failed_result, in_backward, keep_for_backward
 from .pool import ALLOCATED
 
@@ -89,6 +90,10 @@ class SimTensor(torch.Tensor):
                            kwargs: Optional[dict] = None) -> Any:
         from ...core.op_specs import move_list_versions, spec_of
 
+        if len(types) > 1 and any(issubclass(t, TensorRef) for t in types):
+            # A TensorRef among the arguments: its dispatch runs the op, with this tensor as
+            # the plain device tensor it is (unwrapped here, it would be a plain CPU one).
+            return NotImplemented
         kwargs = kwargs or {}
         target = kwargs.get("device")
         on_host = target is not None and torch.device(target).type == "cpu"
