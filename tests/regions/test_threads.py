@@ -11,7 +11,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef, regions, tensorsManager as tm
-from paired import assert_identical, plain_torch
+from paired import assert_identical, budget, plain_torch
 
 TIMEOUT = 60
 
@@ -71,3 +71,69 @@ def test_a_module_call_waits_while_another_thread_s_region_has_its_tensors_swapp
     assert_identical(plain, outs["first"])
     assert_identical(plain, outs["second"])
 
+
+
+class Held(torch.nn.Module):
+    """A Linear whose call, as a region, stops at a gate once its product is allocated."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(64, 64)
+        self.inside = threading.Event()
+        self.go = threading.Event()
+        self.hold = False
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.hold and regions.in_region():
+            self.inside.set()
+            assert self.go.wait(TIMEOUT)
+        return h.relu()
+
+
+def _rounded(*tensors) -> int:
+    return sum((t.nbytes + 511) // 512 * 512 for t in tensors)  # (as the device's allocator counts them)
+
+
+def test_another_thread_s_op_leaves_a_region_the_room_it_keeps_for_what_it_allocates(monkeypatch):
+    # A region's kernels run outside the manager's lock, in the room the manager kept for
+    # what they allocate; another thread's op took that room, and the device held more than
+    # the budget (the fixture asks the device after every op)
+    monkeypatch.setattr(tm, "check_device", True)
+    tm.strategy = "flow"
+    x = torch.randn(16, 64)
+    with plain_torch():
+        plain_model = Held().to(tm.torch_device)
+        with torch.no_grad():
+            plain = plain_model(x.to(tm.torch_device))
+    model = regions.region(Held())
+    spare, other = torch.randn(4096), torch.randn(1024)  # 16 KiB the other op may evict, its 4 KiB input
+    with torch.no_grad():
+        model(x)  # (measured: op by op)
+        model(x)
+    model.hold = True
+    outs, errors = {}, []
+
+    def call():
+        try:
+            with torch.no_grad():
+                outs["region"] = model(x)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    # The region's working set and spare, and room for one of the two: what the region
+    # allocates inside (its product and their relu) or the other op (``other`` and its double)
+    tm.evict_all()
+    spare.add_(0)
+    tm.budget = budget(_rounded(x, model.lin.weight, model.lin.bias, spare) + 2 * _rounded(other))
+    first = threading.Thread(target=call)
+    first.start()
+    assert model.inside.wait(TIMEOUT)  # inside its region, its product allocated
+    doubled = other * 2  # (it must evict spare)
+    model.go.set()
+    first.join(TIMEOUT)
+    assert not first.is_alive() and not errors, errors
+    assert_identical(plain, outs["region"])
+    with plain_torch():
+        assert_identical(other.target.clone().to(tm.torch_device) * 2, doubled)

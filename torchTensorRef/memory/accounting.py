@@ -42,7 +42,8 @@ margin is given up rather than the op refused: the count shows any overshoot.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Set, Tuple
+import threading
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from .streams import Pending
 
@@ -71,14 +72,17 @@ class Accounting:
         device_overshoot: the most the device itself held above the budget at an op's end,
             where asked (``tensorsManager.check_device``).
         reserved: room kept, within ``elsewhere_bytes``, for plain tensors code outside the
-            manager's ops will make (Note [Loops on plain tensors] in ``regions/scope.py``).
+            manager's ops will make (Note [Loops on plain tensors] in ``regions/scope.py``),
+            and for what regions' kernels allocate while they run (``kept``).
+        kept: thread id -> the room kept (within ``reserved``) for the region step that thread
+            runs outside the lock (Note [Room kept while a region runs] in ``regions/op.py``).
         readings: how many times the device was asked what it holds (``elsewhere_bytes``
             is as old as the last).
     """
 
     __slots__ = ("resident", "pending", "pending_bytes", "elsewhere", "elsewhere_bytes", "limit", "peak",
                  "overshoot", "warmed", "checks", "slack", "promised", "device_overshoot", "reserved",
-                 "readings")
+                 "readings", "kept")
 
     def __init__(self) -> None:
         self.resident: int = 0
@@ -96,11 +100,24 @@ class Accounting:
         self.device_overshoot: int = 0
         self.reserved: int = 0
         self.readings: int = 0
+        self.kept: Dict[int, int] = {}
 
     def reserve(self, nbytes: int) -> None:
         """Keep ``nbytes`` more of room (less, where negative) for plain tensors to come."""
         self.reserved += nbytes
         self.elsewhere_bytes += nbytes
+
+    def keep(self, nbytes: int) -> None:
+        """Keep ``nbytes`` of room, against other threads' ops, for the step this thread runs."""
+        ident = threading.get_ident()
+        self.kept[ident] = self.kept.get(ident, 0) + nbytes
+        self.reserve(nbytes)
+
+    def give_back(self) -> None:
+        """The room this thread kept given back (its step ended, or it runs an op itself)."""
+        nbytes = self.kept.pop(threading.get_ident(), 0)
+        if nbytes:
+            self.reserve(-nbytes)
 
     def in_use(self) -> int:
         """Bytes counted against the budget now (the last reading of what is elsewhere)."""

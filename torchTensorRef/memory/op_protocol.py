@@ -79,6 +79,8 @@ class OpProtocol:
             raise RuntimeError(_CAPTURE_ERROR.format(op=ctx.name))
         if m.accounting.pending:
             m.device_room.retire()  # copies queued by earlier ops (on "sim": done by now)
+        if m.accounting.kept:
+            m.accounting.give_back()  # (an op inside this thread's region step: Note [Room kept while a region runs])
         if ctx.spec.restrides and m.books.external:
             self._refuse_growing_external(ctx)
         if m.accounting.limit is not None:

@@ -278,7 +278,6 @@ class Region:
             raise
         training = Training(self, plan.key, self.device_views and getattr(mgr.backend, "strict", False),
                             plan.paged, ctx.estimate) if plan.grad else None
-        # (its inputs' storages are not its own)
         meter = Measure({b.dev_key for b in ctx.blocks}, mgr.alloc_bytes, mgr.backend.dev_bytes) if plan.meter else None
         try:
             out = self._run(mgr, call, fn, args, kwargs, plan.on_host, training, meter)
@@ -441,6 +440,7 @@ class Region:
         return given, written
 
     def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):
+        ctx.give_room_back(mgr)  # (before its results are counted: Note [Room kept while a region runs])
         given, written = self._given_back(mgr, ctx, call)
         if written:
             ctx.written = blocks_of_list(written)

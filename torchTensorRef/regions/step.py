@@ -42,11 +42,14 @@ class Step:
     Args:
         ctx: the op: its blocks and the room it keeps for what it allocates inside.
         limited: its peak counts against a budget (a limit, on a device that pages).
+        keep: that room is kept against other threads' ops while it runs (Note [Room kept
+            while a region runs] in ``op.py``): not where it is all the room left.
     """
 
-    def __init__(self, ctx: RegionContext, limited: bool):
+    def __init__(self, ctx: RegionContext, limited: bool, keep: bool = True):
         self.ctx = ctx
         self.limited = limited
+        self.keep = keep and limited
         self.base = 0  # bytes in use once its blocks are resident
 
     def begin(self, on_host: bool = False) -> None:
@@ -65,6 +68,8 @@ class Step:
                 for b in blocks:
                     mgr.sync_host(b)  # the call reads the host copies
             self.base = mgr.in_use()
+            if self.keep and self.ctx.estimate:
+                self.ctx.keep_room(mgr, self.ctx.estimate)
 
     def _unpin(self) -> None:
         for b in self.ctx.blocks:
@@ -76,6 +81,7 @@ class Step:
         mgr = _mgr
         ctx = self.ctx
         with mgr.lock:
+            ctx.give_room_back(mgr)
             self._unpin()
             if inside is not None and self.limited:
                 mgr.record_top(self.base + inside)  # (the working set and the room kept for the inside)
@@ -87,6 +93,7 @@ class Step:
         """The step raised: its blocks unpinned, what it wrote counted as written."""
         mgr = _mgr
         with mgr.lock:
+            self.ctx.give_room_back(mgr)
             self._unpin()
             mgr.op_raised(self.ctx)
 
@@ -121,7 +128,8 @@ class BackwardStep:
             self.device = None if backend.passthrough else backend.declared
             limited = mgr.limit is not None and not backend.passthrough
             ctx.estimate = self._room(blocks) if limited else 0
-            self.step = Step(ctx, limited)
+            # (unmeasured, its room is all the budget leaves: not kept from other threads)
+            self.step = Step(ctx, limited, keep=self.seen is not None)
             self.step.begin()  # (no op-by-op fallback here: the graph is plain)
             if limited and self.seen is None:
                 # (the blocks' storages once resident: views of them are not new bytes)
@@ -163,6 +171,7 @@ class BackwardStep:
         with mgr.lock:
             # (no room to make: they were allocated in the room kept for the inside, which
             # ``finish`` gives back if they took more)
+            self.ctx.give_room_back(mgr)
             wrap = Wrapper(mgr, self.ctx, {}, True)
             return tuple(None if g is None else wrap(g) for g in grads)
 
