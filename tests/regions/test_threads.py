@@ -17,21 +17,30 @@ TIMEOUT = 60
 
 
 class Gate(torch.nn.Module):
-    """A Linear whose call, as a region, stops at a gate until told to go on."""
+    """A Linear whose call, as a region, stops at a gate until told to go on: before its
+    product, or once it is allocated (``after_product``)."""
 
-    def __init__(self):
+    def __init__(self, width: int = 8, after_product: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        self.lin = torch.nn.Linear(8, 8)
+        self.lin = torch.nn.Linear(width, width)
+        self.after_product = after_product
         self.inside = threading.Event()
         self.go = threading.Event()
         self.hold = False
 
-    def forward(self, x):
+    def _stop(self):
         if self.hold and regions.in_region():
             self.inside.set()
             assert self.go.wait(TIMEOUT)
-        return self.lin(x).relu()
+
+    def forward(self, x):
+        if not self.after_product:
+            self._stop()
+        h = self.lin(x)
+        if self.after_product:
+            self._stop()
+        return h.relu()
 
 
 def test_a_module_call_waits_while_another_thread_s_region_has_its_tensors_swapped():
@@ -73,25 +82,6 @@ def test_a_module_call_waits_while_another_thread_s_region_has_its_tensors_swapp
 
 
 
-class Held(torch.nn.Module):
-    """A Linear whose call, as a region, stops at a gate once its product is allocated."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(64, 64)
-        self.inside = threading.Event()
-        self.go = threading.Event()
-        self.hold = False
-
-    def forward(self, x):
-        h = self.lin(x)
-        if self.hold and regions.in_region():
-            self.inside.set()
-            assert self.go.wait(TIMEOUT)
-        return h.relu()
-
-
 def _rounded(*tensors) -> int:
     return sum((t.nbytes + 511) // 512 * 512 for t in tensors)  # (as the device's allocator counts them)
 
@@ -104,10 +94,10 @@ def test_another_thread_s_op_leaves_a_region_the_room_it_keeps_for_what_it_alloc
     tm.strategy = "flow"
     x = torch.randn(16, 64)
     with plain_torch():
-        plain_model = Held().to(tm.torch_device)
+        plain_model = Gate(64, after_product=True).to(tm.torch_device)
         with torch.no_grad():
             plain = plain_model(x.to(tm.torch_device))
-    model = regions.region(Held())
+    model = regions.region(Gate(64, after_product=True))
     spare, other = torch.randn(4096), torch.randn(1024)  # 16 KiB the other op may evict, its 4 KiB input
     with torch.no_grad():
         model(x)  # (measured: op by op)
