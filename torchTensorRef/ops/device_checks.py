@@ -110,7 +110,7 @@ def check_devices(spec, args, kwargs, declared, blocks) -> None:
             continue  # (a managed Parameter, a sim Parameter: the device's; sparse: no host copy's view)
         elif _mgr.backend.nested_results:  # (it may be the device's: Note [Plain CPU tensors])
             if hosted is None:  # (only for a plain CPU argument: rare, and the blocks are many)
-                hosted = _hosted_storages()
+                hosted = _mgr.host_storages()
             if a.untyped_storage()._cdata not in hosted:
                 continue
         if spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
@@ -118,11 +118,6 @@ def check_devices(spec, args, kwargs, declared, blocks) -> None:
         raise RuntimeError(
             f"Expected all tensors to be on the same device, but found at least two devices, "
             f"{declared} and cpu! (when checking the arguments of {spec.name})")
-
-
-def _hosted_storages() -> set:
-    """Keys of the host copies' storages (what a plain view of one has)."""
-    return {b.host._cdata for b in _mgr.host_tier.hosted.values() if b.host is not None}
 
 
 def plain_tensor_among(args, kwargs) -> bool:
@@ -153,7 +148,7 @@ def bring_plain_tensors(spec, args, kwargs, blocks):
                 or a.is_nested or a.device.type != "cpu" or id(a) in kept):
             return a
         if not hosted:
-            hosted.append(_hosted_storages())
+            hosted.append(_mgr.host_storages())
         if a.untyped_storage()._cdata in hosted[0]:
             return a  # ``.target`` of a tensor on the host: a CPU tensor on CUDA too
         ref = _mgr.manage_tensor(a)
