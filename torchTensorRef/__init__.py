@@ -56,6 +56,7 @@ ENVIRONMENT = {
     "TORCHTENSORREF_DEVICE": "device",
     "TORCHTENSORREF_SIM_WORKSPACE": "sim_workspace",  # (before the budget, which covers it)
     "TORCHTENSORREF_SIM_ROUNDING": "sim_rounding",  # (before the budget too)
+    "TORCHTENSORREF_SIM_COPY_OPS": "sim_copy_ops",
     "TORCHTENSORREF_STRATEGY": "strategy",
     "TORCHTENSORREF_BUDGET": "budget",
     "TORCHTENSORREF_HOST_BUDGET": "host_budget",
@@ -66,8 +67,8 @@ ENVIRONMENT = {
 
 def configure_from_environment(environ=None) -> None:
     """Apply ``TORCHTENSORREF_DEVICE``, ``_STRATEGY``, ``_BUDGET``, ``_HOST_BUDGET``,
-    ``_OFFLOAD_DIR``, ``_SIM_WORKSPACE``, ``_SIM_ROUNDING``, ``_SIM_STRICT`` and ``_CHECK_DEVICE``
-    to the manager.
+    ``_OFFLOAD_DIR``, ``_SIM_WORKSPACE``, ``_SIM_ROUNDING``, ``_SIM_COPY_OPS``, ``_SIM_STRICT`` and
+    ``_CHECK_DEVICE`` to the manager.
 
     Raises:
         ValueError: naming the variable and what it accepts.

@@ -89,6 +89,53 @@ def test_every_way_of_finishing_a_simulated_copy_completes_it_once(finish):
     assert dst.tolist() == [1.0, 2.0] and pending.retire()
 
 
+def test_a_copy_given_ops_to_last_ends_after_them_unless_waited_on():
+    # (Note [Copies that outlast their op]: as on a GPU, where the manager plans while copies run)
+    clock = [10]
+    streams = SimStreams()
+    streams.lag, streams.clock = 2, lambda: clock[0]
+    src, dst = _plain(1.0, 2.0), _plain(0.0, 0.0)
+    pending = streams.copy_async(_bytes(dst), _bytes(src), prefetch=False)
+    clock[0] = 11
+    assert not pending.retire() and not pending.done() and pending.buffer_users() == 1
+    assert _is_poison(dst.tolist())
+    clock[0] = 12
+    assert pending.done() and dst.tolist() == [1.0, 2.0] and pending.retire()
+    waited = streams.copy_async(_bytes(dst), _bytes(_plain(3.0, 4.0)), prefetch=True)
+    waited.wait_compute()  # (waited on before its end: done at once)
+    assert waited.done() and dst.tolist() == [3.0, 4.0]
+
+
+def test_write_backs_in_flight_stay_held_until_the_ops_they_last_have_run(monkeypatch):
+    monkeypatch.setattr(tm, "sim_copy_ops", 2)
+    tm.strategy = "flow"  # (no budget: nothing else moves)
+    x = torch.full((256,), 3.0)
+    y = x * 2  # (resident and dirty)
+    tm.evict(block_of(y))  # its write-back goes on a side stream
+    assert tm.stats()["writebacks"] == 1
+    held = tm.accounting.pending_bytes
+    assert held == block_of(y).nbytes and _is_poison(_host_values(y))
+    x + 1  # one op: still in flight
+    assert tm.accounting.pending_bytes == held
+    x + 1  # its second: it has ended (and it is known once asked)
+    assert all(pending.done() for pending, _nbytes in tm.accounting.pending)
+    assert _host_values(y) == [6.0] * 256 and _syncs() == 0
+
+
+def test_sim_copy_ops_comes_from_the_environment_and_reaches_the_device(monkeypatch):
+    monkeypatch.setattr(tm, "sim_copy_ops", tm.sim_copy_ops)  # (restored after)
+    torchTensorRef.configure_from_environment({"TORCHTENSORREF_SIM_COPY_OPS": "3"})
+    assert tm.sim_copy_ops == 3 and tm.backend.streams.lag == 3
+
+
+@pytest.mark.parametrize("value", [-1, "two", 1.5, True])
+def test_sim_copy_ops_refuses_what_is_not_a_count_of_ops(value):
+    before = tm.sim_copy_ops
+    with pytest.raises(ValueError, match="sim_copy_ops must be a count of ops"):
+        tm.sim_copy_ops = value
+    assert tm.sim_copy_ops == before
+
+
 def test_an_ordered_copy_is_visible_at_once():
     src, dst = _plain(1.0, 2.0), _plain(0.0, 0.0)
     assert SimStreams().copy_ordered(dst, src) is None

@@ -66,6 +66,7 @@ class TensorsManager:
     budget = Setting()
     sim_workspace = Setting()
     sim_rounding = Setting()
+    sim_copy_ops = Setting()
     sim_strict = Setting()
     pinned_limit = Setting()
     sim_capacity = Setting()
@@ -339,8 +340,7 @@ class TensorsManager:
         return self.statistics.recording(regions)
 
     def add_callback(self, before: Optional[Callback] = None, after: Optional[Callback] = None) -> OpCallback:
-        """Run ``before(op)`` / ``after(op)`` around every managed op; returns a handle
-        (``Callbacks.add``)."""
+        """Run ``before(op)`` / ``after(op)`` around every managed op; returns a handle (``Callbacks.add``)."""
         return self.callbacks.add(before, after)
 
     # -- tensors made over existing bytes -------------------------------------------------

@@ -20,6 +20,7 @@ from .devices import SIM_CAPACITY_BYTES, CudaBackend, make_backend
 from .disk import check_offload_dir
 from .host_tier import return_freed_host_memory
 from .pinned import default_limit
+from .streams import SimStreams
 
 #: device memory left free when ``budget=None`` on CUDA (allocator slack, kernels' workspaces)
 CUDA_RESERVE_BYTES = 512 * 2**20
@@ -74,6 +75,7 @@ class Settings:
         self.sim_capacity_value: int = SIM_CAPACITY_BYTES
         self.sim_workspace_value: int = 0
         self.sim_rounding_value: bool = False
+        self.sim_copy_ops_value: int = 0
         self.sim_strict_value: bool = True
         self.check_device_value: bool = False
         self.pinned_limit_value: int = default_limit()
@@ -110,6 +112,9 @@ class Settings:
             self._evict_everything()
             old_declared = m.declared
             m.use_backend(backend)
+            if isinstance(backend.streams, SimStreams):
+                backend.streams.clock = lambda: m.op_count
+                backend.streams.lag = self.sim_copy_ops_value
             self._warn_if_alive(value, old_declared)
             for block in m.books.blocks.values():
                 shares_host = (backend.passthrough or block.host_only) and block.host is not None
@@ -251,6 +256,29 @@ class Settings:
                 m.accounting.slack = backend.slack()
                 m.device_room.read_outside()
             self.sim_rounding_value = value
+
+    @property
+    def sim_copy_ops(self) -> int:
+        """How many of the manager's ops a copy on a side stream of ``"sim"`` (a prefetch, a
+        write-back) lasts unless waited on; default 0, or ``TORCHTENSORREF_SIM_COPY_OPS``.
+        With 0 a copy ends when room is next made, so none is ever in flight when the manager
+        plans; above 0, as on a GPU, copies outlast the ops that issued them (Note [Copies that
+        outlast their op] in ``streams.py``)."""
+        return self.sim_copy_ops_value
+
+    @sim_copy_ops.setter
+    def sim_copy_ops(self, value: Union[int, str]) -> None:
+        try:
+            ops = int(value.strip()) if isinstance(value, str) else value
+        except ValueError:
+            ops = None
+        if not isinstance(ops, int) or isinstance(ops, bool) or ops < 0:
+            raise ValueError(f"sim_copy_ops must be a count of ops, 0 or more (got: {value!r})")
+        m = self.m
+        with m.lock:
+            self.sim_copy_ops_value = ops
+            if isinstance(m.backend.streams, SimStreams):
+                m.backend.streams.lag = ops  # (copies in flight keep the end they were given)
 
     @property
     def sim_strict(self) -> bool:

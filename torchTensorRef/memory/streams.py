@@ -10,6 +10,16 @@ a missing wait shows as wrong values in tests instead of a race that passes by l
 
 The device buffer a pending copy reads or writes is kept from reuse until the copy ends
 (``record_stream`` on CUDA; the stand-in holds a reference).
+
+Note [Copies that outlast their op]: on a GPU a copy on a side stream ends when the copy
+engine gets to it, often after the op that issued it and the next ones have been queued,
+so the manager plans rooms, readings and evictions while copies are in flight. The
+stand-in ends a copy when it is waited on or, by default, when room is next made
+(``SimPending.retire``): on "sim" nothing is in flight when the manager plans, and what
+depends on copies in flight never ran on a CPU. With ``tensorsManager.sim_copy_ops = n``
+(``TORCHTENSORREF_SIM_COPY_OPS``) a copy lasts ``n`` of the manager's ops unless waited on
+before: its destination stays poison, its buffers stay held, and asking whether it ended
+says no until then, as CUDA's events do.
 """
 
 from __future__ import annotations
@@ -73,13 +83,17 @@ class CudaPending(Pending):
 
 
 class SimPending(Pending):
-    """A simulated copy: done when first waited on; its destination is poison until then."""
+    """A simulated copy: done when first waited on, or once its op clock reaches ``due``
+    (Note [Copies that outlast their op]); its destination is poison until then."""
 
-    __slots__ = ("dst", "src")
+    __slots__ = ("dst", "src", "clock", "due")
 
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor):
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, clock: Optional[Callable[[], int]] = None,
+                 due: int = 0):
         self.dst: Optional[torch.Tensor] = dst
         self.src: Optional[torch.Tensor] = src
+        self.clock = clock
+        self.due = due
 
     def _finish(self) -> None:
         dst, src = self.dst, self.src
@@ -95,9 +109,14 @@ class SimPending(Pending):
     wait_host = _finish
 
     def done(self) -> bool:
+        clock = self.clock
+        if clock is not None and self.src is not None and clock() >= self.due:
+            self._finish()  # (the emulated copy engine got to it)
         return self.src is None
 
     def retire(self) -> bool:
+        if self.clock is not None:
+            return self.done()
         # By the time memory is needed again, a real copy engine would have finished.
         self._finish()
         return True
@@ -156,13 +175,19 @@ class SimStreams:
     bytes that no GPU makes, a visible share of a paged step's time on a CPU.
     """
 
-    def __init__(self, poison: bool = True):
+    def __init__(self, poison: bool = True, lag: int = 0):
         self.poison = poison
+        #: the manager's ops a copy lasts unless waited on (Note [Copies that outlast their op]);
+        #: 0: until the next room is made
+        self.lag = lag
+        #: the manager's op count (set with the device)
+        self.clock: Optional[Callable[[], int]] = None
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, prefetch: bool) -> Pending:
         if self.poison:
             dst.fill_(POISON)
-        return SimPending(dst, src)
+        clock = self.clock if self.lag else None
+        return SimPending(dst, src, clock, clock() + self.lag if clock is not None else 0)
 
     def copy_ordered(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # The compute stream runs in order: the next op comes after this copy.
