@@ -113,10 +113,11 @@ def test_another_thread_s_op_leaves_a_region_the_room_it_keeps_for_what_it_alloc
             errors.append(e)
 
     # The region's working set and spare, and room for one of the two: what the region
-    # allocates inside (its product and their relu) or the other op (``other`` and its double)
+    # allocates inside (its product and their relu) or the other op (``other`` and its double);
+    # and the workspaces of the region's thread, new on CUDA
     tm.evict_all()
     spare.add_(0)
-    tm.budget = budget(_rounded(x, model.lin.weight, model.lin.bias, spare) + 2 * _rounded(other))
+    tm.budget = budget(_rounded(x, model.lin.weight, model.lin.bias, spare) + 2 * _rounded(other), threads=1)
     first = threading.Thread(target=call)
     first.start()
     assert model.inside.wait(TIMEOUT)  # inside its region, its product allocated
