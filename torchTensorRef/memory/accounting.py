@@ -75,7 +75,7 @@ class Accounting:
             manager's ops will make (Note [Loops on plain tensors] in ``regions/scope.py``),
             and for what regions' kernels allocate while they run (``kept``).
         kept: thread id -> the room kept (within ``reserved``) for the region step that thread
-            runs outside the lock (Note [Room kept while a region runs] in ``regions/op.py``).
+            runs outside the lock (Note [Room kept while a region runs] in ``regions/step.py``).
         readings: how many times the device was asked what it holds (``elsewhere_bytes``
             is as old as the last).
     """
@@ -114,7 +114,9 @@ class Accounting:
         self.reserve(nbytes)
 
     def give_back(self) -> None:
-        """The room this thread kept given back (its step ended, or it runs an op itself)."""
+        """The room this thread kept given back, if any (its step ended, or it runs an op itself)."""
+        if not self.kept:
+            return
         nbytes = self.kept.pop(threading.get_ident(), 0)
         if nbytes:
             self.reserve(-nbytes)

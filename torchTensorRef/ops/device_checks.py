@@ -141,15 +141,16 @@ def bring_plain_tensors(spec, args, kwargs, blocks):
         return None  # (a plain accelerator tensor: as above)
     kept = {id(args[i] if i < len(args) else kwargs.get(name)) for i, name in (*spec.write_args, *spec.host_args)}
     brought: list = []
-    hosted: list = []  # (the host copies' keys, looked up once, for the first plain tensor)
+    hosted = None  # (the host copies' keys, looked up once, for the first plain tensor)
 
     def bring(a):
+        nonlocal hosted
         if (a.__class__ is not _Tensor or a.dim() == 0 or a.requires_grad or a.layout is not _strided
                 or a.is_nested or a.device.type != "cpu" or id(a) in kept):
             return a
-        if not hosted:
-            hosted.append(_mgr.host_storages())
-        if a.untyped_storage()._cdata in hosted[0]:
+        if hosted is None:
+            hosted = _mgr.host_storages()
+        if a.untyped_storage()._cdata in hosted:
             return a  # ``.target`` of a tensor on the host: a CPU tensor on CUDA too
         ref = _mgr.manage_tensor(a)
         brought.append(ref)

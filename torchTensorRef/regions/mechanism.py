@@ -440,7 +440,7 @@ class Region:
         return given, written
 
     def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):
-        ctx.give_room_back(mgr)  # (before its results are counted: Note [Room kept while a region runs])
+        mgr.accounting.give_back()  # (before its results are counted: Note [Room kept while a region runs])
         given, written = self._given_back(mgr, ctx, call)
         if written:
             ctx.written = blocks_of_list(written)

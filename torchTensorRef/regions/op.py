@@ -45,28 +45,9 @@ class RegionSpec:
 
 class RegionContext(OpContext):
     """A region call (or its backward) as one op: its blocks and the room kept for what it
-    allocates inside (``estimate``, always set by the caller).
-
-    Note [Room kept while a region runs]: a region's kernels run outside the manager's lock,
-    in the room its step made for what they allocate inside; until its results join the
-    books, that room is kept for it against other threads' ops (``Accounting.keep``: counted
-    with the bytes outside the manager), or one of them would take it and the device would
-    hold more than the budget. It is given back under the lock before the results are
-    counted, so that they are not counted twice, and where the step's own thread runs an op
-    of the manager inside it (a checkpointed forward recomputed in a backward, a tensor its
-    module reads that is not a region's): that op's room is the step's.
-    """
+    allocates inside (``estimate``, always set by the caller)."""
 
     __slots__ = ()
-
-    def keep_room(self, mgr, nbytes: int) -> None:
-        """Keep ``nbytes`` of room for the step's inside while its kernels run (under the lock)."""
-        mgr.accounting.keep(nbytes)
-
-    def give_room_back(self, mgr) -> None:
-        """The room ``keep_room`` kept given back, if it still is (under the lock)."""
-        if mgr.accounting.kept:
-            mgr.accounting.give_back()
 
     def record_inside(self, trace, nbytes: int) -> None:
         """In a trace recorded with regions, the room kept for the inside (``nbytes``) less

@@ -6,6 +6,15 @@ protocol's ``prepare``: the strategy sees one op) and pins them while the step c
 their plain views; ``end`` unpins them, records the working set and the room kept for what
 the step allocated inside as one peak, and lets the strategy react (``finish``); ``abort``
 does the op's bookkeeping after an error instead (``op_raised``).
+
+Note [Room kept while a region runs]: a region's kernels run outside the manager's lock,
+in the room its step made for what they allocate inside; until its results join the
+books, that room is kept for it against other threads' ops (``Accounting.keep``: counted
+with the bytes outside the manager), or one of them would take it and the device would
+hold more than the budget. It is given back under the lock before the results are
+counted, so that they are not counted twice, and where the step's own thread runs an op
+of the manager inside it (a checkpointed forward recomputed in a backward, a tensor its
+module reads that is not a region's): that op's room is the step's.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ class Step:
         ctx: the op: its blocks and the room it keeps for what it allocates inside.
         limited: its peak counts against a budget (a limit, on a device that pages).
         keep: that room is kept against other threads' ops while it runs (Note [Room kept
-            while a region runs] in ``op.py``): not where it is all the room left.
+            while a region runs]): not where it is all the room left.
     """
 
     def __init__(self, ctx: RegionContext, limited: bool, keep: bool = True):
@@ -69,7 +78,7 @@ class Step:
                     mgr.sync_host(b)  # the call reads the host copies
             self.base = mgr.in_use()
             if self.keep and self.ctx.estimate:
-                self.ctx.keep_room(mgr, self.ctx.estimate)
+                mgr.accounting.keep(self.ctx.estimate)
 
     def _unpin(self) -> None:
         for b in self.ctx.blocks:
@@ -81,7 +90,7 @@ class Step:
         mgr = _mgr
         ctx = self.ctx
         with mgr.lock:
-            ctx.give_room_back(mgr)
+            mgr.accounting.give_back()
             self._unpin()
             if inside is not None and self.limited:
                 mgr.record_top(self.base + inside)  # (the working set and the room kept for the inside)
@@ -93,7 +102,7 @@ class Step:
         """The step raised: its blocks unpinned, what it wrote counted as written."""
         mgr = _mgr
         with mgr.lock:
-            self.ctx.give_room_back(mgr)
+            mgr.accounting.give_back()
             self._unpin()
             mgr.op_raised(self.ctx)
 
@@ -171,7 +180,7 @@ class BackwardStep:
         with mgr.lock:
             # (no room to make: they were allocated in the room kept for the inside, which
             # ``finish`` gives back if they took more)
-            self.ctx.give_room_back(mgr)
+            mgr.accounting.give_back()
             wrap = Wrapper(mgr, self.ctx, {}, True)
             return tuple(None if g is None else wrap(g) for g in grads)
 
