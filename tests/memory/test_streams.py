@@ -16,7 +16,7 @@ from torchTensorRef.core import raw
 from torchTensorRef import tensorsManager as tm
 from torchTensorRef.memory.streams import POISON, SimStreams
 from torchTensorRef.core.tensor_ref import block_of
-from paired import outside
+from paired import outside, small_sim_capacity
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim") != "sim",
@@ -228,7 +228,8 @@ def test_the_host_waits_once_for_a_write_back_it_reads(read):
 
 def test_a_write_back_finished_before_it_is_read_costs_no_host_wait():
     y = _written_back()
-    torch.ones(4) + 1  # the next op retires finished copies (a copy engine would be done by now)
+    for _ in range(max(tm.sim_copy_ops, 1)):
+        torch.ones(4) + 1  # the ops a copy lasts retire it (a copy engine would be done by now)
     start = _syncs()
     assert y.tolist() == [2.0] * 256
     assert _syncs() == start
@@ -261,14 +262,61 @@ def test_reading_a_dirty_resident_tensor_writes_it_back_and_keeps_it_resident():
     assert y.tolist() == [2.0] * 256 and _syncs() == start + 1
 
 
-def test_write_backs_in_flight_count_against_the_budget_until_they_end():
+def test_write_backs_in_flight_take_the_devices_memory_but_not_the_budget():
+    # (Note [Stream-ordered frees]: the device counts the buffer free at the drop, as
+    # torch.cuda.memory_allocated does, and keeps it from reuse until the copy ends)
     resident, floor = tm.device_bytes, outside()  # (in use counts what is outside the manager too)
     y = _written_back()
+    nbytes = tm.block_bytes(y.proxyInfo.nbytes)
     assert tm.device_bytes == resident  # the block is on the host ...
-    assert tm.in_use() == floor + resident + y.proxyInfo.nbytes  # ... but its device copy is still being read
-    assert tm.room() == tm.limit - floor - resident - y.proxyInfo.nbytes
+    assert tm.in_use() == floor + resident and tm.room() == tm.limit - floor - resident
+    assert tm.accounting.on_device() == floor + resident + nbytes  # ... its device copy still read
     tm.synchronize()
-    assert tm.in_use() == floor + resident
+    assert tm.accounting.on_device() == tm.in_use() == floor + resident
+
+
+def test_an_op_needing_the_room_of_a_write_back_in_flight_does_not_wait_for_it(monkeypatch):
+    monkeypatch.setattr(tm, "sim_copy_ops", 2)  # (the copy outlasts the op that evicts for it)
+    tm.strategy = "flow"
+    tm.budget = outside() + 2 * tm.block_bytes(1024)  # two blocks of 256 floats
+    a = torch.full((256,), 1.0) + 1  # resident, and only on the device
+    start = _syncs()
+    b = torch.full((256,), 2.0) + 1  # the room for its result: a, written back
+    assert _syncs() == start and block_of(a).dev is None and not block_of(a).host_pending.done()
+    assert tm.in_use() <= tm.budget
+    assert b.tolist() == [3.0] * 256 and a.tolist() == [2.0] * 256
+
+
+@small_sim_capacity
+def test_an_allocation_the_device_cannot_hold_beside_a_write_back_waits_for_its_copy(monkeypatch):
+    monkeypatch.setattr(tm, "sim_copy_ops", 2)
+    before = tm.sim_capacity
+    try:
+        tm.strategy = "flow"
+        tm.sim_capacity = 2 * tm.block_bytes(1024)  # no budget: the device's memory is the limit
+        a = torch.full((256,), 1.0) + 1
+        start = _syncs()
+        b = torch.full((256,), 2.0) + 1  # the device holds a's buffer until its copy ends
+        assert _syncs() == start + 1  # the allocator waited for that copy (CUDA's does too)
+        assert tm.accounting.on_device() <= tm.sim_capacity
+        assert b.tolist() == [3.0] * 256 and a.tolist() == [2.0] * 256
+    finally:
+        tm.sim_capacity = before
+
+
+def test_a_dropped_copy_is_given_back_once_the_programs_view_goes_while_its_write_back_runs(monkeypatch):
+    # (Note [Buffers still viewed]: the write-back's own hold on the buffer is not the
+    # program's; the device counts the buffer free at once, as CUDA's allocator would)
+    monkeypatch.setattr(tm, "sim_copy_ops", 2)
+    tm.strategy = "flow"
+    floor = outside()
+    y = torch.full((256,), 1.0) + 1
+    view = y.target  # the program views the device copy
+    tm.evict(block_of(y))  # written back (in flight) and dropped: the view keeps the buffer
+    assert outside() == floor + tm.block_bytes(1024)
+    del view
+    assert outside() == floor and not block_of(y).host_pending.done()
+    assert y.tolist() == [2.0] * 256
 
 
 def test_synchronize_completes_every_write_back_in_flight():

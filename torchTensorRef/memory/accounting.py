@@ -21,13 +21,15 @@ before that copy ends, whatever the manager did with its block. On CUDA ``record
 keeps the allocator from reusing it until the event recorded after the copy completes,
 while ``memory_allocated`` stops counting it at the free (the caching allocator lowers its
 allocated bytes in ``free``, before it waits on the stream's events); on ``"sim"`` the
-stand-in copy holds the buffer until the copy is waited on, and the device counts it free
-at the drop as CUDA's does (``Backend.freed_in_flight``). Such buffers are counted here
-(``pending``) until their copy is known to have ended: the count is then at or above the
-allocator's on both. A reading of the device subtracts only the resident blocks from what
-it holds: subtracting the pending ones too read the bytes outside the manager too low
-while a copy was in flight, and room planned from that reading (a region backward's) was
-refused once the copy ended.
+stand-in copy holds the buffer until the copy ends, and the device counts it free at the
+drop as CUDA's does (``Backend.freed_in_flight``). So such buffers (``pending``) are not
+counted against the budget, which bounds ``memory_allocated``: room is never waited for
+while a write-back drains, which would stall the host on every eviction of a dirty block
+once the budget is full. They still take the device's memory until their copy ends: where
+an allocation would not fit in the device beside them, the allocator waits for their copies
+first (CUDA's does this itself before it reports an out-of-memory; ``Room.check_capacity``
+on ``"sim"``). A reading of the device subtracts only the resident blocks from what it
+holds, as the device no longer counts the pending ones.
 
 Note [Room for the allocator's slack]: a block is counted at what the device's allocator
 counts for its buffer (``Backend.dev_bytes``), which may exceed ``Backend.block_bytes`` by up
@@ -57,12 +59,13 @@ class Accounting:
     Attributes:
         resident: device bytes of resident blocks, each as the allocator gives it.
         pending: ``(Pending, nbytes)`` of device buffers a copy still uses (Note
-            [Stream-ordered frees]); ``pending_bytes`` their sum; and of dropped copies the
-            program still views (``hold_viewed``), whose bytes are in ``elsewhere_bytes``.
+            [Stream-ordered frees]); ``pending_bytes`` their sum, which the device's memory
+            holds but the budget does not count; and of dropped copies the program still
+            views (``hold_viewed``), whose bytes are in ``elsewhere_bytes``.
         elsewhere: whether the device has allocations beside the manager's to ask about.
         elsewhere_bytes: the last reading of those (``Backend.in_use_elsewhere``).
         limit: the budget in force in bytes (``None``: unlimited).
-        peak: the most of ``resident + pending_bytes`` since the last reset.
+        peak: the most of ``resident`` since the last reset.
         overshoot: the most bytes ever in use above the budget (stays 0 when it holds).
         warmed: the ``workspace_key()``s whose workspaces the device has made.
         checks: room checks made (one in ``READ_EVERY`` reads the device).
@@ -123,19 +126,24 @@ class Accounting:
 
     def in_use(self) -> int:
         """Bytes counted against the budget now (the last reading of what is elsewhere)."""
+        return self.resident + self.elsewhere_bytes
+
+    def on_device(self) -> int:
+        """Bytes the device's memory holds now: those of ``in_use`` and the buffers copies
+        still use (what must fit in the device, not in the budget)."""
         return self.resident + self.pending_bytes + self.elsewhere_bytes
 
     def fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more fit under the budget now."""
         limit = self.limit
-        return limit is None or self.resident + self.pending_bytes + self.elsewhere_bytes + nbytes <= limit
+        return limit is None or self.resident + self.elsewhere_bytes + nbytes <= limit
 
     def room(self) -> Optional[int]:
         """Bytes that still fit under the budget now; ``None`` when unlimited."""
         limit = self.limit
         if limit is None:
             return None
-        return max(limit - self.resident - self.pending_bytes - self.elsewhere_bytes, 0)
+        return max(limit - self.resident - self.elsewhere_bytes, 0)
 
     def room_for(self, planned: int, nbytes: int) -> int:
         """Room a new allocation of ``nbytes`` needs, ``planned`` as ``Backend.block_bytes``
@@ -154,7 +162,7 @@ class Accounting:
         self.resident += nbytes
         if planned:
             self.promised = max(self.promised - planned, 0)
-        used = self.resident + self.pending_bytes
+        used = self.resident
         if used > self.peak:
             self.peak = used
         limit = self.limit
@@ -162,7 +170,7 @@ class Accounting:
             self.overshoot = used + self.elsewhere_bytes - limit  # (the budget covers both)
 
     def remove(self, nbytes: int) -> None:
-        """A resident block's ``nbytes`` left the device (or are now ``pending``)."""
+        """A resident block's ``nbytes`` left the device (or are now ``pending``: not counted)."""
         self.resident -= nbytes
 
     def hold(self, pending: Pending, nbytes: int) -> None:
@@ -173,8 +181,8 @@ class Accounting:
     def hold_viewed(self, viewed: Pending, nbytes: int) -> None:
         """A dropped device copy of ``nbytes`` that the program still views: outside the
         manager from now on, as a reading of the device counts it, until ``viewed`` ends
-        (Note [Buffers still viewed] in ``residency.py``). Not ``pending_bytes``: no eviction
-        and no wait gives it back, so the room the manager plans with leaves it out."""
+        (Note [Buffers still viewed] in ``residency.py``). Not ``pending_bytes``: the device
+        counts it allocated until the program lets go, so the budget counts it too."""
         self.pending.append((viewed, nbytes))
         self.elsewhere_bytes += nbytes
 
@@ -191,11 +199,13 @@ class Accounting:
         return any(entry[0].waitable for entry in self.pending)
 
     def forget_ended(self) -> None:
-        """Forget the held buffers whose copies are known to have ended (asking finishes none)."""
+        """Forget the held buffers whose copies are known to have ended (asking finishes none),
+        and give back the dropped copies no program view holds any more."""
         if self.pending:
             kept = []
             for entry in self.pending:
-                if entry[0].done():
+                pending = entry[0]
+                if pending.done() if pending.waitable else pending.retire():
                     self._ended(*entry)
                 else:
                     kept.append(entry)
@@ -225,5 +235,5 @@ class Accounting:
 
     def reset_peak(self) -> None:
         """The peak restarts from the bytes in use now; no overshoot."""
-        self.peak = self.resident + self.pending_bytes
+        self.peak = self.resident
         self.overshoot = self.device_overshoot = 0

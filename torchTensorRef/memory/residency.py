@@ -47,12 +47,15 @@ class InUse(Pending):
     """A dropped device copy that tensors outside the manager still view (Note [Buffers
     still viewed]): ended when none does, then passed to ``free``."""
 
-    __slots__ = ("storage", "free")
+    __slots__ = ("storage", "free", "copy")
     waitable = False
 
-    def __init__(self, storage: torch.UntypedStorage, free: Callable[[torch.UntypedStorage], None]):
+    def __init__(self, storage: torch.UntypedStorage, free: Callable[[torch.UntypedStorage, Optional[Pending]], None],
+                 copy: Optional[Pending] = None):
         self.storage: Optional[torch.UntypedStorage] = storage
         self.free = free
+        #: the block's write-back still reading the buffer, if any: its own view is not the program's
+        self.copy = copy
 
     def wait_compute(self) -> None:
         pass
@@ -62,14 +65,18 @@ class InUse(Pending):
 
     def done(self) -> bool:
         storage = self.storage
-        return storage is None or raw.storage_users(storage) == 1
+        if storage is None:
+            return True
+        users = raw.storage_users(storage)
+        copy = self.copy
+        return users is not None and users - (copy.buffer_users() if copy is not None else 0) == 1
 
     def retire(self) -> bool:
         if not self.done():
             return False
         storage, self.storage = self.storage, None
         if storage is not None:
-            self.free(storage)
+            self.free(storage, self.copy)
         return True
 
 
@@ -212,10 +219,15 @@ class Residency:
         copying = pending.buffer_users() if pending is not None else 0  # (a write-back's own view)
         users = raw.storage_users(storage)
         if users is not None and users - copying > 1:
-            self.m.accounting.hold_viewed(InUse(storage, self.recycle), block.dev_bytes)
+            self.m.accounting.hold_viewed(InUse(storage, self.release, pending), block.dev_bytes)
             return
-        if copying:
-            backend.freed_in_flight(storage)
+        self.release(storage, pending)
+
+    def release(self, storage: torch.UntypedStorage, copy: Optional[Pending]) -> None:
+        """Give the device buffer ``storage`` back; ``copy``: a write-back that may still read it
+        (the device counts the buffer free now and reuses it once the copy ends)."""
+        if copy is not None and copy.buffer_users():
+            self.m.backend.freed_in_flight(storage)
         self.recycle(storage)
 
     def recycle(self, storage: torch.UntypedStorage) -> None:

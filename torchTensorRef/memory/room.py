@@ -69,7 +69,7 @@ class Room:
         # (less the resident blocks only: the device counts a buffer a copy still uses free
         # once dropped, Note [Stream-ordered frees])
         acct.elsewhere_bytes = self.m.backend.in_use_elsewhere(acct.resident) + acct.reserved
-        return acct.resident + acct.pending_bytes + acct.elsewhere_bytes
+        return acct.resident + acct.elsewhere_bytes
 
     def read_outside(self) -> int:
         """Device bytes allocated outside the manager, asked of the device now (and remembered).
@@ -126,7 +126,7 @@ class Room:
                 self.used_bytes()
         acct.promised = nbytes - allocated
         margin = acct.slack if acct.promised > acct.slack else 0  # (a small allocation has none)
-        if (acct.resident + acct.pending_bytes + acct.elsewhere_bytes + nbytes + margin <= limit
+        if (acct.resident + acct.elsewhere_bytes + nbytes + margin <= limit
                 and (not acct.elsewhere or acct.checks % READ_EVERY)):
             return  # the common case: without asking the device (CUDA) what else it holds
         self._evict_for(nbytes, protect, op_name, allocated, limit, margin)
@@ -141,18 +141,10 @@ class Room:
         if limit is None:
             return
         while acct.in_use() + acct.promised + acct.slack > limit:
-            held = acct.pending_bytes
-            if held:
-                self.retire()  # finished copies give their buffers back (on "sim": all)
-                if acct.pending_bytes < held:
-                    continue
             victim = m.strategy.choose_victim(protect)
-            if victim is not None:
-                m.residency.evict(victim)
-            elif acct.waitable() and acct.in_use() + acct.promised > limit:
-                self.retire(wait=True)  # nothing left to evict, and short of more than the margin
-            else:
-                return  # (the margin is given up, not waited for: the count shows any overshoot)
+            if victim is None:
+                return  # (the margin is given up: the count shows any overshoot)
+            m.residency.evict(victim)
 
     def _evict_for(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int, limit: int,
                    margin: int = 0) -> None:
@@ -172,10 +164,7 @@ class Room:
                 m.residency.evict(victim)
                 continue
             if used + nbytes <= limit:
-                return  # (the room fits without the slack's margin: given up, not waited for)
-            if acct.waitable():
-                self.retire(wait=True)  # nothing left to evict: wait for the copies
-                continue
+                return  # (the room fits without the slack's margin: given up)
             raise OutOfBudgetError(
                 op_name, used + nbytes, limit,
                 f"{format_size(m.books.pinned_bytes())} is pinned and the rest is in use by this op",
@@ -213,10 +202,17 @@ class Room:
         raise AssertionError("unreachable")
 
     def check_capacity(self, nbytes: int) -> None:
-        """The simulated device's allocator: refuse what does not fit in its capacity."""
+        """The simulated device's allocator: refuse what does not fit in its capacity, once
+        the copies still using freed buffers are waited for (as CUDA's allocator waits for
+        their events before it reports an out-of-memory: Note [Stream-ordered frees])."""
         capacity = self.m.backend.capacity()
-        in_use = self.m.accounting.in_use()
-        if capacity is not None and in_use + nbytes > capacity:
+        if capacity is None:
+            return
+        acct = self.m.accounting
+        if acct.on_device() + nbytes > capacity and acct.waitable():
+            self.retire(wait=True)
+        in_use = acct.on_device()
+        if in_use + nbytes > capacity:
             raise torch.OutOfMemoryError(
                 f"sim: out of memory: tried to allocate {format_size(nbytes)}; the device has "
                 f"{format_size(capacity)} of which {format_size(in_use)} is in use")

@@ -195,10 +195,9 @@ def _run_fast_locked(mgr, func, args, kwargs, spec: OpSpec):
         # (in device bytes: each result as the device's allocator gives it)
         need = estimate_output_bytes(spec, args, kwargs)
         if need:
-            used = acct.resident + acct.pending_bytes
-            if used + acct.elsewhere_bytes + need > limit:
+            if acct.resident + acct.elsewhere_bytes + need > limit:
                 return _NOT_FAST
-            if mgr.backend.simulated and used + need > mgr.backend.capacity():
+            if mgr.backend.simulated and acct.resident + acct.pending_bytes + need > mgr.backend.capacity():
                 return _NOT_FAST  # the simulated device would run out: the generic path recovers
     watch = mgr.fast_watch
     if watch is not None:
@@ -259,7 +258,7 @@ def _run_fast_op(mgr, func, args, kwargs, spec, cargs, ckwargs, blocks, live):
     acct = mgr.accounting
     limit = acct.limit
     if limit is not None and (mgr.backend.block_bytes(storage.nbytes()) + acct.resident
-                              + acct.pending_bytes + acct.elsewhere_bytes > limit):
+                              + acct.elsewhere_bytes > limit):
         # (only where it would pass the budget: the check costs every op's result more than it saves)
         tight = tight_result(out, storage)
         if tight is not out:
