@@ -106,6 +106,22 @@ def test_a_copy_given_ops_to_last_ends_after_them_unless_waited_on():
     assert waited.done() and dst.tolist() == [3.0, 4.0]
 
 
+def test_a_copy_that_ends_inside_a_dispatch_mode_is_not_seen_by_it():
+    # Fixed: FSDP2's sharding propagation asked for room under its FakeTensorMode, and the
+    # copy that ended then ran as an op of the mode, which refused its plain tensors.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    clock = [0]
+    streams = SimStreams()
+    streams.lag, streams.clock = 1, lambda: clock[0]
+    src, dst = _plain(1.0, 2.0), _plain(0.0, 0.0)
+    pending = streams.copy_async(_bytes(dst), _bytes(src), prefetch=False)
+    clock[0] = 1
+    with FakeTensorMode():
+        assert pending.done()
+    assert dst.tolist() == [1.0, 2.0]
+
+
 def test_write_backs_in_flight_stay_held_until_the_ops_they_last_have_run(monkeypatch):
     monkeypatch.setattr(tm, "sim_copy_ops", 2)
     tm.strategy = "flow"  # (no budget: nothing else moves)

@@ -28,6 +28,7 @@ import time
 from typing import Callable, Literal, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 #: what an unfinished simulated copy leaves in its destination
 POISON = 0xFF
@@ -100,7 +101,13 @@ class SimPending(Pending):
         if dst is not None and src is not None:  # (set together, cleared together)
             observer = copy_observer
             start = time.perf_counter_ns() if observer is not None else 0
-            dst.copy_(src)
+            if torch._C._len_torch_dispatch_stack():
+                # (a copy engine's work, done whenever it is asked about: a dispatch mode the
+                # program entered since, FSDP2's FakeTensorMode, must not see it)
+                with _disable_current_modes():
+                    dst.copy_(src)
+            else:
+                dst.copy_(src)
             self.dst = self.src = None
             if observer is not None:
                 observer(start, time.perf_counter_ns())
