@@ -204,3 +204,22 @@ def test_tensors_made_in_host_memory_are_counted_within_the_host_budget():
     assert tm.stats()["peak_host_bytes"] <= tm.host_budget
     assert tm.stats()["bytes_to_disk"] >= 7 * N
     assert [t[0, 0].item() for t in made] == [float(i) for i in range(10)]
+
+
+def test_host_copies_still_being_written_back_are_spilled_once_their_copies_end(monkeypatch, tmp_path):
+    # Fixed: with the write-backs in flight (a GPU's copies outlast the op that starts them),
+    # no host copy could leave yet and the smaller host budget was refused.
+    tm = tensorsManager
+    monkeypatch.setattr(tm, "sim_copy_ops", 2)
+    tm.strategy = "flow"
+    tm.offload_dir = tmp_path
+    base = held()
+    ys = [torch.full((64, 64), float(i)) * 2 for i in range(4)]  # only on the device
+    tm.evict_all()  # their write-backs are in flight
+    assert all(block_of(y).host_pending is not None for y in ys)
+    tm.host_budget = base + 2 * N
+    try:
+        assert sum(block_of(y).host is None and block_of(y).disk is not None for y in ys) >= 2
+        assert all(torch.equal(_host(y), _full((64, 64), 2.0 * i)) for i, y in enumerate(ys))
+    finally:
+        tm.host_budget = None

@@ -193,6 +193,9 @@ class HostTier:
             if self.spilling:
                 self.retire_spills(wait=True)
                 continue
+            if m.accounting.waitable():
+                m.device_room.retire(wait=True)  # (copies still writing host copies: then spillable)
+                continue
             raise HostBudgetError(nbytes, self.nbytes, limit, what)
 
     def keep_on_host(self, block: Block) -> bool:
