@@ -37,6 +37,7 @@ def test_dataloader_workers_index_a_dataset_of_tensor_refs(where, tmp_path):
         tensorsManager.evict_all()
     if where == "disk":
         tensorsManager.offload_dir = tmp_path
+        tensorsManager.synchronize()  # (every write-back ended: the strategy's choice sees every host copy)
         tensorsManager.host_budget = sum(b.nbytes for b in tensorsManager.host_tier.hosted.values()) - x.nbytes
         tensorsManager.synchronize()
         assert block_of(x).host is None and block_of(x).disk is not None
