@@ -26,16 +26,21 @@ def _stack(layers=LAYERS):
         for _ in range(layers)])
 
 
-def _forward(model, x):
+def _forward(model, x, update=False):
     for layer in model:
         x = x + layer(x)
+    if update:  # as an optimizer step does: every weight written, so every block is dirty
+        for p in model.parameters():
+            p.mul_(0.999)
     return x
 
 
-def _steady(strategy, fraction, as_regions=False, layers=LAYERS, calls=40, measured=10, attached=None):
+def _steady(strategy, fraction, as_regions=False, layers=LAYERS, calls=40, measured=10, attached=None,
+            update=False):
     """``measured`` forwards after ``calls``, under ``strategy`` at ``fraction`` of the weights
-    of ``layers`` layers (``attached(strategy)`` once it is the manager's): (outputs, stats of
-    the measured forwards)."""
+    of ``layers`` layers (``attached(strategy)`` once it is the manager's), each forward
+    followed by an update of every weight where ``update``: (outputs, stats of the measured
+    forwards)."""
     tm.strategy = strategy
     if attached is not None:
         attached(strategy)
@@ -50,21 +55,24 @@ def _steady(strategy, fraction, as_regions=False, layers=LAYERS, calls=40, measu
     try:
         with torch.no_grad():
             for _ in range(calls):
-                _forward(model, x)
+                _forward(model, x, update)
             tm.reset_stats()
-            out = [to_plain(_forward(model, x)) for _ in range(measured)]
+            out = [to_plain(_forward(model, x, update)) for _ in range(measured)]
         return out, tm.stats()
     finally:
         tm.budget = None
         regions.enabled, regions.under_budget = previous
 
 
-def _plain(layers=LAYERS):
+def _plain(layers=LAYERS, calls=0, measured=1, update=False):
+    """Plain torch's outputs of the ``measured`` forwards after ``calls`` (as ``_steady``)."""
     with plain_torch():
         model = _stack(layers)
         x = torch.rand(1, WIDTH, generator=torch.Generator().manual_seed(1), device="cpu").to(tm.torch_device)
         with torch.no_grad():
-            return to_plain(_forward(model, x))
+            for _ in range(calls):
+                _forward(model, x, update)
+            return [to_plain(_forward(model, x, update)) for _ in range(measured)]
 
 
 @pytest.fixture
@@ -78,7 +86,7 @@ def by_bytes(monkeypatch):
 @pytest.mark.parametrize("as_regions", [False, True], ids=["per op", "regions"])
 @pytest.mark.parametrize("fraction", [0.5, 0.25])
 def test_flow_evicts_for_the_next_op_where_it_moves_no_more_bytes(fresh_manager, by_bytes, fraction, as_regions):
-    expected = _plain()
+    expected = _plain()[0]
     free_only, free_stats = _steady(Flow(prefetch_evicts=False), fraction, as_regions)
     flow = Flow()
     auto, auto_stats = _steady(flow, fraction, as_regions)
@@ -91,11 +99,28 @@ def test_flow_evicts_for_the_next_op_where_it_moves_no_more_bytes(fresh_manager,
     assert auto_stats["bytes_to_device"] <= EVICTING_BYTES * free_stats["bytes_to_device"]
 
 
+@pytest.mark.parametrize("as_regions", [False, True], ids=["per op", "regions"])
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_flow_evicts_dirty_blocks_for_the_next_op_too(fresh_manager, by_bytes, fraction, as_regions):
+    # Training writes every weight each step: only clean blocks made room for a prefetch,
+    # so the next op's blocks were fetched when it needed them (about half the bytes).
+    expected = _plain(calls=40, measured=10, update=True)
+    free_only, free_stats = _steady(Flow(prefetch_evicts=False), fraction, as_regions, update=True)
+    flow = Flow()
+    auto, auto_stats = _steady(flow, fraction, as_regions, update=True)
+    assert_identical(free_only, expected)
+    assert_identical(auto, expected)
+    trial = flow.prefetching.trial
+    assert trial.chosen == {trial.key: True}
+    assert auto_stats["bytes_prefetched_ahead"] >= 0.95 * auto_stats["bytes_to_device"] > 0
+    assert auto_stats["bytes_to_device"] <= EVICTING_BYTES * free_stats["bytes_to_device"]
+
+
 def test_flow_prefetches_into_free_memory_only_where_evicting_costs_more_bytes(fresh_manager, by_bytes, monkeypatch):
     """Evicting for the next op moves about the bytes here (the trial above): with a limit the
     evicting way cannot meet, Flow goes back to filling free memory only."""
     monkeypatch.setattr(flow_prefetch, "EVICTING_BYTES", 0.5)
-    expected = _plain()
+    expected = _plain()[0]
     free_only, free_stats = _steady(Flow(prefetch_evicts=False), 0.5, as_regions=True)
     flow = Flow()
     auto, auto_stats = _steady(flow, 0.5, as_regions=True)
@@ -202,7 +227,7 @@ def test_while_learning_flow_evicts_for_the_next_op_as_the_last_plan_chose(fresh
     """Between plans (a ``generate()`` call's prompt and first tokens) Flow predicts by the
     period it knows, and prefetches as the last plan's trial chose. (A Flow that never
     compiles a plan learns all along: its trial's choice is set here.)"""
-    expected = _plain()
+    expected = _plain()[0]
     free = Flow(plan=False)
     free_only, free_stats = _steady(free, fraction)
     learning = Flow(plan=False)
