@@ -89,13 +89,19 @@ def test_every_way_of_finishing_a_simulated_copy_completes_it_once(finish):
     assert dst.tolist() == [1.0, 2.0] and pending.retire()
 
 
+def _clocked_copy(lag, clock):
+    """Streams whose copies last ``lag`` ops of ``clock`` (a one-item list), and a write-back
+    of [1.0, 2.0] they started: (streams, its destination, its Pending)."""
+    streams = SimStreams()
+    streams.lag, streams.clock = lag, lambda: clock[0]
+    src, dst = _plain(1.0, 2.0), _plain(0.0, 0.0)
+    return streams, dst, streams.copy_async(_bytes(dst), _bytes(src), prefetch=False)
+
+
 def test_a_copy_given_ops_to_last_ends_after_them_unless_waited_on():
     # (Note [Copies that outlast their op]: as on a GPU, where the manager plans while copies run)
     clock = [10]
-    streams = SimStreams()
-    streams.lag, streams.clock = 2, lambda: clock[0]
-    src, dst = _plain(1.0, 2.0), _plain(0.0, 0.0)
-    pending = streams.copy_async(_bytes(dst), _bytes(src), prefetch=False)
+    streams, dst, pending = _clocked_copy(2, clock)
     clock[0] = 11
     assert not pending.retire() and not pending.done() and pending.buffer_users() == 1
     assert _is_poison(dst.tolist())
@@ -112,10 +118,7 @@ def test_a_copy_that_ends_inside_a_dispatch_mode_is_not_seen_by_it():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     clock = [0]
-    streams = SimStreams()
-    streams.lag, streams.clock = 1, lambda: clock[0]
-    src, dst = _plain(1.0, 2.0), _plain(0.0, 0.0)
-    pending = streams.copy_async(_bytes(dst), _bytes(src), prefetch=False)
+    _streams, dst, pending = _clocked_copy(1, clock)
     clock[0] = 1
     with FakeTensorMode():
         assert pending.done()
