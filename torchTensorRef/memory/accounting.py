@@ -29,7 +29,9 @@ once the budget is full. They still take the device's memory until their copy en
 an allocation would not fit in the device beside them, the allocator waits for their copies
 first (CUDA's does this itself before it reports an out-of-memory; ``Room.check_capacity``
 on ``"sim"``). A reading of the device subtracts only the resident blocks from what it
-holds, as the device no longer counts the pending ones.
+holds, as the device no longer counts the pending ones. Every device buffer the manager
+allocates is allocated on the stream the program's ops run on (a prefetch's too: the side
+stream only writes it), so the copy streams hold no pool of their own for the budget to miss.
 
 Note [Room for the allocator's slack]: a block is counted at what the device's allocator
 counts for its buffer (``Backend.dev_bytes``), which may exceed ``Backend.block_bytes`` by up
