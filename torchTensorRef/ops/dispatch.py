@@ -197,7 +197,7 @@ def _run_fast_locked(mgr, func, args, kwargs, spec: OpSpec):
         if need:
             if acct.resident + acct.elsewhere_bytes + need > limit:
                 return _NOT_FAST
-            if mgr.backend.simulated and acct.resident + acct.pending_bytes + need > mgr.backend.capacity():
+            if mgr.backend.simulated and acct.on_device() + need > mgr.backend.capacity():
                 return _NOT_FAST  # the simulated device would run out: the generic path recovers
     watch = mgr.fast_watch
     if watch is not None:
