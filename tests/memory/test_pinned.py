@@ -137,6 +137,20 @@ def test_pinned_memory_refuses_past_its_limit_and_counts_what_it_gives_back():
     assert pinned.allocate(KIB) is not None and pinned.used == 3 * KIB
 
 
+def test_emulated_pinned_memory_knows_a_storage_that_aliases_its_buffer_as_cuda_does():
+    # (a piece of a big host tensor, made with dlpack, has a storage of its own; CUDA finds
+    # its bytes page-locked by their address, and so must the emulation)
+    pinned = PinnedMemory(emulated=True, limit=64 * KIB)
+    buffer = pinned.allocate(4 * KIB)
+    with torchTensorRef.disabled():
+        piece = torch.from_dlpack(buffer[KIB:2 * KIB])
+        elsewhere = torch.empty(KIB, dtype=torch.uint8)
+    assert piece.untyped_storage()._cdata != buffer.untyped_storage()._cdata
+    assert pinned.is_pinned(piece.untyped_storage()) and not pinned.is_pinned(elsewhere.untyped_storage())
+    pinned.freed(buffer.untyped_storage())
+    assert not pinned.is_pinned(piece.untyped_storage())
+
+
 def test_a_resize_that_drops_the_host_copy_gives_its_pinned_memory_back(limit):
     # Fixed: the dropped host copy stayed counted as pinned.
     tm.pinned_limit = "1MiB"

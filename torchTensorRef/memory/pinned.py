@@ -14,12 +14,15 @@ everything queued before the copy.)
 Accounting follows PyTorch's pinned allocator, which rounds every allocation up to a power
 of two; only the buffers allocated here are counted (a tensor the user pinned is not).
 On ``"sim"`` (no CUDA) pinning is emulated: the buffers are ordinary, and this registry is
-what says they are pinned, with the same limit and accounting.
+what says they are pinned, with the same limit and accounting; a storage that aliases one of
+them (a piece of a big host tensor an op runs in slices) is pinned too, found by its address
+as CUDA finds page-locked bytes.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+import bisect
+from typing import Dict, List, Optional
 
 import psutil
 import torch
@@ -57,6 +60,9 @@ class PinnedMemory:
         self.limit = default_limit() if limit is None else limit
         self.used = 0
         self._sizes: Dict[int, int] = {}  # storage key -> rounded bytes, for the buffers allocated here
+        #: emulated: (start, end) addresses of those buffers, sorted, so that a storage aliasing
+        #: one (a piece of a big host tensor, from dlpack) is pinned too, as CUDA finds it
+        self._spans: List[tuple] = []
         #: emulated: freed buffers kept for reuse (PyTorch's pinned allocator keeps its own)
         self.kept = BufferPool(0)
 
@@ -74,7 +80,11 @@ class PinnedMemory:
                 buffer = raw.empty(nbytes, dtype=raw.UINT8, pin_memory=True)
             except RuntimeError:
                 return None  # locked-memory limits: pageable memory still works
-        self._sizes[buffer.untyped_storage()._cdata] = size
+        storage = buffer.untyped_storage()
+        self._sizes[storage._cdata] = size
+        if self.emulated:
+            start = storage.data_ptr()
+            bisect.insort(self._spans, (start, start + storage.nbytes()))
         self.used += size
         return buffer
 
@@ -94,7 +104,14 @@ class PinnedMemory:
     def is_pinned(self, storage: torch.UntypedStorage) -> bool:
         if storage._cdata in self._sizes:
             return True
-        return not self.emulated and storage.device.type == "cpu" and storage.is_pinned()
+        if self.emulated:
+            spans = self._spans
+            if not spans:
+                return False
+            start = storage.data_ptr()
+            i = bisect.bisect_right(spans, (start, 1 << 64)) - 1
+            return i >= 0 and start + storage.nbytes() <= spans[i][1] and storage.nbytes() > 0
+        return storage.device.type == "cpu" and storage.is_pinned()
 
     def freed(self, storage: torch.UntypedStorage, keep: int = 0) -> None:
         """``storage`` is no longer used by a block (it is freed when its last view dies);
@@ -103,5 +120,9 @@ class PinnedMemory:
         if size is not None:
             self.used -= size
             if self.emulated:
+                start = storage.data_ptr()
+                i = bisect.bisect_left(self._spans, (start, start + storage.nbytes()))
+                if i < len(self._spans) and self._spans[i][0] == start:
+                    del self._spans[i]
                 self.kept.limit = keep
                 self.kept.give(storage)
