@@ -14,7 +14,7 @@ import torch
 import torchTensorRef
 from torchTensorRef.core import raw
 from torchTensorRef import tensorsManager as tm
-from torchTensorRef.memory.streams import POISON, SimStreams
+from torchTensorRef.memory.streams import POISON, SimStreams, joined
 from torchTensorRef.core.tensor_ref import block_of
 from paired import outside, small_sim_capacity
 
@@ -110,6 +110,22 @@ def test_a_copy_given_ops_to_last_ends_after_them_unless_waited_on():
     waited = streams.copy_async(_bytes(dst), _bytes(_plain(3.0, 4.0)), prefetch=True)
     waited.wait_compute()  # (waited on before its end: done at once)
     assert waited.done() and dst.tolist() == [3.0, 4.0]
+
+
+def test_copies_into_one_host_copy_are_waited_on_together_and_let_go_once_ended():
+    # (the write-backs of pieces into a big tensor's host copy: Note [Pieces] in ops/pieces.py)
+    clock = [10]
+    streams, dst, first = _clocked_copy(2, clock)
+    clock[0] = 11
+    second = streams.copy_async(_bytes(dst), _bytes(_plain(3.0, 4.0)), prefetch=False)
+    copies = joined(joined(None, first), second)
+    assert copies.untracked and copies.buffer_users() == 0  # (they read other blocks' buffers)
+    assert not copies.done() and _is_poison(dst.tolist())
+    clock[0] = 12  # (the first one ends)
+    third = streams.copy_async(_bytes(dst), _bytes(_plain(5.0, 6.0)), prefetch=False)
+    assert joined(copies, third) is copies and copies.parts == [second, third]
+    copies.wait_host()
+    assert copies.done() and dst.tolist() == [5.0, 6.0]
 
 
 def test_a_copy_that_ends_inside_a_dispatch_mode_is_not_seen_by_it():

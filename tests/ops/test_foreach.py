@@ -156,6 +156,43 @@ def test_position_too_large_runs_in_chunks(fresh_manager):
     assert fresh_manager.stats()["peak_device_bytes"] <= BUDGET
 
 
+@pytest.mark.parametrize("strategy, in_place", [("genoa", True), ("flow", True), ("flow", False)])
+def test_chunks_land_in_the_host_copy_without_host_waits(fresh_manager, monkeypatch, strategy, in_place):
+    # The pieces of a position larger than the budget alias its host copy, and the results
+    # of an op that makes new tensors land in a big result's host copy (Note [Pieces] in
+    # ops/pieces.py): each chunk's write-back lands there asynchronously and the host copy
+    # waits for them, so the host does not wait once per chunk (it did: 6 times a call in
+    # place, 16 out of place). Copies last two ops on "sim" (their destinations poison until
+    # then): the next call's pieces, and reading the values, must see every chunk's bytes.
+    # (Genoa writes an op's results back as it ends, before they can land: out of place, the
+    # host waits for them.)
+    monkeypatch.setattr(fresh_manager, "sim_copy_ops", 2)
+    fresh_manager.strategy = strategy
+    (xs, ys), (pxs, pys) = _lists(2)
+    torch.manual_seed(1)
+    xs[-1], ys[-1] = torch.rand(16 * SIZE), torch.rand(16 * SIZE)
+
+    def call(xs, ys):
+        if in_place:
+            aten._foreach_addcmul_.Scalar(xs, ys, ys, value=0.5)
+            return xs
+        return aten._foreach_add.List(aten._foreach_mul.Scalar(xs, 0.5), ys)
+
+    with plain_torch():
+        torch.manual_seed(1)
+        pxs[-1], pys[-1] = torch.rand(16 * SIZE), torch.rand(16 * SIZE)
+        for _ in range(3):
+            pxs = call(pxs, pys)
+    fresh_manager.budget = budget(BUDGET)
+    fresh_manager.reset_stats()
+    for _ in range(3):
+        xs = call(xs, ys)
+    stats = fresh_manager.stats()
+    assert stats["host_syncs"] == 0 and stats["writebacks"] >= 3 * 4  # (four chunks a call at least)
+    _same(xs, pxs)
+    assert fresh_manager.stats()["peak_device_bytes"] <= BUDGET
+
+
 def test_position_that_cannot_be_chunked_fails_before_writing(fresh_manager):
     (xs, ys), (pxs, _pys) = _lists(2)
     xs[-1], ys[-1] = torch.ones(2 * SIZE, 2).t(), torch.ones(2, 2 * SIZE)  # not contiguous: no flat chunks

@@ -87,7 +87,7 @@ class Block:
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
         "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched", "prefetch_op",
         "dev_pending", "host_pending", "external", "host_only", "host_shared", "exposed",
-        "disk", "spilling", "views", "fetches", "explicit", "dev_bytes", "__weakref__",
+        "disk", "spilling", "views", "fetches", "explicit", "dev_bytes", "host_parent", "__weakref__",
     )
 
     def __init__(self, nbytes: int, on_ref_dead: Optional[Callable[..., None]] = None) -> None:
@@ -132,6 +132,10 @@ class Block:
         self.host_only: bool = False
         #: the host copy is a plain tensor's storage that its holder still uses
         self.host_shared: bool = False
+        #: the block whose host copy this one's host copy is a range of (a piece of a tensor
+        #: split for an op: Note [Pieces] in ``ops/pieces.py``): its write-backs may run
+        #: asynchronously, the host copy they land in waiting for them (``host_pending``)
+        self.host_parent: Optional[Block] = None
         #: its device address was handed out (``data_ptr``): kept resident until room is needed
         self.exposed: bool = False
         #: a file range holding the current bytes (Note [Three levels] in ``disk.py``), or None

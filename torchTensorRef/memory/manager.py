@@ -166,8 +166,7 @@ class TensorsManager:
     @fault_injector.setter
     def fault_injector(self, fn: Optional[Callable[[Fault], object]]) -> None:
         if fn is not None and not callable(fn):
-            raise TypeError(f"fault_injector must be a callable taking a Fault, or None (got: {fn!r}, "
-                            f"which is not callable)")
+            raise TypeError(f"fault_injector must be a callable taking a Fault, or None (got: {fn!r}, not callable)")
         with self.lock:
             self._fault_injector = fn
             self.refresh_fast()
@@ -367,13 +366,14 @@ class TensorsManager:
         """A new TensorRef on the device, within the budget (the device's ``empty`` kernels)."""
         return self.residency.new_device_tensor(size, stride, dtype, memory_format)
 
-    def mark_external(self, block: Block) -> None:
+    def mark_external(self, block: Block, wait: bool = True) -> None:
         """One more holder of ``block``'s host bytes outside the manager (Note [External
-        bytes]): it leaves the device and its host copy is made current."""
+        bytes]): it leaves the device and its host copy is made current (waited for: ``wait``)."""
         with self.lock:
             self.books.mark_external(block)
             self.residency.evict(block)
-            self.residency.sync_host(block)
+            if wait or not block.host_valid:
+                self.residency.sync_host(block)
 
     def unmark_external(self, block: Block) -> None:
         """Undo one ``mark_external`` (counters only: it may run from a weakref callback)."""

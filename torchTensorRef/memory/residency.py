@@ -29,7 +29,7 @@ from ..core.blocks import Block
 from ..core.tensor_ref import TensorRef, make_ref
 from .room import is_out_of_memory
 from .sim.pool import MIN_BYTES as KEPT_MIN_BYTES
-from .streams import Pending
+from .streams import Pending, joined
 
 
 # Note [Buffers still viewed]: a block's device copy may be viewed by plain tensors the
@@ -265,10 +265,16 @@ class Residency:
         block.wait_arrival()
         backend = m.backend
         counters = m.statistics.counters
-        if backend.pinned.is_pinned(host) and not (block.external or block.host_shared):
+        parent = block.host_parent
+        if backend.pinned.is_pinned(host) and not (block.external or block.host_shared and parent is None):
+            if block.host_pending is not None and block.host_pending.untracked:
+                block.host_pending.wait_compute()  # (pieces' copies into it land first, in order)
             pending = backend.streams.copy_async(raw.flat_bytes(host), dev, prefetch=False)
             block.host_pending = pending
             m.accounting.hold(pending, block.dev_bytes)  # (the device copy, until the copy ends)
+            if parent is not None:
+                # (a piece: the host copy it is a range of is read once its copies end)
+                parent.host_pending = joined(parent.host_pending, pending)
         else:
             # Into pageable memory (the host waits), or into bytes others read directly.
             self.wait_pending_host(block)
@@ -277,6 +283,15 @@ class Residency:
         block.written_back()
         counters["bytes_to_host"] += block.nbytes
         counters["writebacks"] += 1
+
+    def write_back_into(self, block: Block, host: torch.UntypedStorage, parent: Block) -> None:
+        """Drop device-only ``block``'s device copy, written back into ``host``, a range of
+        ``parent``'s host copy of ``block``'s size: the result of a piece of a tensor split
+        for an op (Note [Pieces] in ``ops/pieces.py``)."""
+        block.set_host(host, False)
+        block.host_shared = True  # (never re-homed: the bytes are ``parent``'s)
+        block.host_parent = parent
+        self.evict(block)
 
     def _host_for_write_back(self, block: Block) -> torch.UntypedStorage:
         """The host storage a write-back of ``block`` goes to: its own, or a new (pinned) one."""
@@ -331,6 +346,11 @@ class Residency:
     def forget_host(self, block: Block) -> None:
         """``block`` stops using its host copy (accounting; the bytes go when no view holds them)."""
         m = self.m
+        pending = block.host_pending
+        if pending is not None and pending.untracked and block.host_parent is None:
+            # (copies into views of its buffer, which PyTorch's pinned allocator would hand
+            # out again before they end: Note [Pieces] in ``ops/pieces.py``)
+            m.device_room.wait_host(pending)
         host = block.host_storage()
         m.books.by_host_storage.pop(host._cdata, None)
         pinned = m.backend.pinned

@@ -44,6 +44,8 @@ class Pending:
     __slots__ = ()
     #: whether the host can wait for it to end (a copy can; a view the program holds cannot)
     waitable = True
+    #: whether its destination is a view PyTorch's pinned allocator does not see used (``Copies``)
+    untracked = False
 
     def wait_compute(self) -> None:
         """Make later work on the compute stream wait for the copy (the host does not wait)."""
@@ -65,6 +67,46 @@ class Pending:
         """Tensors viewing its device buffer that the copy keeps until it ends (the stand-in's
         one view on "sim"; none on CUDA, where ``record_stream`` keeps the buffer)."""
         return 0
+
+
+class Copies(Pending):
+    """Copies into ranges of one host copy, waited on together: the write-backs of the pieces
+    of a tensor split for an op (Note [Pieces] in ``ops/pieces.py``). They read other blocks'
+    device buffers, never the device buffer of the block whose ``host_pending`` this is, and
+    their destinations are views the pinned allocator does not follow (``untracked``)."""
+
+    __slots__ = ("parts",)
+    #: its copies write views of a host buffer that PyTorch's pinned allocator does not see
+    #: used: the buffer is not freed before they end (``Residency.forget_host``)
+    untracked = True
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    def wait_compute(self) -> None:
+        for part in self.parts:
+            part.wait_compute()
+
+    def wait_host(self) -> None:
+        for part in self.parts:
+            part.wait_host()
+        self.parts = []
+
+    def done(self) -> bool:
+        self.parts = [part for part in self.parts if not part.done()]
+        return not self.parts
+
+
+def joined(earlier: Optional[Pending], copy: Pending) -> Copies:
+    """``earlier`` (a host copy's pending copies, or ``None``) and ``copy``, waited on together
+    (those that ended are let go: a tensor updated in pieces at every step keeps a few)."""
+    if isinstance(earlier, Copies):
+        earlier.done()
+        earlier.parts.append(copy)
+        return earlier
+    if earlier is None or earlier.done():
+        return Copies([copy])
+    return Copies([earlier, copy])
 
 
 class CudaPending(Pending):

@@ -18,14 +18,7 @@ run as several kernels on *pieces* of their tensors, each piece small enough:
 - ``softmax`` and ``log_softmax`` over the last dimension, and their backward: chunks of
   whole rows (each row is computed alone, by the same kernel, whatever the other rows).
 
-Note [Pieces]: a piece is a TensorRef of its own, with a block of its own, so the manager
-moves it, counts it and keeps it within the budget as any tensor. A big tensor is first
-*settled* (its device copy written back and dropped): its host copy is then the only one
-and holds its current bytes. A piece read from it aliases a range of that host copy (no
-copy; a ``from_dlpack`` view whose storage is exactly that range) or, for rows and columns
-that are not one range, gathers them; a piece written in place aliases its range, and its
-write-back (synchronous: the block shares its bytes) lands in the big tensor's host copy.
-A big result is made in host memory and filled from the pieces' results.
+Each runs on *pieces* of its big tensors (Note [Pieces] in ``pieces.py``).
 
 The handlers of those ops are in ``split_handlers.py``; the list ops use ``run_chunked``
 from ``foreach.py``.
@@ -37,7 +30,6 @@ the op and the smallest budget that works.
 
 from __future__ import annotations
 
-import contextlib
 from typing import List, Optional, Sequence
 
 import torch
@@ -45,11 +37,12 @@ import torch
 from ..core import raw
 from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec
-from ..core.tensor_ref import TensorRef, host_view, block_of
+from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as mgr
 from . import dispatch
 from .dispatch import run_generic
 from .output_size import estimate_output_bytes
+from .pieces import alias_piece, dense, held_on_host, host_result, land, write_back
 
 aten = torch.ops.aten
 
@@ -138,107 +131,6 @@ def fits(spec: OpSpec, args, kwargs, out_bytes: Optional[int] = None) -> Optiona
     if left is None or need <= left:
         return None
     return left
-
-
-# -- pieces (Note [Pieces]) --------------------------------------------------------------
-
-def settle(refs: Sequence[TensorRef]) -> None:
-    """Give each of ``refs``' blocks a current host copy and no device copy."""
-    with mgr.lock:
-        for ref in refs:
-            block = block_of(ref)
-            if block.host_only:
-                continue
-            if block.pins and block.dev is not None:
-                raise OutOfBudgetError(f"a pinned tensor of {block.nbytes} bytes", block.nbytes, mgr.limit,
-                                       "unpin it to let ops larger than the budget run in pieces")
-            mgr.evict(block)
-            mgr.sync_host(block)
-
-
-@contextlib.contextmanager
-def held_on_host(refs: Sequence[TensorRef]):
-    """Settle ``refs`` and keep their host copies where they are while pieces alias them.
-
-    Their blocks are external meanwhile (Note [External bytes] in ``core/blocks.py``): no
-    device copy of them is kept between the pieces' ops, and their host copies are never
-    re-homed. Without it a strategy could move a host copy into pinned memory to prefetch
-    it, and the pieces' writes (or the results copied in) would land in the old copy.
-    """
-    settle(refs)
-    blocks = [b for b in {id(block_of(r)): block_of(r) for r in refs}.values() if not b.host_only]
-    for block in blocks:
-        mgr.mark_external(block)
-    try:
-        yield
-    finally:
-        for block in blocks:
-            mgr.unmark_external(block)
-
-
-def _plain_alias(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor over exactly the bytes of contiguous ``t`` (its storage is that range)."""
-    from_dlpack = getattr(torch.from_dlpack, "__wrapped__", torch.from_dlpack)  # (creation is patched)
-    return from_dlpack(t.detach())
-
-
-def _manage(plain: torch.Tensor) -> TensorRef:
-    return mgr.manage_tensor(plain, requires_grad=False, shared=True)
-
-
-def flat_host(ref: TensorRef) -> torch.Tensor:
-    """The settled, dense ``ref`` as a flat plain view of its host copy, in the order of its
-    bytes (its elements' order where it is contiguous)."""
-    v = host_view(ref).detach()
-    return v.view(-1) if v.is_contiguous() else v.as_strided((v.numel(),), (1,), v.storage_offset())
-
-
-def dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill one range of its bytes, each once: contiguous, or its
-    dimensions in another order (a transpose of a contiguous tensor)."""
-    expected = 1
-    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def alias_piece(ref: TensorRef, start: int, stop: int) -> TensorRef:
-    """A piece over elements ``start:stop`` (in the order of its bytes) of settled dense
-    ``ref``, aliasing its host bytes."""
-    return _manage(_plain_alias(flat_host(ref)[start:stop]))
-
-
-def gathered_piece(plain: torch.Tensor) -> TensorRef:
-    """A piece holding ``plain`` (host values gathered from a settled tensor)."""
-    return _manage(plain)
-
-
-def write_back(pieces) -> None:
-    """Written pieces' bytes go to the host copies they alias; their device copies go."""
-    with mgr.lock:
-        for p in pieces:
-            if isinstance(p, TensorRef):
-                mgr.evict(block_of(p))
-
-
-def to_host(result: TensorRef) -> torch.Tensor:
-    """The values of a piece's result as a plain view of its (current) host copy."""
-    with mgr.lock:
-        mgr.sync_host(block_of(result))
-        return host_view(result).detach()
-
-
-def host_result(size, dtype, zero: bool = False, stride=None) -> TensorRef:
-    """A new TensorRef whose only copy is in host memory (a big result), contiguous or with
-    ``stride``."""
-    plain = (raw.empty(tuple(size), dtype=dtype) if stride is None
-             else raw.empty_strided(tuple(size), stride, dtype=dtype))
-    if zero:
-        plain.zero_()
-    ref = mgr.manage_tensor(plain, requires_grad=False, shared=False)
-    return ref
 
 
 def chunk_elements(per_element: int, fixed: int, left: int, numel: int, name: str,
@@ -362,10 +254,10 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
     if out_meta is not None:
         # (laid out as the big tensors, as plain torch lays out an elementwise op's result)
         stride = None if big[0].is_contiguous() else big[0].stride()
-        outs = [host_result(shape, d, stride=stride) for d in out_meta]
+        outs = [host_result(shape, d, stride=stride, pinned=True) for d in out_meta]
     partial: List = []
     retry = may_retry(spec)
-    with held_on_host(big + (outs or [])):
+    with held_on_host(big + (outs or []), wait=False):
         start = 0
         while start < numel:
             stop = min(start + chunk, numel)
@@ -385,9 +277,8 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
             if reduction:
                 partial.append(result)
             elif outs is not None:
-                results = _flat_results(result)
-                for out, r in zip(outs, results):
-                    flat_host(out)[start:stop].copy_(to_host(r).reshape(-1))
+                for out, r in zip(outs, _flat_results(result)):
+                    land(r, out, start, stop)
             del pieces, cargs, ckwargs, result
             start = stop
     if reduction:

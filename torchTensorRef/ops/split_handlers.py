@@ -1,5 +1,5 @@
 """The ops that run in pieces when they are larger than the budget (Note [Pieces] in
-``split.py``, which holds the machinery): ``embedding`` and its backward by rows, ``mm`` by
+``pieces.py``, and ``split.py``): ``embedding`` and its backward by rows, ``mm`` by
 tiles of its output, the elementwise ops a training step runs on whole parameters by
 chunks, views of big tensors without moving bytes, and a whole tensor's norm by chunks.
 
@@ -16,8 +16,9 @@ from ..core.tensor_ref import TensorRef, host_view, block_of
 from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
-from .split import (tensors_of, block_bytes, chunk_elements, default, fits, gathered_piece, held_on_host, host_result,
-                    op_bytes, refs_bytes, refuse, room, run_chunked, settle, to_host)
+from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
+from .split import (tensors_of, block_bytes, chunk_elements, default, fits, op_bytes, refs_bytes, refuse, room,
+                    run_chunked)
 
 aten = torch.ops.aten
 

@@ -21,7 +21,8 @@ import torch
 
 from ..core.op_specs import OpSpec, implements
 from ..core.tensor_ref import TensorRef, host_view
-from .split import default, fits, gathered_piece, host_result, op_bytes, refuse, settle, to_host
+from .pieces import gathered_piece, host_result, settle, to_host
+from .split import default, fits, op_bytes, refuse
 
 aten = torch.ops.aten
 

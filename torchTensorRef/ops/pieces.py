@@ -1,0 +1,171 @@
+"""Pieces: the parts of tensors larger than the budget that an op split for it runs on
+(``split.py``).
+
+Note [Pieces]: a piece is a TensorRef of its own, with a block of its own, so the manager
+moves it, counts it and keeps it within the budget as any tensor. A big tensor is first
+*settled* (its device copy written back and dropped): its host copy is then the only one
+and holds its current bytes. A piece read from it aliases a range of that host copy (no
+copy; a ``from_dlpack`` view whose storage is exactly that range) or, for rows and columns
+that are not one range, gathers them; a piece written in place aliases its range, and its
+write-back lands in the big tensor's host copy. A big result is made in host memory and
+filled from the pieces' results.
+
+The elementwise ops' chunks (``run_chunked``) keep the host from waiting once per chunk: the
+big tensors are settled without waiting for their write-backs, a piece is fetched once the
+write-back of the range it aliases ended (ordered on the device, ``host_pending``), and a
+piece written in place, or a result of exactly its range's bytes, is written back into that
+range asynchronously where the host copy is pinned (big results are made in pinned memory).
+The big tensor's host copy then waits for those copies (``Block.host_parent``,
+``streams.Copies``): whoever reads it, an op on the device or the host, waits for them
+first, and its buffer is not given back before they end (they write views of it that
+PyTorch's pinned allocator does not see used).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+
+from ..core import raw
+from ..core.errors import OutOfBudgetError
+from ..core.tensor_ref import TensorRef, host_view, block_of
+from ..memory.manager import tensorsManager as mgr
+from ..memory.streams import joined
+
+
+def settle(refs: Sequence[TensorRef], wait: bool = True) -> None:
+    """Give each of ``refs``' blocks a current host copy and no device copy; without
+    ``wait``, the write-back making it current may still run (``host_pending``)."""
+    with mgr.lock:
+        for ref in refs:
+            block = block_of(ref)
+            if block.host_only:
+                continue
+            if block.pins and block.dev is not None:
+                raise OutOfBudgetError(f"a pinned tensor of {block.nbytes} bytes", block.nbytes, mgr.limit,
+                                       "unpin it to let ops larger than the budget run in pieces")
+            mgr.evict(block)
+            if wait or not block.host_valid:
+                mgr.sync_host(block)
+
+
+@contextlib.contextmanager
+def held_on_host(refs: Sequence[TensorRef], wait: bool = True):
+    """Settle ``refs`` and keep their host copies where they are while pieces alias them
+    (without ``wait``, their write-backs may still run: only pieces read them, on the device).
+
+    Their blocks are external meanwhile (Note [External bytes] in ``core/blocks.py``): no
+    device copy of them is kept between the pieces' ops, and their host copies are never
+    re-homed. Without it a strategy could move a host copy into pinned memory to prefetch
+    it, and the pieces' writes (or the results copied in) would land in the old copy.
+    """
+    settle(refs, wait)
+    blocks = [b for b in {id(block_of(r)): block_of(r) for r in refs}.values() if not b.host_only]
+    for block in blocks:
+        mgr.mark_external(block, wait)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            mgr.unmark_external(block)
+
+
+def _plain_alias(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor over exactly the bytes of contiguous ``t`` (its storage is that range)."""
+    from_dlpack = getattr(torch.from_dlpack, "__wrapped__", torch.from_dlpack)  # (creation is patched)
+    return from_dlpack(t.detach())
+
+
+def _manage(plain: torch.Tensor) -> TensorRef:
+    return mgr.manage_tensor(plain, requires_grad=False, shared=True)
+
+
+def flat_host(ref: TensorRef) -> torch.Tensor:
+    """The settled, dense ``ref`` as a flat plain view of its host copy, in the order of its
+    bytes (its elements' order where it is contiguous)."""
+    v = host_view(ref).detach()
+    return v.view(-1) if v.is_contiguous() else v.as_strided((v.numel(),), (1,), v.storage_offset())
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one range of its bytes, each once: contiguous, or its
+    dimensions in another order (a transpose of a contiguous tensor)."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def alias_piece(ref: TensorRef, start: int, stop: int) -> TensorRef:
+    """A piece over elements ``start:stop`` (in the order of its bytes) of settled dense
+    ``ref``, aliasing its host bytes: fetched once ``ref``'s write-back ends, and written
+    back into them asynchronously, ``ref``'s host copy waiting for it."""
+    piece = _manage(_plain_alias(flat_host(ref)[start:stop]))
+    parent, block = block_of(ref), block_of(piece)
+    block.host_parent = parent
+    if parent.host_pending is not None:
+        block.host_pending = joined(None, parent.host_pending)  # (its fetch waits: on the device)
+    return piece
+
+
+def gathered_piece(plain: torch.Tensor) -> TensorRef:
+    """A piece holding ``plain`` (host values gathered from a settled tensor)."""
+    return _manage(plain)
+
+
+def write_back(pieces) -> None:
+    """Written pieces' bytes go to the host copies they alias; their device copies go."""
+    with mgr.lock:
+        for p in pieces:
+            if isinstance(p, TensorRef):
+                mgr.evict(block_of(p))
+
+
+def to_host(result: TensorRef) -> torch.Tensor:
+    """The values of a piece's result as a plain view of its (current) host copy."""
+    with mgr.lock:
+        mgr.sync_host(block_of(result))
+        return host_view(result).detach()
+
+
+def land(result, out: TensorRef, start: int, stop: int) -> None:
+    """A piece's result written into elements ``start:stop`` (in the order of its bytes) of
+    settled dense ``out``. A result that is a block of its own with those bytes exactly is
+    written back into that range of ``out``'s host copy (asynchronously where it is pinned,
+    ``out``'s host copy waiting for it); any other is copied there by the host."""
+    block = block_of(result) if isinstance(result, TensorRef) else None
+    if (block is not None and block.dev is not None and block.host is None and block.refs == 1
+            and result.dtype == out.dtype and result.is_contiguous() and result.storage_offset() == 0
+            and block.nbytes == (stop - start) * result.element_size()):
+        with mgr.lock:
+            mgr.residency.write_back_into(block, _plain_alias(flat_host(out)[start:stop]).untyped_storage(),
+                                          block_of(out))
+        return
+    flat_host(out)[start:stop].copy_(to_host(result).reshape(-1))
+
+
+def host_result(size, dtype, zero: bool = False, stride=None, pinned: bool = False) -> TensorRef:
+    """A new TensorRef whose only copy is in host memory (a big result), contiguous or with
+    ``stride``; in pinned memory where asked and some is left (pieces' results are written
+    back into it asynchronously: :func:`land`)."""
+    size = tuple(size)
+    plain = _pinned_empty(size, dtype, stride) if pinned else None
+    if plain is None:
+        plain = raw.empty(size, dtype=dtype) if stride is None else raw.empty_strided(size, stride, dtype=dtype)
+    if zero:
+        plain.zero_()
+    ref = mgr.manage_tensor(plain, requires_grad=False, shared=False)
+    return ref
+
+
+def _pinned_empty(size: tuple, dtype: torch.dtype, stride) -> Optional[torch.Tensor]:
+    pinned = mgr.backend.pinned
+    if stride is None:
+        stride = raw.empty(size, dtype=dtype, device="meta").stride()
+    nbytes = raw.storage_bytes(size, stride, dtype)
+    buffer = pinned.allocate(nbytes) if pinned is not None and nbytes else None
+    return None if buffer is None else buffer.view(dtype).as_strided(size, tuple(stride))
