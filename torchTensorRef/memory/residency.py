@@ -266,7 +266,7 @@ class Residency:
         backend = m.backend
         counters = m.statistics.counters
         parent = block.host_parent
-        if backend.pinned.is_pinned(host) and not (block.external or block.host_shared and parent is None):
+        if backend.pinned.is_pinned(host) and not (block.external or (block.host_shared and parent is None)):
             if block.host_pending is not None and block.host_pending.untracked:
                 block.host_pending.wait_compute()  # (pieces' copies into it land first, in order)
             pending = backend.streams.copy_async(raw.flat_bytes(host), dev, prefetch=False)
