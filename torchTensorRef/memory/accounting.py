@@ -86,7 +86,7 @@ class Accounting:
     """
 
     __slots__ = ("resident", "pending", "pending_bytes", "elsewhere", "elsewhere_bytes", "limit", "peak",
-                 "overshoot", "warmed", "checks", "slack", "promised", "device_overshoot", "reserved",
+                 "overshoot", "warmed", "checks", "slack", "promised", "device_overshoot", "reserved", "reread",
                  "readings", "kept")
 
     def __init__(self) -> None:
@@ -104,6 +104,8 @@ class Accounting:
         self.promised: int = 0
         self.device_overshoot: int = 0
         self.reserved: int = 0
+        #: a buffer held as still viewed was let go: the next reading counts what is outside
+        self.reread: bool = False
         self.readings: int = 0
         self.kept: Dict[int, int] = {}
 
@@ -193,7 +195,9 @@ class Accounting:
         if pending.waitable:
             self.pending_bytes -= nbytes
         else:
-            self.elsewhere_bytes = max(self.elsewhere_bytes - nbytes, 0)
+            # (left to a reading of the device: another thread may still hold the buffer it
+            # counted, the manager's count would fall below the device's)
+            self.reread = True
 
     def waitable(self) -> bool:
         """Whether a held buffer's copy is still to be waited for (a buffer the program still

@@ -39,8 +39,10 @@ from .streams import Pending, joined
 # does; "sim" counts the same way). So a dropped copy that PyTorch counts other users of is
 # held as an ``InUse`` (``Accounting.hold_viewed``): counted against the budget as outside
 # the manager, as the program's own device tensors are, until only the manager's reference
-# is left (asked before each op), and only then given to the device for reuse. Nothing can
-# wait for such a view to go: a budget that needs those bytes fails as it would on the device.
+# is left (asked before each op), and only then given to the device for reuse; it counts as
+# gone at the next reading of the device, not before (a holder PyTorch's count of users does
+# not show, another thread's, may keep it a while). Nothing can wait for such a view to go:
+# a budget that needs those bytes fails as it would on the device.
 
 
 class InUse(Pending):

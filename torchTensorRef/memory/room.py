@@ -66,6 +66,7 @@ class Room:
         """Device bytes that count against the budget now (asking the device what else it holds)."""
         acct = self.m.accounting
         acct.readings += 1
+        acct.reread = False
         # (less the resident blocks only: the device counts a buffer a copy still uses free
         # once dropped, Note [Stream-ordered frees])
         acct.elsewhere_bytes = self.m.backend.in_use_elsewhere(acct.resident) + acct.reserved
@@ -95,7 +96,10 @@ class Room:
 
     def retire(self, wait: bool = False) -> None:
         """Forget the held buffers whose copies ended (on ``"sim"``: end them); with ``wait``, all."""
-        self.m.accounting.retire(self.wait_host if wait else None)
+        acct = self.m.accounting
+        acct.retire(self.wait_host if wait else None)
+        if acct.reread:
+            self.used_bytes()
 
     def wait_host(self, pending: Pending) -> None:
         """Block the host until ``pending`` ends (counted as a host wait if it had not)."""
