@@ -156,7 +156,9 @@ class Room:
         acct = m.accounting
         while True:
             if acct.pending:
-                self.retire()  # finished copies give their buffers back (on "sim": all)
+                # finished copies give their buffers back (on "sim": all); the reading below
+                # counts what a buffer held as viewed let go (``Room.retire`` would read twice)
+                acct.retire()
             used = self.used_bytes()
             taken = min(allocated, acct.elsewhere_bytes)  # (a reading counts them outside the manager)
             acct.elsewhere_bytes, used = acct.elsewhere_bytes - taken, used - taken
