@@ -156,7 +156,7 @@ def test_position_too_large_runs_in_chunks(fresh_manager):
     assert fresh_manager.stats()["peak_device_bytes"] <= BUDGET
 
 
-@pytest.mark.parametrize("strategy, in_place", [("genoa", True), ("flow", True), ("flow", False)])
+@pytest.mark.parametrize("strategy, in_place", [("genoa", True), ("genoa", False), ("flow", True), ("flow", False)])
 def test_chunks_land_in_the_host_copy_without_host_waits(fresh_manager, monkeypatch, strategy, in_place):
     # The pieces of a position larger than the budget alias its host copy, and the results
     # of an op that makes new tensors land in a big result's host copy (Note [Pieces] in
@@ -164,8 +164,8 @@ def test_chunks_land_in_the_host_copy_without_host_waits(fresh_manager, monkeypa
     # waits for them, so the host does not wait once per chunk (it did: 6 times a call in
     # place, 16 out of place). Copies last two ops on "sim" (their destinations poison until
     # then): the next call's pieces, and reading the values, must see every chunk's bytes.
-    # (Genoa writes an op's results back as it ends, before they can land: out of place, the
-    # host waits for them.)
+    # (Genoa writes an op's results back as it ends: a chunk's result is made with its range
+    # of the big result as its host copy, or the host waited for each, 16 times a call.)
     monkeypatch.setattr(fresh_manager, "sim_copy_ops", 2)
     fresh_manager.strategy = strategy
     (xs, ys), (pxs, pys) = _lists(2)

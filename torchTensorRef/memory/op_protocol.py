@@ -13,6 +13,8 @@ CPU tensors.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from typing import Any, Callable, Iterable, List, Optional, Protocol
 
@@ -57,12 +59,44 @@ class OpInFlight(Protocol):
     def output_estimate(self) -> int: ...
 
 
+class _Landing(threading.local):
+    #: (host storage, its block, dtype, the op's spec) where this thread's next such op's one
+    #: new result lands (Note [Pieces] in ``ops/pieces.py``), or None
+    range: Optional[tuple] = None
+
+
 class OpProtocol:
     """What the manager does around one op (``prepare``, ``call``, ``finish`` or ``raised``)."""
 
 
     def __init__(self, manager) -> None:
         self.m = manager
+        self._landing = _Landing()
+
+    @contextlib.contextmanager
+    def landing(self, host: torch.UntypedStorage, parent: Block, dtype: torch.dtype, spec):
+        """The one new result of the op of ``spec`` run inside (on the device) gets ``host``,
+        a range of ``parent``'s host copy, as its host copy when it is adopted, where it has
+        that range's bytes and ``dtype``: its write-back, whenever its strategy evicts it,
+        lands there (asynchronously where ``host`` is pinned, ``parent``'s host copy waiting
+        for it). The caller checks where the result's bytes went (``Block.host_parent``)."""
+        landing = self._landing
+        landing.range = (host, parent, dtype, spec)
+        try:
+            yield
+        finally:
+            landing.range = None
+
+    def _land(self, block: Block, t: torch.Tensor, spec, landing: tuple) -> None:
+        host, parent, dtype, expected = landing
+        if spec is not expected:
+            return  # (another op run on its way: a plain tensor brought to the device)
+        self._landing.range = None  # (one result: a second is not the one expected)
+        if (t.dtype == dtype and host.nbytes() == block.nbytes and t.storage_offset() == 0
+                and t.is_contiguous()):
+            block.set_host(host, False)
+            block.host_shared = True  # (never re-homed: the bytes are ``parent``'s)
+            block.host_parent = parent
 
     def prepare(self, ctx: OpInFlight) -> None:
         """Before an op: the budget checked, callbacks, the strategy's ``before_op``, room made
@@ -224,8 +258,12 @@ class OpProtocol:
             t = tight_result(t, t.untyped_storage())
         m = self.m
         block = self.result_block(t, ctx.index, ctx.on_host)
-        if block.dev is not None and m.trace is not None:
-            m.trace.resized(time.perf_counter_ns(), m.accounting.resident)
+        if block.dev is not None:
+            landing = self._landing.range
+            if landing is not None:
+                self._land(block, t, ctx.spec, landing)
+            if m.trace is not None:
+                m.trace.resized(time.perf_counter_ns(), m.accounting.resident)
         ctx.outputs.append(block)
         return make_ref(block, t, m.declared)
 

@@ -286,15 +286,6 @@ class Residency:
         counters["bytes_to_host"] += block.nbytes
         counters["writebacks"] += 1
 
-    def write_back_into(self, block: Block, host: torch.UntypedStorage, parent: Block) -> None:
-        """Drop device-only ``block``'s device copy, written back into ``host``, a range of
-        ``parent``'s host copy of ``block``'s size: the result of a piece of a tensor split
-        for an op (Note [Pieces] in ``ops/pieces.py``)."""
-        block.set_host(host, False)
-        block.host_shared = True  # (never re-homed: the bytes are ``parent``'s)
-        block.host_parent = parent
-        self.evict(block)
-
     def _host_for_write_back(self, block: Block) -> torch.UntypedStorage:
         """The host storage a write-back of ``block`` goes to: its own, or a new (pinned) one."""
         m = self.m

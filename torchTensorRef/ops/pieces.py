@@ -13,8 +13,10 @@ filled from the pieces' results.
 The elementwise ops' chunks (``run_chunked``) keep the host from waiting once per chunk: the
 big tensors are settled without waiting for their write-backs, a piece is fetched once the
 write-back of the range it aliases ended (ordered on the device, ``host_pending``), and a
-piece written in place, or a result of exactly its range's bytes, is written back into that
-range asynchronously where the host copy is pinned (big results are made in pinned memory).
+piece written in place, or a chunk's one new result (given its range of the big result as
+its host copy when the op makes it: ``landing``, so that Genoa's write-back as the op ends
+lands there too), is written back into that range asynchronously where the host copy is
+pinned (big results are made in pinned memory).
 The big tensor's host copy then waits for those copies (``Block.host_parent``,
 ``streams.Copies``): whoever reads it, an op on the device or the host, waits for them
 first, and its buffer is not given back before they end (they write views of it that
@@ -132,18 +134,33 @@ def to_host(result: TensorRef) -> torch.Tensor:
         return host_view(result).detach()
 
 
-def land(result, out: TensorRef, start: int, stop: int) -> None:
+@contextlib.contextmanager
+def landing(outs, start: int, stop: int, spec):
+    """Around a chunk's op: its one new result gets elements ``start:stop`` (in the order of
+    their bytes) of settled dense ``outs[0]``'s host copy as its own host copy when it is
+    made, so that its write-back lands there whenever its strategy evicts it (Genoa as the
+    op ends); yields that range (a storage) to give :func:`land`, or ``None`` (no result,
+    or several: their order of adoption is not checked)."""
+    if outs is None or len(outs) != 1:
+        yield None
+        return
+    out = outs[0]
+    host = _plain_alias(flat_host(out)[start:stop]).untyped_storage()
+    with mgr.protocol.landing(host, block_of(out), out.dtype, spec):
+        yield host
+
+
+def land(result, out: TensorRef, start: int, stop: int, host=None) -> None:
     """A piece's result written into elements ``start:stop`` (in the order of its bytes) of
-    settled dense ``out``. A result that is a block of its own with those bytes exactly is
-    written back into that range of ``out``'s host copy (asynchronously where it is pinned,
-    ``out``'s host copy waiting for it); any other is copied there by the host."""
+    settled dense ``out``. A result made with that range as its host copy (``host``, from
+    :func:`landing`) is written back there (asynchronously where it is pinned, ``out``'s host
+    copy waiting for it), if it is not already; any other is copied there by the host."""
     block = block_of(result) if isinstance(result, TensorRef) else None
-    if (block is not None and block.dev is not None and block.host is None and block.refs == 1
-            and result.dtype == out.dtype and result.is_contiguous() and result.storage_offset() == 0
-            and block.nbytes == (stop - start) * result.element_size()):
-        with mgr.lock:
-            mgr.residency.write_back_into(block, _plain_alias(flat_host(out)[start:stop]).untyped_storage(),
-                                          block_of(out))
+    if (block is not None and host is not None and block.host_parent is block_of(out) and block.host is not None
+            and block.host.data_ptr() == host.data_ptr() and block.host.nbytes() == host.nbytes()):
+        if block.dev is not None:
+            with mgr.lock:
+                mgr.evict(block)
         return
     flat_host(out)[start:stop].copy_(to_host(result).reshape(-1))
 

@@ -42,7 +42,7 @@ from ..memory.manager import tensorsManager as mgr
 from . import dispatch
 from .dispatch import run_generic
 from .output_size import estimate_output_bytes
-from .pieces import alias_piece, dense, held_on_host, host_result, land, write_back
+from .pieces import alias_piece, dense, held_on_host, host_result, land, landing, write_back
 
 aten = torch.ops.aten
 
@@ -265,7 +265,8 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
             cargs = [_piece_of(a, numel, start, stop, row, written, pieces) for a in args]
             ckwargs = {k: _piece_of(v, numel, start, stop, row, written, pieces) for k, v in kwargs.items()}
             try:
-                result = run_generic(func, cargs, ckwargs, spec)
+                with landing(outs, start, stop, spec) as host:
+                    result = run_generic(func, cargs, ckwargs, spec)
             except OutOfBudgetError:
                 smaller = max(chunk // 2 // (row if row > 1 else MIN_ALIGN), 1) * (row if row > 1 else MIN_ALIGN)
                 if not retry or smaller >= chunk:
@@ -278,7 +279,7 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
                 partial.append(result)
             elif outs is not None:
                 for out, r in zip(outs, _flat_results(result)):
-                    land(r, out, start, stop)
+                    land(r, out, start, stop, host)
             del pieces, cargs, ckwargs, result
             start = stop
     if reduction:
