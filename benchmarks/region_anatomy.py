@@ -13,14 +13,25 @@ small ``--width`` (16) gives the host work with warm caches; at 256 and above th
 copies before each step evict the caches its code then misses on, which a GPU's kernels and
 copies do not (their memory traffic is the device's).
 
+``--device cuda`` runs the same on a GPU against plain CUDA torch: what the host spends per
+region call there, the stream and allocator calls of its copies included (the device is
+synchronized after each timed loop; the kernels are queued, not waited for, so at a small
+width the times are the host's). ``--profile N`` then runs the forwards once more under
+``cProfile`` (without the timers) and prints the N functions taking the most time of their
+own, in µs per region call.
+
     python benchmarks/region_anatomy.py [--layers 8] [--width 16] [--forwards 400] [--budget 0.5]
+                                        [--device cuda] [--profile 25]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
 
@@ -35,6 +46,8 @@ from benchmarks import common, region_calls  # noqa: E402
 from benchmarks.common import tm  # noqa: E402
 from torchTensorRef.memory import residency, room  # noqa: E402
 from torchTensorRef.regions import mechanism, op, step  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: (label, owner, attribute): the steps timed, outermost first; an owner's attribute is
 #: replaced by a timed wrapper for the run and given back after
@@ -79,15 +92,20 @@ def timed_steps(acc: collections.Counter):
     return restore
 
 
-def anatomy(layers: int, width: int, forwards: int, fraction) -> dict:
-    """µs per region call of each step, and of the whole call beyond plain's block forward."""
+def anatomy(layers: int, width: int, forwards: int, fraction, device: str = common.SIM_CPU,
+            profile: int = 0) -> dict:
+    """µs per region call of each step, and of the whole call beyond plain's block forward;
+    with ``profile``, the functions taking the most time of their own in a profiled run."""
     model = region_calls.stack(layers, width)
+    on = common.plain_device(device)
     with torchTensorRef.disabled():
         x = torch.randn(1, width)
-        plain_model = common.plain_copy(model)
+    with torchTensorRef.disabled(device=on if on != "cpu" else None):
+        plain_model, plain_x = common.plain_copy(model).to(on), x.to(on)
         with torch.no_grad():
-            expected = plain_model(x)
-    managed, mx = region_calls.managed_stack(model, x, fraction, {})
+            expected = plain_model(plain_x).cpu()
+    managed, mx = region_calls.managed_stack(model, x, fraction, {}, device)
+    sync = torch.cuda.synchronize if on.startswith("cuda") else (lambda: None)
 
     def run():
         with torch.no_grad():
@@ -96,29 +114,56 @@ def anatomy(layers: int, width: int, forwards: int, fraction) -> dict:
     for _ in range(region_calls.WARMUP):
         run()
     calls = forwards * layers
-    with torchTensorRef.disabled(), torch.no_grad():
+    with torchTensorRef.disabled(device=on if on != "cpu" else None), torch.no_grad():
+        sync()
         start = time.perf_counter_ns()
         for _ in range(forwards):
-            plain_model(x)
+            plain_model(plain_x)
+        sync()
         plain_ns = time.perf_counter_ns() - start
     acc: collections.Counter = collections.Counter()
     tm.reset_stats()
     restore = timed_steps(acc)
     try:
+        sync()
         start = time.perf_counter_ns()
         outs = [run() for _ in range(forwards)]
+        sync()
         managed_ns = time.perf_counter_ns() - start
     finally:
         restore()
     stats = tm.stats()
-    return {
-        "width": width, "layers": layers, "forwards": forwards, "budget_fraction": fraction,
+    result = {
+        "device": device, "width": width, "layers": layers, "forwards": forwards, "budget_fraction": fraction,
         "plain_us_per_block": plain_ns / calls / 1e3,
         "added_us_per_call": (managed_ns - plain_ns) / calls / 1e3,
         "steps_us_per_call": {label: acc[label] / calls / 1e3 for label, _o, _n in STEPS},
         "ops_per_forward": stats["ops"] / forwards,
         "equal": all(torch.equal(common.as_plain(o), expected) for o in outs),
     }
+    if profile:
+        result["profile"] = profiled(run, forwards, calls, profile, sync)
+    return result
+
+
+def profiled(run, forwards: int, calls: int, top: int, sync) -> list:
+    """``run`` ``forwards`` times under ``cProfile``: the ``top`` functions by time of their
+    own, as ``(function, calls per region call, own µs per region call, inclusive µs per
+    region call)`` (the profiler's own cost per function call included)."""
+    profiler = cProfile.Profile()
+    sync()
+    profiler.enable()
+    for _ in range(forwards):
+        run()
+    sync()
+    profiler.disable()
+    stats = pstats.Stats(profiler, stream=io.StringIO())
+    rows = []
+    for (path, line, name), (_cc, ncalls, own, inclusive, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        where = f"{os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)}:{line}({name})"
+        rows.append((where, ncalls / calls, own / calls * 1e6, inclusive / calls * 1e6))
+    rows.sort(key=lambda r: -r[2])
+    return rows[:top]
 
 
 def table(result: dict) -> str:
@@ -128,6 +173,11 @@ def table(result: dict) -> str:
              f"  {'step (inclusive)':<40} {'us/call':>8}"]
     for label, us in result["steps_us_per_call"].items():
         lines.append(f"  {label:<40} {us:8.1f}")
+    if result.get("profile"):
+        lines.append("  profiled (cProfile, its own cost included), per region call:")
+        lines.append(f"  {'calls':>6} {'own us':>7} {'incl. us':>8}  function")
+        for where, ncalls, own, inclusive in result["profile"]:
+            lines.append(f"  {ncalls:6.2f} {own:7.1f} {inclusive:8.1f}  {where}")
     return "\n".join(lines)
 
 
@@ -138,21 +188,29 @@ def main(argv=None) -> dict:
     parser.add_argument("--forwards", type=int, default=400, help="timed forwards")
     parser.add_argument("--budget", type=float, default=None,
                         help="Flow's budget as a fraction of the weights (default: none)")
+    parser.add_argument("--device", default=common.SIM_CPU,
+                        help='"sim-cpu" (the lenient "sim", the default) or "cuda"')
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile the forwards and print the N functions with the most time of their own")
+    parser.add_argument("--json", help="write the results (with device, torch, date, command) to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torchTensorRef.patch()
     previous = regions.enabled, regions.under_budget
     regions.enabled = regions.under_budget = True
     try:
-        result = anatomy(args.layers, args.width, args.forwards, args.budget)
+        result = anatomy(args.layers, args.width, args.forwards, args.budget, args.device, args.profile)
     finally:
         regions.enabled, regions.under_budget = previous
         tm.budget = None
         tm.strategy, tm.device, tm.sim_strict = "flow", "cpu", True
     budget = "no budget" if args.budget is None else f"Flow at {args.budget:.0%} of the weights"
-    print(f"{args.layers} blocks of width {args.width}, one region each, batch 1, no gradients; lenient sim, "
+    where = "lenient sim" if args.device == common.SIM_CPU else args.device
+    print(f"{args.layers} blocks of width {args.width}, one region each, batch 1, no gradients; {where}, "
           f"{budget}; torch {torch.__version__}, 1 thread, {args.forwards} forwards (wall time)")
     print(table(result))
+    if args.json:
+        common.write_result(args.json, "benchmarks/region_anatomy.py", argv, where, result)
     if not result["equal"]:
         raise SystemExit("outputs differ from plain torch")
     return result

@@ -69,11 +69,11 @@ def stack(layers: int, width: int) -> torch.nn.Sequential:
         return torch.nn.Sequential(*[Block(width) for _ in range(layers)]).eval()
 
 
-def managed_stack(model, x, fraction, flow_options: dict):
-    """A fresh managed copy of the stack on the lenient "sim" under Flow, each block a region
-    (the stack is not one), its input, and the budget at ``fraction`` of the weights
-    (``None``: no budget): ``(managed, managed input)``."""
-    managed = common.managed_copy(model, common.SIM_CPU, "flow")
+def managed_stack(model, x, fraction, flow_options: dict, device: str = common.SIM_CPU):
+    """A fresh managed copy of the stack on ``device`` (the lenient "sim" unless given) under
+    Flow, each block a region (the stack is not one), its input, and the budget at
+    ``fraction`` of the weights (``None``: no budget): ``(managed, managed input)``."""
+    managed = common.managed_copy(model, device, "flow")
     tm.strategy = Flow(**flow_options)
     regions.no_region(managed)
     for block in managed:

@@ -451,6 +451,25 @@ def test_region_anatomy_times_each_step_of_a_region_call_and_gives_them_back(fre
     assert all(owner.__dict__[name] is fn for (owner, name), fn in originals.items())
 
 
+def test_region_anatomy_runs_on_the_test_device_and_profiles_the_calls(fresh_manager, tmp_path):
+    # (on the test device, "sim" or "cuda", against plain torch there: how the next GPU run
+    # finds where a region call's host time goes)
+    device = fresh_manager.torch_device.type
+    path = tmp_path / "region_anatomy.json"
+    result = region_anatomy.main(["--layers", "4", "--width", "16", "--forwards", "5", "--budget", "0.5",
+                                  "--device", device, "--profile", "40", "--json", str(path)])
+    assert result["equal"] and result["ops_per_forward"] == 4
+    profile = {where: (calls, own, inclusive) for where, calls, own, inclusive in result["profile"]}
+    assert len(profile) == 40 and all(own > 0 and inclusive >= own for _c, own, inclusive in profile.values())
+    # (per region call: the boundary runs once, the block's forward once)
+    run = [calls for where, (calls, _o, _i) in profile.items() if where.endswith("mechanism.py:" + str(
+        region_anatomy.mechanism.Region._run.__code__.co_firstlineno) + "(_run)")]
+    assert run == [1.0]
+    with open(path) as f:
+        saved = json.load(f)
+    assert saved["device"] == device and saved["result"]["profile"][0][0] == result["profile"][0][0]
+
+
 def test_optimizer_step_times_the_step_alone_as_one_op_and_op_by_op(fresh_manager, tmp_path):
     path = tmp_path / "optimizer_step.json"
     result = optimizer_step.main(["--size", "tiny", "--steps", "3", "--json", str(path)])
