@@ -68,26 +68,47 @@ def scan_args(a, call: Call, seen: set, budget: list) -> None:
         scan_object(a, call, seen, budget, OBJECT_DEPTH)
 
 
-def object_tensors(obj, seen: set, depth: int, budget: list):
+#: values never searched for tensors: no attributes, items or values to hold one
+_LEAVES = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size})
+
+
+def object_tensors(obj, seen: set, depth: int, budget: list) -> list:
     """``(container, key, tensor)`` of the tensors ``obj`` holds in its attributes, lists and
     dicts, searched ``depth`` levels down and through at most ``budget[0]`` values."""
+    out: list = []
+    _object_tensors(obj, seen, depth, budget, out)
+    return out
+
+
+def _object_tensors(obj, seen: set, depth: int, budget: list, out: list) -> bool:
+    """``object_tensors`` into ``out``; ``False`` once the budget is spent."""
     if id(obj) in seen or depth == 0:
-        return
+        return True
     seen.add(id(obj))
-    if isinstance(obj, (list, dict)):
+    if obj.__class__ is list or isinstance(obj, list):
         container = obj
-        items = list(enumerate(obj)) if isinstance(obj, list) else list(obj.items())
+        items = enumerate(tuple(obj))
     else:
-        container = obj.__dict__
-        items = list(container.items())
+        container = obj if isinstance(obj, dict) else obj.__dict__
+        items = tuple(container.items())  # (a snapshot: another thread may add to a shared object)
+    left = budget[0]
     for k, v in items:
-        budget[0] -= 1
-        if budget[0] < 0:
-            return
+        left -= 1
+        if left < 0:
+            budget[0] = left
+            return False
+        cls = v.__class__
+        if cls in _LEAVES:
+            continue
         if isinstance(v, _Tensor):
-            yield container, k, v
-        elif isinstance(v, (list, dict)) or is_object(v):
-            yield from object_tensors(v, seen, depth - 1, budget)
+            out.append((container, k, v))
+        elif cls is list or cls is dict or isinstance(v, (list, dict)) or is_object(v):
+            budget[0] = left
+            if not _object_tensors(v, seen, depth - 1, budget, out):
+                return False
+            left = budget[0]
+    budget[0] = left
+    return True
 
 
 def scan_object(obj, call: Call, seen: set, budget: list, depth: int) -> None:
