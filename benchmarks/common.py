@@ -160,6 +160,17 @@ def trainer(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
     return step
 
 
+def warm_up(run: Callable[[], object], least: int, most: int) -> list:
+    """``run()``'s results, called ``least`` times and then until the manager's strategy
+    has settled (``Strategy.settled``: Flow follows its plan and has chosen how to prefetch
+    for it, a trial of several periods), at most ``most`` times: the calls timed next are
+    its steady state."""
+    outs = [run() for _ in range(least)]
+    while len(outs) < most and not tm.strategy.settled:
+        outs.append(run())
+    return outs
+
+
 def as_plain(t: torch.Tensor) -> torch.Tensor:
     """The values of a TensorRef or plain tensor as a plain host tensor."""
     if isinstance(t, torchTensorRef.TensorRef):

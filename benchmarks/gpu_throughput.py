@@ -65,17 +65,18 @@ SIZES = {
     # TinyLlama-1.1B's shape
     "full": dict(model=dict(layers=22, hidden=2048, intermediate=5632, vocab=32000, heads=32, kv_heads=4),
                  dtype="bfloat16", prompt=128, tokens=32, batch=1, seq=256, calls=3, timed_calls=2,
-                 warmup_steps=3, steps=3,
+                 warmup_steps=3, steps=3, settle_calls=6, settle_steps=24,
                  bandwidth_bytes=1 << 30),
     # a quarter of that: every configuration runs in a few minutes on one GPU
     "small": dict(model=dict(layers=8, hidden=1024, intermediate=2816, vocab=32000, heads=16, kv_heads=4),
                   dtype="bfloat16", prompt=64, tokens=16, batch=1, seq=128, calls=3, timed_calls=3,
-                  warmup_steps=2, steps=2,
+                  warmup_steps=2, steps=2, settle_calls=6, settle_steps=24,
                   bandwidth_bytes=256 << 20),
     # thin and several layers, so that every op fits in 25% of the weight bytes; float32,
     # because CPUs without native bfloat16 run bfloat16 matmuls tens of times slower
     "tiny": dict(model=dict(layers=6, hidden=32, intermediate=64, vocab=128, heads=4, kv_heads=2),
                  dtype="float32", prompt=8, tokens=3, batch=2, seq=8, calls=3, timed_calls=2, warmup_steps=2, steps=1,
+                 settle_calls=4, settle_steps=24,
                  bandwidth_bytes=16 << 20),
 }
 STRATEGIES = ("flow", "genoa")
@@ -149,13 +150,13 @@ class Device:
 
 def measure_generate(dev: Device, model, ids, size: dict, moved: Callable[[], int], managed: bool,
                      predict: Optional[Callable] = None) -> dict:
-    """Warm up, then time one greedy ``generate()`` call; with ``predict``, record one more
-    (see :func:`predicted`)."""
+    """Warm up (``calls - 1`` calls, and more until the strategy has settled, up to
+    ``settle_calls``), then time ``timed_calls`` greedy ``generate()`` calls; with
+    ``predict``, record one more (see :func:`predicted`)."""
     def call():
         return common.generate(model, ids, size["tokens"])
 
-    for _ in range(size["calls"] - 1):
-        call()
+    common.warm_up(call, size["calls"] - 1, size["settle_calls"])
     moved(reset=True)
     timed = [dev.timed(call) for _ in range(size["timed_calls"])]
     out, seconds = timed[-1][0], statistics.median(t for _o, t in timed)
@@ -167,6 +168,7 @@ def measure_generate(dev: Device, model, ids, size: dict, moved: Callable[[], in
         stats = tm.stats()
         result["manager_ops"] = stats["ops"] // calls
         result["counters"] = {k: stats[k] // calls for k in COUNTERS}
+        result["settled"] = tm.strategy.settled
     if predict is not None:
         result["predicted"] = predict(call)
     return result
@@ -174,10 +176,12 @@ def measure_generate(dev: Device, model, ids, size: dict, moved: Callable[[], in
 
 def measure_train(dev: Device, model, ids, size: dict, moved: Callable[[], int], managed: bool,
                   predict: Optional[Callable] = None) -> dict:
-    """Warm up, then time a few AdamW steps; the median step time. With ``predict``, record
-    as many steps more (see :func:`predicted`)."""
+    """Warm up (``warmup_steps``, and more until the strategy has settled, up to
+    ``settle_steps``: Flow learns a step's loop, then tries two ways of prefetching for it,
+    a period a step), then time a few AdamW steps; the median step time. With ``predict``,
+    record as many steps more (see :func:`predicted`)."""
     step = common.trainer(model, ids)
-    losses = [step() for _ in range(size["warmup_steps"])]
+    losses = common.warm_up(step, size["warmup_steps"], size["settle_steps"])
     moved(reset=True)
     times = []
     for _ in range(size["steps"]):
@@ -189,6 +193,7 @@ def measure_train(dev: Device, model, ids, size: dict, moved: Callable[[], int],
     if managed:
         stats = tm.stats()
         result["counters"] = {k: stats[k] // size["steps"] for k in COUNTERS}
+        result["settled"] = tm.strategy.settled
     if predict is not None:
         result["predicted"] = predict(step)
     del step
@@ -343,8 +348,7 @@ def evaluate(rows: list, bandwidth: dict) -> list:
                     m, base = r.get(workload, {}), resident.get(workload, {})
                     if "seconds" in m and "seconds" in base:
                         m["to_resident"] = base["seconds"] / m["seconds"]
-                        if workload == "generate" and "tokens" in base:
-                            m["tokens_equal_resident"] = bool(torch.equal(m["tokens"], base["tokens"]))
+                        _equal_resident(m, base, workload)
                         checks.append(_check(f"{r['config']} no budget {workload}: vs all-resident",
                                              m["to_resident"], ">=", TARGETS["no_budget_to_resident"]))
             continue
@@ -360,8 +364,7 @@ def evaluate(rows: list, bandwidth: dict) -> list:
             m["bound_to_measured"] = bound / m["seconds"]
             m["to_resident"] = base["seconds"] / m["seconds"]
             m["peak_to_budget"] = common.ratio(m["peak"], r["budget"])
-            if workload == "generate" and "tokens" in base:
-                m["tokens_equal_resident"] = bool(torch.equal(m["tokens"], base["tokens"]))
+            _equal_resident(m, base, workload)
             if "seconds" in acc.get(workload, {}):
                 m["to_accelerate"] = acc[workload]["seconds"] / m["seconds"]
             if r["config"] != "flow":
@@ -417,7 +420,8 @@ def print_report(result: dict) -> None:
                 c = m["counters"]
                 print(f"{'':>13} {workload}, per {'call' if workload == 'generate' else 'step'}: "
                       f"{c['fetches']} fetches, {c['prefetches']} prefetches ({c['prefetch_hits']} used), "
-                      f"{c['evictions']} evictions, {c['writebacks']} write-backs, {c['host_syncs']} host waits")
+                      f"{c['evictions']} evictions, {c['writebacks']} write-backs, {c['host_syncs']} host waits"
+                      f"{'' if m.get('settled', True) else '; timed before the strategy settled'}")
     if "predicted_on" in result:
         print_predictions(result, cell)
     print("targets:")
@@ -540,6 +544,16 @@ def main(argv=None) -> dict:
     if args.json:
         common.write_json(args.json, result)
     return result
+
+
+def _equal_resident(m: dict, base: dict, workload: str) -> None:
+    """Whether a managed row's tokens (``generate``) or losses (``train``: step by step, as
+    far as both rows ran, a row that warmed up longer having more) are all-resident's."""
+    if workload == "generate" and "tokens" in base:
+        m["tokens_equal_resident"] = bool(torch.equal(m["tokens"], base["tokens"]))
+    elif workload == "train" and "losses" in base and "losses" in m:
+        steps = min(len(m["losses"]), len(base["losses"]))
+        m["losses_equal_resident"] = m["losses"][:steps] == base["losses"][:steps]
 
 
 def failed(result: dict) -> bool:

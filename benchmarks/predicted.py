@@ -129,7 +129,7 @@ def record(model, kind: str, ids, strategy: str, budget, pairs: int = 0):
     try:
         warmup = 0
         learns = strategy == "flow" and budget is not None  # (without a budget Flow makes no plan)
-        while warmup < least or warmup < most and learns and tm.strategy.plan is None:
+        while warmup < least or warmup < most and learns and not tm.strategy.settled:
             run()
             warmup += 1
         for _ in range(max(pairs, 1)):

@@ -109,9 +109,11 @@ SIZES = {
         unet=SD15_UNET, unet_dtype="bfloat16", unet_batch=2, text_len=77, denoise_steps=4, unet_budget=0.5,
         bandwidth_bytes=GiB,
         # calls: warm-up then timed. Flow follows a plan from its third call of a generate() (the
-        # first two: learning it); plain torch warms up its kernels; the offloading baselines
-        # learn nothing
-        warmup=2, timed=2, plain_warmup=1, baseline_warmup=0, cpu_timed=1,
+        # first two: learning it), then tries two ways of prefetching for it over ten periods
+        # (tokens): a managed row of calls that change nothing (decoding, denoising) warms up by
+        # ``settle`` calls more while it has not settled; plain torch warms up its kernels; the
+        # offloading baselines learn nothing
+        warmup=2, settle=1, timed=2, plain_warmup=1, baseline_warmup=0, cpu_timed=1,
         row_cap=100.0, cpu_cap=40.0, slow_call=40.0, deadline=360.0, genoa_by=300.0),
     "small": dict(
         # (proportions of the 7B's: accelerate's map puts a layer or two on the device at 64%)
@@ -127,7 +129,7 @@ SIZES = {
         unet_dtype="float32", unet_batch=2, text_len=7, denoise_steps=2, unet_budget=0.5,
         bandwidth_bytes=64 * 2**20,
         # (plain "sim" has no kernels to warm up)
-        warmup=2, timed=1, plain_warmup=0, baseline_warmup=0, cpu_timed=1,
+        warmup=2, settle=2, timed=1, plain_warmup=0, baseline_warmup=0, cpu_timed=1,
         row_cap=60.0, cpu_cap=30.0, slow_call=30.0, deadline=300.0, genoa_by=250.0),
 }
 SECTIONS = ("llama", "lora", "denoiser")
@@ -333,19 +335,26 @@ def public(value):
 
 def measure(run: Run, row: dict, call: Callable[[], object], warmup: int, timed: int, *,
             moved: Callable[[bool], int], managed: bool = False, outside: int = 0, units: int = 1,
-            collect: Optional[Callable[[object], None]] = None):
-    """Warm up, then time ``timed`` calls (fewer when one is slower than ``--slow-call``):
+            collect: Optional[Callable[[object], None]] = None, settle: bool = False):
+    """Warm up (with ``settle``, a managed row's calls that change nothing, by up to
+    ``size["settle"]`` calls more while the strategy has not settled; training steps are
+    compared with plain torch's step by step, and run as many), then time ``timed`` calls
+    (fewer when one is slower than ``--slow-call``):
     the median call, the bytes moved per call, the peak over all of them. The figures are
     written into ``row`` as they come, so that a row stopped at its cap keeps what it had.
     ``collect`` receives each call's output (losses of successive training steps)."""
     run.reset_peak()
     out = None
     row["warmup_seconds"] = []
-    for _ in range(warmup):
+    for i in range(warmup + (run.size["settle"] if settle else 0)):
+        if i >= warmup and tm.strategy.settled:
+            break
         out, seconds = run.timed(call)
         row["warmup_seconds"].append(seconds)
         if collect:
             collect(out)
+    if managed:
+        row["settled"] = tm.strategy.settled
     peak = run.peak(managed, outside)
     moved(True)
     if managed:
@@ -623,7 +632,8 @@ def llama_sections(run: Run, sections) -> None:
     def managed_decode(row, b, strategy, spec_budget):
         with managed_under(strategy, spec_budget, wbytes, row) as outside:
             out = measure(run, row, lambda: decode(held["managed"], managed_ids[b], tokens), size["warmup"],
-                          size["timed"], moved=manager_moved, managed=True, outside=outside, units=tokens)
+                          size["timed"], moved=manager_moved, managed=True, outside=outside, units=tokens,
+                          settle=True)
         row["_output"] = common.as_plain(out)
 
     def managed_lora(row):
@@ -849,7 +859,8 @@ def denoiser_section(run: Run) -> None:
         lat, tx = torchTensorRef.manage(latents.clone()), torchTensorRef.manage(text.clone())
         with managed_under("flow", size["unet_budget"], wbytes, row) as outside:
             out = measure(run, row, lambda: denoise(held["managed"], lat, tx, steps), size["warmup"],
-                          size["timed"], moved=manager_moved, managed=True, outside=outside, units=steps)
+                          size["timed"], moved=manager_moved, managed=True, outside=outside, units=steps,
+                          settle=True)
         row["_output"] = common.as_plain(out)
 
     flow_row = run.row(flow, config=f"flow {budget_label(size['unet_budget'], wbytes)}", device=run.device,

@@ -111,8 +111,7 @@ def anatomy(layers: int, width: int, forwards: int, fraction, device: str = comm
         with torch.no_grad():
             return managed(mx)
 
-    for _ in range(region_calls.WARMUP):
-        run()
+    common.warm_up(run, region_calls.WARMUP, 4 * region_calls.WARMUP)
     calls = forwards * layers
     with torchTensorRef.disabled(device=on if on != "cpu" else None), torch.no_grad():
         sync()

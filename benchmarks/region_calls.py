@@ -92,7 +92,7 @@ def row(model, x, plain_run, expected, fraction, repeats: int, rate: float, flow
         with torch.no_grad():
             return managed(mx)
 
-    outs = [run() for _ in range(WARMUP)]
+    outs = common.warm_up(run, WARMUP, 4 * WARMUP)
     tm.reset_stats()
     times, ratios = {"plain": []}, {}
     overhead.interleaved(plain_run, lambda: outs.append(run()), "managed", repeats, times, ratios, clock=CLOCK)
@@ -110,7 +110,7 @@ def row(model, x, plain_run, expected, fraction, repeats: int, rate: float, flow
         "evictions_per_call": stats["evictions"] / repeats / calls,
         "ahead": stats["bytes_prefetched_ahead"] / into if into else None,
         "peak_device_bytes": stats["peak_device_bytes"],
-        "plan": getattr(tm.strategy, "plan", None) is not None,
+        "plan": getattr(tm.strategy, "plan", None) is not None, "settled": tm.strategy.settled,
         "equal": all(torch.equal(common.as_plain(o), expected) for o in outs),
     }
     return result

@@ -89,9 +89,10 @@ WORKS = {"decode": ("llama", "gpt2"), "serve": ("llama",), "train": ("llama",)}
 #: warm-up runs of a managed row: at least four (Flow finds its period; under a budget a
 #: ``generate()`` call's own loop runs op by op in the first call, measured, and guarded in
 #: the second: Note [Loops on plain tensors] in regions/scope.py), and under a budget more
-#: until the strategy follows its plan, at most eight (a training step through regions
-#: measures its calls op by op first: Flow follows its plan from its sixth)
-WARMUP = (4, 8)
+#: until the strategy has settled, at most 24 (a training step through regions measures its
+#: calls op by op first: Flow follows its plan from its sixth, then tries two ways of
+#: prefetching for it over ten more, one period a step)
+WARMUP = (4, 24)
 #: CPU time of the process, not of the thread: on "sim" (an accelerator to torch) autograd runs
 #: backward on its own device thread while this one waits
 CLOCK = time.process_time
@@ -285,17 +286,14 @@ def _managed_phase(work: Work, plain, repeats: int, device: str, strategy: str, 
             "peak_device_bytes": max(peak, stats["peak_device_bytes"]),
             "bytes_moved": (stats["bytes_to_device"] + stats["bytes_to_host"]) // repeats,
             "evictions": stats["evictions"] // repeats, "ahead": ahead_share(stats), "warmup_runs": warmup_runs,
-            "plan": getattr(tm.strategy, "plan", None) is not None}
+            "plan": getattr(tm.strategy, "plan", None) is not None, "settled": tm.strategy.settled}
 
 
 def warm_up(run, budget) -> list:
-    """The warm-up runs' outputs (``WARMUP``): under a budget, until the strategy follows its
-    plan, so that the timed runs and their bytes are the steady state's."""
+    """The warm-up runs' outputs (``WARMUP``): under a budget, until the strategy has settled
+    (``common.warm_up``), so that the timed runs and their bytes are the steady state's."""
     least, most = WARMUP
-    outs = [run() for _ in range(least)]
-    while budget is not None and len(outs) < most and getattr(tm.strategy, "plan", False) is None:
-        outs.append(run())
-    return outs
+    return common.warm_up(run, least, most if budget is not None else least)
 
 
 def ahead_share(stats: dict):

@@ -134,7 +134,9 @@ def test_gpu_throughput_harness_on_sim(gpu_result):
             assert r[workload]["peak"] <= r["budget"]  # (the most the device held, workspaces included)
             assert r[workload]["bound_seconds"] >= r[workload]["transfer_seconds"]
     assert flow["generate"]["tokens_equal_resident"] and genoa["generate"]["tokens_equal_resident"]
-    assert flow["train"]["losses"] == rows[("resident", None)]["train"]["losses"]
+    assert flow["train"]["losses_equal_resident"]
+    # (step by step, as far as both ran: every step of the resident row, Flow's warming up longer)
+    assert len(flow["train"]["losses"]) >= len(rows[("resident", None)]["train"]["losses"])
     # each measured row has its prediction beside it, on the row the --gpu flag names (h100-pcie on sim)
     assert saved["predicted_on"] == "h100-pcie" and "not measured" in saved["predicted_note"]
     for (config, _f), r in rows.items():
@@ -159,7 +161,7 @@ def test_gpu_throughput_harness_on_sim(gpu_result):
     free = rows[("flow", None)]
     assert free["budget"] is None and free["generate"]["moved"] == 0 and free["train"]["moved"] == 0
     assert free["generate"]["tokens_equal_resident"]
-    assert free["train"]["losses"] == rows[("resident", None)]["train"]["losses"]
+    assert free["train"]["losses_equal_resident"]
 
 
 def test_gpu_throughput_per_op_runs_the_managed_rows_op_by_op(gpu_result, tmp_path):
@@ -307,8 +309,9 @@ def test_small_ops_region_rows_match_plain_torch_within_their_budgets(small_ops_
             assert least <= r["warmup_runs"] <= most, r
             if r["budget"] is not None:
                 assert r["peak_device_bytes"] <= r["budget"], r
-                # timed once Flow follows its plan, or after the most warm-up runs
-                assert r["plan"] or r["warmup_runs"] == most, r
+                # timed once Flow has settled (nothing to page, or its plan followed and its way of
+                # prefetching chosen), or after the most warm-up runs
+                assert r["settled"] or r["warmup_runs"] == most, r
             else:
                 assert r["warmup_runs"] == least, r
         # regions run a module call as one op: fewer ops than the per-op path, on every device form

@@ -242,3 +242,28 @@ def test_while_learning_flow_evicts_for_the_next_op_as_the_last_plan_chose(fresh
     assert free_stats["bytes_prefetched_ahead"] < 0.1 * free_stats["bytes_to_device"]
     assert evicting_stats["bytes_prefetched_ahead"] >= 0.95 * evicting_stats["bytes_to_device"] > 0
     assert evicting_stats["bytes_to_device"] <= EVICTING_BYTES * free_stats["bytes_to_device"]
+
+
+@pytest.mark.parametrize("evicts", [None, False], ids=["tried", "fixed"])
+def test_flow_settles_once_it_follows_its_plan_and_chose_how_to_prefetch_for_it(fresh_manager, by_bytes, evicts):
+    # (benchmarks of the steady state warm up until ``Strategy.settled``: measured while Flow
+    # learnt the loop or tried both ways of prefetching, a step was neither)
+    flow = Flow(prefetch_evicts=evicts)
+    tm.strategy = flow
+    model = _stack()
+    x = torch.rand(1, WIDTH, generator=torch.Generator().manual_seed(1), device="cpu").to(tm.torch_device)
+    with torch.no_grad():
+        _forward(model, x)
+        assert flow.settled  # (no budget: nothing to learn)
+        tm.budget = budget(int(0.5 * sum(p.numel() * 4 for p in model.parameters())))
+        seen = []
+        for _ in range(30):  # (a forward is one period of the loop)
+            _forward(model, x)
+            seen.append((flow.plan is not None, flow.settled))
+    planned = next(i for i, (plan, _settled) in enumerate(seen) if plan)
+    settled = next(i for i, (_plan, s) in enumerate(seen) if s)
+    assert planned >= 1 and all(plan for plan, _s in seen[planned:])
+    # tried: the rest of the period the plan was compiled in, a period to settle, MEASURED
+    # into free memory, one more to settle, MEASURED evicting
+    assert settled == planned + (2 * MEASURED + 3 if evicts is None else 0)
+    assert all(s for _plan, s in seen[settled:])

@@ -82,6 +82,13 @@ class Strategy:
         """
         return True
 
+    @property
+    def settled(self) -> bool:
+        """Whether a loop the program repeats runs as it will from here on (``False`` while
+        the strategy still learns it or tries choices on it): benchmarks of the steady state
+        warm up until then. A strategy that learns nothing is settled from the start."""
+        return True
+
     def follows_fast_ops(self) -> bool:
         """Whether, while ``needs_every_op()`` is ``True``, ops whose blocks are all resident
         and whose results fit may still take the fast path, reporting to ``fast_op`` and

@@ -120,6 +120,16 @@ class Flow(Strategy):
         """The period compiled, while Flow follows it; ``None`` while it learns."""
         return self.learning.plan
 
+    @property
+    def settled(self) -> bool:
+        """Whether a loop the program repeats now runs as it will from here on: nothing to
+        page, or Flow following its plan with its way of prefetching for it chosen (Note
+        [Evicting for the next op] in ``flow_prefetch.py``). Until then its steps learn the
+        loop or measure two ways of prefetching: a benchmark of the steady state waits."""
+        if not self.needs_every_op():
+            return True  # (nothing paged: nothing to learn)
+        return self.learning.plan is not None and not self.prefetching.trial.deciding
+
     def attach(self, manager) -> None:
         super().attach(manager)
         self._reset()

@@ -97,6 +97,11 @@ class Trial:
         self.evicts = False
         self.due = _NEVER
 
+    @property
+    def deciding(self) -> bool:
+        """Whether the current plan's periods are still measured, the choice not made."""
+        return self.due != _NEVER
+
     def period_began(self, n: int, period: int, moved: int, now: float = 0.0) -> None:
         """Op ``n`` begins a period of the plan; ``moved``: bytes moved so far; ``now``: the
         time, in seconds."""
