@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ("suite", "cuda", "demo", "throughput")
 # Seconds per step. With the grace period of each (10 s) they add up to the default total
 # limit, 465 s: the whole run, the environment probe included, fits in 8 minutes.
-LIMITS = {"suite": 225, "cuda": 55, "demo": 35, "throughput": 110}
+LIMITS = {"suite": 195, "cuda": 55, "demo": 35, "throughput": 140}
 GRACE = 10.0
 TOTAL_LIMIT = 465.0
 PROBE_LIMIT = 120.0
