@@ -169,6 +169,7 @@ def measure_generate(dev: Device, model, ids, size: dict, moved: Callable[[], in
         result["manager_ops"] = stats["ops"] // calls
         result["counters"] = {k: stats[k] // calls for k in COUNTERS}
         result["settled"] = tm.strategy.settled
+        result["evicts_ahead"] = getattr(tm.strategy, "evicts_ahead", None)
     if predict is not None:
         result["predicted"] = predict(call)
     return result
@@ -194,6 +195,7 @@ def measure_train(dev: Device, model, ids, size: dict, moved: Callable[[], int],
         stats = tm.stats()
         result["counters"] = {k: stats[k] // size["steps"] for k in COUNTERS}
         result["settled"] = tm.strategy.settled
+        result["evicts_ahead"] = getattr(tm.strategy, "evicts_ahead", None)
     if predict is not None:
         result["predicted"] = predict(step)
     del step
@@ -421,6 +423,7 @@ def print_report(result: dict) -> None:
                 print(f"{'':>13} {workload}, per {'call' if workload == 'generate' else 'step'}: "
                       f"{c['fetches']} fetches, {c['prefetches']} prefetches ({c['prefetch_hits']} used), "
                       f"{c['evictions']} evictions, {c['writebacks']} write-backs, {c['host_syncs']} host waits"
+                      f"{'; prefetches evict ahead' if m.get('evicts_ahead') else ''}"
                       f"{'' if m.get('settled', True) else '; timed before the strategy settled'}")
     if "predicted_on" in result:
         print_predictions(result, cell)

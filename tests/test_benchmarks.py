@@ -135,6 +135,9 @@ def test_gpu_throughput_harness_on_sim(gpu_result):
             assert r[workload]["bound_seconds"] >= r[workload]["transfer_seconds"]
     assert flow["generate"]["tokens_equal_resident"] and genoa["generate"]["tokens_equal_resident"]
     assert flow["train"]["losses_equal_resident"]
+    for workload in ("generate", "train"):  # (whether each managed row was timed settled, and how it prefetched)
+        assert isinstance(flow[workload]["settled"], bool) and isinstance(flow[workload]["evicts_ahead"], bool)
+        assert genoa[workload]["settled"] is True and genoa[workload]["evicts_ahead"] is None
     # (step by step, as far as both ran: every step of the resident row, Flow's warming up longer)
     assert len(flow["train"]["losses"]) >= len(rows[("resident", None)]["train"]["losses"])
     # each measured row has its prediction beside it, on the row the --gpu flag names (h100-pcie on sim)

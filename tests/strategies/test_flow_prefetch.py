@@ -267,3 +267,6 @@ def test_flow_settles_once_it_follows_its_plan_and_chose_how_to_prefetch_for_it(
     # into free memory, one more to settle, MEASURED evicting
     assert settled == planned + (2 * MEASURED + 3 if evicts is None else 0)
     assert all(s for _plan, s in seen[settled:])
+    # what it chose (here: evicting for the next op moves no more bytes) or was told
+    assert flow.evicts_ahead is (evicts is None)
+    assert Flow(prefetch_evicts=True).evicts_ahead and not Flow().evicts_ahead  # (no plan yet: not evicting)

@@ -130,6 +130,13 @@ class Flow(Strategy):
             return True  # (nothing paged: nothing to learn)
         return self.learning.plan is not None and not self.prefetching.trial.deciding
 
+    @property
+    def evicts_ahead(self) -> bool:
+        """Whether its prefetches evict for the blocks they bring in now: its option where
+        set, else what the trial of its plan chose (or is trying)."""
+        evicts = self.options.prefetch_evicts
+        return self.prefetching.trial.evicts if evicts is None else evicts
+
     def attach(self, manager) -> None:
         super().attach(manager)
         self._reset()
