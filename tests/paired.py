@@ -69,6 +69,14 @@ def outside() -> int:
     return tensorsManager.outside_bytes()
 
 
+def capacity(nbytes) -> int:
+    """A ``sim_capacity`` leaving ``nbytes`` (an int or ``"4KiB"``) beside what the device
+    holds outside the manager now: a test of the capacity must not count on an empty device
+    (plain device tensors outlive the tests that made them: a library's tables made at its
+    import under a device's default, a cycle through autograd's nodes)."""
+    return outside() + parse_size(nbytes, none=False)
+
+
 def budget(nbytes, threads: int = 0) -> int:
     """A budget giving the manager ``nbytes`` (an int or ``"96KiB"``) above what the device
     holds outside it now, with room for the workspaces of ``threads`` threads yet to run ops."""

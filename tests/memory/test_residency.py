@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from paired import (assert_identical, budget, needs_fast_path, paging, plain_torch, run_both,  # noqa: F401 (a fixture)
+from paired import (assert_identical, budget, capacity, needs_fast_path, paging, plain_torch, run_both,  # noqa: F401 (a fixture)
                     small_sim_capacity)
 import torchTensorRef
 from torchTensorRef import DeviceOutOfMemoryError, HostMemoryError, OutOfBudgetError, tensorsManager as tm
@@ -58,7 +58,7 @@ def injector():
 
 
 @pytest.fixture
-def capacity():
+def restored_capacity():
     """Restore ``sim_capacity`` after the test."""
     before = tm.sim_capacity
     yield
@@ -445,11 +445,11 @@ def test_results_sharing_one_new_storage_have_the_values_of_plain_torch(paging):
 @sim_only
 @small_sim_capacity
 @pytest.mark.parametrize("strategy", ["genoa", "flow"])
-def test_no_budget_on_sim_pages_within_the_devices_capacity(capacity, strategy):
+def test_no_budget_on_sim_pages_within_the_devices_capacity(restored_capacity, strategy):
     # Fixed: with no budget nothing was evicted, and the device ran out of memory.
     tm.strategy = strategy
-    tm.sim_capacity = 4 * KIB
-    assert tm.budget is None and tm.limit == 4 * KIB and tm.stats()["budget"] == 4 * KIB
+    tm.sim_capacity = room = capacity(4 * KIB)
+    assert tm.budget is None and tm.limit == room and tm.stats()["budget"] == room
     tm.reset_stats()
 
     def work():
@@ -465,46 +465,46 @@ def test_no_budget_on_sim_pages_within_the_devices_capacity(capacity, strategy):
 
 @sim_only
 @small_sim_capacity
-def test_changing_sim_capacity_moves_the_limit_when_there_is_no_budget(capacity):
-    tm.sim_capacity = "64KiB"
-    assert tm.sim_capacity == 64 * KIB and tm.limit == 64 * KIB
+def test_changing_sim_capacity_moves_the_limit_when_there_is_no_budget(restored_capacity):
+    tm.sim_capacity = large = capacity("64KiB")
+    assert tm.sim_capacity == large and tm.limit == large
     tm.budget = "8KiB"
-    tm.sim_capacity = "32KiB"
+    tm.sim_capacity = small = capacity("32KiB")
     assert tm.limit == 8 * KIB  # a budget, once set, is the limit
     tm.budget = None
-    assert tm.limit == 32 * KIB
+    assert tm.limit == small
 
 
 @sim_only
 @small_sim_capacity
 @pytest.mark.parametrize("value", [None, -1, "lots", 1.5, True])
-def test_bad_sim_capacity_raises_naming_what_is_accepted_and_changes_nothing(capacity, value):
-    tm.sim_capacity = "1MiB"
+def test_bad_sim_capacity_raises_naming_what_is_accepted_and_changes_nothing(restored_capacity, value):
+    tm.sim_capacity = room = capacity("1MiB")
     with pytest.raises(ValueError, match=r"sim_capacity must be .*size") as info:
         tm.sim_capacity = value
     assert "int" in str(info.value)
-    assert tm.sim_capacity == 2**20 and tm.limit == 2**20
+    assert tm.sim_capacity == room and tm.limit == room
 
 
 @sim_only
 @small_sim_capacity
-def test_sim_capacity_below_the_bytes_on_the_device_raises_and_changes_nothing(capacity):
+def test_sim_capacity_below_the_bytes_on_the_device_raises_and_changes_nothing(restored_capacity):
     tm.strategy = "flow"
-    tm.sim_capacity = "1MiB"
+    tm.sim_capacity = room = capacity("1MiB")
     x = torch.ones(1024)
     x.toGPU()
     with pytest.raises(ValueError, match="sim_capacity"):
         tm.sim_capacity = 1024
-    assert tm.sim_capacity == 2**20 and tm.limit == 2**20
+    assert tm.sim_capacity == room and tm.limit == room
     assert x.proxyInfo.on_device and x.sum().item() == 1024.0
 
 
 @sim_only
 @small_sim_capacity
-def test_an_out_of_memory_from_the_sim_capacity_is_recovered_by_evicting(capacity):
+def test_an_out_of_memory_from_the_sim_capacity_is_recovered_by_evicting(restored_capacity):
     # A budget above what the device has: the allocations, not the budget, fail.
     tm.strategy = "genoa"  # (every op takes the path that allocates through the device)
-    tm.sim_capacity = 4 * KIB
+    tm.sim_capacity = capacity(4 * KIB)
     tm.budget = "1MiB"
     keep = [torch.full((256,), float(i)) for i in range(2)]
     x, y = torch.full((256,), 2.0), torch.full((256,), 3.0)
@@ -664,10 +664,10 @@ def test_the_fast_path_never_passes_the_simulated_capacity():
     # Defect: only the budget was checked there, so "sim" ran past its capacity unnoticed.
     if tm.backend.name != "sim":
         pytest.skip("the simulated device's capacity")
-    capacity = tm.sim_capacity
+    before = tm.sim_capacity
     try:
         tm.strategy = "flow"
-        tm.sim_capacity = 4096
+        tm.sim_capacity = capacity(4096)
         tm.budget = "1MiB"  # above the capacity: the budget never binds
         x = torch.ones(256)
         ys = [x + i for i in range(8)]
@@ -676,7 +676,7 @@ def test_the_fast_path_never_passes_the_simulated_capacity():
         del ys
     finally:
         tm.budget = None
-        tm.sim_capacity = capacity
+        tm.sim_capacity = before
 
 
 def test_a_paged_host_copy_only_the_manager_holds_moves_into_pinned_memory():

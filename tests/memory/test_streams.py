@@ -16,7 +16,7 @@ from torchTensorRef.core import raw
 from torchTensorRef import tensorsManager as tm
 from torchTensorRef.memory.streams import POISON, SimStreams, joined
 from torchTensorRef.core.tensor_ref import block_of
-from paired import outside, small_sim_capacity
+from paired import capacity, outside, small_sim_capacity
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim") != "sim",
@@ -328,7 +328,7 @@ def test_an_allocation_the_device_cannot_hold_beside_a_write_back_waits_for_its_
     before = tm.sim_capacity
     try:
         tm.strategy = "flow"
-        tm.sim_capacity = 2 * tm.block_bytes(1024)  # no budget: the device's memory is the limit
+        tm.sim_capacity = capacity(2 * tm.block_bytes(1024))  # no budget: the device's memory is the limit
         a = torch.full((256,), 1.0) + 1
         start = _syncs()
         b = torch.full((256,), 2.0) + 1  # the device holds a's buffer until its copy ends
