@@ -85,7 +85,7 @@ def managed_stack(model, x, fraction, flow_options: dict, device: str = common.S
 
 
 def row(model, x, plain_run, expected, fraction, repeats: int, rate: float, flow_options: dict) -> dict:
-    """One row: a fresh managed copy, warmed up until Flow follows its plan, then timed."""
+    """One row: a fresh managed copy, warmed up until Flow has settled, then timed."""
     managed, mx = managed_stack(model, x, fraction, flow_options)
 
     def run():
