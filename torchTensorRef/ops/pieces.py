@@ -156,8 +156,7 @@ def land(result, out: TensorRef, start: int, stop: int, host=None) -> None:
     :func:`landing`) is written back there (asynchronously where it is pinned, ``out``'s host
     copy waiting for it), if it is not already; any other is copied there by the host."""
     block = block_of(result) if isinstance(result, TensorRef) else None
-    if (block is not None and host is not None and block.host_parent is block_of(out) and block.host is not None
-            and block.host.data_ptr() == host.data_ptr() and block.host.nbytes() == host.nbytes()):
+    if block is not None and host is not None and block.host is host:
         if block.dev is not None:
             with mgr.lock:
                 mgr.evict(block)

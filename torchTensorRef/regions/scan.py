@@ -85,29 +85,22 @@ def _object_tensors(obj, seen: set, depth: int, budget: list, out: list) -> bool
     if id(obj) in seen or depth == 0:
         return True
     seen.add(id(obj))
-    if obj.__class__ is list or isinstance(obj, list):
+    if isinstance(obj, list):
         container = obj
         items = enumerate(tuple(obj))
     else:
         container = obj if isinstance(obj, dict) else obj.__dict__
         items = tuple(container.items())  # (a snapshot: another thread may add to a shared object)
-    left = budget[0]
     for k, v in items:
-        left -= 1
-        if left < 0:
-            budget[0] = left
+        budget[0] -= 1
+        if budget[0] < 0:
             return False
-        cls = v.__class__
-        if cls in _LEAVES:
+        if v.__class__ in _LEAVES:
             continue
         if isinstance(v, _Tensor):
             out.append((container, k, v))
-        elif cls is list or cls is dict or isinstance(v, (list, dict)) or is_object(v):
-            budget[0] = left
-            if not _object_tensors(v, seen, depth - 1, budget, out):
-                return False
-            left = budget[0]
-    budget[0] = left
+        elif (isinstance(v, (list, dict)) or is_object(v)) and not _object_tensors(v, seen, depth - 1, budget, out):
+            return False
     return True
 
 
