@@ -89,7 +89,7 @@ STRATEGIES = ("flow", "genoa")
 STRATEGY_SPECS = {"flow-evicting": lambda: Flow(prefetch_evicts=True, lookahead=2),
                   "flow-free": lambda: Flow(prefetch_evicts=False)}
 #: the manager's counters each managed row reports, per call (generate) or per step (train)
-COUNTERS = ("fetches", "prefetches", "prefetch_hits", "evictions", "writebacks", "host_syncs")
+COUNTERS = ("fetches", "prefetches", "prefetch_hits", "copies_to_device", "evictions", "writebacks", "host_syncs")
 WORKLOADS = ("generate", "train")
 FRACTIONS = (0.25, 0.5, 1.0)
 TARGETS = {
@@ -421,7 +421,8 @@ def print_report(result: dict) -> None:
             elif "counters" in m:
                 c = m["counters"]
                 print(f"{'':>13} {workload}, per {'call' if workload == 'generate' else 'step'}: "
-                      f"{c['fetches']} fetches, {c['prefetches']} prefetches ({c['prefetch_hits']} used), "
+                      f"{c['fetches']} fetches, {c['prefetches']} prefetches ({c['prefetch_hits']} used) in "
+                      f"{c['copies_to_device']} copies, "
                       f"{c['evictions']} evictions, {c['writebacks']} write-backs, {c['host_syncs']} host waits"
                       f"{'; prefetches evict ahead' if m.get('evicts_ahead') else ''}"
                       f"{'' if m.get('settled', True) else '; timed before the strategy settled'}")

@@ -376,8 +376,8 @@ def measure(run: Run, row: dict, call: Callable[[], object], warmup: int, timed:
     if managed:
         stats = tm.stats()
         calls = len(row["call_seconds"])
-        row["counters"] = {k: stats[k] // calls for k in ("fetches", "prefetches", "evictions", "writebacks",
-                                                           "host_syncs")}
+        row["counters"] = {k: stats[k] // calls for k in ("fetches", "prefetches", "copies_to_device", "evictions",
+                                                           "writebacks", "host_syncs")}
         row["bytes_to_device"] = stats["bytes_to_device"] // calls
         row["bytes_to_host"] = stats["bytes_to_host"] // calls
         row["overshoot"] = stats["worst_overshoot_bytes"]

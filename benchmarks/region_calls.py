@@ -17,12 +17,15 @@ Per row: ms per forward, its ratio to plain (the median of per-pair ratios), the
 floor (plain's time plus the bytes moved at the host's copy rate, ``common.host_copy_rate``),
 and **µs per region call** beyond plain and that floor: the host work of the boundary (the
 working set made resident, fetches, evictions, the strategy's choices, the plain views given
-and the outputs wrapped). Also the fetches and evictions per call, the share of the bytes
+and the outputs wrapped). Also the fetches and evictions per call, the copies to the device
+per call (a region's group, its tensors in one buffer, comes in with one: Note [Region
+groups]; ``--no-groups`` moves every tensor alone), the MiB moved per forward, the share of the bytes
 brought to the device by a prefetch issued during an earlier call, the peak against the
 budget, and whether the outputs equal plain torch's (bit for bit: the same kernels). A block
 whose working set does not fit the budget runs op by op: the row's ops per forward say so.
 
-    python benchmarks/region_calls.py [--layers 8] [--width 256] [--repeats 30] [--prefetch-evicts] [--json out.json]
+    python benchmarks/region_calls.py [--layers 8] [--width 256] [--repeats 30] [--prefetch-evicts] [--no-groups]
+                                      [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torchTensorRef  # noqa: E402
 from benchmarks import common, overhead  # noqa: E402
 from benchmarks.common import tm  # noqa: E402
 from torchTensorRef import regions  # noqa: E402
+from torchTensorRef.memory import groups  # noqa: E402
 from torchTensorRef.strategies import Flow  # noqa: E402
 
 #: (label, budget as a fraction of the weights; None: no budget)
@@ -108,6 +112,7 @@ def row(model, x, plain_run, expected, fraction, repeats: int, rate: float, flow
         "host_us_per_call": (managed_s - plain_s - moved / rate) / calls * 1e6,
         "fetches_per_call": stats["fetches"] / repeats / calls,
         "evictions_per_call": stats["evictions"] / repeats / calls,
+        "copies_per_call": stats["copies_to_device"] / repeats / calls,
         "ahead": stats["bytes_prefetched_ahead"] / into if into else None,
         "peak_device_bytes": stats["peak_device_bytes"],
         "plan": getattr(tm.strategy, "plan", None) is not None, "settled": tm.strategy.settled,
@@ -127,13 +132,13 @@ def fresh_row(*args) -> dict:
 
 def table(rows: dict) -> str:
     lines = [f"  {'row':<16} {'ms':>6} {'plain':>6} {'ratio':>6} {'floor':>6} {'ops':>4} {'us/call':>8} {'fetch':>6} "
-             f"{'evict':>6} {'ahead':>6} {'peak/budget':>11}  plan  equal"]
+             f"{'evict':>6} {'copies':>6} {'MiB':>6} {'ahead':>6} {'peak/budget':>11}  plan  equal"]
     for label, r in rows.items():
         ahead = "-" if r["ahead"] is None else f"{r['ahead']:.3f}"
         peak = "-" if r["budget"] is None else f"{r['peak_device_bytes'] / r['budget']:.3f}"
         lines.append(f"  {label:<16} {r['ms']:6.3f} {r['plain_ms']:6.3f} {r['ratio']:6.3f} {r['copy_floor']:6.3f} "
                      f"{r['calls']:4.0f} {r['host_us_per_call']:8.1f} {r['fetches_per_call']:6.2f} "
-                     f"{r['evictions_per_call']:6.2f} "
+                     f"{r['evictions_per_call']:6.2f} {r['copies_per_call']:6.2f} {r['bytes_moved'] / 2**20:6.2f} "
                      f"{ahead:>6} {peak:>11}  {str(r['plan']):5} {r['equal']}")
     return "\n".join(lines)
 
@@ -144,6 +149,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=30, help="timed forwards per row")
     parser.add_argument("--prefetch-evicts", action="store_true", help="Flow(prefetch_evicts=True)")
+    parser.add_argument("--no-groups", action="store_true", help="every tensor moves alone (no region groups)")
     parser.add_argument("--json", help="write the results (with device, torch, date, command) to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -161,13 +167,15 @@ def main(argv=None) -> dict:
 
     rate = common.host_copy_rate(model)
     flow_options = {"prefetch_evicts": True} if args.prefetch_evicts else {}
-    previous = regions.enabled, regions.under_budget
+    previous = regions.enabled, regions.under_budget, groups.SHARE
     regions.enabled = regions.under_budget = True
+    if args.no_groups:
+        groups.SHARE = 0.0  # (no group is small enough beside the budget)
     try:
         rows = {label: fresh_row(model, x, plain_run, expected, fraction, args.repeats, rate, flow_options)
                 for label, fraction in ROWS}
     finally:
-        regions.enabled, regions.under_budget = previous
+        regions.enabled, regions.under_budget, groups.SHARE = previous
         tm.strategy, tm.device, tm.sim_strict = "flow", "cpu", True
     print(f"{args.layers} blocks of width {args.width}, one region each, batch 1, no gradients; lenient sim, "
           f"torch {torch.__version__}, 1 thread, {args.repeats} forwards per row (process CPU time)")
@@ -175,8 +183,9 @@ def main(argv=None) -> dict:
     print("  floor: plain's time plus the bytes moved at the host's copy rate, as a ratio to plain")
     print("  ops: the manager's ops per forward, one per block where each runs as a region")
     print("  us/call: time a region call adds beyond plain and the copies' floor")
+    print("  copies: copies to the device per call (a region's group in one); MiB: moved per forward")
     result = {"layers": args.layers, "width": args.width, "repeats": args.repeats, "host_copy_bytes_per_s": rate,
-              "flow_options": flow_options, "rows": rows}
+              "flow_options": flow_options, "groups": not args.no_groups, "rows": rows}
     if args.json:
         common.write_result(args.json, "benchmarks/region_calls.py", argv, "sim (lenient)", result)
     if not all(r["equal"] for r in rows.values()):

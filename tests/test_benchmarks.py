@@ -438,6 +438,20 @@ def test_region_calls_times_region_calls_alone_within_the_budget(fresh_manager, 
     assert saved["result"]["rows"]["Flow, 50%"]["calls"] == 8
 
 
+def test_region_calls_reports_the_copies_of_region_groups(fresh_manager):
+    argv = ["--layers", "32", "--width", "32", "--repeats", "3", "--prefetch-evicts"]
+    grouped = region_calls.main(argv)["rows"]
+    alone = region_calls.main(argv + ["--no-groups"])["rows"]
+    for label in ("Flow, 50%", "Flow, 25%"):
+        g, a = grouped[label], alone[label]
+        assert g["equal"] and a["equal"] and g["peak_device_bytes"] <= g["budget"], label
+        # a block's two weights come in with one copy, where they took two (at 25% a block's
+        # group is too large beside the budget where the device rounds its tensors up: alone)
+        assert g["copies_per_call"] < a["copies_per_call"] or label == "Flow, 25%", label
+        assert g["copies_per_call"] <= a["copies_per_call"], label
+        assert g["bytes_moved"] <= 1.10 * a["bytes_moved"], label
+
+
 @pytest.mark.parametrize("budget", [None, 0.5], ids=["no-budget", "flow-50"])
 def test_region_anatomy_times_each_step_of_a_region_call_and_gives_them_back(fresh_manager, budget):
     originals = {(owner, name): owner.__dict__[name] for _label, owner, name in region_anatomy.STEPS}

@@ -87,7 +87,7 @@ class Block:
         "id", "nbytes", "host", "host_valid", "dev", "gen", "dev_key",
         "refs", "pins", "alive", "last_use", "on_ref_dead", "from_op", "prefetched", "prefetch_op",
         "dev_pending", "host_pending", "external", "host_only", "host_shared", "exposed",
-        "disk", "spilling", "views", "fetches", "explicit", "dev_bytes", "host_parent", "__weakref__",
+        "disk", "spilling", "views", "fetches", "explicit", "dev_bytes", "host_parent", "group", "__weakref__",
     )
 
     def __init__(self, nbytes: int, on_ref_dead: Optional[Callable[..., None]] = None) -> None:
@@ -150,6 +150,9 @@ class Block:
         #: the program put it on the accelerator (a device named), or it was computed from such
         #: a block: mixed with CPU tensors, its ops fail as on CUDA
         self.explicit: bool = False
+        #: the group whose buffers hold its copies, with those of the other tensors its region
+        #: owns (Note [Region groups] in ``memory/groups.py``; typed ``Any``: memory/'s type)
+        self.group: Any = None
 
     @property
     def residence(self) -> Residence:

@@ -62,6 +62,28 @@ def storage_bytes(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype
     return extent * torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor over exactly the bytes of contiguous ``t``: its storage is that range
+    of ``t``'s (from dlpack, so it keeps ``t``'s storage alive and takes no bytes of its own)."""
+    from_dlpack = _unwrapped(torch.from_dlpack)  # (creation is patched)
+    return from_dlpack(t.detach())
+
+
+def alias_range(storage: torch.UntypedStorage, start: int, stop: int) -> torch.UntypedStorage:
+    """A storage over bytes ``start:stop`` of ``storage`` (:func:`alias`)."""
+    return alias(flat_bytes(storage)[start:stop]).untyped_storage()
+
+
+_from_pointer = torch._C._construct_storage_from_data_pointer
+
+
+def borrowed_range(storage: torch.UntypedStorage, start: int, stop: int) -> torch.UntypedStorage:
+    """A storage over bytes ``start:stop`` of ``storage`` that does not keep it alive: its
+    caller keeps ``storage`` while the range, or any view of it, is used (PyTorch counts
+    the range's users: ``storage_users``). A fraction of :func:`alias_range`'s cost."""
+    return _from_pointer(storage.data_ptr() + start, storage.device, stop - start)  # type: ignore[return-value]
+
+
 _SET_STORAGE = torch.ops.aten.set_.source_Storage_storage_offset
 _META_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
 

@@ -139,6 +139,10 @@ class Backend:
         """``storage`` is a new device allocation made by a kernel (the simulated device
         counts its live allocations; a driver does it for CUDA)."""
 
+    def track_alias(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` is a range of a counted allocation (Note [Region groups]): no bytes
+        of its own."""
+
     def warm_up(self, backward: bool = True) -> None:
         """Make the libraries allocate the device memory they keep for the life of the
         process (cuBLAS workspaces) for this thread and, with ``backward``, for autograd's
@@ -273,6 +277,9 @@ class SimBackend(Backend):
 
     def track(self, storage: torch.UntypedStorage) -> None:
         self.allocated.track(storage)
+
+    def track_alias(self, storage: torch.UntypedStorage) -> None:
+        self.allocated.alias(storage)
 
     def set_workspace(self, nbytes: int) -> None:
         """Emulate workspaces of ``nbytes`` from now on (none made yet)."""

@@ -114,14 +114,19 @@ class Books:
         if not block.external and block.alive:
             self.external -= 1
 
-    def made_resident(self, block: Block, storage: torch.UntypedStorage, pending: Optional[Pending] = None) -> None:
+    def made_resident(self, block: Block, storage: torch.UntypedStorage, pending: Optional[Pending] = None,
+                      counted: Optional[int] = None) -> None:
         """``block``'s device copy is ``storage`` now (being copied in where ``pending``),
-        counted against the budget."""
+        counted against the budget at what the device's allocator counts for it, or at
+        ``counted`` (a range of a group's buffer, counted with it: Note [Region groups])."""
         if pending is None:
             block.set_dev(storage)
         else:
             block.arriving(storage, pending)
         self.resident[block.id] = block
+        if counted is not None:
+            block.dev_bytes = counted
+            return
         m = self.m
         backend = m.backend
         block.dev_bytes = backend.dev_bytes(storage)

@@ -35,6 +35,7 @@ from .accounting import Accounting
 from .adoption import Adoption
 from .callbacks import Callback, Callbacks, OpCallback
 from .devices import Backend, PassthroughBackend, default_device
+from .groups import Groups
 from .host_tier import HostTier
 from .lifetime import Books
 from .moves import Moves
@@ -46,19 +47,9 @@ from .statistics import Statistics
 
 
 class TensorsManager:
-    """The global pager; use the ``torchTensorRef.tensorsManager`` instance.
-
-    Example::
-
-        import torchTensorRef, torch
-        tm = torchTensorRef.tensorsManager
-        tm.device = "sim"          # or "cuda", "cuda:1", "cpu" (pass-through)
-        tm.strategy = "genoa"
-        tm.budget = "64MiB"
-        x = torch.rand(1024, 1024)  # a TensorRef
-        y = (x @ x).sum()
-        print(tm.stats()["bytes_to_device"])
-    """
+    """The global pager; use the ``torchTensorRef.tensorsManager`` instance: set its
+    ``device`` ("sim", "cuda", "cuda:1", "cpu": pass-through), ``strategy`` and ``budget``
+    ("64MiB"), and the tensors the program makes are TensorRefs it pages."""
 
     device = Setting()
     torch_device = Setting()
@@ -108,6 +99,7 @@ class TensorsManager:
         self.books = Books(self)
         self.device_room = Room(self)
         self.residency = Residency(self)
+        self.groups = Groups(self)
         self.host_tier = HostTier(self)
         self.protocol = OpProtocol(self)
         self.adoption = Adoption(self)
@@ -221,9 +213,8 @@ class TensorsManager:
         return self.accounting.in_use()
 
     def room(self) -> Optional[int]:
-        """Accelerator bytes that still fit under the budget now; ``None`` when unlimited
-        (``fetch`` does not check the budget: a prefetch must fit in it, less what the op in
-        flight will add)."""
+        """Accelerator bytes that still fit under the budget now; ``None`` when unlimited (a
+        prefetch must fit in it, less what the op in flight will add)."""
         with self.lock:
             return self.accounting.room()
 
@@ -234,6 +225,14 @@ class TensorsManager:
     def alloc_bytes(self, nbytes: int) -> int:
         """Room a new block of ``nbytes`` needs (Note [Room for the allocator's slack])."""
         return self.accounting.room_for(self.backend.block_bytes(nbytes), nbytes)
+
+    def prefetch_bytes(self, block: Block) -> int:
+        """Room ``prefetch(block, group=True)`` takes: its group's where the group can come in
+        with it (Note [Region groups] in ``groups.py``), else ``alloc_bytes(block.nbytes)``."""
+        group = block.group
+        if group is not None and self.groups.movable(group, None):
+            return self.alloc_bytes(group.nbytes)
+        return self.alloc_bytes(block.nbytes)
 
     def resident_blocks(self) -> Collection[Block]:
         """The blocks with a valid accelerator copy (for strategies)."""
@@ -258,13 +257,17 @@ class TensorsManager:
         """Give ``block`` a valid device copy now (no budget check: room is the caller's)."""
         self.residency.fetch(block, protect)
 
-    def prefetch(self, block: Block) -> bool:
-        """Bring ``block`` in ahead of use on a side stream (no budget check); whether it did."""
-        return self.residency.prefetch(block)
+    def prefetch(self, block: Block, group: bool = False) -> bool:
+        """Bring ``block`` (with ``group``: its group where it can) in ahead of use; whether it did."""
+        return self.residency.prefetch(block, group)
 
-    def evict(self, block: Block) -> None:
-        """Drop ``block``'s device copy, writing it back first if it is dirty."""
+    def evict(self, block: Block, protect: Optional[Collection[int]] = None) -> bool:
+        """Drop ``block``'s device copy (written back if dirty); whether it did. With ``protect``
+        (the op's block ids) a victim, its group with it (``Residency.evict_victim``)."""
+        if protect is not None:
+            return self.residency.evict_victim(block, protect)
         self.residency.evict(block)
+        return True
 
     def sync_host(self, block: Block, record: bool = True) -> bool:
         """Make the host copy valid and readable now (keeping the device copy); whether it copied."""
@@ -470,10 +473,6 @@ class TensorsManager:
     def new_block(self, nbytes: int) -> Block:
         """A new live block of ``nbytes`` (no copy yet)."""
         return self.books.new_block(nbytes)
-
-    def pinned_bytes(self) -> int:
-        """Device bytes of the resident blocks pinned there."""
-        return self.books.pinned_bytes()
 
     def host_storages(self) -> set:
         """Keys of the host storages of the paged blocks (a plain view of one is a host copy)."""

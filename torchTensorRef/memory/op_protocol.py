@@ -123,6 +123,10 @@ class OpProtocol:
             m.callbacks.run("before", ctx)  # may veto: nothing has changed yet
         ctx.index = m.op_count
         m.op_count += 1
+        if ctx.spec.restrides:
+            for b in ctx.written:
+                if b.group is not None:
+                    m.groups.detach(b)  # (its storage may grow: a range of a group's buffer cannot)
         m.strategy.before_op(ctx)
         missing = self._bring_in(ctx)
         m.statistics.counters["prefetch_misses"] += missing

@@ -99,6 +99,10 @@ class Residency:
         backend = m.backend
         if block.dev is not None or block.host_only or backend.passthrough:
             return
+        group = block.group
+        if group is not None and m.groups.movable(group, protect):
+            m.groups.fetch(group, protect)  # (the op needs them all: one copy, Note [Region groups])
+            return
         if not block.host_valid and block.disk is not None:
             m.host_tier.load_host(block, protect)  # its bytes are only on disk
         start = time.perf_counter_ns()
@@ -126,10 +130,13 @@ class Residency:
             m.device_room.settle(set(protect) | {block.id})
         counters = m.statistics.counters
         counters["fetches"] += 1
+        counters["copies_to_device"] += 1
         counters["bytes_on_demand"] += block.nbytes
 
-    def prefetch(self, block: Block) -> bool:
+    def prefetch(self, block: Block, group: bool = False) -> bool:
         """Bring ``block`` in ahead of use on a side stream (no budget check); whether it did.
+        With ``group``, its whole group comes in with it where it can and fits the budget
+        (one copy, Note [Region groups]).
 
         A block whose host copy cannot be pinned is skipped (the copy would make the host
         wait), and so is one that does not fit in the device: a prefetch never evicts for
@@ -139,6 +146,8 @@ class Residency:
         backend = m.backend
         if block.dev is not None or block.host_only or block.external or backend.passthrough:
             return False
+        if group and block.group is not None and m.groups.movable(block.group, None) and m.groups.prefetch(block.group):
+            return True  # (its whole group, where that fits: else the block alone)
         if not block.host_valid and block.disk is not None:
             m.host_tier.read_ahead(block)  # only on disk: the op will find it in host memory, or nearer
             return False
@@ -166,6 +175,7 @@ class Residency:
         block.prefetch_op = m.op_count  # (ops from this index on run after the one issuing it)
         counters = m.statistics.counters
         counters["prefetches"] += 1
+        counters["copies_to_device"] += 1
         counters["bytes_prefetched"] += block.nbytes
         return True
 
@@ -203,6 +213,28 @@ class Residency:
             m.trace.move("to_host", block.id, block.nbytes if wrote else 0, start,
                          time.perf_counter_ns(), m.accounting.resident, _write_mode(block, wrote))
 
+    def evict_victim(self, block: Block, protect: Collection[int]) -> bool:
+        """Evict ``block``, chosen to make room, and the rest of its group that is not pinned
+        and that ``protect`` does not name: one member out of the group's buffer frees
+        nothing, and a group comes in as one only once all of it is out (Note [Region groups]);
+        a member in a buffer of its own goes where that is free (clean). Whether it did: not
+        where the group's buffer must stay for a member that cannot go (nothing would be freed)."""
+        group = block.group
+        if group is None or group.dissolved and block.id not in group.live:
+            self.evict(block)
+            return True
+        live = group.live
+        if block.id in live:
+            for mate in group.members:
+                if mate.id in live and (mate.pins or mate.id in protect):
+                    return False
+        self.evict(block)
+        for mate in group.members:
+            if (mate.dev is not None and not mate.pins and mate.id not in protect
+                    and (mate.id in live or mate.host_valid)):
+                self.evict(mate)
+        return True
+
     def drop_dev(self, block: Block, reuse: bool = True) -> None:
         """Forget ``block``'s device copy; with ``reuse`` the device may keep its buffer for
         reuse (``Backend.recycle``, up to :meth:`kept_limit`). A buffer a tensor outside the
@@ -211,19 +243,27 @@ class Residency:
         block.set_dev(None)
         if storage is None:
             return
-        backend = self.m.backend
+        group = block.group
+        if group is not None and block.id in group.live:
+            self.m.groups.left(group, block)  # (a range of the group's buffer, which goes with the last)
+            return
         # (a copy on a side stream still using it is counted by the manager until it ends;
         # the device counts it free now: Note [Stream-ordered frees] in accounting.py)
         if not reuse:
-            backend.freed_in_flight(storage)  # (a prefetch still writes it)
+            self.m.backend.freed_in_flight(storage)  # (a prefetch still writes it)
             return
-        pending = block.host_pending
-        copying = pending.buffer_users() if pending is not None else 0  # (a write-back's own view)
+        self.free_buffer(storage, block.host_pending, block.dev_bytes)
+
+    def free_buffer(self, storage: torch.UntypedStorage, copy: Optional[Pending], nbytes: int) -> None:
+        """Give the device buffer ``storage`` (counted at ``nbytes``) back, or hold it while a
+        tensor outside the manager views it (Note [Buffers still viewed]); ``copy``: copies
+        that may still read it (their own views of it are not the program's)."""
+        copying = copy.buffer_users() if copy is not None else 0
         users = raw.storage_users(storage)
         if users is not None and users - copying > 1:
-            self.m.accounting.hold_viewed(InUse(storage, self.release, pending), block.dev_bytes)
+            self.m.accounting.hold_viewed(InUse(storage, self.release, copy), nbytes)
             return
-        self.release(storage, pending)
+        self.release(storage, copy)
 
     def release(self, storage: torch.UntypedStorage, copy: Optional[Pending]) -> None:
         """Give the device buffer ``storage`` back; ``copy``: a write-back that may still read it
@@ -263,7 +303,12 @@ class Residency:
         m.device_room.inject("writeback", block.nbytes)
         host = self._host_for_write_back(block)
         assert block.dev is not None  # (a write-back's source is the device copy)
-        dev = raw.flat_bytes(block.dev)
+        group = block.group
+        if group is not None and block.id in group.live:
+            dev = group.device_range(block)  # (a view of the group's buffer: kept until the copy ends)
+        else:
+            group = None
+            dev = raw.flat_bytes(block.dev)
         block.wait_arrival()
         backend = m.backend
         counters = m.statistics.counters
@@ -273,6 +318,8 @@ class Residency:
                 block.host_pending.wait_compute()  # (pieces' copies into it land first, in order)
             pending = backend.streams.copy_async(raw.flat_bytes(host), dev, prefetch=False)
             block.host_pending = pending
+            if group is not None:
+                m.groups.wrote_back(group, pending)
             m.accounting.hold(pending, block.dev_bytes)  # (the device copy, until the copy ends)
             if parent is not None:
                 # (a piece: the host copy it is a range of is read once its copies end)
@@ -345,6 +392,8 @@ class Residency:
             # out again before they end: Note [Pieces] in ``ops/pieces.py``)
             m.device_room.wait_host(pending)
         host = block.host_storage()
+        if block.group is not None:
+            m.groups.host_left(block, host)
         m.books.by_host_storage.pop(host._cdata, None)
         pinned = m.backend.pinned
         if pinned is not None:

@@ -148,7 +148,8 @@ class Room:
             victim = m.strategy.choose_victim(protect)
             if victim is None:
                 return  # (the margin is given up: the count shows any overshoot)
-            m.residency.evict(victim)
+            if not m.residency.evict_victim(victim, protect):
+                protect = {*protect, victim.id}  # (its group's buffer stays: it frees nothing)
 
     def _evict_for(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int, limit: int,
                    margin: int = 0) -> None:
@@ -167,7 +168,8 @@ class Room:
             victim = m.strategy.choose_victim(protect)
             if victim is not None:
                 m.note_pressure()
-                m.residency.evict(victim)
+                if not m.residency.evict_victim(victim, protect):
+                    protect = {*protect, victim.id}  # (its group's buffer stays: it frees nothing)
                 continue
             if used + nbytes <= limit:
                 return  # (the room fits without the slack's margin: given up)

@@ -18,7 +18,7 @@ STAT_KEYS = (
     "bytes_to_device", "bytes_to_host", "fetches", "writebacks", "evictions",
     "prefetches", "prefetch_hits", "prefetch_misses", "prefetches_unused", "prefetches_dropped",
     "host_syncs", "bytes_from_disk", "bytes_to_disk", "bytes_on_demand", "bytes_prefetched",
-    "bytes_prefetched_ahead",
+    "bytes_prefetched_ahead", "copies_to_device",
 )
 
 
@@ -45,7 +45,8 @@ class Statistics:
         ``prefetches_dropped``, ``bytes_on_demand`` (brought to the device because an op
         needed them), ``bytes_prefetched`` (brought in by prefetches), ``bytes_prefetched_ahead``
         (of those, the bytes an op read that an earlier op's prefetch brought: the copy could
-        overlap that op's work), ``host_syncs``, ``budget``, ``device``, ``strategy``,
+        overlap that op's work), ``copies_to_device`` (copies made to the device: a group's
+        members take one, Note [Region groups]), ``host_syncs``, ``budget``, ``device``, ``strategy``,
         ``tensors`` (live TensorRefs), ``tensors_on_device``, ``blocks``,
         ``blocks_on_device``, ``host_bytes`` (host copies of paged blocks, CPU tensors
         not counted), ``peak_host_bytes``, ``host_budget``, ``bytes_from_disk``,

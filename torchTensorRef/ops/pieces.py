@@ -74,12 +74,6 @@ def held_on_host(refs: Sequence[TensorRef], wait: bool = True):
             mgr.unmark_external(block)
 
 
-def _plain_alias(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor over exactly the bytes of contiguous ``t`` (its storage is that range)."""
-    from_dlpack = getattr(torch.from_dlpack, "__wrapped__", torch.from_dlpack)  # (creation is patched)
-    return from_dlpack(t.detach())
-
-
 def _manage(plain: torch.Tensor) -> TensorRef:
     return mgr.manage_tensor(plain, requires_grad=False, shared=True)
 
@@ -106,7 +100,7 @@ def alias_piece(ref: TensorRef, start: int, stop: int) -> TensorRef:
     """A piece over elements ``start:stop`` (in the order of its bytes) of settled dense
     ``ref``, aliasing its host bytes: fetched once ``ref``'s write-back ends, and written
     back into them asynchronously, ``ref``'s host copy waiting for it."""
-    piece = _manage(_plain_alias(flat_host(ref)[start:stop]))
+    piece = _manage(raw.alias(flat_host(ref)[start:stop]))
     parent, block = block_of(ref), block_of(piece)
     block.host_parent = parent
     if parent.host_pending is not None:
@@ -145,7 +139,7 @@ def landing(outs, start: int, stop: int, spec):
         yield None
         return
     out = outs[0]
-    host = _plain_alias(flat_host(out)[start:stop]).untyped_storage()
+    host = raw.alias(flat_host(out)[start:stop]).untyped_storage()
     with mgr.protocol.landing(host, block_of(out), out.dtype, spec):
         yield host
 

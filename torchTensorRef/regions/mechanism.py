@@ -68,7 +68,7 @@ from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import blocks_of_list, wrap_one
 from .inside import Inside, Measure, measured
-from .op import MAX_WRAPPERS, Giver, RegionContext, RegionSpec, Wrapper, bytes_of, take_back_attributes
+from .op import MAX_WRAPPERS, Giver, Grouping, RegionContext, RegionSpec, Wrapper, bytes_of, take_back_attributes
 from . import stores
 from .step import Plan, Step
 from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad,
@@ -96,8 +96,6 @@ def _out_of_glue():
     are the region's (Note [Loops on plain tensors] in ``scope.py``)."""
     glue = state.glue
     return _pop_mode_temporarily() if glue is not None and _current_mode() is glue else contextlib.nullcontext()
-
-
 
 
 class Region:
@@ -142,6 +140,8 @@ class Region:
         #: ids of the blocks of its module's tensors that a measured call wrote in place: its
         #: calls count them as written (Note [Unversioned writes])
         self.writes: set = set()
+        #: its module's tensors as one group, under a budget (Note [Region groups] in memory/groups.py)
+        self.grouping = Grouping()
 
     @property
     def name(self) -> str:
@@ -239,6 +239,8 @@ class Region:
             ctx = RegionContext(self.spec, blocks, [], args, kwargs, on_host)
             ctx.estimate = 0
             paged = mgr.limit is not None and not passthrough
+            if paged and not on_host:
+                self.grouping.refresh(mgr, call)
             return Plan(ctx, key, grad, on_host, paged, paged and not on_host)
 
     def _estimate(self, plan: Plan, call: Call) -> None:
@@ -319,9 +321,8 @@ class Region:
 
     def _needs(self, need: int, inside: int, grad_key) -> int:
         """Bytes the call needs resident at once: its working set and room; with gradients
-        (``grad_key``: its shapes) its backward's too, once measured, or until then a bound:
-        the weights saved, the activations and incoming gradients (each at most the inside)
-        and room for the outgoing ones (Note [Regions with gradients])."""
+        (``grad_key``: its shapes) its backward's too, once measured, or until then a bound: the
+        weights saved, activations, gradients in and out (Note [Regions with gradients])."""
         if grad_key is None:
             return need + inside
         seen = measured(self.backward_peaks, grad_key)
@@ -330,9 +331,8 @@ class Region:
         return max(need + inside, seen[0] + seen[1])
 
     def _measured(self, mgr, call: Call, fn, args, kwargs, key, grad: bool = False):
-        """The call op by op (within the budget, as any code), measuring the bytes its ops
-        allocate: what the call will need inside as a region; with ``grad``, whether its
-        backward asks for gradients of the gradients."""
+        """The call op by op (within the budget, as any code), measuring what its ops allocate
+        (what it needs inside as a region); with ``grad``, whether its backward asks for more."""
         meter = Measure({block_of(r).id for r in call.refs}, mgr.alloc_bytes)
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
         running, stores.running.call = stores.running.call, call  # (what it assigns: Note [Stores on modules])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.tensor_ref import TensorRef, compute_view, host_view
+from ..core.tensor_ref import TensorRef, block_of, compute_view, host_view
 from ..memory.sim.tensor import NAME as SIM, SimTensor
 from ..ops.op_context import OpContext, wrap_one
 from .scan import Call
@@ -30,6 +30,38 @@ def take_back_attributes(views) -> None:
             for k, v in got.items():
                 if mine.get(k, _MISSING) is not v and k not in _WRAPPER_ATTRIBUTES:
                     mine[k] = v
+
+
+#: the most calls a region lets pass before it tries again to make a group of its tensors
+#: where it could not (fewer than two with current host copies of their own: tensors made
+#: on the device have none until first evicted; or a group too large beside the budget):
+#: each try reads every one of them, so the wait doubles from one call up to this
+GROUP_RETRY = 32
+
+
+class Grouping:
+    """A region's group of its module's parameters and buffers, made under a budget (Note
+    [Region groups] in ``memory/groups.py``), and made again when it is dissolved."""
+
+    __slots__ = ("group", "wait", "backoff")
+
+    def __init__(self) -> None:
+        self.group = None
+        self.wait = 0
+        self.backoff = 1
+
+    def refresh(self, mgr, call: Call) -> None:
+        group = self.group
+        if group is not None and not group.dissolved:
+            return
+        if self.wait:
+            self.wait -= 1
+            return
+        self.group = group = mgr.groups.form([block_of(v) for _d, _k, v in call.slots[:call.params]])
+        if group is None:
+            self.wait, self.backoff = self.backoff, min(2 * self.backoff, GROUP_RETRY)
+        else:
+            self.backoff = 1
 
 
 class RegionSpec:

@@ -227,16 +227,25 @@ class Prefetch:
         # Make room from blocks predicted to be needed after op m, dirty ones too: training
         # writes every weight each step, and its write-back runs on the copy stream while
         # the budget counts the room free at once (Note [Stream-ordered frees]). What it
-        # costs in bytes is the trial's to weigh.
-        while mgr.in_use() + mgr.alloc_bytes(block.nbytes) > limit:  # (as the allocator may give it)
-            if not evicts:
-                return False
-            protect = {b.id for b in protect_blocks}
-            victim = self.order.victim(protect, n, worse_than=m)
+        # costs in bytes is the trial's to weigh. Room is made for the block's group where
+        # it comes in with it (one copy for a region's tensors), else for the block alone.
+        alone = mgr.alloc_bytes(block.nbytes)  # (as the allocator may give it)
+        need = mgr.prefetch_bytes(block)
+        protect = None
+        while mgr.in_use() + need > limit:
+            victim = None
+            if evicts:
+                if protect is None:
+                    protect = {b.id for b in protect_blocks}
+                victim = self.order.victim(protect, n, worse_than=m)
             if victim is None:
-                return False
-            mgr.evict(victim)
-        mgr.prefetch(block)
+                if need == alone or mgr.in_use() + alone > limit:
+                    return False
+                need = alone  # (the block alone fits)
+                break
+            if not mgr.evict(victim, protect):
+                protect.add(victim.id)  # (its group's buffer stays for the op: it frees nothing)
+        mgr.prefetch(block, group=need != alone)
         block.last_use = n  # (recency must not evict it before the op it was brought in for)
         return True
 

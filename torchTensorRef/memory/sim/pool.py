@@ -149,6 +149,14 @@ class Allocated:
                 if self._total > self._peak:
                     self._peak = self._total
 
+    def alias(self, storage: torch.UntypedStorage) -> None:
+        """Count ``storage``, a range of a counted allocation, at no bytes while it lives: a
+        SimTensor over it is not a new allocation (on CUDA it is none either)."""
+        entry = _Entry(storage, self._dead.append)
+        entry.key, entry.block, entry.nbytes, entry.request = storage._cdata, None, 0, storage.nbytes()
+        with self._lock:
+            self._live[storage._cdata] = entry
+
     def _place(self, entry: _Entry, request: int) -> None:
         # (the lock held) count ``entry`` at ``request`` bytes, as the device's allocator does
         placement = self.placement

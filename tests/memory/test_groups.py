@@ -1,0 +1,223 @@
+"""Region groups: a region's tensors brought in with one allocation and one copy, counted as
+the device counts them, and seen by the program as separate tensors (Note [Region groups]
+in ``memory/groups.py``)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from paired import assert_identical, budget, plain_torch, to_plain
+from torchTensorRef import regions, tensorsManager as tm
+from torchTensorRef.core.tensor_ref import block_of
+from torchTensorRef.memory import groups
+from torchTensorRef.strategies import Flow
+
+WIDTH = 64
+LAYERS = 32  # (a layer's group is 1/16 of the budget at half the weights: small enough to be one)
+
+
+def _stack(layers=LAYERS):
+    """Residual MLP blocks (seeded): each a region whose two weights and first bias (their
+    sizes multiples of 512 bytes) make its group, and whose last bias (256 bytes) stays out."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[
+        torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH))
+        for _ in range(layers)])
+
+
+def _input():
+    return torch.rand(2, WIDTH, generator=torch.Generator().manual_seed(1), device="cpu").to(tm.torch_device)
+
+
+def _forward(model, x):
+    for layer in model:
+        x = x + layer(x)
+    return x
+
+
+def _weights(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.fixture
+def as_regions():
+    """Every layer a region, under a budget too."""
+    previous = regions.enabled, regions.under_budget
+    regions.enabled = regions.under_budget = True
+    yield lambda model: [regions.region(layer) for layer in model]
+    regions.enabled, regions.under_budget = previous
+
+
+def _run(model, x, calls):
+    with torch.no_grad():
+        return [to_plain(_forward(model, x)) for _ in range(calls)]
+
+
+def _plain(calls=1):
+    with plain_torch():
+        return _run(_stack().to(tm.torch_device), _input(), calls)
+
+
+def _outside() -> int:
+    with tm.lock:
+        return tm.read_outside()
+
+
+@pytest.mark.parametrize("strategy", ["genoa", "flow"])
+def test_a_region_brings_its_group_in_with_one_copy(strategy, as_regions, monkeypatch):
+    expected = _plain()[0]
+
+    def run(grouped):
+        if not grouped:
+            monkeypatch.setattr(groups, "SHARE", 0.0)  # (no group is small enough)
+        tm.strategy = Flow(prefetch_evicts=True) if strategy == "flow" else strategy
+        model = _stack()
+        as_regions(model)
+        x = _input()
+        tm.budget = budget(_weights(model) // 2)
+        outside = _outside()
+        readings = []
+        handle = tm.add_callback(after=lambda op: readings.append(tm.read_outside()))
+        try:
+            for out in _run(model, x, 8):
+                assert_identical(expected, out)
+            tm.reset_stats()
+            for out in _run(model, x, 4):
+                assert_identical(expected, out)
+        finally:
+            handle.remove()
+            tm.budget = None
+            monkeypatch.undo()
+        # the manager counts what the device holds: nothing it allocated reads as outside
+        assert set(readings) == {outside}
+        grouped_blocks = [block_of(p) for p in model.parameters() if block_of(p).group is not None]
+        return tm.stats(), {id(b.group): b.group for b in grouped_blocks}.values()
+
+    alone, none = run(False)
+    grouped, made = run(True)
+    # (a layer's weights and a bias or both: a tensor whose write-back was still in flight
+    # when its region made the group stays out of it)
+    assert not none and len(made) == LAYERS and all(len(g.members) >= 3 for g in made)
+    saved = sum(len(g.members) - 1 for g in made)  # (copies saved per call)
+    assert alone["copies_to_device"] == alone["fetches"] + alone["prefetches"]
+    if strategy == "genoa":  # (everything goes back after each op: the same bytes either way)
+        assert grouped["bytes_to_device"] == alone["bytes_to_device"]
+        # each layer's group comes in with one copy where it was one per member, at each of 4 calls
+        assert grouped["copies_to_device"] == alone["copies_to_device"] - saved * 4
+    else:
+        assert 2 * grouped["copies_to_device"] < grouped["fetches"] + grouped["prefetches"]
+        assert grouped["bytes_to_device"] <= 1.10 * alone["bytes_to_device"]
+        assert grouped["bytes_prefetched_ahead"] >= 0.95 * grouped["bytes_to_device"] > 0
+
+
+def test_a_member_out_alone_stays_counted_until_its_group_goes(as_regions):
+    tm.strategy = "flow"
+    model = _stack()
+    as_regions(model)
+    x = _input()
+    tm.budget = budget(_weights(model) // 2)
+    _run(model, x, 3)
+    tm.evict_all()
+    layer = model[0]
+    with torch.no_grad():
+        layer(x)  # (its group comes in as one)
+    members = [block_of(p) for p in layer.parameters() if block_of(p).group is not None]
+    group = members[0].group
+    assert group.base is not None and group.live == {b.id for b in members}
+    others = sum(block_of(p).dev_bytes for p in layer.parameters()
+                 if block_of(p).group is None and block_of(p).dev is not None)
+    held = tm.stats()["device_bytes"]
+    outside = _outside()
+    tm.move_to_host(layer[0].weight)
+    # its range of the group's buffer is still allocated: counted, not outside the manager
+    assert tm.stats()["device_bytes"] == held and _outside() == outside
+    assert group.base is not None and members[0].dev is None
+    for p in layer.parameters():
+        tm.move_to_host(p)
+    assert group.base is None and tm.stats()["device_bytes"] == held - group.dev_bytes - others
+    assert _outside() == outside
+    with plain_torch():
+        want = _stack()[0][0].weight.to(tm.torch_device) * 2
+    assert_identical(want, layer[0].weight * 2)
+
+
+def test_a_group_whose_member_changes_is_dissolved(as_regions):
+    tm.strategy = "flow"
+
+    def changed(model):
+        with torch.no_grad():
+            model[3][0].weight.data = model[3][0].weight.data * 0.5 + 1  # (a new tensor: peft's merges)
+            model[5][2].weight.mul_(2)
+        return model
+
+    with plain_torch():
+        plain = changed(_stack().to(tm.torch_device))
+        expected = _run(plain, _input(), 1)[0]
+    model = _stack()
+    as_regions(model)
+    x = _input()
+    tm.budget = budget(_weights(model) // 2)
+    _run(model, x, 3)
+    old = block_of(model[3][2].weight).group
+    changed(model)
+    for out in _run(model, x, 3):
+        assert_identical(expected, out)
+    assert old.dissolved and block_of(model[3][0].weight).group is not old
+    assert block_of(model[3][2].weight).group is not old
+
+
+def test_training_with_groups_matches_plain_torch(as_regions):
+    # (groups move as one only without gradients; in training their members page alone,
+    # their host copies ranges of the group's buffer)
+    def train(model, x, steps):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(steps):
+            loss = _forward(model, x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(to_plain(loss.detach()))
+        return losses
+
+    with plain_torch():
+        expected = train(_stack(8).to(tm.torch_device), _input(), 6)
+    tm.strategy = "flow"
+    model = _stack(8)
+    as_regions(model)
+    tm.budget = budget(2 * _weights(model))  # (half of the weights, gradients and moments)
+    losses = train(model, _input(), 6)
+    stats = tm.stats()
+    tm.budget = None
+    for want, got in zip(expected, losses):
+        assert_identical(want, got, "loss")
+    # (a layer whose weights stay on the device stays dirty after each step: no group is
+    # made of tensors whose host copies are stale, nor needed for them)
+    assert sum(block_of(p).group is not None for p in model.parameters()) >= 3
+    assert stats["evictions"]  # (members written back into their ranges and fetched again)
+
+
+def test_checkpoints_and_the_host_buffer_of_a_group(as_regions):
+    tm.strategy = "flow"
+    pinned = tm.backend.pinned.used
+    model = _stack()
+    as_regions(model)
+    tm.budget = budget(_weights(model) // 2)
+    _run(model, _input(), 3)
+    assert sum(block_of(p).group is not None for p in model.parameters()) >= 3 * LAYERS
+    saved = io.BytesIO()
+    torch.save(model.state_dict(), saved)
+    with plain_torch():
+        plain = _stack()
+        plain.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), map_location="cpu"))
+        reference = _stack()
+        for a, b in zip(plain.parameters(), reference.parameters()):
+            assert torch.equal(a, b)
+    tm.budget = None
+    del model
+    with tm.lock:
+        tm.drain()
+    assert tm.backend.pinned.used <= pinned  # (the groups' host buffers went with their members)
