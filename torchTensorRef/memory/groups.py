@@ -41,7 +41,7 @@ import torch
 from ..core import raw
 from ..core.blocks import Block
 from .residency import InUse
-from .streams import Pending
+from .streams import Copies, Pending
 
 _in_backward = torch._C._current_graph_task_id
 
@@ -97,25 +97,12 @@ class Group:
         return raw.typed_view(self.base, raw.UINT8, (block.nbytes,), (1,), self.offsets[self.index(block)])
 
 
-class _Reads(Pending):
+class _Reads(Copies):
     """Write-backs reading a group's device buffer, freed with them in flight: what the
-    buffer's release waits for (``Residency.release``)."""
+    buffer's release waits for (``Residency.release``), their views of it its users."""
 
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: List[Pending]) -> None:
-        self.parts = parts
-
-    def wait_compute(self) -> None:
-        for part in self.parts:
-            part.wait_compute()
-
-    def wait_host(self) -> None:
-        for part in self.parts:
-            part.wait_host()
-
-    def done(self) -> bool:
-        return all(part.done() for part in self.parts)
+    __slots__ = ()
+    untracked = False  # (they write their members' own host ranges, which stay theirs)
 
     def retire(self) -> bool:
         return all([part.retire() for part in self.parts])
@@ -250,15 +237,8 @@ class Groups:
                                                                      group.nbytes) > acct.limit:
             return False
         start = time.perf_counter_ns()
-        try:
-            if backend.simulated:
-                m.host_tier.watch.reserve_bytes(group.nbytes)
-            base = m.device_room.allocate(group.nbytes, None, "prefetch")
-        except Exception as e:
-            from .room import is_out_of_memory
-            if not is_out_of_memory(e):
-                raise
-            m.statistics.counters["prefetches_dropped"] += 1
+        base = m.residency.prefetch_buffer(group.nbytes)
+        if base is None:
             return False
         self._after_write_backs(group)
         pending = backend.streams.copy_async(base, raw.flat_bytes(group.host), prefetch=True)

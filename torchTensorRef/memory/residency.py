@@ -159,14 +159,8 @@ class Residency:
             m.statistics.counters["prefetches_dropped"] += 1  # (the allocator's slack would not fit)
             return False
         start = time.perf_counter_ns()
-        try:
-            if backend.simulated:
-                m.host_tier.watch.reserve_bytes(block.nbytes)
-            dev = m.device_room.allocate(block.nbytes, None, "prefetch")
-        except Exception as e:
-            if not is_out_of_memory(e):
-                raise
-            m.statistics.counters["prefetches_dropped"] += 1
+        dev = self.prefetch_buffer(block.nbytes)
+        if dev is None:
             return False
         if block.host_pending is not None:
             block.host_pending.wait_compute()
@@ -178,6 +172,20 @@ class Residency:
         counters["copies_to_device"] += 1
         counters["bytes_prefetched"] += block.nbytes
         return True
+
+    def prefetch_buffer(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A device buffer of ``nbytes`` for a prefetch, or ``None`` where the device is out of
+        memory (the prefetch is dropped: it never fails the op it runs beside)."""
+        m = self.m
+        try:
+            if m.backend.simulated:
+                m.host_tier.watch.reserve_bytes(nbytes)  # (the simulated device is host memory)
+            return m.device_room.allocate(nbytes, None, "prefetch")
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            m.statistics.counters["prefetches_dropped"] += 1
+            return None
 
     def _now_resident(self, block: Block, dev: torch.Tensor, start: int, mode: str,
                       pending: Optional[Pending] = None) -> None:
