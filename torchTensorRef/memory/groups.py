@@ -25,10 +25,12 @@ them (``Residency.evict_victim``). Write-backs stay per member (its device range
 host range, asynchronously: the host buffer is pinned) and read ``base`` itself, so that on
 CUDA the allocator keeps ``base`` until they end (``record_stream``).
 
-A member may still be fetched alone (an op outside its region reads it): it gets a buffer
-of its own, as any block. A group whose members change (one dies, is resized or gets
-another host copy) is dissolved: its members go on as blocks of their own, and a region
-makes a new group of its tensors when it runs next.
+A group moves as one only where it is small beside the budget (``SHARE``) and no gradients
+are recorded or computed (``Groups.movable`` says why). A member may still be fetched alone
+(an op outside its region reads it): it gets a buffer of its own, as any block. A group
+whose members change (one dies, is resized or gets another host copy) is dissolved: its
+members go on as blocks of their own, and a region makes a new group of its tensors when it
+runs next.
 """
 
 from __future__ import annotations
@@ -181,10 +183,6 @@ class Groups:
                 and b.spilling is None and (b.host_pending is None or b.host_pending.done())
                 and self.m.backend.block_bytes(b.nbytes) % ALIGN == 0
                 and (old is None or old.dissolved and old.base is None))
-
-    def dissolve(self, group: Group) -> None:
-        """``group`` is never brought in as one again (its members go on alone)."""
-        group.dissolved = True
 
     # -- bringing it in ------------------------------------------------------------------------
 
