@@ -60,13 +60,14 @@ class Group:
     """Blocks whose host copies are ranges of one buffer, brought in with one copy."""
 
     __slots__ = ("members", "offsets", "hosts", "host", "nbytes", "base", "ranges", "dev_bytes", "live",
-                 "arriving", "reads", "hosted", "dissolved")
+                 "arriving", "reads", "dissolved")
 
     def __init__(self, members: List[Block], offsets: List[int], nbytes: int, host: torch.UntypedStorage):
         self.members = members
         #: each member's byte offset in both buffers
         self.offsets = offsets
-        #: each member's host copy (its range of ``host``) while it is the group's
+        #: each member's host copy (its range of ``host``) while it is the group's: ``host``
+        #: goes with the last
         self.hosts: List[Optional[torch.UntypedStorage]] = [None] * len(members)
         #: the pinned host buffer
         self.host = host
@@ -84,8 +85,6 @@ class Group:
         self.arriving: Optional[Pending] = None
         #: write-backs reading ``base`` (pruned as they end)
         self.reads: List[Pending] = []
-        #: members whose host copy is still their range of ``host``
-        self.hosted = 0
         #: a member changed: never moved as one again
         self.dissolved = False
 
@@ -171,7 +170,6 @@ class Groups:
             tier.host_gained(b)
             group.hosts[i] = host
             b.group = group
-        group.hosted = len(members)
         return group
 
     def _joins(self, b: Block) -> bool:
@@ -320,12 +318,12 @@ class Groups:
         group's buffer, the group is dissolved, and the buffer goes with the last range."""
         group = block.group
         assert group is not None
-        if host is not group.hosts[group.index(block)]:
+        hosts, i = group.hosts, group.index(block)
+        if host is not hosts[i]:
             return
-        group.hosts[group.index(block)] = None
+        hosts[i] = None
         group.dissolved = True
-        group.hosted -= 1
-        if not group.hosted:
+        if not any(h is not None for h in hosts):
             m = self.m
             m.backend.pinned.freed(group.host, m.residency.kept_limit())
 
