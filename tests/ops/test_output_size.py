@@ -3,12 +3,15 @@ for an upper bound (Note [Data-dependent sizes]), and the budget holds for them 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import torchTensorRef
 from torchTensorRef import tensorsManager
-from torchTensorRef.ops.output_size import _size_without_meta, estimate_output_bytes
+from torchTensorRef.ops import output_size
+from torchTensorRef.ops.output_size import _sizes_without_meta, estimate_output_bytes
 from torchTensorRef.core.op_specs import spec_of
 from torchTensorRef.strategies import NAMES
 
@@ -130,8 +133,89 @@ def test_a_result_larger_than_its_meta_kernel_said_is_recorded_as_an_overshoot()
     assert stats["worst_overshoot_bytes"] == stats["peak_device_bytes"] - 4096
     tm.reset_stats()
     assert tm.stats()["worst_overshoot_bytes"] == 0
+    # Its next call with the same shapes is sized by that run (Note [Sizes known after the
+    # op]): refused before it runs, as it cannot fit, and with room, within the budget.
+    with pytest.raises(torchTensorRef.OutOfBudgetError, match="grow"):
+        torch.ops.torchTensorRef_test_sizes.grow(x, 2000)
+    assert tm.stats()["worst_overshoot_bytes"] == 0
+    tm.budget = budget(12 * 1024)
+    again = torch.ops.torchTensorRef_test_sizes.grow(x, 2000)
+    assert tm.stats()["worst_overshoot_bytes"] == 0
     tm.budget = None
-    assert grown.shape == (2000,) and grown.sum().item() == 0
+    assert grown.shape == again.shape == (2000,) and grown.sum().item() == again.sum().item() == 0
+
+
+_RESERVE = 24 * 1024
+
+
+@functools.lru_cache(maxsize=None)  # (defined once a process: the manager knows ops by identity)
+def _library_op(name: str, zeros_ok: bool = True, meta: bool = True):
+    """A custom op ``(x * 2, a uint8 reserve of n bytes)`` as cuDNN's RNN returns one: its
+    meta kernel (if any) gives the reserve no bytes; without ``zeros_ok`` its kernel refuses
+    all-zero inputs (so that running it on host zeros cannot size it)."""
+    lib = torch.library.Library(name, "DEF")
+    lib.define("reserve(Tensor x, int n) -> (Tensor, Tensor)")
+
+    def kernel(x, n):
+        if not zeros_ok and not bool((x != 0).any()):
+            raise RuntimeError("not on zeros")
+        return x * 2, x.new_zeros(n, dtype=torch.uint8)
+
+    lib.impl("reserve", kernel, "CompositeExplicitAutograd")  # (every device)
+    if meta:
+        lib.impl("reserve", lambda x, n: (torch.empty_like(x), x.new_empty(0, dtype=torch.uint8)), "Meta")
+    return lib, getattr(torch.ops, name).reserve.default
+
+
+def _held_resident(tm, strategy: str):
+    """Four 16 KiB tensors used once, and an input of 4 KiB, under an 80 KiB budget."""
+    tm.strategy = strategy
+    tm.budget = budget(80 * 1024)
+    held = [torch.full((4096,), float(i + 1)) for i in range(4)]
+    x = torch.arange(1, 1025, dtype=torch.float32)
+    for t in held:
+        t.add_(0)
+    return held, x
+
+
+def _call_in_budget(tm, op, held, x):
+    """The op after the held tensors were used again; its evictions, with no overshoot."""
+    for t in held:
+        t.add_(0)
+    before = tm.stats()["evictions"]
+    doubled, reserve = op(x, _RESERVE)
+    assert tm.stats()["worst_overshoot_bytes"] == 0
+    with torchTensorRef.disabled():
+        assert torch.equal(doubled.target.cpu(), torch.arange(2, 2050, 2, dtype=torch.float32))
+    assert reserve.shape == (_RESERVE,) and reserve.sum().item() == 0
+    return tm.stats()["evictions"] - before
+
+
+@pytest.mark.parametrize("strategy", NAMES)
+def test_results_only_the_kernel_can_size_get_all_the_room_then_what_they_took(strategy):
+    # As cuDNN's RNN, whose reserve for its backward its meta kernel sizes at 0 bytes: the
+    # op's first call with given shapes keeps all the room the budget leaves beside its own
+    # blocks, the later ones what that call's results took (Note [Sizes known after the op]).
+    tm = tensorsManager
+    _lib, op = _library_op(f"torchTensorRef_test_reserve_{strategy}")  # (each its own: sizes are kept)
+    output_size.sized_after_the_op(op)
+    held, x = _held_resident(tm, strategy)
+    first = _call_in_budget(tm, op, held, x)
+    second = _call_in_budget(tm, op, held, x)
+    if strategy == "flow":  # (Genoa keeps nothing resident between ops)
+        assert first == len(held)  # all the room: every other block went
+        assert second < first  # the reserve's 24 KiB and the result's 4 KiB only
+
+
+def test_an_op_no_kernel_can_size_ahead_is_sized_by_its_runs():
+    # No meta kernel, and a kernel that refuses the host zeros sizing would run it on (as a
+    # CUDA-only op has no host kernel): its estimate was 0 and its results passed the budget.
+    tm = tensorsManager
+    _lib, op = _library_op("torchTensorRef_test_no_kernel", zeros_ok=False, meta=False)
+    held, x = _held_resident(tm, "flow")
+    first = _call_in_budget(tm, op, held, x)
+    second = _call_in_budget(tm, op, held, x)
+    assert first == len(held) and second < first
 
 
 @pytest.mark.skipif(TEST_DEVICE != "sim", reason="the simulated device's CPU kernel: CUDA builds have none")
@@ -157,7 +241,7 @@ def test_a_random_op_is_never_run_to_size_it():
     with torchTensorRef.disabled():
         mean, std = torch.zeros(4), torch.ones(4)
         torch.manual_seed(0)
-        assert _size_without_meta(spec_of(op), (mean, std), {}) == 0
+        assert _sizes_without_meta(spec_of(op), (mean, std), {}) == 0
         after_estimate = torch.rand(1)
         torch.manual_seed(0)
         assert torch.equal(torch.rand(1), after_estimate)

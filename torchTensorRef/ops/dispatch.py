@@ -41,7 +41,7 @@ from . import workers
 from .device_checks import bring_plain_tensors, check_devices, explicit_results, plain_tensor_among, runs_on_host
 from .op_context import (OpContext, blocks_of, blocks_of_list, collect_refs, compute_kwargs, follow_resizes,
                          follow_restrides, placement, swap_in, wrap_nested, wrap_one, wrap_outputs, written_blocks)
-from .output_size import estimate_output_bytes
+from .output_size import estimate_output_bytes, results_seen
 
 _SPECS = specs()
 
@@ -329,6 +329,8 @@ def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
     result = wrap_outputs(out, ctx, spec, args, kwargs, mgr)
     if ctx.outputs and not on_host:
         explicit_results(ctx, args, kwargs)
+        if ctx.estimate is not None:
+            results_seen(ctx)  # (sizes known only now: Note [Sizes known after the op])
     # (the kernel's views go before the strategy evicts: a buffer still viewed stays
     # counted, Note [Buffers still viewed])
     del cargs, ckwargs, out

@@ -10,7 +10,8 @@ element true and every element distinct (Note [Data-dependent sizes]), and the b
 for the real, smaller result counts from then on. A few CPU ops return a workspace
 whose size the backend library decides when it runs, and their meta kernels report it
 empty: those are measured once per shapes by running them on zeros in host memory, and
-so are ops with no meta kernel at all.
+so are ops with no meta kernel at all. What no kernel can size ahead is sized by the op's
+first run (Note [Sizes known after the op]).
 
 The estimate is in device bytes as the budget counts them: each new storage at the size the
 device's allocator gives it (``tensorsManager.block_bytes``: CUDA rounds every allocation
@@ -20,18 +21,19 @@ result. The cache keeps the storages' own sizes: the rounding is the device's, a
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable
+from typing import Dict, Hashable
 
 import torch
 
 from ..core import raw
 from ..core.op_specs import OpSpec
+from ..core.tensor_ref import TensorRef, block_of
+from ..memory.devices import largest_within
 from ..memory.manager import tensorsManager as _mgr
-from ..memory.sim.tensor import SimTensor
+from .result_bounds import BOUNDS, META, META_TOO_SMALL, READS_VALUES, plain, to_meta
 
 _cache: Dict[Hashable, tuple] = {}  # key -> (new storages' sizes, written tensors' sizes after)
 _Tensor = torch.Tensor
-_META = torch.device("meta")
 _MAX_CACHE = 100_000
 
 
@@ -50,25 +52,13 @@ def _key(values) -> tuple:
     return tuple(out)
 
 
-def _to_meta(value):
-    if isinstance(value, torch.Tensor):
-        return raw.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=_META)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_meta(v) for v in value)
-    return value
-
-
 #: CPU-only ops whose meta kernel returns an empty workspace (oneDNN sizes it at run time)
 _PROBED = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.data_ if t.__class__ is SimTensor else t
-
-
 def _to_host_zeros(value):
     if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-        return _plain(value).detach().clone()  # sparse: the same indices (result sizes follow them)
+        return plain(value).detach().clone()  # sparse: the same indices (result sizes follow them)
     if isinstance(value, torch.Tensor):
         return raw.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="cpu").zero_()
     if isinstance(value, (list, tuple)):
@@ -119,8 +109,6 @@ def _device_bytes(sizes) -> int:
 
 
 def _storage_nbytes(value) -> int:
-    from ..core.tensor_ref import TensorRef, block_of
-
     if isinstance(value, TensorRef):
         return block_of(value).nbytes
     return value.untyped_storage().nbytes()
@@ -161,179 +149,19 @@ def _growth(spec: OpSpec, args, kwargs, sizes_after: tuple) -> int:
     return grown
 
 
-# Note [Data-dependent sizes]: the bound of each op whose result size depends on its data,
-# from the arguments' shapes alone where one exists (reading the data would make the host
-# wait for the device). Two ops have no such bound: ``bincount`` (the largest value plus
-# one) and ``repeat_interleave`` with tensor repeats (their sum). Their kernels read those
-# values themselves before allocating (CUDA's too, unless ``output_size`` is given), so the
-# bound reads them first: the same wait, one op earlier. Those bounds depend on values, so
-# they are never cached. An op that still outgrows its estimate (a custom op whose meta
-# kernel is wrong) makes the manager make room after it ran, and the peak may pass the
-# budget by the difference (``stats()["worst_overshoot_bytes"]`` records it).
-
-def _itemsize(t: torch.Tensor) -> int:
-    return t.element_size()
-
-
-def _bound_index(args, kwargs) -> int:
-    # A k-dim boolean mask selects at most all of its elements: as k long indices of that
-    # length, which the meta kernel sizes.
-    self, indices = args[0], args[1]
-    long_indices = []
-    for index in indices:
-        if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
-            long_indices += [raw.empty_strided((index.numel(),), (1,), dtype=torch.long, device=_META)] * index.dim()
-        else:
-            long_indices.append(_to_meta(index))
-    out = torch.ops.aten.index.Tensor(_to_meta(self), long_indices)
-    return out.numel() * _itemsize(self)
-
-
-def _bound_masked_select(args, kwargs) -> int:
-    self, mask = args[0], args[1]
-    return torch.broadcast_shapes(self.shape, mask.shape).numel() * _itemsize(self)
-
-
-def _bound_nonzero(args, kwargs) -> int:
-    return args[0].numel() * max(args[0].dim(), 1) * 8
-
-
-def _bound_ctc_loss(args, kwargs) -> tuple:
-    # The loss per sequence, and log_alpha of (batch, time, 2 * longest target + 1): the
-    # longest target is at most the targets' width, or all of them when concatenated.
-    log_probs, targets = args[0], args[1]
-    batch = log_probs.size(1) if log_probs.dim() == 3 else 1
-    longest = targets.size(-1) if targets.dim() == 2 else targets.numel()
-    itemsize = _itemsize(log_probs)
-    return (batch * itemsize, batch * log_probs.size(0) * (2 * longest + 1) * itemsize)
-
-
-def _values(t: torch.Tensor) -> torch.Tensor:
-    """The current values of ``t`` as a plain tensor (waiting for copies in flight)."""
-    from ..core.tensor_ref import TensorRef
-
-    if isinstance(t, TensorRef):
-        return t.target
-    return _plain(t)
-
-
-def _bound_repeat_interleave(args, kwargs) -> int:
-    # repeat_interleave(repeats, *, output_size=None): sum(repeats) int64 indices.
-    size = kwargs.get("output_size")
-    if size is None:
-        size = int(_values(args[0]).sum()) if args[0].numel() else 0
-    return size * 8
-
-
-def _bound_bincount(args, kwargs) -> int:
-    # bincount(self, weights=None, minlength=0): max(self) + 1 counts, int64 or the weights'
-    # floating type (at most 8 bytes each).
-    self = args[0]
-    minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
-    length = int(_values(self).max()) + 1 if self.numel() else 0
-    return max(length, minlength) * 8
-
-
-def _unique_bound(flags_at: tuple):
-    """The bound of a ``unique`` variant: every element distinct; the inverse indices and
-    the counts (int64) only when asked (``flags_at``: their argument positions)."""
-
-    def bound(args, kwargs) -> tuple:
-        self = args[0]
-        asked = [8 * self.numel() for i in flags_at if (args[i] if i < len(args) else False)]
-        return (self.numel() * _itemsize(self), *asked)
-
-    return bound
-
-
-_BOUNDS: Dict[object, Callable] = {}
-#: ids of the ops whose bound reads values (Note [Data-dependent sizes]): never cached by
-#: shapes (ids: ``OpOverload.__hash__`` is Python code, and this is asked for every op)
-_READS_VALUES = set()
-#: ops whose meta kernel runs but cannot know the size (it would read a tensor's values)
-#: ops whose meta kernel sizes what they write too small (``_native_batch_norm_legit``'s out=
-#: variants: the meta kernel leaves the out tensors as given, the host kernel gives them new
-#: storage, which the budget then held twice for a moment): sized by their bounds instead
-#: ``_embedding_bag``'s kernels lay out its bookkeeping results as they need (the CPU's
-#: gives ``max_indices`` a result in every mode and ``offset2bag`` one more element), and its
-#: meta kernel as the CPU's does not: sized by a bound of all four
-_META_TOO_SMALL = frozenset(op for op in (
-    torch.ops.aten._ctc_loss.Tensor,
-    getattr(torch.ops.aten._native_batch_norm_legit, "out", None),
-    getattr(torch.ops.aten._native_batch_norm_legit, "no_stats_out", None),
-    torch.ops.aten._embedding_bag.default,
-) if op is not None)
-
-
-def _bound_batch_norm_out(args, kwargs) -> tuple:
-    """Its three results whole: the output (as the input) and the saved mean and inverse
-    deviation (one per channel, in at least float32)."""
-    x = args[0]
-    channels = x.shape[1] if x.dim() > 1 else 1
-    stat = channels * max(x.element_size(), 4)
-    return (x.numel() * x.element_size(), stat, stat)
-
-
-def _bound_embedding_bag(args, kwargs) -> tuple:
-    """Its four results whole: the bags' sums (bags x embedding size), ``offset2bag`` (one
-    per index, and one more), ``bag_size`` (one per bag) and ``max_indices`` (one per bag
-    and embedding column, as in max mode)."""
-    weight, indices, offsets = args[0], args[1], args[2]
-    include_last = args[5] if len(args) > 5 else kwargs.get("include_last_offset", False)
-    bags = indices.shape[0] if indices.dim() == 2 else offsets.shape[0] - bool(include_last)
-    dim = weight.shape[1]
-    index = indices.element_size()
-    return (bags * dim * weight.element_size(), (indices.numel() + 1) * index, bags * index, bags * dim * index)
-
-
-def _register_bounds() -> None:
-    aten = torch.ops.aten
-    pairs = [
-        # (an out= variant's bound is its result's: more than the out tensor grows by)
-        ("index", ("Tensor", "Tensor_out"), _bound_index),
-        ("masked_select", ("default", "out"), _bound_masked_select),
-        ("nonzero", ("default", "out"), _bound_nonzero),
-        ("argwhere", ("default",), _bound_nonzero),
-        # (self, sorted, return_inverse[, return_counts]), (self, return_inverse, return_counts, dim) ...
-        ("_unique", ("default",), _unique_bound((2,))),
-        ("_unique2", ("default",), _unique_bound((2, 3))),
-        ("unique_dim", ("default",), _unique_bound((3, 4))),
-        ("unique_consecutive", ("default",), _unique_bound((1, 2))),
-        ("unique_dim_consecutive", ("default",), _unique_bound((2, 3))),
-        ("_ctc_loss", ("Tensor",), _bound_ctc_loss),
-        ("_native_batch_norm_legit", ("out", "no_stats_out"), _bound_batch_norm_out),
-        ("_embedding_bag", ("default",), _bound_embedding_bag),
-        ("repeat_interleave", ("Tensor",), _bound_repeat_interleave),
-        ("bincount", ("default",), _bound_bincount),
-    ]
-    for name, overloads, bound in pairs:
-        packet = getattr(aten, name, None)
-        for overload in overloads:
-            op = getattr(packet, overload, None) if packet is not None else None
-            if op is not None:
-                _BOUNDS[op] = bound
-                if bound in (_bound_repeat_interleave, _bound_bincount):
-                    _READS_VALUES.add(id(op))
-
-
-_register_bounds()
-
-
-def _size_without_meta(spec: OpSpec, args, kwargs) -> int:
-    """The op's new bytes (device bytes) when its meta kernel cannot size them."""
-    return _device_bytes(_sizes_without_meta(spec, args, kwargs))
 
 
 def _sizes_without_meta(spec: OpSpec, args, kwargs):
     """The sizes of the op's new storages when its meta kernel cannot size them (an int
-    for one, a tuple for each).
+    for one, a tuple for each), or ``None``: known only once it ran.
 
     A data-dependent op gets its upper bound. An op with no meta kernel (the simulated
     device's fused RNN cells, custom ops) is run once on host zeros of the same shapes,
-    unless it draws random numbers (that would move the generator's state). Else 0: the
-    manager catches up after the op.
+    unless it draws random numbers (that would move the generator's state: 0, the manager
+    catches up after the op); one with no host kernel either (a CUDA-only op) is sized by
+    its first run (Note [Sizes known after the op]).
     """
-    bound = _BOUNDS.get(spec.func)
+    bound = BOUNDS.get(spec.func)
     if bound is not None:
         try:
             return bound(args, kwargs) or 0  # (an int: one result; a tuple: each)
@@ -345,8 +173,106 @@ def _sizes_without_meta(spec: OpSpec, args, kwargs):
         out = spec.func(*_to_host_zeros(args), **{k: ("cpu" if k == "device" else _to_host_zeros(v))
                                                    for k, v in kwargs.items()})
     except Exception:  # no host kernel either
-        return 0
+        return None
     return _new_sizes(out)
+
+
+# Note [Sizes known after the op]: some ops' results have sizes only their kernel knows.
+# cuDNN's RNN returns a reserve for its backward that the library sizes (its meta kernel
+# says 0 bytes), and an op with neither a meta nor a host kernel (``_cudnn_rnn_backward``, a
+# custom CUDA op) cannot be run ahead to see. Under a budget, the first call of such an op
+# with given shapes keeps all the room the budget leaves beside its own blocks, as a
+# region's first backward does, and the sizes its results then had are kept for its later
+# calls with those shapes. An op whose results come out larger than estimated (a meta
+# kernel that is wrong) passed the budget by the difference, which ``stats()`` records
+# (``worst_overshoot_bytes``); its later calls with those shapes are sized by that run. With
+# no budget nothing is kept for them: the device's capacity bounds them, as it bounds plain
+# torch.
+
+#: ids of the ops whose new bytes no kernel can size ahead (Note [Sizes known after the op])
+_UNKNOWN_AHEAD = {id(op) for op in (getattr(getattr(torch.ops.aten, name, None), "default", None)
+                                    for name in ("_cudnn_rnn", "miopen_rnn")) if op is not None}
+#: ids of the ops whose results came out larger than estimated at least once
+_OUTGREW: set = set()
+#: (op, arguments' key) -> the sizes of the new storages such an op made when it ran
+_measured: Dict[Hashable, tuple] = {}
+
+
+class _AllRoom(int):
+    """An estimate that is all the room the budget leaves: the op's results are sized by its run."""
+
+    __slots__ = ()
+
+
+def sized_after_the_op(op) -> None:
+    """Size ``op``'s results by its first run with given shapes, not ahead (Note [Sizes
+    known after the op]): an op whose kernel sizes its results as it runs (a library's
+    workspace) where its meta kernel cannot."""
+    _UNKNOWN_AHEAD.add(id(op))
+
+
+def _key_of(spec: OpSpec, args, kwargs) -> tuple:
+    """The key of an op call by its arguments' shapes (raises for unhashable arguments)."""
+    key = (spec, _key(args), _key(kwargs.items()) if kwargs else ())
+    if spec.restrides:  # (a written tensor's size after the op follows its strides too)
+        key += (tuple(t.stride() for t in _written(spec, args, kwargs) if isinstance(t, _Tensor)),)
+    hash(key)
+    return key
+
+
+def _measured_bytes(spec: OpSpec, args, kwargs):
+    """The device bytes an earlier run of the op with these shapes made, or ``None``."""
+    try:
+        sizes = _measured.get(_key_of(spec, args, kwargs))
+    except (TypeError, RuntimeError):
+        return None
+    return None if sizes is None else _device_bytes(sizes)
+
+
+def _all_room(args, kwargs) -> _AllRoom:
+    """All the room the budget leaves beside the op's own blocks (none with no budget)."""
+    mgr = _mgr
+    if mgr.settings.budget_value is None or mgr.limit is None or mgr.backend.passthrough:
+        return _AllRoom(0)
+    size = mgr.backend.block_bytes
+    own = {}
+    for v in list(args) + list(kwargs.values()):
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, TensorRef):
+                b = block_of(t)
+                if not b.host_only:
+                    own[b.id] = size(b.nbytes)
+    # (asked of the device, as a region's first backward asks; counted as the device counts
+    # it, so that the op's check does not round it past the budget)
+    left = mgr.limit - mgr.read_outside() - sum(own.values())
+    return _AllRoom(largest_within(mgr.accounting.within(left), size))
+
+
+def results_seen(ctx) -> None:
+    """After an op ran under a budget (``ctx``: its ``OpContext``, estimated): the sizes of its
+    results kept where they were known only now, or came out larger than estimated."""
+    estimate = ctx.estimate
+    fid = id(ctx.spec.func)
+    outputs = ctx.outputs
+    if estimate.__class__ is _AllRoom:
+        _UNKNOWN_AHEAD.add(fid)  # (no kernel could size it, and it ran)
+    elif fid not in _UNKNOWN_AHEAD:
+        total = 0
+        for b in outputs:
+            total += b.nbytes
+        if total <= estimate:
+            return
+        _OUTGREW.add(fid)
+    try:
+        key = _key_of(ctx.spec, ctx.args, ctx.kwargs)
+    except (TypeError, RuntimeError):
+        return
+    sizes = tuple(b.nbytes for b in outputs)
+    seen = _measured.get(key)
+    if seen is None or sum(sizes) > sum(seen):
+        if len(_measured) >= _MAX_CACHE:
+            _measured.clear()
+        _measured[key] = sizes
 
 
 def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
@@ -354,16 +280,21 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
     the growth of the tensors it writes when it may resize them (``resize_``, ``out=``)."""
     if not spec.allocates and not spec.restrides:
         return 0  # views and in-place results allocate nothing
+    fid = id(spec.func)
+    if fid in _UNKNOWN_AHEAD or _OUTGREW and fid in _OUTGREW:  # (Note [Sizes known after the op])
+        seen = _measured_bytes(spec, args, kwargs)
+        if seen is not None:
+            return seen
+        if fid in _UNKNOWN_AHEAD:
+            return _all_room(args, kwargs)
     key = None
     # The cache holds what depends on shapes alone: the new bytes, and for an op that may
     # resize what it writes, those tensors' sizes after it (their growth depends on their
     # blocks too, and is worked out per call).
-    if id(spec.func) not in _READS_VALUES:
+    if id(spec.func) not in READS_VALUES:
         try:
-            key = (spec, _key(args), _key(kwargs.items()) if kwargs else ())
-            if spec.restrides:  # (a written tensor's size after the op follows its strides too)
-                key += (tuple(t.stride() for t in _written(spec, args, kwargs) if isinstance(t, _Tensor)),)
-            hit = _cache.get(key)  # (hashing raises for unhashable arguments)
+            key = _key_of(spec, args, kwargs)
+            hit = _cache.get(key)
         except (TypeError, RuntimeError):  # unhashable arguments; nested tensors have no sizes
             key = None
         else:
@@ -373,14 +304,14 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
                 return size + _growth(spec, args, kwargs, sizes_after) if sizes_after else size
     sizes_after = ()
     try:
-        if spec.func in _META_TOO_SMALL:
+        if spec.func in META_TOO_SMALL:
             raise LookupError(spec.name)  # sized by its bound
         inputs = None
         if spec.func in _PROBED:
             out = spec.func(*_to_host_zeros(args), **{k: _to_host_zeros(v) for k, v in kwargs.items()})
         else:
-            meta_args = _to_meta(args)
-            meta_kwargs = {k: (_META if k == "device" else _to_meta(v)) for k, v in kwargs.items()}
+            meta_args = to_meta(args)
+            meta_kwargs = {k: (META if k == "device" else to_meta(v)) for k, v in kwargs.items()}
             out = spec.func(*meta_args, **meta_kwargs)
             # A result sharing an input's storage is a view, whatever the schema says
             # (``_unsafe_view`` has no alias annotation): it allocates nothing.
@@ -390,6 +321,8 @@ def estimate_output_bytes(spec: OpSpec, args, kwargs) -> int:
             sizes_after = _sizes_after(spec, meta_args, meta_kwargs)
     except Exception:  # no meta kernel, or a data-dependent size
         sizes, sizes_after = _sizes_without_meta(spec, args, kwargs), ()
+        if sizes is None:
+            return _all_room(args, kwargs)  # (not cached: known once it ran, if it runs)
     if key is not None:
         if len(_cache) >= _MAX_CACHE:
             _cache.clear()
