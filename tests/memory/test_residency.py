@@ -501,6 +501,20 @@ def test_sim_capacity_below_the_bytes_on_the_device_raises_and_changes_nothing(r
 
 @sim_only
 @small_sim_capacity
+def test_sim_capacity_below_the_plain_tensors_on_the_device_raises_and_changes_nothing(restored_capacity):
+    # The device holds plain tensors beside the manager's blocks: a capacity below them
+    # would make every later allocation fail. Only the manager's bytes were checked.
+    tm.sim_capacity = room = capacity("1MiB")
+    with torchTensorRef.disabled(device="sim"):
+        plain = torch.ones(64 * 1024, device="sim")  # 256 KiB outside the manager
+    with pytest.raises(ValueError, match="sim_capacity .* below the .* bytes in use on the device"):
+        tm.sim_capacity = room - 1024 * KIB + 128 * KIB  # (below them by 128 KiB)
+    assert tm.sim_capacity == room and tm.limit == room
+    assert plain.sum().item() == 64 * 1024
+
+
+@sim_only
+@small_sim_capacity
 def test_an_out_of_memory_from_the_sim_capacity_is_recovered_by_evicting(restored_capacity):
     # A budget above what the device has: the allocations, not the budget, fail.
     tm.strategy = "genoa"  # (every op takes the path that allocates through the device)

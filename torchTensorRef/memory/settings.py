@@ -357,7 +357,9 @@ class Settings:
         nbytes = parse_size(value, "sim_capacity", none=False)
         m = self.m
         with m.lock:
-            in_use = m.accounting.resident
+            # (what the device holds: the manager's blocks and what lies outside it, plain
+            # device tensors and workspaces, as an allocation past the capacity would fail)
+            in_use = m.accounting.resident + m.backend.in_use_elsewhere(m.accounting.resident)
             if m.backend.simulated and nbytes < in_use:
                 raise ValueError(f"sim_capacity {nbytes} is below the {in_use} bytes in use on the device")
             self.sim_capacity_value = nbytes
