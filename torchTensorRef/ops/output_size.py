@@ -244,8 +244,9 @@ def _all_room(args, kwargs) -> _AllRoom:
                     own[b.id] = size(b.nbytes)
     # (asked of the device, as a region's first backward asks; counted as the device counts
     # it, so that the op's check does not round it past the budget)
-    left = mgr.limit - mgr.read_outside() - sum(own.values())
-    return _AllRoom(largest_within(mgr.accounting.within(left), size))
+    with mgr.lock:  # (a loop on plain tensors sizes its ops outside it)
+        left = mgr.limit - mgr.read_outside() - sum(own.values())
+        return _AllRoom(largest_within(mgr.accounting.within(left), size))
 
 
 def results_seen(ctx) -> None:
@@ -253,13 +254,13 @@ def results_seen(ctx) -> None:
     results kept where they were known only now, or came out larger than estimated."""
     estimate = ctx.estimate
     fid = id(ctx.spec.func)
-    outputs = ctx.outputs
     if estimate.__class__ is _AllRoom:
         _UNKNOWN_AHEAD.add(fid)  # (no kernel could size it, and it ran)
     elif fid not in _UNKNOWN_AHEAD:
         total = 0
-        for b in outputs:
-            total += b.nbytes
+        for b in ctx.outputs:
+            if not b.host_only:  # (a CPU result takes no device bytes)
+                total += b.nbytes
         if total <= estimate:
             return
         _OUTGREW.add(fid)
@@ -267,7 +268,7 @@ def results_seen(ctx) -> None:
         key = _key_of(ctx.spec, ctx.args, ctx.kwargs)
     except (TypeError, RuntimeError):
         return
-    sizes = tuple(b.nbytes for b in outputs)
+    sizes = tuple(b.nbytes for b in ctx.outputs if not b.host_only)
     seen = _measured.get(key)
     if seen is None or sum(sizes) > sum(seen):
         if len(_measured) >= _MAX_CACHE:
