@@ -357,11 +357,12 @@ class Settings:
         nbytes = parse_size(value, "sim_capacity", none=False)
         m = self.m
         with m.lock:
-            # (what the device holds: the manager's blocks and what lies outside it, plain
-            # device tensors and workspaces, as an allocation past the capacity would fail)
-            in_use = m.accounting.resident + m.backend.in_use_elsewhere(m.accounting.resident)
-            if m.backend.simulated and nbytes < in_use:
-                raise ValueError(f"sim_capacity {nbytes} is below the {in_use} bytes in use on the device")
+            if m.backend.simulated:
+                # (what the device holds: the manager's blocks and what lies outside it, plain
+                # device tensors and workspaces, as an allocation past the capacity would fail)
+                in_use = m.accounting.resident + m.backend.in_use_elsewhere(m.accounting.resident)
+                if nbytes < in_use:
+                    raise ValueError(f"sim_capacity {nbytes} is below the {in_use} bytes in use on the device")
             self.sim_capacity_value = nbytes
             if m.backend.simulated:
                 m.backend.set_capacity(nbytes)
