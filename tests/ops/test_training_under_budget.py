@@ -149,6 +149,24 @@ def test_elementwise_in_chunks_equals_one_call(tight):
     assert torch.equal(_plain(a), expected)
 
 
+def test_division_and_subtraction_in_chunks_equal_one_call(tight):
+    # peft's RandLoRA normalizes its random bases by their std (``a / a.std()``, a 0-d
+    # divisor): the division was refused two bytes over a budget its tensors met alone.
+    a, pa = _pair(ROWS, DIM)
+    b, pb = _pair(ROWS, DIM, seed=1)
+    std = a.std()  # (a reduction, not split: taken before the budget)
+    with plain_torch():
+        expected = [(pa / pa.std()).cpu(), (pa - pb).cpu()]
+        pa.sub_(pb)
+        expected.append(pa.cpu())
+    _tighten(tight)
+    got = [a / std, a - b]
+    a.sub_(b)
+    got.append(a)
+    for g, e in zip(got, expected):
+        assert torch.equal(_plain(g), e)
+
+
 def test_transposed_tensors_in_chunks_equal_one_call(tight):
     # A weight used several times gets its gradients summed, each a transpose (a Linear's);
     # the sum was refused as unsplittable: pieces were cut for contiguous tensors only.

@@ -242,10 +242,11 @@ def bmm(func, args, kwargs, spec: OpSpec):
 # -- elementwise ops a training step runs on whole parameters -------------------------------
 
 #: in-place and out-of-place elementwise ops that meet tensors as large as a parameter
-#: (gradient accumulation, ``zero_grad(set_to_none=False)``, manual updates)
+#: (gradient accumulation, ``zero_grad(set_to_none=False)``, manual updates, a weight
+#: normalized by its own statistic: ``w / w.std()``)
 POINTWISE = [
-    aten.add_.Tensor, aten.add.Tensor, aten.mul_.Tensor, aten.mul_.Scalar, aten.mul.Tensor,
-    aten.div_.Tensor, aten.zero_.default, aten.fill_.Scalar, aten.lerp_.Scalar,
+    aten.add_.Tensor, aten.add.Tensor, aten.sub_.Tensor, aten.sub.Tensor, aten.mul_.Tensor, aten.mul_.Scalar,
+    aten.mul.Tensor, aten.div_.Tensor, aten.div.Tensor, aten.zero_.default, aten.fill_.Scalar, aten.lerp_.Scalar,
 ]
 
 
