@@ -16,6 +16,7 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import OutOfBudgetError, TensorRef, strategies
+from torchTensorRef.core.tensor_ref import block_of
 from torchTensorRef.ops import split_handlers
 from paired import budget, device_type, plain_torch
 
@@ -324,6 +325,28 @@ def test_conversions_and_copies_in_chunks_equal_one_call(tight):
         half.copy_(w * 0.5)
     assert torch.equal(_plain(again), pagain.cpu())
     assert torch.equal(_plain(half), phalf.cpu())
+
+
+def test_a_conversion_of_an_inference_tensor_in_chunks_equals_one_call(tight):
+    # Under inference_mode ``to`` reaches the manager undecomposed (``to.dtype``,
+    # ``to.dtype_layout``): a table's conversion larger than the room was refused.
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        w = torch.randn(ROWS, DIM)
+    with plain_torch():
+        expected = [_plain(w).to(torch.bfloat16), _plain(w).to(dtype=torch.float64)]
+    _tighten(tight)
+    with torch.inference_mode():
+        got = [w.to(torch.bfloat16), aten.to.dtype_layout(w, dtype=torch.float64, device=w.device)]
+    for g, e in zip(got, expected):
+        assert g.device == w.device and torch.equal(_plain(g), e)
+    # a ``to`` that converts nothing returns its argument, as plain torch's: never a copy
+    with torch.inference_mode(), pytest.raises(OutOfBudgetError, match="aten.to.dtype"):
+        w.to(torch.float32)  # (the table alone is larger than the room)
+    _tighten(tight, room=1 << 20)
+    with torch.inference_mode():  # (its block: the same bytes)
+        assert block_of(w.to(torch.float32)) is block_of(w)
+        assert block_of(w.to(torch.float32, copy=True)) is not block_of(w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -269,7 +269,12 @@ _CONVERSION_ONLY = {"dtype": lambda v: True, "non_blocking": lambda v: True, "co
                     "memory_format": lambda v: v in (None, torch.preserve_format, torch.contiguous_format)}
 
 
-@implements([aten._to_copy.default, aten.copy_.default, aten.clone.default])
+#: ``to`` itself, which reaches the manager undecomposed on inference tensors: the overloads
+#: whose device, if any, is a keyword
+_TO = (aten.to.dtype, aten.to.dtype_layout)
+
+
+@implements([aten._to_copy.default, aten.copy_.default, aten.clone.default, *_TO])
 def conversion(func, args, kwargs, spec: OpSpec):
     """A copy or dtype conversion on the device (``clone()``, ``.to(torch.float32)``,
     ``p.copy_(master)``) in chunks when its tensors do not fit together; a copy to or from
@@ -279,8 +284,10 @@ def conversion(func, args, kwargs, spec: OpSpec):
     same_device = all(isinstance(t, TensorRef) and t.device == tensors[0].device for t in tensors) and (
         device is None or torch.device(device) == tensors[0].device)
     left = fits(spec, args, kwargs) if same_device else None
-    if left is None:
-        return default(func, args, kwargs, spec)  # (a copy to or from the host counts only one side)
+    if left is None or func in _TO and not estimate_output_bytes(spec, args, kwargs):
+        # (a copy to or from the host counts only one side; a ``to`` that converts nothing
+        # returns its argument, which a copy in chunks would not be)
+        return default(func, args, kwargs, spec)
     options = all(_CONVERSION_ONLY.get(k, lambda v: False)(v) for k, v in kwargs.items() if k != "device")
     if not options or any(t.shape != tensors[0].shape for t in tensors):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
