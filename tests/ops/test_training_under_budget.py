@@ -333,8 +333,10 @@ def test_a_conversion_of_an_inference_tensor_in_chunks_equals_one_call(tight):
     torch.manual_seed(0)
     with torch.inference_mode():
         w = torch.randn(ROWS, DIM)
-    with plain_torch():
-        expected = [_plain(w).to(torch.bfloat16), _plain(w).to(dtype=torch.float64)]
+    with plain_torch(), torch.inference_mode():
+        torch.manual_seed(0)
+        pw = torch.randn(ROWS, DIM)
+        expected = [pw.to(torch.bfloat16).cpu(), pw.to(dtype=torch.float64).cpu()]
     _tighten(tight)
     with torch.inference_mode():
         got = [w.to(torch.bfloat16), aten.to.dtype_layout(w, dtype=torch.float64, device=w.device)]
