@@ -62,6 +62,13 @@ def decode(model, ids, cache="dynamic"):
     return tokens, logits
 
 
+def page() -> None:
+    """A device tensor larger than the budget's free room, dropped at once: room made by
+    evicting, after which the size rule holds (Note [Regions until the budget pages])."""
+    torch.zeros((tm.room() + 4096) // 4, device=tm.torch_device).add_(1.0)  # (made on the host: room when used)
+    assert tm.paged
+
+
 def ops_of(fn):
     """``fn()`` and the ops it ran, after a first call: a region's first call with given shapes
     under a limit (the device's capacity on "sim") runs op by op, measuring what it allocates."""
@@ -96,6 +103,48 @@ def test_generate_matches_plain_torch_in_fewer_ops(device, fraction):
     # the module calls ran as regions, one op each (under a budget, the modules whose weights
     # fit half of it: at 25% only the norms and rotary embeddings of this tiny model)
     assert ops * {None: 3, 0.5: 1.5, 0.25: 1}[fraction] < per_op
+
+
+@pytest.mark.parametrize("strategy", ["flow", "genoa"])
+def test_generate_under_a_budget_that_fits_is_one_region_sized_by_its_settings(strategy):
+    # Note [Regions until the budget pages]: the model is above half the budget, yet nothing
+    # pages: a generate() call is one op, as with no budget, room kept for what its first
+    # call with the same shapes and settings made; more new tokens, or hidden states
+    # returned, make more: measured again, within the budget
+    def run(model, ids, new=6, **settings):
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                                 return_dict_in_generate=True, **settings)
+            return out.sequences, out.get("hidden_states") is not None and out.hidden_states[-1][-1]
+
+    # (last: transformers keeps the hooks that capture hidden states, and a hooked model is
+    # no region)
+    calls = ((6, {}), (6, {}), (12, {}), (6, {}), (12, dict(output_hidden_states=True)))
+    with plain_torch():
+        ids = torch.tensor([[1, 5, 9, 3, 7]])
+        plain_model = llama().to(tm.torch_device)
+        # (held on the host: on the device they would count in the budget, outside the manager)
+        plain = [tuple(map(to_plain, run(plain_model, ids.to(tm.torch_device), new, **settings)))
+                 for new, settings in calls]
+        del plain_model
+    tm.strategy = strategy
+    model = llama()
+    tm.budget = budget(weight_bytes(model) * 3 // 2)
+    assert weight_bytes(model) > regions.fraction * (tm.budget - tm.outside_bytes())
+    ids = torch.tensor([[1, 5, 9, 3, 7]], device=tm.torch_device)  # (the program's, on the device)
+    tm.reset_stats()
+    for i, ((new, settings), want) in enumerate(zip(calls, plain)):
+        ops = tm.stats()["ops"]
+        got = run(model, ids, new, **settings)
+        if i in (1, 3):  # (the same shapes and settings as a call before)
+            assert tm.stats()["ops"] - ops == 1, i
+        assert_identical(want, got)
+        del got
+    stats = tm.stats()
+    assert stats["max_memory_allocated"] <= tm.budget and stats["worst_overshoot_bytes"] == 0, stats
+    # (Genoa's meaning: the region's tensors out after its call; Flow keeps what fits)
+    assert stats["evictions"] == 0 or strategy == "genoa"
+    assert not tm.paged
 
 
 @pytest.mark.parametrize("strategy,fraction", [("flow", None), ("flow", 0.5), ("genoa", 0.5)])
@@ -158,7 +207,7 @@ def test_a_layer_s_working_set_holds_its_own_layer_s_cache_not_the_whole_cache(c
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
         layer_bytes = weight_bytes(model.model.layers[0])
-        tm.budget = budget(3 * layer_bytes)  # a layer fits, the model does not
+        tm.budget = budget(2 * layer_bytes)  # a layer fits, the model does not
         seen = []
         handle = tm.add_callback(before=lambda op: seen.append(len(op.blocks))
                                  if op.name == "region LlamaDecoderLayer" else None)
@@ -300,11 +349,36 @@ def test_the_size_rule_weighs_the_manager_s_share_not_what_the_device_holds_besi
     tm.strategy = "flow"
     for share, whole in ((weight_bytes(model) * 3 // 2, False), (weight_bytes(model) * 5 // 2, True)):
         tm.budget = budget(share)
+        page()
         with torch.no_grad():
             out, ops = ops_of(lambda: model(torchTensorRef.manage(x.cpu())))
         assert (ops == 1) is whole, (share, ops)
         assert_identical(plain, out)
     del held
+
+
+def test_until_the_budget_pages_a_module_above_the_size_rule_is_one_region(small_regions):
+    # Note [Regions when all fits]: until room has had to be made by evicting, nothing pages:
+    # the model is one op; once it has, the size rule holds (its Linears are the regions)
+    # until the budget is set again
+    with plain_torch():
+        host_x = torch.randn(4, 16)
+        with torch.no_grad():
+            plain = mlp().to(tm.torch_device)(host_x.to(tm.torch_device))
+    model = mlp()
+    x = torch.tensor(host_x.tolist(), device=tm.torch_device)  # (the program's, on the device)
+    tm.strategy = "flow"
+    share = weight_bytes(model) * 3 // 2
+    tm.budget = budget(share)
+    assert weight_bytes(model) > regions.fraction * (tm.budget - tm.outside_bytes())
+    with torch.no_grad():
+        for pages, whole in ((False, True), (True, False), (False, True)):
+            if pages:
+                page()
+            out, ops = ops_of(lambda: model(x))
+            assert tm.paged is pages and (ops == 1) is whole, (pages, ops)
+            assert_identical(plain, out)
+            tm.budget = budget(share)  # (no pressure since)
 
 
 def test_a_call_that_needs_gradients_is_one_op_and_trains(small_regions):
@@ -341,6 +415,7 @@ def test_no_region_runs_op_by_op_and_region_overrides_the_size_rule(small_region
         # the whole model is above half the manager's share, each layer below it, by about
         # 1 KiB either way: what the device holds outside the manager may drift that little
         tm.budget = budget(int(weight_bytes(model) * 1.7))
+        page()
         regions.auto(model)
         _, ops = ops_of(lambda: model(x))
         assert ops == 3

@@ -10,9 +10,11 @@ region of its model (``regions.run_method``): the model's parameters and the cal
 are made resident once, the whole loop runs on plain tensors, and the result (the ids, or
 the output object with its tensors) comes back as TensorRefs.
 
-Under a budget (the whole model does not fit at once, or need not), the loop runs on plain
-tensors all the same, and its model's calls are regions that page (Note [Loops on plain
-tensors] in ``regions/scope.py``).
+Under a budget it is one region too until the budget pages (Note [Regions until the budget
+pages] in ``regions/__init__.py``), room kept for what its first call with the same shapes
+and settings allocated. Once it pages (the whole model does not fit at once, or need not),
+the loop runs on plain tensors all the same, and its model's calls are regions that page
+(Note [Loops on plain tensors] in ``regions/scope.py``).
 
 It stays on the old path, its model calls regions one by one, where an argument is code or
 an object the loop would hand plain tensors to (a streamer, logits processors, stopping

@@ -81,8 +81,9 @@ class TensorsManager:
         self.unresolved: bool = False
         #: a CUDA graph capture is under way (ops on TensorRefs refuse it)
         self.capturing: bool = False
-        #: room had to be made by evicting since the budget or device was set
-        self.pressured: bool = False
+        #: room had to be made by evicting since the budget or device was set; ``paged``: the
+        #: same, setting the budget included (Note [Regions until the budget pages])
+        self.pressured = self.paged = False
         #: whether ops may take the fast path (Note [Fast path] in ops/dispatch.py)
         self.fast: bool = False
         #: the strategy, when it sees the fast path's ops through its fast_op hooks
@@ -141,7 +142,7 @@ class TensorsManager:
     def note_pressure(self) -> None:
         """Room had to be made by evicting: strategies that learn from every op start now."""
         if not self.pressured:
-            self.pressured = True
+            self.pressured = self.paged = True  # (cleared together: ``paged`` is already set otherwise)
             self.refresh_fast()
 
     @property
@@ -410,7 +411,7 @@ class TensorsManager:
         acct.warmed = set()
         self.unresolved = backend.name == "cuda" and not backend.resolved
         self.declared = backend.declared
-        self.pressured = False
+        self.pressured = self.paged = False
 
     def read_outside(self) -> int:
         """Device bytes allocated outside the manager, asked of the device now (the caller holds ``lock``)."""

@@ -196,13 +196,14 @@ class Settings:
                 outside = m.device_room.warm_up()  # (what libraries keep allocated, known before it is checked)
                 if outside and outside >= nbytes:
                     raise BudgetBelowFloorError(nbytes, outside, str(backend.declared))
-            old = (self.budget_value, m.accounting.limit)
+            old = (self.budget_value, m.accounting.limit, m.paged)
             self.budget_value = nbytes
             m.accounting.limit = self.limit_for(nbytes)
+            m.pressured = m.paged = False  # (room made below sets both: the budget does not fit what is resident)
             try:
                 m.device_room.make(0, (), "tensorsManager.budget")
             except OutOfBudgetError:
-                self.budget_value, m.accounting.limit = old
+                self.budget_value, m.accounting.limit, m.paged = old
                 raise
             finally:
                 m.pressured = False

@@ -52,13 +52,13 @@ from ..ops.split_handlers import reads_rows_alone
 from . import stores
 from .mechanism import NotARegion, Region, in_region, state
 from .scan import held_values, parameter_slots
-from .scope import Scope
+from .scope import Scope, settings_key
 from .threads import callers
 
 #: regions on or off, for the whole process
 enabled = True
 #: a module whose parameters and buffers take at most this fraction of the manager's share
-#: of the budget is a region
+#: of the budget is a region (once the budget pages: Note [Regions until the budget pages])
 fraction = 0.5
 #: whether the size rule makes regions under a budget too (``region(m)`` always does). A
 #: layer's whole working set is resident at once, which leaves less of the budget to the
@@ -207,6 +207,28 @@ def _tensor_bytes(info: _ModuleInfo) -> int:
     return total
 
 
+# Note [Regions until the budget pages]: the size rule (``fraction``) leaves room beside a
+# region for the blocks kept from call to call and for the next region's prefetch. Until
+# room has had to be made by evicting (``tensorsManager.paged``, cleared when the budget or
+# device is set, and set where setting the budget evicts: it does not fit what is
+# resident), nothing pages and that room serves nothing: with gradients off, a module whose
+# tensors fit the manager's share is a region, as with no budget, and the outermost one (a
+# decoder's whole forward, or its ``generate()`` call) is one op a call instead of one per
+# layer. A call whose working set and measured inside do not fit is still no region
+# (``Region._estimate``): it runs as it is, its submodules considered in turn, and the room
+# it makes by evicting brings the rule back. With gradients the rule stands: a region's
+# backward has no op-by-op fallback, and its bound before it is measured
+# (``Region._needs``) would refuse the whole model at most budgets.
+
+def _too_large(info: _ModuleInfo) -> bool:
+    """The size rule, under a budget: whether the module's tensors take more than ``fraction``
+    of the manager's share of it, or, until the budget pages with gradients off, more than
+    the whole share (Note [Regions until the budget pages])."""
+    share = _mgr.limit - _mgr.accounting.elsewhere_bytes
+    sized = _mgr.paged or torch.is_grad_enabled()
+    return _tensor_bytes(info) > (fraction if sized else 1.0) * share
+
+
 def _module_call(self, *args, **kwargs):
     """``nn.Module.__call__``: the call as a region where it is one (Note [Module regions])."""
     # (compiling first: dynamo inlines this function into graphs and must see no more of it)
@@ -247,9 +269,7 @@ def _call(self, forced, args, kwargs):
         # (the size rule weighs the manager's share: what the device holds outside it, the
         # program's own tensors and libraries' workspaces, is not room for a region)
         paged = limit is not None and not _mgr.backend.passthrough
-        if paged and (
-                (_mgr.settings.budget_value is not None and not under_budget)
-                or _tensor_bytes(info) > fraction * (limit - _mgr.accounting.elsewhere_bytes)):
+        if paged and ((_mgr.settings.budget_value is not None and not under_budget) or _too_large(info)):
             return _original_call(self, *args, **kwargs)
         if isinstance(self, _ROW_READERS) and reads_rows_alone(self.weight):
             return _original_call(self, *args, **kwargs)  # (its op reads its rows alone: Note [Rows of a table])
@@ -285,9 +305,10 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
     region] in ``integrations/generation.py``), as one region where it can be one, else as
     it is. With nothing to page (no budget, or pass-through) it is one region; no room is
     kept for what the method allocates inside: only the device's capacity bounds it, as it
-    bounds plain torch (and the manager's peak does not count it). Under a budget the whole
-    model does not fit: the method runs as a loop on plain tensors whose module calls are
-    regions of their own (Note [Loops on plain tensors] in ``scope.py``)."""
+    bounds plain torch (and the manager's peak does not count it). Under a budget that has
+    not paged it is one region too, room kept for what it allocates inside (``_whole``);
+    else, or where that does not fit, it runs as a loop on plain tensors whose module calls
+    are regions of their own (Note [Loops on plain tensors] in ``scope.py``)."""
     if torch.compiler.is_compiling() or not enabled or state.depth or state.scope or state.glue is not None \
             or _wrapped.depth or context.is_disabled() or _mgr.trace is not None or _override.get(module) is False:
         return fn(*args, **kwargs)
@@ -297,6 +318,10 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
         if info.compiled or info.hooked(module) or module._compiled_call_impl is not None:
             return fn(*args, **kwargs)
         if _mgr.settings.budget_value is not None and not _mgr.backend.passthrough:
+            if not _mgr.paged:
+                out = _whole(module, info, name, fn, args, kwargs)
+                if out is not _NOT_WHOLE:
+                    return out
             scope = info.methods.get((name, "scope"))
             if scope is None:
                 scope = info.methods[(name, "scope")] = Scope(f"{name} {type(module).__name__}")
@@ -307,6 +332,39 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
         return _as_region(module, info, region, fn, args, kwargs, train=False, room=False)
     finally:
         callers.leave()
+
+
+#: ``_whole``'s answer where the call could not be one region
+_NOT_WHOLE = object()
+#: the most regions of a method kept by settings (``_whole``)
+MOST_SETTINGS = 16
+
+
+def _whole(module, info: _ModuleInfo, name: str, fn, args, kwargs):
+    """A method's call under a budget that has not paged (Note [Regions until the budget
+    pages]) as one region, room kept for what its first call with these shapes and settings
+    allocated (measured op by op); ``_NOT_WHOLE`` where it cannot be one (it then runs as a
+    scope). One region per settings: two calls of one shape may differ in what they make
+    (more new tokens, hidden states returned)."""
+    if _too_large(info):
+        return _NOT_WHOLE  # (not measured op by op only to find it pages)
+    key = (name, "whole", settings_key(args, kwargs))
+    region = info.methods.get(key)
+    if region is None:
+        whole = [k for k in info.methods if len(k) == 3 and k[1] == "whole"]
+        if len(whole) >= MOST_SETTINGS:
+            for k in whole:
+                del info.methods[k]
+        region = info.methods[key] = Region(f"{name} {type(module).__name__}")
+    if not callers.claim():
+        return _NOT_WHOLE
+    try:
+        return region.run(fn, args, kwargs, info.slots, kernel_written=info.kernel_written(module), held=info.held,
+                          train=False)
+    except NotARegion:
+        return _NOT_WHOLE
+    finally:
+        callers.release()
 
 
 def install() -> None:

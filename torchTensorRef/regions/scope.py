@@ -119,6 +119,24 @@ def _key(call, args, kwargs) -> tuple:
     return tuple(sizes), False
 
 
+def settings_key(args, kwargs) -> tuple:
+    """Every setting a call is given besides its tensors (plain values, and a generation
+    config's attributes that are plain values): calls with equal settings and tensor shapes
+    make tensors of the same sizes (more new tokens, hidden states returned: more bytes)."""
+    items = [(i, a) for i, a in enumerate(args)] + sorted((kwargs or {}).items())
+    out = []
+    for name, v in items:
+        if type(v).__name__ == "GenerationConfig":
+            out.append((name, tuple(sorted((k, a) for k, a in vars(v).items() if _plain(a)))))
+        elif _plain(v):
+            out.append((name, v))
+    return tuple(out)
+
+
+def _plain(v) -> bool:
+    return v is None or type(v) in (int, float, bool, str, torch.dtype, torch.device)
+
+
 def _nearest(peaks: dict, key):
     """``(peak, growth)`` of the measured call of the same structure that ``key`` exceeds
     least, by at most ``GROWTH`` in elements; ``None`` where there is none."""
