@@ -147,6 +147,33 @@ def test_generate_under_a_budget_that_fits_is_one_region_sized_by_its_settings(s
     assert not tm.paged
 
 
+def test_generate_as_one_region_is_measured_again_when_the_model_s_generation_config_grows():
+    # a setting read from the model's generation config (not given to the call) changes what
+    # the call makes: room kept for fewer tokens would let the device go past the budget
+    def run(model, ids, new):
+        model.generation_config.max_new_tokens = model.generation_config.min_new_tokens = new
+        with torch.no_grad():
+            return model.generate(ids, do_sample=False, pad_token_id=0)
+
+    with plain_torch():
+        ids = torch.tensor([[1, 5, 9, 3, 7]])
+        plain_model = llama().to(tm.torch_device)
+        plain = [to_plain(run(plain_model, ids.to(tm.torch_device), new)) for new in (6, 6, 24)]
+        del plain_model
+    tm.strategy = "flow"
+    model = llama()
+    tm.budget = budget(weight_bytes(model) * 3 // 2)
+    ids = torch.tensor([[1, 5, 9, 3, 7]], device=tm.torch_device)
+    assert_identical(plain[0], run(model, ids, 6))
+    assert_identical(plain[1], run(model, ids, 6))
+    # (the budget now what that call took: the larger call does not fit beside the weights)
+    tm.budget = tm.outside_bytes() + tm.stats()["peak_device_bytes"]
+    tm.reset_stats()
+    assert_identical(plain[2], run(model, ids, 24))
+    stats = tm.stats()
+    assert stats["max_memory_allocated"] <= tm.budget and stats["worst_overshoot_bytes"] == 0, stats
+
+
 @pytest.mark.parametrize("strategy,fraction", [("flow", None), ("flow", 0.5), ("genoa", 0.5)])
 def test_generate_under_inference_mode_matches_plain_torch(strategy, fraction):
     # the views given to a region of tensors made under inference_mode are inference tensors,

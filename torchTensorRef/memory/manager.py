@@ -142,7 +142,7 @@ class TensorsManager:
     def note_pressure(self) -> None:
         """Room had to be made by evicting: strategies that learn from every op start now."""
         if not self.pressured:
-            self.pressured = self.paged = True  # (cleared together: ``paged`` is already set otherwise)
+            self.pressured = self.paged = True  # (``paged`` is set wherever ``pressured`` is)
             self.refresh_fast()
 
     @property

@@ -348,7 +348,8 @@ def _whole(module, info: _ModuleInfo, name: str, fn, args, kwargs):
     (more new tokens, hidden states returned)."""
     if _too_large(info):
         return _NOT_WHOLE  # (not measured op by op only to find it pages)
-    key = (name, "whole", settings_key(args, kwargs))
+    configs = (getattr(module, "generation_config", None), getattr(module, "config", None))
+    key = (name, "whole", settings_key(args, kwargs, configs))
     region = info.methods.get(key)
     if region is None:
         whole = [k for k in info.methods if len(k) == 3 and k[1] == "whole"]

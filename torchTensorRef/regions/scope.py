@@ -119,18 +119,25 @@ def _key(call, args, kwargs) -> tuple:
     return tuple(sizes), False
 
 
-def settings_key(args, kwargs) -> tuple:
+def settings_key(args, kwargs, configs=()) -> tuple:
     """Every setting a call is given besides its tensors (plain values, and a generation
-    config's attributes that are plain values): calls with equal settings and tensor shapes
-    make tensors of the same sizes (more new tokens, hidden states returned: more bytes)."""
+    config's attributes that are plain values), and those of ``configs`` (objects whose
+    attributes are settings: a model's configs, whose defaults the call reads): calls with
+    equal settings and tensor shapes make tensors of the same sizes (more new tokens, hidden
+    states returned: more bytes)."""
     items = [(i, a) for i, a in enumerate(args)] + sorted((kwargs or {}).items())
     out = []
     for name, v in items:
         if type(v).__name__ == "GenerationConfig":
-            out.append((name, tuple(sorted((k, a) for k, a in vars(v).items() if _plain(a)))))
+            out.append((name, _attributes(v)))
         elif _plain(v):
             out.append((name, v))
+    out.extend(_attributes(c) for c in configs if c is not None)
     return tuple(out)
+
+
+def _attributes(obj) -> tuple:
+    return tuple(sorted((k, a) for k, a in vars(obj).items() if _plain(a)))
 
 
 def _plain(v) -> bool:
