@@ -174,6 +174,41 @@ def test_generate_as_one_region_is_measured_again_when_the_model_s_generation_co
     assert stats["max_memory_allocated"] <= tm.budget and stats["worst_overshoot_bytes"] == 0, stats
 
 
+@pytest.mark.parametrize("fraction", [None, 0.5], ids=["no-budget", "50%"])
+def test_transformers_capture_hooks_left_by_a_call_for_hidden_states_keep_regions(fraction):
+    # Note [Inert capture hooks]: the first call asking for hidden states installs hooks that
+    # stay; counted as hooks, every later call ran op by op
+    def run(model, ids):
+        with torch.no_grad():
+            first = model(ids, output_hidden_states=True).hidden_states
+            tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            again = model(ids, output_hidden_states=True).hidden_states
+        return first, tokens, again
+
+    with plain_torch():
+        ids = torch.tensor([[1, 5, 9, 3, 7]])
+        plain = to_plain(run(llama().to(tm.torch_device), ids.to(tm.torch_device)))
+    tm.strategy = "flow"
+    model = llama()
+    tm.budget = None if fraction is None else budget(int(fraction * weight_bytes(model)))
+    ids = torch.tensor([[1, 5, 9, 3, 7]], device=tm.torch_device)
+    first, tokens, again = run(model, ids)
+    assert_identical(plain, (first, tokens, again))
+    assert all(isinstance(h, TensorRef) for h in first + again)
+    assert any(m._forward_hooks for m in model.modules())  # (transformers' own, kept)
+    with torch.no_grad():
+        ops = tm.stats()["ops"]
+        again = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        ops = tm.stats()["ops"] - ops
+    assert_identical(plain[1], again)
+    regions.enabled = False
+    with torch.no_grad():
+        per_op = tm.stats()["ops"]
+        model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        per_op = tm.stats()["ops"] - per_op
+    assert ops * 3 < per_op, (ops, per_op)
+
+
 @pytest.mark.parametrize("strategy,fraction", [("flow", None), ("flow", 0.5), ("genoa", 0.5)])
 def test_generate_under_inference_mode_matches_plain_torch(strategy, fraction):
     # the views given to a region of tensors made under inference_mode are inference tensors,

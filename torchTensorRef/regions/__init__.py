@@ -39,6 +39,7 @@ manager's settings.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -184,12 +185,39 @@ class _ModuleInfo:
 
     def hooked(self, module) -> bool:
         """Whether a module of the region has forward or backward hooks: they must see the
-        TensorRefs, as they would without regions, not the plain tensors inside."""
+        TensorRefs, as they would without regions, not the plain tensors inside (but for
+        inert ones: Note [Inert capture hooks])."""
         for m in (module,) + self.modules:
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            if m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks or (
+                    m._forward_hooks and not _capture_inert(m._forward_hooks)):
                 return True
         return bool(_hooks._global_forward_hooks or _hooks._global_forward_pre_hooks
                     or _hooks._global_backward_hooks or _hooks._global_backward_pre_hooks)
+
+
+# Note [Inert capture hooks]: the first call of a transformers model that asks for hidden
+# states or attentions installs forward hooks on its layers that capture them, and they stay:
+# counted as hooks, they sent every later call op by op. They do nothing while no call is
+# collecting (``_active_collector``, set by the forward that returns what they capture):
+# such hooks count as absent where none is collecting when a region starts. A region whose
+# own call starts collecting (the model's forward inside it) gets the plain tensors its
+# call computed back in its outputs, which it wraps as any output; a layer's region started
+# while its model's forward collects still runs op by op.
+_CAPTURE = ("transformers.utils.output_capturing", "output_capturing_hook")
+
+
+def _capture_inert(hooks) -> bool:
+    """Whether ``hooks`` (a module's forward hooks) are transformers' output-capturing hooks
+    alone, with no call collecting what they capture (Note [Inert capture hooks])."""
+    for h in hooks.values():
+        if getattr(h, "__module__", None) != _CAPTURE[0] or getattr(h, "__name__", None) != _CAPTURE[1]:
+            return False
+    try:
+        collecting = sys.modules[_CAPTURE[0]]._active_collector.get()  # type: ignore[attr-defined]
+    except (KeyError, AttributeError):
+        return False  # (another version: counted as hooks)
+    return collecting is None or (isinstance(collecting, dict)
+                                  and not any(isinstance(v, list) for v in collecting.values()))
 
 
 def _tensor_bytes(info: _ModuleInfo) -> int:
