@@ -119,7 +119,10 @@ def test_generate_under_a_budget_that_fits_is_one_region_sized_by_its_settings(s
 
     # (last: transformers keeps the hooks that capture hidden states, and a hooked model is
     # no region)
-    calls = ((6, {}), (6, {}), (12, {}), (6, {}), (12, dict(output_hidden_states=True)))
+    # (a setting's first call runs as a loop whose model calls are regions, its second is
+    # measured op by op: one op from the third)
+    calls = ((6, {}), (6, {}), (6, {}), (12, {}), (12, {}), (6, {}), (12, dict(output_hidden_states=True)),
+             (12, dict(output_hidden_states=True)))
     with plain_torch():
         ids = torch.tensor([[1, 5, 9, 3, 7]])
         plain_model = llama().to(tm.torch_device)
@@ -136,7 +139,7 @@ def test_generate_under_a_budget_that_fits_is_one_region_sized_by_its_settings(s
     for i, ((new, settings), want) in enumerate(zip(calls, plain)):
         ops = tm.stats()["ops"]
         got = run(model, ids, new, **settings)
-        if i in (1, 3):  # (the same shapes and settings as a call before)
+        if i in (2, 5):  # (the same shapes and settings as two calls before)
             assert tm.stats()["ops"] - ops == 1, i
         assert_identical(want, got)
         del got
@@ -158,18 +161,19 @@ def test_generate_as_one_region_is_measured_again_when_the_model_s_generation_co
     with plain_torch():
         ids = torch.tensor([[1, 5, 9, 3, 7]])
         plain_model = llama().to(tm.torch_device)
-        plain = [to_plain(run(plain_model, ids.to(tm.torch_device), new)) for new in (6, 6, 24)]
+        plain = [to_plain(run(plain_model, ids.to(tm.torch_device), new)) for new in (6, 24)]
         del plain_model
     tm.strategy = "flow"
     model = llama()
     tm.budget = budget(weight_bytes(model) * 3 // 2)
     ids = torch.tensor([[1, 5, 9, 3, 7]], device=tm.torch_device)
-    assert_identical(plain[0], run(model, ids, 6))
-    assert_identical(plain[1], run(model, ids, 6))
+    for _ in range(3):  # (the third is one region)
+        assert_identical(plain[0], run(model, ids, 6))
     # (the budget now what that call took: the larger call does not fit beside the weights)
     tm.budget = tm.outside_bytes() + tm.stats()["peak_device_bytes"]
     tm.reset_stats()
-    assert_identical(plain[2], run(model, ids, 24))
+    for _ in range(2):  # (the second is measured: a region with the room kept for 6 would not be)
+        assert_identical(plain[1], run(model, ids, 24))
     stats = tm.stats()
     assert stats["max_memory_allocated"] <= tm.budget and stats["worst_overshoot_bytes"] == 0, stats
 

@@ -373,7 +373,9 @@ def _whole(module, info: _ModuleInfo, name: str, fn, args, kwargs):
     pages]) as one region, room kept for what its first call with these shapes and settings
     allocated (measured op by op); ``_NOT_WHOLE`` where it cannot be one (it then runs as a
     scope). One region per settings: two calls of one shape may differ in what they make
-    (more new tokens, hidden states returned)."""
+    (more new tokens, hidden states returned). The first call with given settings runs as a
+    scope, and the second is measured: settings that never repeat (a new number of tokens
+    each call) are never measured op by op."""
     if _too_large(info):
         return _NOT_WHOLE  # (not measured op by op only to find it pages)
     configs = (getattr(module, "generation_config", None), getattr(module, "config", None))
@@ -384,6 +386,9 @@ def _whole(module, info: _ModuleInfo, name: str, fn, args, kwargs):
         if len(whole) >= MOST_SETTINGS:
             for k in whole:
                 del info.methods[k]
+        info.methods[key] = False  # (seen once)
+        return _NOT_WHOLE
+    if region is False:
         region = info.methods[key] = Region(f"{name} {type(module).__name__}")
     if not callers.claim():
         return _NOT_WHOLE
