@@ -11,8 +11,8 @@ are made resident once, the whole loop runs on plain tensors, and the result (th
 the output object with its tensors) comes back as TensorRefs.
 
 Under a budget it is one region too until the budget pages (Note [Regions until the budget
-pages] in ``regions/__init__.py``), room kept for what its first call with the same shapes
-and settings allocated. Once it pages (the whole model does not fit at once, or need not),
+pages] in ``regions/__init__.py``), room kept for what a call with the same shapes and
+settings allocated, measured. Once it pages (the whole model does not fit at once, or need not),
 the loop runs on plain tensors all the same, and its model's calls are regions that page
 (Note [Loops on plain tensors] in ``regions/scope.py``).
 

@@ -370,7 +370,7 @@ MOST_SETTINGS = 16
 
 def _whole(module, info: _ModuleInfo, name: str, fn, args, kwargs):
     """A method's call under a budget that has not paged (Note [Regions until the budget
-    pages]) as one region, room kept for what its first call with these shapes and settings
+    pages]) as one region, room kept for what a call with these shapes and settings
     allocated (measured op by op); ``_NOT_WHOLE`` where it cannot be one (it then runs as a
     scope). One region per settings: two calls of one shape may differ in what they make
     (more new tokens, hidden states returned). The first call with given settings runs as a
