@@ -310,21 +310,32 @@ def _call(self, forced, args, kwargs):
 
 
 def _as_region(module, info: _ModuleInfo, region: Region, fn, args, kwargs, **options):
+    """``fn(*args, **kwargs)`` as ``region`` where it can be one (``_try_region``); else as it is."""
+    out = _try_region(module, info, region, fn, args, kwargs, **options)
+    if out is _NOT_A_REGION:
+        return fn(*args, **kwargs)
+    if state.glue is not None:
+        state.glue.track(out)  # (what a loop on plain tensors holds: Note [Loops on plain tensors])
+    return out
+
+
+#: ``_try_region``'s answer where the call could not be one region
+_NOT_A_REGION = object()
+
+
+def _try_region(module, info: _ModuleInfo, region: Region, fn, args, kwargs, **options):
     """``fn(*args, **kwargs)`` as ``region`` with ``module``'s tensors swapped in, where this
     thread may swap them (no other is inside a module call) and the call can be a region;
-    else as it is."""
-    if callers.claim():
-        try:
-            out = region.run(fn, args, kwargs, info.slots, kernel_written=info.kernel_written(module), held=info.held,
-                             **options)
-            if state.glue is not None:
-                state.glue.track(out)  # (what a loop on plain tensors holds: Note [Loops on plain tensors])
-            return out
-        except NotARegion:
-            pass
-        finally:
-            callers.release()
-    return fn(*args, **kwargs)
+    else ``_NOT_A_REGION``, nothing run."""
+    if not callers.claim():
+        return _NOT_A_REGION
+    try:
+        return region.run(fn, args, kwargs, info.slots, kernel_written=info.kernel_written(module), held=info.held,
+                          **options)
+    except NotARegion:
+        return _NOT_A_REGION
+    finally:
+        callers.release()
 
 
 def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
@@ -348,7 +359,7 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
         if _mgr.settings.budget_value is not None and not _mgr.backend.passthrough:
             if not _mgr.paged:
                 out = _whole(module, info, name, fn, args, kwargs)
-                if out is not _NOT_WHOLE:
+                if out is not _NOT_A_REGION:
                     return out
             scope = info.methods.get((name, "scope"))
             if scope is None:
@@ -362,8 +373,6 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
         callers.leave()
 
 
-#: ``_whole``'s answer where the call could not be one region
-_NOT_WHOLE = object()
 #: the most regions of a method kept by settings (``_whole``)
 MOST_SETTINGS = 16
 
@@ -371,13 +380,13 @@ MOST_SETTINGS = 16
 def _whole(module, info: _ModuleInfo, name: str, fn, args, kwargs):
     """A method's call under a budget that has not paged (Note [Regions until the budget
     pages]) as one region, room kept for what a call with these shapes and settings
-    allocated (measured op by op); ``_NOT_WHOLE`` where it cannot be one (it then runs as a
+    allocated (measured op by op); ``_NOT_A_REGION`` where it cannot be one (it then runs as a
     scope). One region per settings: two calls of one shape may differ in what they make
     (more new tokens, hidden states returned). The first call with given settings runs as a
     scope, and the second is measured: settings that never repeat (a new number of tokens
     each call) are never measured op by op."""
     if _too_large(info):
-        return _NOT_WHOLE  # (not measured op by op only to find it pages)
+        return _NOT_A_REGION  # (not measured op by op only to find it pages)
     configs = (getattr(module, "generation_config", None), getattr(module, "config", None))
     key = (name, "whole", settings_key(args, kwargs, configs))
     region = info.methods.get(key)
@@ -387,18 +396,10 @@ def _whole(module, info: _ModuleInfo, name: str, fn, args, kwargs):
             for k in whole:
                 del info.methods[k]
         info.methods[key] = False  # (seen once)
-        return _NOT_WHOLE
+        return _NOT_A_REGION
     if region is False:
         region = info.methods[key] = Region(f"{name} {type(module).__name__}")
-    if not callers.claim():
-        return _NOT_WHOLE
-    try:
-        return region.run(fn, args, kwargs, info.slots, kernel_written=info.kernel_written(module), held=info.held,
-                          train=False)
-    except NotARegion:
-        return _NOT_WHOLE
-    finally:
-        callers.release()
+    return _try_region(module, info, region, fn, args, kwargs, train=False)
 
 
 def install() -> None:
