@@ -19,8 +19,10 @@ marked timed out; the next step still runs. Limits are clipped to ``--total-limi
 whole run, with the grace periods, fits in 8 minutes. ``DIR/summary.json`` (rewritten after each
 step) holds the date, the GPU, torch, CUDA, the driver, transformers, the commit and, per step,
 the command, return code, wall seconds, whether it timed out, and what it found: test outcome
-counts, the demo's last lines, the throughput rows. Exit status: 0 when every step that ran
-passed, 1 when one did not, 2 without CUDA (unless ``--allow-cpu``) or on a usage error.
+counts and the tests that failed or erred (printed by module at the end too: a console that
+keeps only its last lines still names them), the demo's last lines, the throughput rows. Exit
+status: 0 when every step that ran passed, 1 when one did not, 2 without CUDA (unless
+``--allow-cpu``) or on a usage error.
 
 ``--allow-cpu`` checks the harness without a GPU: the steps run on ``"sim"`` in place of
 ``"cuda"`` (throughput with ``--size tiny``); narrow them with ``--suite-args``, ``--skip``
@@ -299,6 +301,38 @@ def junit_counts(path: str) -> Optional[dict]:
     return counts
 
 
+def junit_problems(path: str, most: int = 500) -> Optional[List[dict]]:
+    """The tests that failed or erred, from a pytest junit XML: ``test`` (``module.Class::name``),
+    ``outcome`` ("failed", or "error" at setup or teardown) and the first line of its
+    ``message``; at most ``most`` of them. None if the XML is unreadable."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    found: List[dict] = []
+    for case in root.iter("testcase"):
+        name = case.get("name")
+        if name is None:
+            continue
+        test = case.get("classname", "") + "::" + name
+        for child in case:
+            if child.tag in ("failure", "error") and len(found) < most:
+                message = (child.get("message") or "").strip().splitlines()
+                found.append({"test": test, "outcome": "failed" if child.tag == "failure" else "error",
+                              "message": message[0][:300] if message else ""})
+    return found
+
+
+def problems_by_file(problems: List[dict], most: int = 40) -> List[str]:
+    """One line per test module (or class), the most problems first: their count and the first message,
+    so that a console that keeps only its last lines still names what failed."""
+    files: Dict[str, List[dict]] = {}
+    for p in problems:
+        files.setdefault(p["test"].split("::")[0], []).append(p)
+    ranked = sorted(files.items(), key=lambda kv: -len(kv[1]))
+    return [f"{len(ps):4} {name}: {ps[0]['outcome']}: {ps[0]['message'][:110]}" for name, ps in ranked[:most]]
+
+
 SUMMARY_WORDS = {"passed": "passed", "failed": "failed", "error": "errors", "errors": "errors",
                  "skipped": "skipped", "xfailed": "xfailed", "xpassed": "xpassed"}
 
@@ -337,7 +371,8 @@ def read_lines(path: str) -> List[str]:
 def pytest_findings(log_path: str, xml_path: str) -> dict:
     line = summary_line(log_path)
     counts = junit_counts(xml_path)
-    found = {"summary_line": line, "counts": counts, "counts_from": "junit" if counts is not None else None}
+    found = {"summary_line": line, "counts": counts, "counts_from": "junit" if counts is not None else None,
+             "problems": junit_problems(xml_path)}
     if counts is None:
         found["counts"] = line_counts(line)
         found["counts_from"] = "last line" if line is not None else None
@@ -510,6 +545,10 @@ def main(argv=None) -> int:
     write_summary(summary_path, summary)
     print(f"\n{summary['device_name'] or device}, torch {summary['torch']}, CUDA {summary['cuda_version']}, "
           f"commit {summary['commit']}")
+    for name, s in summary["steps"].items():
+        if s.get("problems"):
+            print(f"{name}: {len(s['problems'])} failed or erred, by module (every one in summary.json):")
+            print("\n".join(problems_by_file(s["problems"])))
     print(table(summary))
     print(f"{'all steps passed' if summary['passed'] else 'NOT all steps passed'} in {summary['wall_seconds']:.0f} s; "
           f"logs and {os.path.basename(summary_path)} in {out}")

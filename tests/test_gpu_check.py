@@ -147,6 +147,14 @@ def test_allow_cpu_writes_the_summary_kills_a_step_past_its_limit_and_runs_the_n
     assert cuda["counts"] == {"passed": 2, "failed": 1, "errors": 2, "skipped": 1, "xfailed": 1, "xpassed": 0}
     assert cuda["counts"] == gpu_check.line_counts(cuda["summary_line"])
     assert "-m cuda" in cuda["command"]
+    # the tests that failed or erred are named, in the summary and on the console
+    named = sorted((p["test"].split("::")[1], p["outcome"]) for p in cuda["problems"])
+    assert named == [("test_errs_at_setup", "error"), ("test_errs_at_teardown", "error"), ("test_fails", "failed")]
+    assert next(p for p in cuda["problems"] if p["test"].endswith("test_errs_at_setup"))["message"].startswith(
+        "failed on setup")
+    assert suite["problems"] == []
+    assert "cuda: 3 failed or erred, by module" in done.stdout
+    assert "   3 test_fake_outcomes: " in done.stdout
 
     demo = summary["steps"]["demo"]
     assert demo["status"] == "timed out" and demo["timed_out"] is True and demo["passed"] is False
