@@ -55,9 +55,11 @@ its own (``--row-cap``, ``--cpu-cap``), rows are skipped once the run passes
 ``--deadline``, Genoa's once it passes ``--genoa-by``; a call slower than ``--slow-call``
 ends its row's timed calls; the JSON (``--json``) is written again after every row. The
 rows run in the order of what they are for: for each model plain torch on the device (the
-reference), the managed rows, the offloading libraries'; then plain torch on the CPU; then
-Genoa's. The default run at full size is sized for about five minutes on an H100 (an
-estimate, not yet measured) and stops starting rows at six (``--deadline``).
+reference) and the managed rows; then the offloading libraries' rows of each model; then
+plain torch on the CPU; then Genoa's. On an H200 the Llama's own rows (its build, plain
+torch, Flow's decoding and LoRA step) took about 90 s and accelerate's four rows 71 s
+(`docs/benchmarks/gpu-check-2026-11-30.md`); the default run stops starting rows at six
+minutes (``--deadline``).
 peft and diffusers are optional: their rows say so when they are missing. Exit status 1
 when a row failed or a managed row's outputs differ from plain torch's.
 """
@@ -225,6 +227,9 @@ class Run:
         self.result = {"sizes": args.size, "size": size, "rows": self.rows, "models": {}}
         self.command = command
         self.bandwidth: dict = {}
+        #: the offloading libraries' rows, run after every section's own: slower than the
+        #: managed rows, they would otherwise leave a later section's unmeasured at the deadline
+        self.baselines: List[Callable[[], None]] = []
         #: rows of plain torch on the CPU, run after the sections' other rows: the slowest, and
         #: among the first to leave out when the run is short of time
         self.cpu_rows: List[Callable[[], None]] = []
@@ -564,8 +569,9 @@ def denoise(unet, latents, text, steps: int):
 def llama_sections(run: Run, sections) -> None:
     """The Llama's decoding rows (``"llama"`` in ``sections``) and its LoRA step (``"lora"``),
     in an order that holds one copy of the weights on the device at a time, the rows the run
-    is for first: plain torch resident there; Flow's; accelerate's; and, after the other
-    sections, plain torch on the CPU (``Run.cpu_rows``) and Genoa's (``Run.later``)."""
+    is for first: plain torch resident there; Flow's; and, after the other sections' own,
+    accelerate's (``Run.baselines``), plain torch on the CPU (``Run.cpu_rows``) and Genoa's
+    (``Run.later``)."""
     size = run.size
     dtype = dtype_of(size["llama_dtype"])
     spec = size["llama"]
@@ -713,19 +719,25 @@ def llama_sections(run: Run, sections) -> None:
         if not run.cuda:
             row["note"] = SIM_CPU_NOTE
 
+    def accelerate_rows():
+        try:
+            for spec_budget in size["budgets"]:
+                for i, b in enumerate(size["batches"]):
+                    run.row(lambda row, b=b, s=spec_budget, first=i == 0: accelerate_decode(row, b, s, first),
+                            skip=optional("accelerate"), group=decode_groups[b],
+                            config=f"accelerate {budget_label(spec_budget, wbytes)}", device=run.device,
+                            batch=b, unit="token", strategy="accelerate device_map")
+                held.pop("accelerate", None)
+                run.free()
+        finally:
+            held.pop("host", None)
+
     if decoding:
-        for spec_budget in size["budgets"]:
-            for i, b in enumerate(size["batches"]):
-                run.row(lambda row, b=b, s=spec_budget, first=i == 0: accelerate_decode(row, b, s, first),
-                        skip=optional("accelerate"), group=decode_groups[b],
-                        config=f"accelerate {budget_label(spec_budget, wbytes)}", device=run.device, batch=b,
-                        unit="token", strategy="accelerate device_map")
-            held.pop("accelerate", None)
-            run.free()
+        run.baselines.append(accelerate_rows)
 
     # 4. plain torch on the host's CPU, a cut-down count of tokens or steps, at the end of the run
     cpu_skip = "--no-cpu" if run.args.no_cpu else None if run.cuda else CPU_ON_SIM
-    host = held.pop("host")
+    host = held["host"] if decoding else held.pop("host")
     if cpu_skip is not None:
         host = None  # (kept for those rows only)
 
@@ -816,7 +828,8 @@ def accelerate_dispatch(run: Run, model: torch.nn.Module, budget: int):
 
 def denoiser_section(run: Run) -> None:
     """The UNet's rows: plain torch resident on the device, the managed row at half its
-    weights, diffusers' group offloading, and plain torch on the CPU at the end of the run."""
+    weights, and after the other sections' own diffusers' group offloading
+    (``Run.baselines``) and plain torch on the CPU (``Run.cpu_rows``)."""
     size = run.size
     dtype = dtype_of(size["unet_dtype"])
     held = {"master": build_unet(size["unet"], dtype, run.plain_device if run.cuda else "cpu")}
@@ -897,12 +910,20 @@ def denoiser_section(run: Run) -> None:
 
     lacks = None if hasattr(held["host"], "enable_group_offload") else \
         "the installed diffusers has no enable_group_offload"
-    run.row(group_offload, skip=lacks, config="diffusers group offload", device=run.device,
-            strategy="group offload", **meta)
+
+    def offload_row():
+        try:
+            run.row(group_offload, skip=lacks, config="diffusers group offload", device=run.device,
+                    strategy="group offload", **meta)
+        finally:
+            held.clear()
+            run.free()
+
+    run.baselines.append(offload_row)
 
     # 4. plain on the CPU: one step, at the end of the run
     cpu_skip = "--no-cpu" if run.args.no_cpu else None if run.cuda else CPU_ON_SIM
-    host = held.pop("host")
+    host = held["host"]
     if cpu_skip is not None:
         host = None  # (kept for that row only)
 
@@ -912,7 +933,6 @@ def denoiser_section(run: Run) -> None:
                           moved=nothing_moved, units=1)
         row["_output"] = common.as_plain(out)
 
-    held.clear()
     run.cpu_rows.append(lambda: run.row(cpu, cap=size["cpu_cap"], skip=cpu_skip, config="cpu", device="cpu",
                                         cut="1 step", **meta))
 
@@ -1039,12 +1059,13 @@ def main(argv=None) -> dict:
             finally:
                 tm.budget = None
                 run.free()
-        for rows in run.cpu_rows + run.later:
+        for rows in run.baselines + run.cpu_rows + run.later:
             try:
                 rows()
             except Exception as e:  # (each row catches its own: this is the code around them)
                 traceback.print_exc()
                 run.row(None, error=f"{type(e).__name__}: {e}", group="later rows", config="-", unit="-")
+        run.baselines.clear()
         run.cpu_rows.clear()
         run.later.clear()
     finally:

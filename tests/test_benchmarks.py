@@ -652,6 +652,11 @@ def test_real_models_small_on_sim_equal_to_plain_within_their_budgets(tmp_path):
         if r["group"].startswith("llama decode"):
             shares.setdefault(r["strategy"], set()).add(round((r["budget"] - r["outside_bytes"]) / weights, 2))
     assert shares == {"flow": {0.64, 0.32}, "genoa": {0.64}}
+    # every section's own rows run before the offloading libraries' (slower: at full size they
+    # would leave a later section's managed rows past the deadline)
+    order = [r.get("strategy") for r in result["rows"]]
+    last_flow = max(i for i, s in enumerate(order) if s == "flow")
+    assert all(i > last_flow for i, s in enumerate(order) if s in ("accelerate device_map", "group offload"))
     # accelerate's hooks copy in, every token, what its device map left on the host
     accelerate = [r for r in result["rows"] if r.get("strategy") == "accelerate device_map"]
     assert len(accelerate) == 4
