@@ -4,12 +4,15 @@ in ``memory/groups.py``)."""
 
 from __future__ import annotations
 
+import gc
 import io
+import sys
 
 import pytest
 import torch
 
 from paired import assert_identical, budget, plain_torch, to_plain
+import torchTensorRef
 from torchTensorRef import regions, tensorsManager as tm
 from torchTensorRef.core.tensor_ref import block_of
 from torchTensorRef.memory import groups
@@ -221,3 +224,28 @@ def test_checkpoints_and_the_host_buffer_of_a_group(as_regions):
     with tm.lock:
         tm.drain()
     assert tm.backend.pinned.used <= pinned  # (the groups' host buffers went with their members)
+
+
+
+def test_a_group_dies_quietly_after_the_device_changed(as_regions, monkeypatch):
+    # A model grouped on one device, the manager moved to the CPU, then the model dropped:
+    # the group's host buffer goes with its last member, though the CPU has no pinned pool
+    # (that raised in a finalizer, reported and ignored). The weights stay the model's.
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: raised.append(info.exc_value))
+    tm.strategy = "flow"
+    model = _stack()
+    as_regions(model)
+    tm.budget = budget(_weights(model) // 2)
+    _run(model, _input(), 3)
+    assert any(block_of(p).group is not None for p in model.parameters())
+    tm.budget = None
+    with pytest.warns(UserWarning, match="tensorsManager.device changed to 'cpu' while"):
+        tm.device = "cpu"
+    with plain_torch():
+        x = torch.rand(2, WIDTH, generator=torch.Generator().manual_seed(1), device="cpu")
+        expected = _run(_stack(), x, 1)[0]
+    assert_identical(expected, _run(model, torchTensorRef.manage(x), 1)[0])
+    del model
+    gc.collect()
+    assert raised == []

@@ -325,7 +325,11 @@ class Groups:
         group.dissolved = True
         if not any(h is not None for h in hosts):
             m = self.m
-            m.backend.pinned.freed(group.host, m.residency.kept_limit())
+            pinned = m.backend.pinned
+            # (none where the device changed since to one without pinned memory, the CPU:
+            # the buffer goes with its last view, as an unpinned one would)
+            if pinned is not None:
+                pinned.freed(group.host, m.residency.kept_limit())
 
     def detach(self, block: Block) -> None:
         """``block``'s storage may be resized or replaced (a restriding op writes it): its
