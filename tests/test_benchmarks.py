@@ -22,7 +22,7 @@ pytest.importorskip("accelerate")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, optimizer_step, overhead, plots,  # noqa: E402
-                        region_anatomy, region_calls, run_all, small_ops, transfer)
+                        region_anatomy, region_calls, run_all, small_ops, train_parts, transfer)
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -500,6 +500,25 @@ def test_optimizer_step_times_the_step_alone_as_one_op_and_op_by_op(fresh_manage
         assert r["ms"] > 0 and r["plain_ms"] > 0, label
         assert (r["ops_per_step"] == 1) == r["one_op"], label
     assert json.loads(path.read_text())["command"].startswith("python benchmarks/optimizer_step.py --size tiny")
+
+
+def test_train_parts_times_each_part_beside_plain_torch_with_equal_losses(fresh_manager, tmp_path):
+    path = tmp_path / "train_parts.json"
+    device = str(fresh_manager.device)
+    result = train_parts.main(["--layers", "2", "--width", "32", "--steps", "3", "--warmup", "1",
+                               "--json", str(path)])
+    assert list(result["parts"]) == list(train_parts.PARTS) + ["step total"]
+    for name, r in result["parts"].items():
+        assert 0 < r["plain_min_ms"] <= r["plain_median_ms"] and 0 < r["managed_min_ms"] <= r["managed_median_ms"]
+        assert r["ratio"] == pytest.approx(r["managed_median_ms"] / r["plain_median_ms"]), name
+    # each step learns something (the losses fall), and the two sides agree bit for bit
+    assert result["losses_equal"] and len(result["losses"]["plain"]) == 4
+    assert result["losses"]["plain"][-1] < result["losses"]["plain"][0]
+    # a region's forward, its backward and the optimizer step are one op each
+    assert 3 <= result["manager_ops_per_step"] < 100
+    saved = json.loads(path.read_text())
+    assert saved["command"].startswith("python benchmarks/train_parts.py --layers 2") and saved["result"]["parts"]
+    assert str(fresh_manager.device) == device and fresh_manager.budget is None  # (given back)
 
 
 def test_op_paths_times_every_path_and_the_plan_row_follows_its_plan(fresh_manager, tmp_path):
