@@ -113,9 +113,10 @@ SIZES = {
         # calls: warm-up then timed. Flow follows a plan from its third call of a generate() (the
         # first two: learning it), then tries two ways of prefetching for it over ten periods
         # (tokens): a managed row of calls that change nothing (decoding, denoising) warms up by
-        # ``settle`` calls more while it has not settled; plain torch warms up its kernels; the
-        # offloading baselines learn nothing
-        warmup=2, settle=1, timed=2, plain_warmup=1, baseline_warmup=0, cpu_timed=1,
+        # ``settle`` calls more while it has not settled (one was too few for the 7B at 8 GiB,
+        # timed unsettled on an H200); plain torch warms up its kernels; the offloading
+        # baselines learn nothing
+        warmup=2, settle=3, timed=2, plain_warmup=1, baseline_warmup=0, cpu_timed=1,
         row_cap=100.0, cpu_cap=40.0, slow_call=40.0, deadline=360.0, genoa_by=300.0),
     "small": dict(
         # (proportions of the 7B's: accelerate's map puts a layer or two on the device at 64%)
