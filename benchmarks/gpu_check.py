@@ -323,13 +323,13 @@ def junit_problems(path: str, most: int = 500) -> Optional[List[dict]]:
     return found
 
 
-def problems_by_file(problems: List[dict], most: int = 40) -> List[str]:
-    """One line per test module (or class), the most problems first: their count and the first message,
-    so that a console that keeps only its last lines still names what failed."""
-    files: Dict[str, List[dict]] = {}
+def problems_by_module(problems: List[dict], most: int = 40) -> List[str]:
+    """One line per test module (or class), the most problems first: their count and the
+    first message, so that a console that keeps only its last lines still names what failed."""
+    modules: Dict[str, List[dict]] = {}
     for p in problems:
-        files.setdefault(p["test"].split("::")[0], []).append(p)
-    ranked = sorted(files.items(), key=lambda kv: -len(kv[1]))
+        modules.setdefault(p["test"].split("::")[0], []).append(p)
+    ranked = sorted(modules.items(), key=lambda kv: -len(kv[1]))
     return [f"{len(ps):4} {name}: {ps[0]['outcome']}: {ps[0]['message'][:110]}" for name, ps in ranked[:most]]
 
 
@@ -548,7 +548,7 @@ def main(argv=None) -> int:
     for name, s in summary["steps"].items():
         if s.get("problems"):
             print(f"{name}: {len(s['problems'])} failed or erred, by module (every one in summary.json):")
-            print("\n".join(problems_by_file(s["problems"])))
+            print("\n".join(problems_by_module(s["problems"])))
     print(table(summary))
     print(f"{'all steps passed' if summary['passed'] else 'NOT all steps passed'} in {summary['wall_seconds']:.0f} s; "
           f"logs and {os.path.basename(summary_path)} in {out}")
