@@ -545,25 +545,42 @@ def test_a_region_s_backward_is_one_op_whose_working_set_holds_the_weights_it_sa
     assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 
-@pytest.mark.parametrize("device,paged", [("cpu", False), (TEST_DEVICE, True)], ids=["cpu", "device"])
-def test_activations_become_blocks_only_where_the_manager_pages(device, paged):
-    # With nothing ever evicted (pass-through) the inner graph keeps what it saves, as
-    # plain torch does; under a limit each activation becomes a block of the manager.
+@pytest.mark.parametrize("device,strategy,limit,paged", [
+    ("cpu", "flow", "none", False), (TEST_DEVICE, "flow", "budget", True), (TEST_DEVICE, "flow", "none", False),
+    (TEST_DEVICE, "flow", "evicted", True), (TEST_DEVICE, "genoa", "none", True)],
+    ids=["pass-through", "budget", "no-budget", "no-budget-after-evicting", "genoa-no-budget"])
+def test_activations_become_blocks_only_where_the_manager_pages(device, strategy, limit, paged):
+    # With nothing ever evicted (pass-through, or no budget before the device's capacity made
+    # the manager evict) the inner graph keeps what it saves, as plain torch does; under a
+    # budget, once room was made by evicting, or under a strategy that sends every block back
+    # after its op (Genoa), each activation becomes a block of the manager (Note [Saved while
+    # nothing pages]). The gradients are plain torch's either way.
     tm.device = device
+    tm.strategy = strategy
+    with plain_torch():
+        x = torch.randn(4, 16)
+        torch.manual_seed(0)
+        plain = Block().to(tm.torch_device)
+        plain(x.to(tm.torch_device)).sum().backward()
+    torch.manual_seed(0)
     model = Block()
-    if paged:
-        tm.budget = budget(weight_bytes(model) * 8)  # (a limit on any device: CUDA has none without one)
-    x = torchTensorRef.manage(torch.randn(4, 16))
-    model(x)
+    if limit == "budget":
+        tm.budget = budget(weight_bytes(model) * 8)
+    elif limit == "evicted":
+        tm.note_pressure()  # (as making room does once the device's capacity is reached)
+    mx = torchTensorRef.manage(x.cpu())
+    model(mx)  # (the first call with gradients runs op by op: Note [Gradients of gradients])
+    model.zero_grad(set_to_none=True)
     before = len(tm.books.blocks)
-    out = model(x)
+    out = model(mx)
     (node,) = link_nodes(out.sum())
     added = len(tm.books.blocks) - before
-    activations = [s for s in node.training.saved if s.ref is not None and block_of(s.ref) is not block_of(x)
+    activations = [s for s in node.training.saved if s.ref is not None and block_of(s.ref) is not block_of(mx)
                    and all(block_of(s.ref) is not block_of(p) for p in model.parameters())]
     assert (added > 1) is paged and bool(activations) is paged
     out.sum().backward()
     assert all(isinstance(p.grad, TensorRef) for p in model.parameters())
+    assert_identical([p.grad for p in plain.parameters()], [p.grad for p in model.parameters()])
 
 
 def test_a_smaller_batch_after_a_larger_one_and_one_up_to_twice_as_large_train_through_regions_at_once():

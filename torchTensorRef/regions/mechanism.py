@@ -278,8 +278,10 @@ class Region:
             if not self.strict and type(e) is OutOfBudgetError:
                 raise NotARegion("larger than the budget") from e
             raise
+        # (Note [Saved while nothing pages] in training.py)
+        pages = plan.paged and (mgr.settings.budget_value is not None or mgr.paged or mgr.strategy.sends_back)
         training = Training(self, plan.key, self.device_views and getattr(mgr.backend, "strict", False),
-                            plan.paged, ctx.estimate) if plan.grad else None
+                            pages, ctx.estimate) if plan.grad else None
         meter = Measure({b.dev_key for b in ctx.blocks}, mgr.alloc_bytes, mgr.backend.dev_bytes) if plan.meter else None
         try:
             out = self._run(mgr, call, fn, args, kwargs, plan.on_host, training, meter)

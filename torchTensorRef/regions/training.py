@@ -28,6 +28,18 @@ bit for bit plain torch's on the same device (Note [Gradients summed inside a re
 A tensor saved for backward that the program changes in place before the backward
 is refused there, as plain torch refuses it.
 
+Note [Saved while nothing pages]: with no budget the manager's limit is the device's
+capacity, and until that has made it evict (``tensorsManager.paged``) nothing is paged: a
+call's saved activations then stay plain tensors, kept by the inner graph as plain torch keeps
+them, and its leaves keep their bytes, with no saved-tensor hooks (``Training.paged`` false, as
+in pass-through). Making each activation a block after the call and a view of it again in
+backward took more host time than the call's kernels on a small model
+(``benchmarks/train_parts.py``). A graph made so holds device bytes outside the manager until
+its backward frees them, which the device's readings count as outside bytes, as they count a
+program's plain tensors; a call made once the manager has evicted, or under a budget, makes blocks of
+them again. A strategy that sends blocks back after every op (Genoa: ``Strategy.sends_back``)
+gets blocks always: plain tensors would keep on the device what it sent back.
+
 Note [Gradients summed inside a region]: autograd adds a tensor's gradient contributions one
 by one, in the order their nodes run. Asked for one gradient per leaf, the inner graph would
 sum the contributions from inside first, and autograd would add that sum to what the uses
@@ -177,8 +189,9 @@ class Training:
         key: the call's shapes (the backward's room is measured per key).
         sim: the call ran on ``SimTensor``s (strict "sim").
         paged: the manager pages under a limit; without one (pass-through, or no budget
-            on a device that has no capacity) nothing is ever evicted, and the inner graph
-            keeps what it saves and its leaves as plain torch would, with no hooks.
+            on a device that has no capacity), or with no budget before anything was evicted
+            (Note [Saved while nothing pages]), the inner graph keeps what it saves and its
+            leaves as plain torch would, with no hooks.
         inside: the room the forward kept for what it allocated inside.
     """
 

@@ -63,6 +63,10 @@ class Strategy:
     #: made on the device when they fit without evicting anything; random ones always are
     #: (their numbers must come from the device's generator), and ``on_adopt`` may evict them
     new_tensors_on_device: bool = True
+    #: whether the strategy sends blocks back to the host after their op, with no room asked
+    #: for (Genoa): then nothing may keep their device bytes past a call, and a region's
+    #: saved activations are blocks even with no budget (Note [Saved while nothing pages])
+    sends_back: bool = False
 
     def __init__(self):
         self.manager = None

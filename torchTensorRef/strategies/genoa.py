@@ -14,6 +14,7 @@ class Genoa(Strategy):
 
     name = "genoa"
     new_tensors_on_device = False
+    sends_back = True
 
     def on_adopt(self, block) -> None:
         # A tensor made on the device (a random one: the device's generator draws it) goes
