@@ -36,9 +36,10 @@ in pass-through). Making each activation a block after the call and a view of it
 backward took more host time than the call's kernels on a small model
 (``benchmarks/train_parts.py``). A graph made so holds device bytes outside the manager until
 its backward frees them, which the device's readings count as outside bytes, as they count a
-program's plain tensors; a call made once the manager has evicted, or under a budget, makes blocks of
-them again. A strategy that sends blocks back after every op (Genoa: ``Strategy.sends_back``)
-gets blocks always: plain tensors would keep on the device what it sent back.
+program's plain tensors; a call made once the manager has evicted, or under a budget, makes
+blocks of them again. A strategy that sends blocks back after every op (Genoa:
+``Strategy.sends_back``) gets blocks always: plain tensors would keep on the device what it
+sent back.
 
 Note [Gradients summed inside a region]: autograd adds a tensor's gradient contributions one
 by one, in the order their nodes run. Asked for one gradient per leaf, the inner graph would
