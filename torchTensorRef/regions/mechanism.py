@@ -73,7 +73,7 @@ from . import stores
 from .step import Plan, Step
 from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad,
                    scan_call, select_object_slots)
-from .training import Training, foreign_hooks, probe_second_order, watch_backward
+from .training import Training, foreign_hooks, probe_second_order, saves_blocks, watch_backward
 
 class _State(threading.local):
     depth = 0  # regions running on this thread
@@ -278,10 +278,8 @@ class Region:
             if not self.strict and type(e) is OutOfBudgetError:
                 raise NotARegion("larger than the budget") from e
             raise
-        # (Note [Saved while nothing pages] in training.py)
-        pages = plan.paged and (mgr.settings.budget_value is not None or mgr.paged or mgr.strategy.sends_back)
         training = Training(self, plan.key, self.device_views and getattr(mgr.backend, "strict", False),
-                            pages, ctx.estimate) if plan.grad else None
+                            saves_blocks(mgr, plan.paged), ctx.estimate) if plan.grad else None
         meter = Measure({b.dev_key for b in ctx.blocks}, mgr.alloc_bytes, mgr.backend.dev_bytes) if plan.meter else None
         try:
             out = self._run(mgr, call, fn, args, kwargs, plan.on_host, training, meter)

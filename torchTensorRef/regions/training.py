@@ -92,6 +92,13 @@ _Tensor = torch.Tensor
 PROBES = 1
 
 
+def saves_blocks(mgr, limited: bool) -> bool:
+    """Whether a call with gradients makes blocks of what it saves (``limited``: the manager
+    pages under a limit, the call is not on the host), or keeps them plain while nothing
+    pages (Note [Saved while nothing pages])."""
+    return limited and (mgr.settings.budget_value is not None or mgr.paged or mgr.strategy.sends_back)
+
+
 def probe_second_order(region) -> bool:
     """Whether this call of ``region``, which needs gradients, runs op by op to see whether
     its backward asks for gradients of the gradients (Note [Gradients of gradients])."""
