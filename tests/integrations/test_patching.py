@@ -95,6 +95,36 @@ def test_creation_function_returns_tensor_ref_when_patched(name, tmp_path):
         assert_identical(plain, managed)
 
 
+#: data holding tensors: torch reads each one's value (``item()``), its dtype counting in the result's
+DATA_WITH_TENSORS = {
+    "tensor of 0-d tensors": lambda t: torch.tensor([t(1.5), t(-2.25)]),
+    "nested, a number beside": lambda t: torch.tensor([[1, t(2)], (t(3), 4)]),
+    "integers, dtype given": lambda t: torch.tensor((t(7), t(9)), dtype=torch.float64),
+    "one-element tensors": lambda t: torch.tensor([t([0.5]), t([[2.0]])]),
+    "data= keyword": lambda t: torch.tensor(data=[t(True), t(False)]),
+    "as_tensor": lambda t: torch.as_tensor([t(1.5), t(2.5)]),
+    "asarray": lambda t: torch.asarray([t(3), t(4)]),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_WITH_TENSORS))
+def test_tensor_from_a_list_of_tensor_refs_has_their_values(case):
+    """``torch.tensor([a, b])`` with TensorRefs in the list: torch read their bytes, which a
+    TensorRef does not hold, and raised; plain torch gives their values."""
+    with plain_torch() if TEST_DEVICE == "cuda" else torchTensorRef.disabled():
+        # (plain "sim" tensors have no ``item()`` kernel in C++: their values are the CPU's)
+        plain = DATA_WITH_TENSORS[case](torch.tensor)
+    managed = DATA_WITH_TENSORS[case](torch.tensor)
+    assert type(managed) is TensorRef
+    assert managed.dtype == plain.dtype and managed.shape == plain.shape
+    assert managed.tolist() == plain.tolist()
+
+
+def test_a_list_of_tensors_of_several_elements_raises_as_in_plain_torch():
+    with pytest.raises(ValueError, match="only one element tensors"):
+        torch.tensor([torch.ones(2), torch.zeros(2)])
+
+
 @pytest.mark.parametrize("name", PRESENT)
 def test_creation_function_returns_plain_tensor_after_unpatch(name, tmp_path):
     torchTensorRef.unpatch()

@@ -123,6 +123,7 @@ _HOST_CALLERS = ("torch.optim",)
 
 
 def _creation_wrapper(wrapped, instance, args, kwargs):
+    args, kwargs = creation.plain_data(wrapped.__name__, args, kwargs)
     if kwargs.get("device") is None and sys._getframe(1).f_globals.get("__name__", "").startswith(_HOST_CALLERS):
         kwargs = dict(kwargs, device="cpu")
     if _plain_call():
@@ -140,6 +141,7 @@ def _creation_wrapper(wrapped, instance, args, kwargs):
 
 
 def _sharing_wrapper(wrapped, instance, args, kwargs):
+    args, kwargs = creation.plain_data(wrapped.__name__, args, kwargs)
     if _plain_call():
         return wrapped(*args, **kwargs)
     result = wrapped(*args, **kwargs)
