@@ -6,7 +6,9 @@ Loaded by ``client_tests.py`` (``-p client_tests_plugin``); the variant comes fr
 - ``plain``: nothing imported (the reference run);
 - ``cpu``: ``import torchTensorRef`` and nothing else (device "cpu", no budget);
 - ``sim``: device "sim", Flow, the budget ``TORCHTENSORREF_CLIENT_BUDGET`` (default 256KiB),
-  and every collected test class with a ``torch_device`` attribute runs on "sim".
+  and every collected test runs on "sim": its class's ``torch_device`` attribute (peft) and
+  the module-level ``torch_device`` of the library's test modules (diffusers, transformers)
+  say "sim".
 
 Each test's outcome is appended to ``TORCHTENSORREF_CLIENT_OUTCOMES`` as
 ``node id <TAB> outcome <TAB> first line of the error``, by the process that sees every
@@ -16,6 +18,7 @@ report (xdist's controller, so a crashed worker's test is reported too).
 from __future__ import annotations
 
 import os
+import sys
 
 VARIANT = os.environ.get("TORCHTENSORREF_CLIENT_VARIANT", "plain")
 OUTCOMES = os.environ.get("TORCHTENSORREF_CLIENT_OUTCOMES")
@@ -46,6 +49,13 @@ def pytest_collection_modifyitems(config, items):
         cls = getattr(item, "cls", None)
         if cls is not None and hasattr(cls, "torch_device"):
             cls.torch_device = "sim"
+    # (a test module imports the name from the library's testing utilities, and so do the
+    # mixins its classes inherit from: each module's own global is the one its code reads)
+    root = str(config.rootpath)
+    for module in list(sys.modules.values()):
+        where = getattr(module, "__file__", None) or ""
+        if where.startswith(root) and isinstance(getattr(module, "torch_device", None), str):
+            module.torch_device = "sim"
 
 
 def pytest_runtest_logreport(report):

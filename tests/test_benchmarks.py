@@ -689,6 +689,12 @@ def test_real_models_small_on_sim_equal_to_plain_within_their_budgets(tmp_path):
 CLIENT_TESTS = '''
 import torch
 
+torch_device = "cpu"  # (diffusers' tests read their device from a module's global)
+
+
+def test_the_module_device():
+    assert torch.ones(2, device=torch_device).device.type == "cpu"
+
 
 def test_a_plain_tensor():
     assert type(torch.zeros(2)) is torch.Tensor
@@ -722,10 +728,11 @@ def test_client_tests_finds_what_the_import_changes_and_nothing_else(tmp_path):
         assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
     plain, cpu, sim = (client_tests.load(str(tmp_path / f"{v}.tsv")) for v in client_tests.VARIANTS)
     assert {k.split("::", 1)[1]: o for k, (o, _m) in plain.items()} == {
-        "test_a_plain_tensor": "passed", "test_values": "passed", "TestOnADevice::test_the_device": "passed"}
-    # the import makes factories give TensorRefs; on "sim" the test class runs on "sim"
+        "test_a_plain_tensor": "passed", "test_values": "passed", "TestOnADevice::test_the_device": "passed",
+        "test_the_module_device": "passed"}
+    # the import makes factories give TensorRefs; on "sim" the test class and the module run on "sim"
     assert sorted(k.split("::", 1)[1] for k in client_tests.regressions(plain, cpu)) == ["test_a_plain_tensor"]
     assert sorted(k.split("::", 1)[1] for k in client_tests.regressions(plain, sim)) == [
-        "TestOnADevice::test_the_device", "test_a_plain_tensor"]
+        "TestOnADevice::test_the_device", "test_a_plain_tensor", "test_the_module_device"]
     text = client_tests.report(str(tmp_path / "plain.tsv"), str(tmp_path / "sim.tsv"))
-    assert "regressions: 2, of which OutOfBudgetError: 0" in text
+    assert "regressions: 3, of which OutOfBudgetError: 0" in text
