@@ -120,6 +120,24 @@ def test_tensor_from_a_list_of_tensor_refs_has_their_values(case):
     assert managed.tolist() == plain.tolist()
 
 
+def test_the_legacy_constructor_takes_a_list_of_tensor_refs():
+    """``torch.Tensor([a, b])`` (diffusers' Euler scheduler builds its continuous timesteps so)
+    gives the plain CPU tensor plain torch gives; ``unpatch()`` takes the constructor back."""
+    with plain_torch() if TEST_DEVICE == "cuda" else torchTensorRef.disabled():
+        plain = torch.Tensor([torch.tensor(0.25), torch.tensor([3.5])])
+    managed = torch.Tensor([torch.tensor(0.25), torch.tensor([3.5])])
+    assert type(managed) is type(plain) is torch.Tensor and managed.device == plain.device
+    assert torch.equal(managed, plain)
+    assert torch.Tensor(2, 3).shape == (2, 3)
+    torchTensorRef.unpatch()
+    try:
+        assert "__new__" not in vars(torch.Tensor)
+        assert torch.Tensor([1.0, 2.0]).tolist() == [1.0, 2.0]
+    finally:
+        torchTensorRef.patch()
+    assert "__new__" in vars(torch.Tensor)
+
+
 def test_a_list_of_tensors_of_several_elements_raises_as_in_plain_torch():
     with pytest.raises(ValueError, match="only one element tensors"):
         torch.tensor([torch.ones(2), torch.zeros(2)])

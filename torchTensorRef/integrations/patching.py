@@ -154,6 +154,23 @@ def _sharing_wrapper(wrapped, instance, args, kwargs):
     return ref
 
 
+def _legacy_new(*args, **kwargs):
+    """``torch.Tensor(data)``, the legacy constructor, with the TensorRefs inside a list of
+    values given as their values (``creation.plain_data``); its result stays a plain CPU
+    tensor, as plain torch makes it. (``args[0]`` is the class; a signature of ``*args`` only
+    is one the compiler's stand-in for ``torch.Tensor.__new__`` accepts.)"""
+    if len(args) > 1 and isinstance(args[1], (list, tuple)):
+        data, kwargs = creation.plain_data("tensor", args[1:], kwargs)
+        args = args[:1] + data
+    return _BASE_NEW(*args, **kwargs)
+
+
+_BASE_NEW = torch._C.TensorBase.__new__
+#: ``torch.Tensor`` inherits ``__new__`` from its C base, whose attributes cannot be set:
+#: ``patch()`` gives the class one of its own, which ``unpatch()`` deletes
+_LEGACY_NEW = staticmethod(_legacy_new)
+
+
 def _takes_device():
     """The creation functions ``torch.device(...)`` as a context manager would give a device."""
     from torch.utils._device import _device_constructors
@@ -327,6 +344,9 @@ def patch() -> None:
         foreach_types = optimizer._foreach_supported_types
         if TensorRef not in foreach_types:
             foreach_types.append(TensorRef)
+        if "__new__" not in vars(torch.Tensor):
+            torch.Tensor.__new__ = _LEGACY_NEW  # type: ignore[assignment]
+            _patched["torch:Tensor", "__new__"] = (None, _LEGACY_NEW)
         compiler.hide_if_loaded()
     # Functions of modules torch imports only on demand are wrapped when they are imported
     # (outside the lock: for a module already imported the hook runs at once).
@@ -342,7 +362,10 @@ def unpatch() -> None:
         for (module_name, name), (original, wrapper) in list(_patched.items()):
             module = _owner(module_name)
             if _attribute(module, name) is wrapper:
-                setattr(module, name, original)
+                if original is None:
+                    delattr(module, name)  # (inherited before: ``_LEGACY_NEW``)
+                else:
+                    setattr(module, name, original)
             del _patched[module_name, name]
         from torch.optim import optimizer
 
