@@ -13,7 +13,7 @@ from torchTensorRef.analysis.offline import reference_moves
 from torchTensorRef.core.tensor_ref import block_of
 from torchTensorRef.strategies import Flow, Strategy, flow_prefetch
 from torchTensorRef.strategies.flow_plan import loop_key
-from paired import assert_identical, budget, plain_torch, to_plain
+from paired import assert_identical, budget, outside, plain_torch, sim_only, small_sim_capacity, to_plain
 
 KIB = 1024
 
@@ -42,6 +42,41 @@ def _misses_per_two_rounds(strategy):
     for t in (a, b, c):
         assert torch.equal(to_plain(t.clone()), to_plain(torch.full((256,), 10.0)))
     return fetches, period
+
+
+@sim_only  # (the device's capacity is set: "sim"'s)
+@small_sim_capacity
+def test_with_no_budget_it_learns_nothing_until_the_capacity_makes_room():
+    """With no budget nothing pages until the device is full: Flow records no op (ranking
+    every block of every op was most of what a training step with nothing to move added),
+    then learns the loop from the first eviction, and pages it as under a budget."""
+    tm.strategy = "flow"
+    flow = tm.strategy
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    weights = [torch.randn(64, 64) for _ in range(6)]
+
+    def step(x, weights):
+        y = x
+        for w in weights:
+            y = torch.tanh(y @ w)
+        return y
+
+    for _ in range(5):
+        step(x, weights)
+    assert not tm.under_pressure and not flow.learning.births and flow.period is None
+    tm.evict_all()
+    before = tm.sim_capacity
+    try:
+        tm.sim_capacity = outside() + 5 * tm.block_bytes(64 * 64 * 4)  # (five of the seven tensors)
+        outs = [step(x, weights) for _ in range(8)]
+        assert tm.under_pressure and flow.plan is not None and tm.stats()["evictions"] > 0
+    finally:
+        tm.sim_capacity = before
+    with plain_torch():
+        expected = step(to_plain(x), [to_plain(w) for w in weights])
+    for out in outs:
+        assert_identical(expected, out)
 
 
 def test_evicts_the_block_used_farthest_in_the_future(fresh_manager):

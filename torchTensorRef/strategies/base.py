@@ -7,7 +7,7 @@ op's own blocks are resident when the op runs and that the budget holds.
 
 A strategy uses the manager through its public strategy interface only, each member
 listed with what it does in ``docs/custom-strategy.md``: reads (``limit``, ``op_index``,
-``under_pressure``, ``device_kind``, ``device_bytes``, ``disk_blocks``, ``room()``,
+``under_pressure``, ``budget``, ``device_kind``, ``device_bytes``, ``disk_blocks``, ``room()``,
 ``in_use()``, ``fits(n)``, ``block_bytes(n)``, ``prefetch_bytes(block)``, ``block(id)``,
 ``resident_block(id)``, ``resident_blocks()``, ``all_resident()``, ``host_room()``,
 ``host_copies()``) and requests

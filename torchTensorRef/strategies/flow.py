@@ -143,8 +143,16 @@ class Flow(Strategy):
 
     # -- learning the sequence -------------------------------------------------------------
 
+    def _learns(self) -> bool:
+        """Whether it records the program's ops: under a budget, or once the device's capacity
+        (the limit with no budget) has made room by evicting. Until then nothing can page, and
+        ranking every block of every op cost a training step with nothing to move more than
+        its optimizer's bookkeeping; from the first eviction on it learns as under a budget."""
+        mgr = self.manager
+        return mgr.limit is not None and (mgr.budget is not None or mgr.under_pressure)
+
     def on_adopt(self, block) -> None:
-        if self.manager.limit is None:
+        if not self._learns():
             return  # (see before_op: nothing is learnt, and nothing would prune the record)
         if block.id not in self.learning.births:  # (else seen at its first op: see before_op)
             self.learning.born_before(block, self.manager.op_index)
@@ -156,8 +164,8 @@ class Flow(Strategy):
 
     def before_op(self, op) -> None:
         mgr = self.manager
-        if mgr.limit is None:
-            return  # nothing is ever evicted or prefetched: nothing to learn
+        if not self._learns():
+            return  # nothing is evicted or prefetched yet: nothing to learn
         n = op.index
         self._now = n
         func = op.spec  # one per aten op; hashing it is cheaper than the op's own __hash__
@@ -178,7 +186,7 @@ class Flow(Strategy):
     # -- decisions -------------------------------------------------------------------------
 
     def after_op(self, op) -> None:
-        if self.manager.limit is None:
+        if not self._learns():
             return  # see before_op
         n = op.index
         learning = self.learning
