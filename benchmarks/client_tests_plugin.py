@@ -7,8 +7,8 @@ Loaded by ``client_tests.py`` (``-p client_tests_plugin``); the variant comes fr
 - ``cpu``: ``import torchTensorRef`` and nothing else (device "cpu", no budget);
 - ``sim``: device "sim", Flow, the budget ``TORCHTENSORREF_CLIENT_BUDGET`` (default 256KiB),
   and every collected test runs on "sim": its class's ``torch_device`` attribute (peft) and
-  the module-level ``torch_device`` of the library's test modules (diffusers, transformers)
-  say "sim".
+  the module-level ``torch_device`` of every loaded module that has one (diffusers' and
+  transformers' tests and testing utilities) say "sim".
 
 Each test's outcome is appended to ``TORCHTENSORREF_CLIENT_OUTCOMES`` as
 ``node id <TAB> outcome <TAB> first line of the error``, by the process that sees every
@@ -50,11 +50,10 @@ def pytest_collection_modifyitems(config, items):
         if cls is not None and hasattr(cls, "torch_device"):
             cls.torch_device = "sim"
     # (a test module imports the name from the library's testing utilities, and so do the
-    # mixins its classes inherit from: each module's own global is the one its code reads)
-    root = str(config.rootpath)
+    # mixins its classes inherit from, wherever they are: each module's own global is the
+    # one its code reads, and a module with one is a test's or a testing utility's)
     for module in list(sys.modules.values()):
-        where = getattr(module, "__file__", None) or ""
-        if where.startswith(root) and isinstance(getattr(module, "torch_device", None), str):
+        if isinstance(getattr(module, "torch_device", None), str):
             module.torch_device = "sim"
 
 
