@@ -373,6 +373,44 @@ def test_a_region_s_outputs_are_tensorrefs_and_it_is_one_op(small_regions):
     assert_identical(plain, out.target)
 
 
+class _Transposed(torch.nn.Module):
+    """A projection of a transposed 3-d input (diffusers' attention blocks: ``(b, c, hw)`` to
+    ``(b, hw, c)``), whose matmul folds into one product only where the weight needs gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)  # (a width at which the CPU's two products differ)
+
+    def forward(self, x):
+        return self.proj(x.transpose(1, 2))
+
+
+@pytest.mark.parametrize("fraction", [None, 2.0, 0.5])
+def test_a_region_under_no_grad_runs_the_kernels_its_module_runs_in_plain_torch(small_regions, fraction):
+    """A parameter needs gradients under ``no_grad`` too, and kernels choose by it: the views a
+    region gives its call say so. (They did not: the calls run as a region, from the second,
+    gave other last bits than plain torch and than the first call, run op by op.)"""
+    torch.manual_seed(0)
+    model = _Transposed()
+    with plain_torch():
+        plain_model = _Transposed().to(tm.torch_device)
+        plain_model.load_state_dict({k: to_plain(v) for k, v in model.state_dict().items()})
+        x = torch.randn(4, 4, 64)
+        with torch.no_grad():
+            plain = plain_model(x)
+    mx = torchTensorRef.manage(x.cpu())
+    if fraction is not None:
+        tm.strategy = "flow"
+        tm.budget = budget(int(fraction * weight_bytes(model)) + 8 * tm.block_bytes(4 * 64 * 4 * 4))
+    with torch.no_grad():
+        outs = [model(mx) for _ in range(3)]
+        _out, ops = ops_of(lambda: model(mx))
+    assert ops == 1  # (the calls after the first are the region's)
+    assert all(p.requires_grad for p in model.parameters())
+    for out in outs:
+        assert_identical(plain, out)
+
+
 def test_a_region_returning_a_view_of_its_input_shares_its_block(small_regions):
     class Half(torch.nn.Module):
         def forward(self, x):

@@ -193,17 +193,26 @@ class Giver:
         training = self.training
         if training is not None:
             training.by_storage[plain.untyped_storage()._cdata] = a
-        if training is not None and a.requires_grad:
+        grad = a.requires_grad
+        if training is not None and grad:
             given = training.leaf(a, plain)
         elif self.sim and id(a) in self.params:
             kept = self.wrappers.get(id(a))
-            if kept is not None and kept[0] is plain:
+            if kept is not None and kept[0] is plain and kept[1].requires_grad == grad:
                 given = kept[1]  # (Note [Kept wrappers])
             else:
-                given = SimTensor(plain)
+                given = SimTensor(plain, grad)
                 self.wrappers[id(a)] = (plain, given)
         elif self.sim:
-            given = SimTensor(plain)
+            given = SimTensor(plain, grad)
+        elif grad:
+            # Note [Views need gradients as their tensors do]: with gradients off (the only way
+            # a call that reads a tensor needing them is not a training call) the view still
+            # says ``requires_grad`` as the tensor does, because kernels choose by it: matmul
+            # folds a 3-d input into one matrix product where an operand needs gradients, and
+            # runs batched products otherwise, whose last bits differ. (An alias: the view
+            # itself is the one the per-op path runs ops on.)
+            given = plain.detach().requires_grad_(True)
         else:
             given = plain
         attributes = a.__dict__
