@@ -104,6 +104,7 @@ DATA_WITH_TENSORS = {
     "data= keyword": lambda t: torch.tensor(data=[t(True), t(False)]),
     "as_tensor": lambda t: torch.as_tensor([t(1.5), t(2.5)]),
     "asarray": lambda t: torch.asarray([t(3), t(4)]),
+    "a tensor's new_tensor": lambda t: t([0.5]).new_tensor([[t(1.5)], [t(2.0)]]),
 }
 
 

@@ -181,6 +181,9 @@ class TensorRef(torch.Tensor):
     def tolist(self):
         return host_copy(self).tolist()
 
+    def new_tensor(self, data, *args, **kwargs):
+        return super().new_tensor(plain_values(data), *args, **kwargs)
+
     @_apart_from_modes
     def untyped_storage(self) -> torch.UntypedStorage:
         _manager().move_to_host(self)
@@ -466,6 +469,21 @@ def host_copy(ref: TensorRef, share: bool = False) -> torch.Tensor:
         mgr.sync_host(ref._tr_block)
         view = host_view(ref)
         return view if share else view.clone()
+
+
+def plain_values(data):
+    """``data`` (values in lists and tuples, at any depth) with its TensorRefs given as plain host
+    copies, ``data`` itself where it holds none: torch makes a tensor of such a list by reading
+    each tensor's bytes, which a TensorRef does not hold (its target does)."""
+    if not isinstance(data, (list, tuple)) or not any(issubclass(k, _HOLDERS) for k in set(map(type, data))):
+        return data  # (the types read in C: a list of a million numbers costs milliseconds)
+    values = [host_copy(v) if isinstance(v, TensorRef) else plain_values(v) for v in data]
+    if all(w is v for w, v in zip(values, data)):
+        return data
+    return values if isinstance(data, list) else tuple(values)
+
+
+_HOLDERS = (TensorRef, list, tuple)
 
 
 class saving:

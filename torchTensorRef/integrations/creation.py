@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..core.errors import DeviceOutOfMemoryError
-from ..core.tensor_ref import TensorRef, block_of, host_copy
+from ..core.tensor_ref import TensorRef, block_of, plain_values
 from ..memory.manager import tensorsManager as mgr
 from ..memory.room import is_out_of_memory
 from .manage import adopt
@@ -59,44 +59,20 @@ DATA_FUNCTIONS = {"tensor": "data", "as_tensor": "data", "asarray": "obj"}
 
 def plain_data(name: str, args, kwargs):
     """``args`` and ``kwargs`` with the TensorRefs inside the data of ``torch.tensor([a, b])``
-    (or ``as_tensor``, ``asarray``) given as plain host copies of their values.
-
-    torch reads the values of the tensors in such a list from their bytes, which a TensorRef
-    does not hold (its target does): plain torch's rules (a one-element tensor is a number,
-    its dtype counts in the result's) then apply to the same values."""
+    (or ``as_tensor``, ``asarray``) given as plain host copies of their values
+    (``core.tensor_ref.plain_values``)."""
     key = DATA_FUNCTIONS.get(name)
     if key is None:
         return args, kwargs
     if args:
-        data = _plain_values(args[0])
+        data = plain_values(args[0])
         if data is not args[0]:
             args = (data,) + tuple(args[1:])
     elif key in kwargs:
-        data = _plain_values(kwargs[key])
+        data = plain_values(kwargs[key])
         if data is not kwargs[key]:
             kwargs = dict(kwargs, **{key: data})
     return args, kwargs
-
-
-def _plain_values(data):
-    """``data`` with its TensorRefs, at any depth of lists and tuples, as plain host copies;
-    ``data`` itself where it holds none."""
-    if not isinstance(data, (list, tuple)):
-        return data
-    values = None
-    for i, v in enumerate(data):
-        if isinstance(v, TensorRef):
-            w = host_copy(v)
-        elif isinstance(v, (list, tuple)):
-            w = _plain_values(v)
-        else:
-            continue
-        if w is not v:
-            values = values if values is not None else list(data)
-            values[i] = w
-    if values is None:
-        return data
-    return values if isinstance(data, list) else tuple(values)
 
 
 def create(fn, args, kwargs):
