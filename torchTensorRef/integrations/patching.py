@@ -20,7 +20,7 @@ import torch
 import wrapt
 
 from ..core import context
-from ..core.tensor_ref import TensorRef, saving, block_of
+from ..core.tensor_ref import TensorRef, saving, block_of, plain_values
 from ..memory.manager import tensorsManager as _mgr
 from ..ops import raw_kernels
 from ..regions.mechanism import state as loops
@@ -156,12 +156,11 @@ def _sharing_wrapper(wrapped, instance, args, kwargs):
 
 def _legacy_new(*args, **kwargs):
     """``torch.Tensor(data)``, the legacy constructor, with the TensorRefs inside a list of
-    values given as their values (``creation.plain_data``); its result stays a plain CPU
-    tensor, as plain torch makes it. (``args[0]`` is the class; a signature of ``*args`` only
-    is one the compiler's stand-in for ``torch.Tensor.__new__`` accepts.)"""
-    if len(args) > 1 and isinstance(args[1], (list, tuple)):
-        data, kwargs = creation.plain_data("tensor", args[1:], kwargs)
-        args = args[:1] + data
+    values given as their values (``plain_values``); its result stays a plain CPU tensor, as
+    plain torch makes it. (``args[0]`` is the class; a signature of ``*args`` only is one the
+    compiler's stand-in for ``torch.Tensor.__new__`` accepts.)"""
+    if len(args) > 1:
+        args = (args[0], plain_values(args[1])) + args[2:]
     return _BASE_NEW(*args, **kwargs)
 
 
