@@ -13,11 +13,13 @@ import torch
 
 import torchTensorRef
 from torchTensorRef import TensorRef
-from torchTensorRef.integrations import patching
+from torchTensorRef.integrations import creation, patching
+from torchTensorRef.memory.manager import tensorsManager
 from torchTensorRef.memory.sim.tensor import SimTensor
 
 from conftest import TEST_DEVICE
 from paired import assert_identical, budget, plain_torch
+from torchTensorRef.strategies import NAMES
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.range is deprecated")
 
@@ -93,6 +95,37 @@ def test_creation_function_returns_tensor_ref_when_patched(name, tmp_path):
     assert managed.dtype == plain.dtype
     if name not in ("empty", "empty_strided", "empty_permuted"):
         assert_identical(plain, managed)
+
+
+@pytest.mark.parametrize("strategy", NAMES)
+def test_factories_whose_numbers_hang_on_the_device_are_made_where_torch_makes_them(strategy, monkeypatch):
+    # Random factories and windows are made on the device, whatever the strategy does with new
+    # tensors, as under set_default_device: their numbers are its generator's and its
+    # arithmetic's (CUDA's window cosines differ from the CPU's in their last bits). No default
+    # device reaches torch.normal: it draws on the host, from the CPU's generator.
+    tensorsManager.strategy = strategy
+    made_on_device = []
+    on_device = creation._on_device
+    monkeypatch.setattr(creation, "_on_device", lambda *a: made_on_device.append(a[-1]) or on_device(*a))
+    for name in sorted(creation.ON_DEVICE):
+        _call(name, None)
+    assert made_on_device == [f"torch.{name}" for name in sorted(creation.ON_DEVICE)]
+    managed = _call("normal", None)
+    assert len(made_on_device) == len(creation.ON_DEVICE) and type(managed) is TensorRef
+    with torchTensorRef.disabled():
+        expected = _call("normal", None)
+    assert_identical(expected, managed)
+
+
+def test_a_generator_draws_on_its_own_device_inside_disabled_with_a_device():
+    # disabled(device=...) gives its device to creation functions as a device context would,
+    # but not against a generator of another device: the numbers are that generator's, as a
+    # managed factory given it draws them (on the host), not CUDA's error
+    with plain_torch():
+        plain = torch.randint(0, 9, (5,), generator=torch.Generator().manual_seed(4))
+    assert plain.device.type == "cpu"
+    managed = torch.randint(0, 9, (5,), generator=torch.Generator().manual_seed(4))
+    assert_identical(plain, managed)
 
 
 #: data holding tensors: torch reads each one's value (``item()``), its dtype counting in the result's

@@ -7,9 +7,11 @@ torch behaves as if the accelerator were the default device, with the budget kep
   manager's is left alone, and no device (or the manager's) gives an accelerator tensor;
 - a *factory* (``zeros``, ``arange``, ``randn`` ...) makes its tensor directly on the
   device, after room is made for it, where the strategy keeps new tensors there or
-  ``device`` names the accelerator, and random ones always, so that their numbers come
-  from the device's generator, as they would under ``torch.set_default_device`` (and as
-  the in-place initialisers of ``nn.Module`` do, since they are ops on the device); one
+  ``device`` names the accelerator, and the random ones and windows always, so that their
+  numbers come from the device's generator and arithmetic, as they would under
+  ``torch.set_default_device`` (and as the in-place initialisers of ``nn.Module`` do, since
+  they are ops on the device); ``torch.normal``, which no default device reaches, draws on
+  the host unless ``device`` names the accelerator; one
   larger than the whole budget is made in host memory (a random one from the CPU's
   generator: on ``"sim"`` the same numbers) and brought in when used. Whether a factory
   is an op on the device does not hang on how full the device happens to be: a loop's
@@ -50,8 +52,15 @@ FACTORIES = frozenset({
     "tril_indices", "triu_indices", "bartlett_window", "blackman_window", "hamming_window",
     "hann_window", "kaiser_window",
 })
-#: factories that draw random numbers: made on the device, with the device's generator
-RANDOM = frozenset({"rand", "randn", "randint", "randperm", "normal"})
+#: factories whose numbers depend on the device that makes them, its generator's (random
+#: ones) or its arithmetic's (windows, whose cosines CUDA computes to other last bits than the
+#: CPU): made on the device, as ``torch.set_default_device`` makes them
+ON_DEVICE = frozenset({"rand", "randn", "randint", "randperm", "bartlett_window", "blackman_window",
+                       "hamming_window", "hann_window", "kaiser_window"})
+#: factories no default device reaches (``torch.normal`` is not among the constructors a
+#: ``torch.device`` context gives its device to): made without a device, they draw on the
+#: host from the CPU's generator, as plain torch under ``set_default_device`` does
+NO_DEFAULT_DEVICE = frozenset({"normal"})
 #: creation functions that read their values from data, a nested list or tuple of which may
 #: hold tensors: ``(name, the data's keyword)``
 DATA_FUNCTIONS = {"tensor": "data", "as_tensor": "data", "asarray": "obj"}
@@ -114,11 +123,11 @@ def _create(fn, args, kwargs, device):
     if mgr.backend.passthrough:
         return _adopt(fn(*args, **kwargs))
     if (name in FACTORIES and "out" not in kwargs and kwargs.get("layout") in (None, torch.strided)
-            and not _tensor_arguments(args, kwargs)):
+            and not _tensor_arguments(args, kwargs) and (device is not None or name not in NO_DEFAULT_DEVICE)):
         generator = kwargs.get("generator")
         if generator is None or mgr.is_accelerator(generator.device):
             nbytes = _bytes_of(fn, args, kwargs)
-            if ((name in RANDOM or device is not None or mgr.strategy.new_tensors_on_device)
+            if ((name in ON_DEVICE or device is not None or mgr.strategy.new_tensors_on_device)
                     and (mgr.fits(mgr.block_bytes(nbytes)) or _fits_the_budget(mgr, nbytes))):
                 return _on_device(mgr, fn, args, kwargs, nbytes, f"torch.{name}")
     if device is not None:

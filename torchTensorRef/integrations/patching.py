@@ -129,9 +129,12 @@ def _creation_wrapper(wrapped, instance, args, kwargs):
     if _plain_call():
         device = context.plain_device()
         # disabled(device=...), where torch would give no device of its own: a ``torch.device``
-        # context inside it (transformers builds a model on "meta" before loading it) wins
+        # context inside it (transformers builds a model on "meta" before loading it) wins, and
+        # a generator draws on its own device, as a managed factory given one does (``create``)
+        generator = kwargs.get("generator")
         if (device is not None and kwargs.get("device") is None and wrapped in _takes_device()
-                and creation.device_context() is None):
+                and creation.device_context() is None
+                and (generator is None or generator.device.type == device.type)):
             kwargs = dict(kwargs, device=device)
         return wrapped(*args, **kwargs)
     out = creation.create(wrapped, args, kwargs)

@@ -29,7 +29,9 @@ def disabled(device=None):
             context manager, this installs no torch function mode, which would change what
             PyTorch's modules do (the fast paths of attention and transformer layers). A
             ``torch.device(...)`` context or ``torch.set_default_device`` in force gives its
-            own device instead, as in plain torch (a model built on ``"meta"`` to be loaded).
+            own device instead, as in plain torch (a model built on ``"meta"`` to be loaded),
+            and a ``generator`` of another device draws on its own (a CPU generator gives a
+            CPU tensor, as a managed factory given one draws its numbers on the host).
             Libraries that look for a device context (transformers' ``from_pretrained``,
             which would then load to that device with a device map, and ask for accelerate
             to do it) find none: they do what they do in plain torch without one (Note
