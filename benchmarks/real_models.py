@@ -871,11 +871,20 @@ def denoiser_section(run: Run) -> None:
 
     def flow(row):
         lat, tx = torchTensorRef.manage(latents.clone()), torchTensorRef.manage(text.clone())
+        expected = run.find(meta["group"], "plain")
+        expected = None if expected is None else expected.get("_output")
+        outputs = []  # every call's, compared with plain torch's after the timing
+
+        def call():
+            outputs.append(denoise(held["managed"], lat, tx, steps))
+            return outputs[-1]
+
         with managed_under("flow", size["unet_budget"], wbytes, row) as outside:
-            out = measure(run, row, lambda: denoise(held["managed"], lat, tx, steps), size["warmup"],
-                          size["timed"], moved=manager_moved, managed=True, outside=outside, units=steps,
-                          settle=True)
+            out = measure(run, row, call, size["warmup"], size["timed"], moved=manager_moved, managed=True,
+                          outside=outside, units=steps, settle=True)
         row["_output"] = common.as_plain(out)
+        if expected is not None:  # (which call first parts from plain torch, where one does)
+            row["call_differences"] = [max_difference(common.as_plain(o), expected) for o in outputs]
 
     flow_row = run.row(flow, config=f"flow {budget_label(size['unet_budget'], wbytes)}", device=run.device,
                        strategy="flow", **meta)
