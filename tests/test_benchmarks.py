@@ -22,7 +22,7 @@ pytest.importorskip("accelerate")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, optimizer_step, overhead, plots,  # noqa: E402
-                        region_anatomy, region_calls, run_all, small_ops, train_parts, transfer)
+                        region_anatomy, region_calls, run_all, small_ops, train_budget, train_parts, transfer)
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -500,6 +500,19 @@ def test_optimizer_step_times_the_step_alone_as_one_op_and_op_by_op(fresh_manage
         assert r["ms"] > 0 and r["plain_ms"] > 0, label
         assert (r["ops_per_step"] == 1) == r["one_op"], label
     assert json.loads(path.read_text())["command"].startswith("python benchmarks/optimizer_step.py --size tiny")
+
+
+def test_train_budget_reports_the_device_s_own_peak_beside_the_manager_s(fresh_manager, tmp_path, monkeypatch):
+    path = tmp_path / "train_budget.json"
+    monkeypatch.setattr(torchTensorRef.regions, "enabled", True)  # (the benchmark turns them off)
+    result = train_budget.main(["--fractions", "0.5", "--steps", "2", "--seq", "8", "--device",
+                                str(fresh_manager.device), "--json", str(path)])
+    assert [(r["strategy"], r["ok"]) for r in result["rows"]] == [("flow", True), ("genoa", True)]
+    for r in result["rows"]:
+        # the device's count (its max_memory_allocated, what the program sees) within the budget
+        assert 0 < r["peak_to_budget"] <= 1 and 0 < r["device_peak_to_budget"] <= 1, r
+        assert r["max_diff"] < 1e-6, r
+    assert json.loads(path.read_text())["command"].startswith("python benchmarks/train_budget.py --fractions 0.5")
 
 
 def test_train_parts_times_each_part_beside_plain_torch_with_equal_losses(fresh_manager, tmp_path):
