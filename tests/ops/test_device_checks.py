@@ -207,3 +207,25 @@ def test_plain_device_tensors_meet_tensor_refs_in_plain_torch():
         loss = torch.nn.functional.cross_entropy(logits, target)
         expected = torch.nn.functional.cross_entropy(logits, target.target.clone())
     assert_identical(expected, loss)
+
+
+def test_a_plain_device_tensor_given_to_an_op_is_counted_before_room_is_made_for_it():
+    # A plain device tensor the manager never saw (torch's indexing makes the index of x[[0, 1]]
+    # on x's device, outside the manager, on CUDA) is outside bytes the last reading of the
+    # device missed: the op reads the device before making room, or the device holds more
+    # than the budget once the op's result is made.
+    tm = tensorsManager
+    tm.strategy = "flow"
+    tm.check_device = True
+    a, b, c = torch.randn(1024), torch.randn(1024), torch.randn(1024)  # 4 KiB each, on the device
+    tm.budget = tm.outside_bytes() + tm.block_bytes(4096) * 4
+    tm.reset_stats()
+    with torchTensorRef.disabled(device=tm.torch_device):
+        p = torch.randn(1024)  # plain, on the device: 4 KiB the manager has not read
+    got = a + p
+    assert tm.stats()["device_overshoot_bytes"] == 0
+    with plain_torch():
+        expected = a.target + p
+    assert_identical(expected, got)
+    del b, c
+

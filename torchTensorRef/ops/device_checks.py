@@ -27,6 +27,14 @@ Plain CPU tensors the manager does not hold are brought to the accelerator (Note
 tensors]), and the ops whose accelerator kernels take CPU tensors (``_TAKES_CPU_TENSORS``:
 copies, indexing) run there.
 
+Note [Plain device tensors are outside bytes]: a plain accelerator tensor given to an op is
+the program's, outside the manager, and the manager reads what the device holds outside it
+only now and then (a reading costs more than an op): one made since the last reading, such as
+the index tensor torch's indexing makes on the indexed tensor's device for ``x[[0, 1]]`` (on
+CUDA a plain tensor; on "sim" its empty kernel makes a TensorRef), would be missed, and room
+made for the op's results without it, so that the device held more than the budget once they
+were made. An op with such an argument reads the device before room is made for it.
+
 Note [Plain CPU tensors]: a plain CPU tensor the manager does not hold (a batch from a
 DataLoader's worker process, a tensor made under ``disabled()``) beside default-device
 TensorRefs is managed for the op (``bring_plain_tensors``): the op runs on the accelerator, as
@@ -137,7 +145,7 @@ def bring_plain_tensors(spec, args, kwargs, blocks):
     for b in blocks:
         if b.explicit:
             return None  # the program's device tensor beside a CPU one: CUDA's error
-    if _plain_device_tensor_in(args, kwargs):
+    if plain_device_tensor_among(args, kwargs):
         return None  # (a plain accelerator tensor: as above)
     kept = {id(args[i] if i < len(args) else kwargs.get(name)) for i, name in (*spec.write_args, *spec.host_args)}
     brought: list = []
@@ -215,7 +223,7 @@ def runs_on_host(spec, refs, args, kwargs) -> bool:
             default = r
     if host is None or default is None or spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
         return False
-    if _plain_device_tensor_in(args, kwargs):
+    if plain_device_tensor_among(args, kwargs):
         return False  # (a plain accelerator tensor: the program's choice of device)
     if any(r.requires_grad and not block_of(r).host_only for r in refs):
         warnings.warn(
@@ -241,7 +249,7 @@ _INTERNAL = ("torch", "torchTensorRef")
 def explicit_results(ctx, args, kwargs) -> None:
     """Mark the new results of an op on the device explicit where the program chose the device:
     an explicit argument, a device named, or a plain accelerator tensor among its arguments."""
-    if not (ctx.explicit() or _names_the_device(kwargs) or _plain_device_tensor_in(args, kwargs)):
+    if not (ctx.explicit() or _names_the_device(kwargs) or plain_device_tensor_among(args, kwargs)):
         return
     for b in ctx.outputs:
         b.explicit = True
@@ -252,8 +260,9 @@ def _names_the_device(kwargs) -> bool:
     return target is not None and _mgr.is_accelerator(torch.device(target))
 
 
-def _plain_device_tensor_in(args, kwargs) -> bool:
-    """Whether a plain accelerator tensor (a ``SimTensor``, a plain CUDA tensor) is an argument."""
+def plain_device_tensor_among(args, kwargs) -> bool:
+    """Whether a plain accelerator tensor (a ``SimTensor``, a plain CUDA tensor) is an
+    argument (one level of lists)."""
     if not _plain_tensor_in(args) and not (kwargs and _plain_tensor_in(kwargs.values())):
         return False
     for a in _tensor_args(args, kwargs):

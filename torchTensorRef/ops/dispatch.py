@@ -38,7 +38,8 @@ from ..memory.op_protocol import tight_result
 from ..memory.room import is_out_of_memory
 from ..memory.sim import backward_errors as sim_errors
 from . import workers
-from .device_checks import bring_plain_tensors, check_devices, explicit_results, plain_tensor_among, runs_on_host
+from .device_checks import (bring_plain_tensors, check_devices, explicit_results, plain_device_tensor_among,
+                            plain_tensor_among, runs_on_host)
 from .op_context import (OpContext, blocks_of, blocks_of_list, collect_refs, compute_kwargs, follow_resizes,
                          follow_restrides, placement, swap_in, wrap_nested, wrap_one, wrap_outputs, written_blocks)
 from .output_size import estimate_output_bytes, results_seen
@@ -296,6 +297,8 @@ def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
     if not on_host and mgr.books.host_only and not backend.passthrough:
         on_host = runs_on_host(spec, refs, args, kwargs)  # (Note [Default-device tensors])
     if not on_host and not backend.passthrough and plain_tensor_among(args, kwargs):
+        if mgr.accounting.limit is not None and plain_device_tensor_among(args, kwargs):
+            mgr.device_room.read_outside()  # (Note [Plain device tensors are outside bytes])
         brought = bring_plain_tensors(spec, args, kwargs, blocks)  # (Note [Plain CPU tensors])
         if brought is not None:
             args, kwargs, new_refs = brought
