@@ -229,3 +229,20 @@ def test_a_plain_device_tensor_given_to_an_op_is_counted_before_room_is_made_for
     assert_identical(expected, got)
     del b, c
 
+
+def test_new_tensor_is_made_where_its_tensor_is_and_as_the_program_chose():
+    # torch's own new_tensor built the tensor in C++: on CUDA a plain device tensor outside the
+    # manager, on "sim" a TensorRef the program seemed to have put on the device itself, which
+    # then refused a CPU tensor that plain torch (everything on the CPU) adds to it
+    made_without = torch.randn(2).new_tensor([1.0, 2.0])
+    assert type(made_without) is TensorRef and made_without.dtype == torch.float32
+    got = made_without + torch.ones(2, device="cpu")
+    assert got.device.type == "cpu"
+    with torchTensorRef.disabled():
+        assert torch.equal(got, torch.tensor([2.0, 3.0]))
+    named = torch.randn(2, device=tensorsManager.torch_device).new_tensor([1, 2])
+    assert type(named) is TensorRef and named.dtype == torch.float32  # (its tensor's dtype)
+    with pytest.raises(RuntimeError, match="same device"):
+        named + torch.ones(2, device="cpu")  # the program's own device tensor: CUDA's error
+    on_host = torch.ones(2, device="cpu").new_tensor([3.0])
+    assert on_host.device.type == "cpu"

@@ -34,10 +34,6 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _saving = threading.local()
-
-
-
-
 _manager = context.manager
 
 
@@ -181,8 +177,14 @@ class TensorRef(torch.Tensor):
     def tolist(self):
         return host_copy(self).tolist()
 
-    def new_tensor(self, data, *args, **kwargs):
-        return super().new_tensor(plain_values(data), *args, **kwargs)
+    def new_tensor(self, data, dtype=None, device=None, requires_grad=False, **kwargs):
+        # Made by the (patched) ``torch.tensor``, where this tensor's would be: torch's own
+        # builds it in C++, a plain device tensor outside the manager on CUDA
+        block = self._tr_block
+        if device is None and (block.host_only or block.explicit):
+            device = _CPU if block.host_only else self.device
+        return torch.tensor(plain_values(data), dtype=dtype or self.dtype, device=device,
+                            requires_grad=requires_grad, **kwargs)
 
     @_apart_from_modes
     def untyped_storage(self) -> torch.UntypedStorage:
