@@ -145,6 +145,15 @@ _HOST_ARGUMENTS = {
     "_foreach_addcdiv": ("scalars",), "_foreach_addcdiv_": ("scalars",),
 }
 
+#: ops whose accelerator kernels accept CPU tensors of any size among their arguments
+#: (copies, indexing with host indices, the RNNs' packed-sequence host arguments); other
+#: kernels accept a 0-dim one only, as a scalar
+TAKES_CPU_TENSORS = frozenset({
+    "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "_unsafe_index", "index_put",
+    "index_put_", "_index_put_impl_", "_unsafe_index_put", "_pack_padded_sequence", "_pad_packed_sequence",
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "set_", "lift_fresh", "lift_fresh_copy",
+})
+
 _HANDLERS: Dict[object, Handler] = {}
 _SPECS: Dict[int, OpSpec] = {}
 

@@ -24,7 +24,7 @@ and whatever an op computes from one of these. Mixed with CPU tensors they fail 
 "CPU tensors" are the manager's host-only ones (``device="cpu"``, ``.cpu()``, results on the
 host) of at least one dimension: a 0-dim one is a scalar, which accelerator kernels take.
 Plain CPU tensors the manager does not hold are brought to the accelerator (Note [Plain CPU
-tensors]), and the ops whose accelerator kernels take CPU tensors (``_TAKES_CPU_TENSORS``:
+tensors]), and the ops whose accelerator kernels take CPU tensors (``TAKES_CPU_TENSORS``:
 copies, indexing) run there.
 
 Note [Plain device tensors are outside bytes]: a plain accelerator tensor given to an op is
@@ -56,6 +56,7 @@ import warnings
 
 import torch
 
+from ..core.op_specs import TAKES_CPU_TENSORS
 from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim.tensor import SimTensor
@@ -64,12 +65,6 @@ _Tensor = torch.Tensor
 _strided = torch.strided
 
 
-#: ops whose accelerator kernels accept CPU tensors of any size among their arguments
-_TAKES_CPU_TENSORS = frozenset({
-    "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "_unsafe_index", "index_put",
-    "index_put_", "_index_put_impl_", "_unsafe_index_put", "_pack_padded_sequence", "_pad_packed_sequence",
-    "lstm", "gru", "rnn_tanh", "rnn_relu", "set_", "lift_fresh", "lift_fresh_copy",
-})
 
 
 def _plain_tensor_in(values) -> bool:
@@ -92,7 +87,7 @@ def check_devices(spec, args, kwargs, declared, blocks) -> None:
     Refused: a CPU TensorRef, and a plain CPU tensor (those that ``bring_plain_tensors`` did
     not bring): on CUDA both are CPU tensors, and ``cuda_t + cpu_t`` raises. A 0-dim CPU
     tensor is a scalar, which accelerator kernels accept (Note [Strict sim] in
-    ``memory/sim/device.py``); so do the copies and indexing ops of ``_TAKES_CPU_TENSORS``.
+    ``memory/sim/device.py``); so do the copies and indexing ops of ``TAKES_CPU_TENSORS``.
     Once the device has nested results, plain CPU tensors other than views of host copies
     are let through (Note [Plain CPU tensors]).
     """
@@ -121,7 +116,7 @@ def check_devices(spec, args, kwargs, declared, blocks) -> None:
                 hosted = _mgr.host_storages()
             if a.untyped_storage()._cdata not in hosted:
                 continue
-        if spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
+        if spec.func.overloadpacket.__name__ in TAKES_CPU_TENSORS:
             return
         raise RuntimeError(
             f"Expected all tensors to be on the same device, but found at least two devices, "
@@ -140,7 +135,7 @@ def bring_plain_tensors(spec, args, kwargs, blocks):
     Returns ``(args, kwargs, refs)`` with them replaced and the new TensorRefs, or ``None``
     where there is none to bring.
     """
-    if _mgr.backend.nested_results or spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
+    if _mgr.backend.nested_results or spec.func.overloadpacket.__name__ in TAKES_CPU_TENSORS:
         return None
     for b in blocks:
         if b.explicit:
@@ -221,7 +216,7 @@ def runs_on_host(spec, refs, args, kwargs) -> bool:
             return False  # the program's own device tensor beside a CPU one: CUDA's error
         elif default is None:
             default = r
-    if host is None or default is None or spec.func.overloadpacket.__name__ in _TAKES_CPU_TENSORS:
+    if host is None or default is None or spec.func.overloadpacket.__name__ in TAKES_CPU_TENSORS:
         return False
     if plain_device_tensor_among(args, kwargs):
         return False  # (a plain accelerator tensor: the program's choice of device)

@@ -101,6 +101,31 @@ def test_mixing_a_cpu_tensor_with_a_sim_tensor_is_refused_as_on_cuda(op):
     assert torch.equal(c.target, before) and _host_only(c)
 
 
+@pytest.mark.parametrize("op", [
+    lambda x, c: x + c,
+    lambda x, c: x @ c,
+    lambda x, c: torch.cat([x, c]),
+    lambda x, c: c.add_(x),
+    lambda x, c: torch.nn.functional.linear(c, x),
+], ids=["add", "matmul", "cat", "add_ cpu", "linear"])
+def test_the_device_s_own_kernels_refuse_a_plain_cpu_tensor_as_cuda_s_do(op):
+    # Plain tensors of "sim" (a region's views of its blocks are such) took a plain CPU tensor
+    # beside them and computed on the CPU, where CUDA raises: a region given a plain CPU batch
+    # failed on a GPU only
+    with torchTensorRef.disabled():
+        x = torch.rand(3, 3, device=SIM)
+        c = torch.rand(3, 3)
+        before = c.clone()
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            op(x, c)
+        assert torch.equal(c, before)
+        # a 0-dim CPU tensor is a scalar; copies and indexing take host tensors, as on CUDA
+        assert torch.equal((x * torch.tensor(2.0)).cpu(), x.cpu() * 2)
+        assert torch.equal(x[torch.tensor([0, 2])].cpu(), x.cpu()[[0, 2]])
+        x.copy_(c)
+        assert torch.equal(x.cpu(), c)
+
+
 def test_factories_with_per_backend_kernels_only_are_made_on_sim(paging):
     # Fixed: no kernel of the device ran them ("Could not run 'aten::tril_indices' with
     # arguments from the 'sim' backend"; kaiser_window failed an internal assert).

@@ -98,6 +98,8 @@ class SimTensor(torch.Tensor):
         target = kwargs.get("device")
         on_host = target is not None and torch.device(target).type == "cpu"
         try:
+            if not on_host and (_host_tensor_among(args) or _host_tensor_among(kwargs.values())):
+                _refuse_host_tensors(func)
             out = func(*_unwrap(args), **_unwrap(kwargs))
         except Exception as e:
             if not in_backward():
@@ -219,3 +221,33 @@ def _rewrap(out: Any, args: tuple, kwargs: dict) -> Any:
     if isinstance(out, (list, tuple)):
         return type(out)(_rewrap(o, args, kwargs) for o in out)
     return out
+
+
+def _host_tensor_among(values) -> bool:
+    """Whether a plain CPU tensor of at least one dimension is among ``values`` (one level of
+    lists): a CUDA kernel takes a 0-dim one as a scalar, and refuses the others."""
+    for a in values:
+        for t in (a if a.__class__ is list or a.__class__ is tuple else (a,)):
+            if (isinstance(t, torch.Tensor) and not isinstance(t, SimTensor) and t.dim() and t.device.type == "cpu"
+                    and t.layout is torch.strided and not t.is_nested):
+                return True
+    return False
+
+
+def _refuse_host_tensors(func: OpOverload) -> None:
+    """CUDA's error for a CPU tensor beside device tensors, where its kernel would raise it:
+    not for the copies and indexing ops that take host tensors, an op's host arguments
+    (``lengths`` of a packed sequence), once the device has nested results (on "sim" a plain
+    CPU tensor, and what is computed from it, Note [Plain CPU tensors]), nor inside one of
+    the manager's ops, whose device copies are plain CPU tensors on "sim" (its dispatch
+    checks their devices: ``ops/device_checks.py``)."""
+    from ...core import context
+    from ...core.op_specs import TAKES_CPU_TENSORS, spec_of
+
+    manager = context.manager()
+    if (func.overloadpacket.__name__ in TAKES_CPU_TENSORS or spec_of(func).host_args
+            or manager.backend.nested_results or manager.lock._is_owned()):
+        return
+    raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                       f"{registered_device} and cpu! (when checking the arguments of {func})")
+
