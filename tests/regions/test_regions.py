@@ -786,6 +786,29 @@ def test_decoding_under_a_budget_reads_the_embedding_rows_not_the_table():
     assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 
+@pytest.mark.parametrize("strategy", ["genoa", "flow"])
+def test_a_call_given_a_plain_cpu_batch_runs_op_by_op_and_brings_the_batch_in(strategy):
+    # A DataLoader's worker gives plain CPU batches. A region gave its kernels the batch as it
+    # was, beside its views of the weights on the device: CUDA's "Expected all tensors to be on
+    # the same device" on an H200 (op by op, the manager brings such a batch to the device).
+    def run(batch):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(3, 4)
+        regions.region(layer)
+        with torch.no_grad():
+            return [layer(batch) for _ in range(3)]
+
+    with torchTensorRef.disabled():
+        batch = torch.randn(5, 3)
+    with plain_torch():
+        expected = run(batch.to(tm.torch_device))
+    tm.strategy = strategy
+    tm.budget = budget(64 * 1024)
+    got = run(batch)
+    assert_identical(expected, got)
+    assert all(type(t) is TensorRef and t.device.type == device_type() for t in got)
+
+
 @pytest.mark.filterwarnings("ignore:.*nested tensors.*:UserWarning")
 @pytest.mark.parametrize("strategy", ["genoa", "flow"])
 def test_a_call_given_a_nested_tensor_runs_op_by_op(strategy):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..core.tensor_ref import TensorRef, block_of
+from ..memory.manager import tensorsManager as _mgr
+from ..memory.sim.tensor import SimTensor
 
 #: how deep objects among a call's arguments are searched for TensorRefs (cache -> layers
 #: list -> layer -> tensor)
@@ -24,7 +26,7 @@ class Call:
     """One region call's TensorRefs and where they sit."""
 
     __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held", "kernel_written",
-                 "nested", "stores", "restores", "held_objects", "arg_objects")
+                 "nested", "stores", "restores", "held_objects", "arg_objects", "host_tensor")
 
     def __init__(self):
         self.refs = []  # TensorRefs among the arguments, then the slots'
@@ -41,6 +43,7 @@ class Call:
         self.restores = []  # (dict, key, TensorRef) given back after the call, as ``slots``
         self.held_objects = []  # containers its modules hold (searched for what it stored after)
         self.arg_objects = []  # plain objects among its arguments (searched likewise)
+        self.host_tensor = False  # a plain CPU tensor among the arguments (Note [Plain CPU tensors])
 
 
 def is_object(a) -> bool:
@@ -56,6 +59,8 @@ def scan_args(a, call: Call, seen: set, budget: list) -> None:
             return
         if isinstance(a, TensorRef):
             call.refs.append(a)
+        elif a.device.type == "cpu" and a.dim() and not isinstance(a, SimTensor):
+            call.host_tensor = True
         call.shapes.append((tuple(a.shape), a.dtype))
     elif a.__class__ in (list, tuple) or isinstance(a, (list, tuple)):
         for e in a:
@@ -221,6 +226,10 @@ def scan_call(args, kwargs, slots, kernel_written, held=()) -> Call:
     if call.nested:
         # (the encoder's fast path packs a padded batch: its layers' kernels take it as it is)
         raise NotARegion("a nested tensor among its arguments")
+    if call.host_tensor and call.refs and not _mgr.backend.passthrough:
+        # (op by op, the manager brings it to the device beside the model's tensors, as plain
+        # torch runs them together; a region would give its kernels the CPU tensor as it is)
+        raise NotARegion("a plain CPU tensor among its arguments")
     return call
 
 
