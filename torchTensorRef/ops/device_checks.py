@@ -65,8 +65,6 @@ _Tensor = torch.Tensor
 _strided = torch.strided
 
 
-
-
 def _plain_tensor_in(values) -> bool:
     """Whether ``values`` (arguments, one level of lists) hold a tensor that is not a TensorRef."""
     for a in values:

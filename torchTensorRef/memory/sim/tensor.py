@@ -250,4 +250,3 @@ def _refuse_host_tensors(func: OpOverload) -> None:
         return
     raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                        f"{registered_device} and cpu! (when checking the arguments of {func})")
-
