@@ -177,14 +177,15 @@ class TensorRef(torch.Tensor):
     def tolist(self):
         return host_copy(self).tolist()
 
-    def new_tensor(self, data, dtype=None, device=None, requires_grad=False, **kwargs):
+    def new_tensor(self, data: Any, dtype: Optional[torch.dtype] = None, device: Any = None,
+                   requires_grad: bool = False, pin_memory: bool = False) -> torch.Tensor:
         # Made by the (patched) ``torch.tensor``, where this tensor's would be: torch's own
         # builds it in C++, a plain device tensor outside the manager on CUDA
         block = self._tr_block
         if device is None and (block.host_only or block.explicit):
             device = _CPU if block.host_only else self.device
         return torch.tensor(plain_values(data), dtype=dtype or self.dtype, device=device,
-                            requires_grad=requires_grad, **kwargs)
+                            requires_grad=requires_grad, pin_memory=pin_memory)
 
     @_apart_from_modes
     def untyped_storage(self) -> torch.UntypedStorage:
