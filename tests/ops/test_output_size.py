@@ -98,7 +98,12 @@ def test_results_sized_by_their_values_get_room_before_they_run(strategy, select
     assert stats["peak_device_bytes"] <= tm.budget and stats["worst_overshoot_bytes"] == 0
     with torchTensorRef.disabled():
         want = select(a.target.cpu(), counts.target.cpu())
-        assert torch.equal(got.target.cpu(), want)
+        if want.is_floating_point() and device_type() == "cuda":
+            # (CUDA's bincount adds a bin's weights with atomics, in no fixed order: plain
+            # CUDA torch's sums differ from the CPU's, and from run to run, in the last bits)
+            torch.testing.assert_close(got.target.cpu(), want)
+        else:
+            assert torch.equal(got.target.cpu(), want)
 
 
 def test_a_result_sized_by_its_values_past_the_budget_is_refused_before_it_runs():

@@ -32,6 +32,16 @@ def _plain(t):
         return t.detach().cpu().clone()
 
 
+def _assert_product_pieces_equal(got, expected):
+    """The pieces of a matrix product against one call: the same bits where the BLAS picks
+    one kernel for every shape (the CPU, "sim"); within float32's rounding on CUDA, where
+    cuBLAS picks its kernel by the shape it is given (docs/concepts.md)."""
+    if device_type() == "cuda":
+        torch.testing.assert_close(_plain(got), expected)
+    else:
+        assert torch.equal(_plain(got), expected)
+
+
 def _pair(*shape, seed=0):
     """A managed tensor and the plain one of the same values on its device."""
     torch.manual_seed(seed)
@@ -134,7 +144,7 @@ def test_addmm_in_tiles_equals_one_call(tight, which):
             expected = torch.addmm(pbias, pw, psmall).cpu()
         _tighten(tight)
         out = torch.addmm(bias, w, small)
-    assert torch.equal(_plain(out), expected)
+    _assert_product_pieces_equal(out, expected)
 
 
 def test_elementwise_in_chunks_equals_one_call(tight):
@@ -419,7 +429,7 @@ def test_batched_products_larger_than_the_budget_in_batch_groups_equal_one_call(
     _tighten(tight, room=64 * 1024)
     got = run(a, b, bias)
     assert tight.stats()["peak_device_bytes"] < 2 * 16 * 32 * 40 * 4
-    assert torch.equal(_plain(got), expected.cpu())
+    _assert_product_pieces_equal(got, expected.cpu())
 
 
 def _train_mixed(model, ids, mode, device, steps=2):
