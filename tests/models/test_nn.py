@@ -146,16 +146,24 @@ CASES = {
 }
 
 
+def _kernels_that_fit(name: str):
+    """The LSTM's layers as ops of their own: on CUDA cuDNN runs all twelve as one op, larger
+    than the budget (refused, as docs/compatibility.md says, with this way round it)."""
+    return torch.backends.cudnn.flags(enabled=name != "lstm")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_training_step(name, strategy):
     # check_training compares the whole state dict after the step: BatchNorm's running
     # mean, variance and num_batches_tracked included.
-    harness.check_training(harness.build_pair(CASES[name]))
+    with _kernels_that_fit(name):
+        harness.check_training(harness.build_pair(CASES[name]))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_state_dict_round_trip(name, strategy, tmp_path):
-    harness.check_state_dict_roundtrip(harness.build_pair(CASES[name]), tmp_path)
+    with _kernels_that_fit(name):
+        harness.check_state_dict_roundtrip(harness.build_pair(CASES[name]), tmp_path)
 
 
 def test_pickled_module_round_trip(strategy, tmp_path):
