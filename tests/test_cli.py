@@ -138,8 +138,9 @@ def test_environment_configures_the_runner(tmp_path):
                         "TORCHTENSORREF_BUDGET": "1MiB"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["sim", "genoa", str(2**20)]
+    # (on "sim": where a GPU is the default device, 2 MiB is below what cuBLAS's workspaces take)
     flags = _runner("--quiet", "--budget", "2MiB", "show.py", cwd=tmp_path,
-                    env={"TORCHTENSORREF_BUDGET": "1MiB"})
+                    env={"TORCHTENSORREF_DEVICE": "sim", "TORCHTENSORREF_BUDGET": "1MiB"})
     assert flags.stdout.split()[2] == str(2 * 2**20)  # a flag wins over the environment
 
 

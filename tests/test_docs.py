@@ -38,6 +38,8 @@ def test_code_blocks_run(page, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHTENSORREF_")}
     # the package of this checkout, whichever copy is installed
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    # (the pages' "sim" is its strict form, which a process that sees a GPU cannot register)
+    env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600, env=env)
     assert done.returncode == 0, f"{page}:\n{done.stdout}\n{done.stderr}"
