@@ -59,9 +59,9 @@ def live_at_peak(entries: Iterable[dict], start: int = 0) -> Tuple[int, List[dic
     return peak, sorted(at_peak, key=lambda e: -e["size"])
 
 
-def where(entry: dict, depth: int = 3) -> str:
+def where(entry: dict, depth: int = 3, shown: Tuple[str, ...] = SHOWN) -> str:
     """The innermost ``depth`` frames of an event that belong to the code worth showing."""
-    frames = [f for f in entry.get("frames", ()) if any(s in f.get("filename", "") for s in SHOWN)]
+    frames = [f for f in entry.get("frames", ()) if any(s in f.get("filename", "") for s in shown)]
     return " < ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:depth]) or "?"
 
 

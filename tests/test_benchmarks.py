@@ -21,8 +21,9 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, optimizer_step, overhead, plots,  # noqa: E402
-                        region_anatomy, region_calls, run_all, small_ops, train_budget, train_parts, transfer)
+from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, optimizer_step, overhead,  # noqa: E402
+                        overshoot_plugin, plots, region_anatomy, region_calls, run_all, small_ops, train_budget,
+                        train_parts, transfer)
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -607,6 +608,23 @@ def test_predicted_harness_at_a_tiny_size(tmp_path):
         "Flow 50%: step / bound", "Flow 50%: cpu_offload step / Flow step"}
     if png:
         assert png.stat().st_size > 0
+
+
+def test_overshoot_plugin_lists_the_live_allocations_that_hold_no_resident_block():
+    def block(address, size, state="active_allocated"):
+        return {"address": address, "size": size, "state": state, "requested_size": size,
+                "frames": [{"filename": "tests/ops/test_opinfo.py", "line": 9, "name": "_run"}]}
+
+    segments = [{"blocks": [block(0, 512), block(512, 4096), block(4608, 512, "inactive")]},
+                {"blocks": [block(8192, 1024), block(9216, 512)]}]
+    # a resident block's pointer, one inside a group's allocation (a member's view), none in the rest
+    missed = overshoot_plugin.unmanaged(segments, [0, 512 + 1024])
+    assert [b["address"] for b in missed] == [8192, 9216]
+    assert cuda_peak.where(missed[0], 5, overshoot_plugin.FRAMES) == "test_opinfo.py:9 _run"
+    # without CUDA the plugin changes nothing
+    overshoot_plugin.pytest_configure(None)
+    from torchTensorRef.memory import op_protocol
+    assert op_protocol.OpProtocol.finish is overshoot_plugin._finish or torch.cuda.is_available()
 
 
 def test_cuda_peak_replays_allocations_to_the_moment_the_most_was_held():
