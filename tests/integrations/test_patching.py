@@ -112,10 +112,13 @@ def test_factories_whose_numbers_hang_on_the_device_are_made_where_torch_makes_t
         _call(name, None)
     assert made_on_device == [f"torch.{name}" for name in sorted(creation.ON_DEVICE)]
     managed = _call("normal", None)
+    with torch.device(tensorsManager.torch_device):  # (which torch.normal ignores)
+        in_context = _call("normal", None)
     assert len(made_on_device) == len(creation.ON_DEVICE) and type(managed) is TensorRef
     with torchTensorRef.disabled():
         expected = _call("normal", None)
     assert_identical(expected, managed)
+    assert_identical(expected, in_context)
 
 
 def test_a_generator_draws_on_its_own_device_inside_disabled_with_a_device():

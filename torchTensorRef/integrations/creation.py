@@ -87,7 +87,7 @@ def plain_data(name: str, args, kwargs):
 def create(fn, args, kwargs):
     """Call the creation function ``fn`` as torch would with the accelerator as default device."""
     device = kwargs.get("device")
-    if device is None:
+    if device is None and getattr(fn, "__name__", "") not in NO_DEFAULT_DEVICE:
         default = _get_default_device()  # ``with torch.device("meta"):``, ``set_default_device``
         if default.type != "cpu":
             device = default
