@@ -551,7 +551,8 @@ def test_a_module_of_few_ops_is_not_a_region_unless_forced_or_under_a_budget():
         _, ops = ops_of(lambda: layer(x))
         assert ops == 1
     with plain_torch():
-        plain = torch.nn.SiLU()(torch.nn.functional.linear(to_plain(x), to_plain(layer.weight), to_plain(layer.bias)))
+        x, w, b = (to_plain(t).to(tm.torch_device) for t in (x, layer.weight, layer.bias))  # (on the device)
+        plain = torch.nn.SiLU()(torch.nn.functional.linear(x, w, b))
     assert_identical(plain, expected)
 
 
