@@ -209,14 +209,14 @@ def test_plain_device_tensors_meet_tensor_refs_in_plain_torch():
     assert_identical(expected, loss)
 
 
-def test_a_plain_device_tensor_given_to_an_op_is_counted_before_room_is_made_for_it():
+def test_a_plain_device_tensor_given_to_an_op_is_counted_before_room_is_made_for_it(monkeypatch):
     # A plain device tensor the manager never saw (torch's indexing makes the index of x[[0, 1]]
     # on x's device, outside the manager, on CUDA) is outside bytes the last reading of the
     # device missed: the op reads the device before making room, or the device holds more
     # than the budget once the op's result is made.
     tm = tensorsManager
     tm.strategy = "flow"
-    tm.check_device = True
+    monkeypatch.setattr(tm, "check_device", True)  # (restored after the test)
     a, b, c = torch.randn(1024), torch.randn(1024), torch.randn(1024)  # 4 KiB each, on the device
     tm.budget = tm.outside_bytes() + tm.block_bytes(4096) * 4
     tm.reset_stats()
