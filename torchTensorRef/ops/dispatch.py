@@ -278,6 +278,19 @@ def run_generic(func, args, kwargs, spec: OpSpec):
         return _run_generic_locked(mgr, func, args, kwargs, spec)  # (Note [Plain views die under the lock])
 
 
+def _with_plain_tensors(mgr, spec: OpSpec, args, kwargs, refs, blocks):
+    """An op's arguments, and their blocks, for plain tensors among them: the device read
+    first where one is an accelerator tensor (Note [Plain device tensors are outside bytes]),
+    CPU ones beside default-device TensorRefs brought in (Note [Plain CPU tensors])."""
+    if mgr.accounting.limit is not None and plain_device_tensor_among(args, kwargs):
+        mgr.device_room.read_outside()
+    brought = bring_plain_tensors(spec, args, kwargs, blocks)
+    if brought is None:
+        return args, kwargs, blocks
+    args, kwargs, new_refs = brought
+    return args, kwargs, blocks_of(refs + new_refs)
+
+
 def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
     if mgr.trace is not None:
         mgr.trace.entered = time.perf_counter_ns()  # our host time for this op starts here
@@ -297,12 +310,7 @@ def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
     if not on_host and mgr.books.host_only and not backend.passthrough:
         on_host = runs_on_host(spec, refs, args, kwargs)  # (Note [Default-device tensors])
     if not on_host and not backend.passthrough and plain_tensor_among(args, kwargs):
-        if mgr.accounting.limit is not None and plain_device_tensor_among(args, kwargs):
-            mgr.device_room.read_outside()  # (Note [Plain device tensors are outside bytes])
-        brought = bring_plain_tensors(spec, args, kwargs, blocks)  # (Note [Plain CPU tensors])
-        if brought is not None:
-            args, kwargs, new_refs = brought
-            blocks = blocks_of(refs + new_refs)
+        args, kwargs, blocks = _with_plain_tensors(mgr, spec, args, kwargs, refs, blocks)
     ctx = OpContext(spec, blocks, written, args, kwargs, on_host)
     if getattr(backend, "strict", False) and not on_host:
         check_devices(spec, args, kwargs, backend.declared, blocks)
