@@ -19,7 +19,7 @@ from typing import Dict, Tuple
 import torch
 import wrapt
 
-from ..core import context
+from ..core import context, list_ops
 from ..core.tensor_ref import TensorRef, saving, block_of, plain_values
 from ..memory.manager import tensorsManager as _mgr
 from ..ops import raw_kernels
@@ -337,15 +337,9 @@ def patch() -> None:
     """Wrap torch's creation functions so they return TensorRefs (idempotent)."""
     with _lock:
         _wrap(_targets())
-        # Optimizers choose their list (``_foreach``) implementation only for exact
-        # ``torch.Tensor``s on an accelerator: TensorRef parameters must get the choice plain
-        # torch makes on that device, or the last bits of every step differ (list ops larger
-        # than the budget run in slices that fit).
-        from torch.optim import optimizer
-
-        foreach_types = optimizer._foreach_supported_types
-        if TensorRef not in foreach_types:
-            foreach_types.append(TensorRef)
+        # TensorRefs get the list implementations plain torch picks on their device (list
+        # ops larger than the budget run in slices that fit): ``core/list_ops.py``.
+        list_ops.admit(TensorRef)
         if "__new__" not in vars(torch.Tensor):
             torch.Tensor.__new__ = _LEGACY_NEW  # type: ignore[assignment]
             _patched["torch:Tensor", "__new__"] = (None, _LEGACY_NEW)
@@ -369,11 +363,7 @@ def unpatch() -> None:
                 else:
                     setattr(module, name, original)
             del _patched[module_name, name]
-        from torch.optim import optimizer
-
-        foreach_types = optimizer._foreach_supported_types
-        if TensorRef in foreach_types:
-            foreach_types.remove(TensorRef)
+        list_ops.withdraw(TensorRef)
 
 
 def is_patched() -> bool:

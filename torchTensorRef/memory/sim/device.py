@@ -40,7 +40,7 @@ from typing import Any, List, Optional
 import torch
 from torch.types import Device
 
-from ...core import context
+from ...core import context, list_ops
 from .. import streams
 from . import kernels as sim_kernels
 from . import tensor as sim_tensor
@@ -90,12 +90,9 @@ def register() -> Optional[torch.device]:
             sim_kernels.register()
             report_backward_errors()
             _install_generators()
-        # Optimizers choose their list (``_foreach``) implementation for exact tensors on an
-        # accelerator and for the subclasses listed: plain tensors of "sim" must get CUDA's choice.
-        from torch.optim import optimizer
-
-        if SimTensor not in optimizer._foreach_supported_types:
-            optimizer._foreach_supported_types.append(SimTensor)
+        # Plain tensors of "sim" must get the list (``_foreach``) implementations plain
+        # tensors get on CUDA.
+        list_ops.admit(SimTensor)
         sim_tensor.registered_device = torch.device(NAME, 0)
         return sim_tensor.registered_device
 
