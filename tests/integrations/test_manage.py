@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -170,8 +171,9 @@ def test_a_managed_module_s_tensors_nobody_else_holds_become_the_managers_own(fr
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 8))
         other = torch.nn.Linear(64, 128)
         x = torch.randn(4, 64)
-        with torch.no_grad():  # (a graph would hold the weights: they would stay shared)
-            expected = model(x)
+    with plain_torch(), torch.no_grad():  # (a graph would hold the weights: they would stay shared)
+        device = tm.torch_device  # (plain torch on the device the managed model computes on)
+        expected = copy.deepcopy(model).to(device)(x.to(device))
     held = other.weight  # the program still holds this one: its bytes must stay where they are
     torchTensorRef.manage(model)
     torchTensorRef.manage(other)
@@ -186,7 +188,7 @@ def test_a_managed_module_s_tensors_nobody_else_holds_become_the_managers_own(fr
     tm.reset_stats()
     out = model(xr)
     stats = tm.stats()
-    assert torch.equal(out.cpu(), expected)
+    assert_identical(expected, out)
     if tm.device != "cpu":
         # (from bytes still shared every fetch would copy synchronously; only host copies
         # too small to be worth pinning do)

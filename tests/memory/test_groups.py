@@ -239,12 +239,15 @@ def test_a_group_dies_quietly_after_the_device_changed(as_regions, monkeypatch):
     tm.budget = budget(_weights(model) // 2)
     _run(model, _input(), 3)
     assert any(block_of(p).group is not None for p in model.parameters())
+    weights = to_plain(model.state_dict())  # (drawn where the device draws: on CUDA, its generator)
     tm.budget = None
     with pytest.warns(UserWarning, match="tensorsManager.device changed to 'cpu' while"):
         tm.device = "cpu"
     with plain_torch():
         x = torch.rand(2, WIDTH, generator=torch.Generator().manual_seed(1), device="cpu")
-        expected = _run(_stack(), x, 1)[0]
+        reference = _stack()
+        reference.load_state_dict(weights)
+        expected = _run(reference, x, 1)[0]
     assert_identical(expected, _run(model, torchTensorRef.manage(x), 1)[0])
     del model
     gc.collect()

@@ -56,8 +56,9 @@ def weight_bytes(model) -> int:
 def decode(model, ids, cache="dynamic"):
     """Tokens of a greedy generate() and the logits of one forward, as plain CPU tensors."""
     with torch.no_grad():
+        # (on CUDA a static cache compiles the forward: tests/integrations/test_compiler.py)
         tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                                cache_implementation=cache)
+                                cache_implementation=cache, disable_compile=True)
         logits = model(ids).logits
     return tokens, logits
 
@@ -763,7 +764,8 @@ def test_inside_data_parallel_the_module_runs_op_by_op(small_regions):
         model(x)
         _, alone = ops_of(lambda: model(x))
         _, wrapped = ops_of(lambda: wrapper(x))
-    assert alone == 1 and wrapped == 5  # t, addmm, gelu, t, addmm
+    # t, addmm, gelu, t, addmm; on CUDA first its scatter's split of the input (one device)
+    assert alone == 1 and wrapped == 5 + bool(wrapper.device_ids)
 
 
 def test_decoding_under_a_budget_reads_the_embedding_rows_not_the_table():

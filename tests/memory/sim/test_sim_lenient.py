@@ -129,7 +129,8 @@ def test_a_region_computes_on_plain_cpu_tensors_only_in_the_lenient_form(strict)
 
 @pytest.mark.parametrize("value", ["maybe", 2, None])
 def test_a_bad_value_is_refused_and_changes_nothing(value):
-    before = tm.device, tm.sim_strict, torch.zeros(1).device
+    device = torch.zeros(1).device  # (first: a first tensor resolves "cuda" to "cuda:N")
+    before = tm.device, tm.sim_strict, device
     with pytest.raises(ValueError, match="sim_strict must be True or False"):
         tm.sim_strict = value
     assert (tm.device, tm.sim_strict, torch.zeros(1).device) == before
