@@ -319,3 +319,43 @@ def test_list_ops_with_nothing_to_slice_take_the_fast_path(fast, monkeypatch):
     assert [op for op, first in generic if "_foreach" in op and any(t.device == params[0].device for t in first)] == []
     for e, g in zip(expected, got):
         assert_identical(e, g)
+
+
+FILLS = {
+    "ones_like": lambda t: torch.ones_like(t), "zeros_like": lambda t: torch.zeros_like(t),
+    "full_like": lambda t: torch.full_like(t, 2.5), "empty_like filled": lambda t: torch.empty_like(t).fill_(3),
+    "new_zeros": lambda t: t.new_zeros(4, 2), "new_full": lambda t: t.new_full((3,), 7.0),
+}
+
+
+@pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
+@pytest.mark.parametrize("make", list(FILLS))
+def test_a_fill_like_a_resident_tensor_takes_the_fast_path(fast, counted, monkeypatch, make):
+    # With no budget a fill made like a resident TensorRef (autograd's ones_like for the
+    # loss's gradient, each step) ran on a meta stand-in, whose meta kernels are Python: a
+    # hundred times the op. Its strides follow the source's (a transposed one here).
+    from torchTensorRef.ops import metadata_only
+
+    monkeypatch.setattr(metadata_only, "run_generic", dispatch.run_generic)  # (counted there too)
+    fill = FILLS[make]
+    with plain_torch():
+        expected = fill(torch.arange(12.0, device=fast.torch_device).reshape(3, 4).t())
+    source = torch.arange(12.0).reshape(3, 4).t()
+    source.add_(0)  # (resident: written by an op)
+    counted["fast"] = counted["generic"] = 0
+    got = fill(source)
+    assert counted == {"fast": 1 + (make == "empty_like filled"), "generic": 0}
+    assert isinstance(got, torchTensorRef.TensorRef) and got.device == expected.device
+    assert got.stride() == expected.stride()
+    assert_identical(expected, got)
+
+
+@pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
+def test_a_random_fill_like_a_resident_tensor_draws_as_plain_torch(fast):
+    with plain_torch():
+        torch.manual_seed(3)
+        expected = torch.randn_like(torch.zeros(5, 2, device=fast.torch_device))
+    source = torch.zeros(5, 2)
+    source.add_(0)
+    torch.manual_seed(3)
+    assert_identical(expected, torch.randn_like(source))
