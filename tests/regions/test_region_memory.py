@@ -1,6 +1,6 @@
-"""What a region leaves allocated on the device after its call (Note [Kept wrappers] in
-regions/mechanism.py): nothing beside the manager's blocks, so that when the blocks it used
-are evicted their device memory is free again, without waiting for the garbage collector.
+"""What a region leaves allocated on the device after its call: nothing beside the manager's
+blocks, so that when the blocks it used are evicted their device memory is free again,
+without waiting for the garbage collector.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import blocks_of_list, wrap_one
 from .inside import Inside, Measure, measured
-from .op import MAX_WRAPPERS, Giver, Grouping, RegionContext, RegionSpec, Wrapper, bytes_of, take_back_attributes
+from .op import Giver, Grouping, RegionContext, RegionSpec, Wrapper, bytes_of, take_back_attributes
 from . import stores
 from .step import Plan, Step
 from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad,
@@ -124,11 +124,6 @@ class Region:
         self.strict = strict
         self.measure = measure
         self.inside = Inside()
-        #: id(parameter) -> (its plain view, the SimTensor given for it), kept with no budget
-        #: only: the pair holds the copy the view is on, and under a budget that copy may be
-        #: evicted (or its block freed) before the next call, when the pair would keep its
-        #: memory allocated outside the manager (Note [Kept wrappers])
-        self._wrappers: dict = {}
         #: ops of the last measured call (a call of few ops is cheaper op by op)
         self.ops = None
         #: whether a backward of its calls asked for gradients of the gradients (``None``: no
@@ -366,7 +361,7 @@ class Region:
     def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool, training=None, meter=None):
         backend = mgr.backend
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
-        give = Giver(call, on_host, training, sim, self._kept_wrappers(mgr, sim, call)).tree
+        give = Giver(call, on_host, training, sim).tree
         cargs = [give(a) for a in args]
         ckwargs = {k: give(v) for k, v in kwargs.items()} if kwargs else {}
         device = None if on_host or backend.passthrough else backend.declared
@@ -392,25 +387,6 @@ class Region:
                     d[k] = v
             take_back_attributes(views)
             self._note_stores(call)
-
-    def _kept_wrappers(self, mgr, sim: bool, call: Call):
-        """The SimTensors kept for the module's parameters, by id, or ``None``.
-
-        Note [Kept wrappers]: a SimTensor costs more to make than a small op runs; a module's
-        parameters are given to each of its calls, so with no budget (nothing is evicted)
-        their wrappers are kept while the views are the same. Under a budget a kept wrapper
-        would hold the device copy it views after the block was evicted, counted outside the
-        manager (on "sim" as on CUDA) until the region's next call: a layer's weights beside
-        the budget. Tensors held by objects (a cache) are new at every step.
-        """
-        wrappers = self._wrappers if sim and mgr.limit is None else None
-        if wrappers is None:
-            if self._wrappers:
-                self._wrappers = {}
-            return None
-        if len(wrappers) >= MAX_WRAPPERS:
-            wrappers.clear()
-        return wrappers, {id(v) for _d, _k, v in call.slots[:call.params]}
 
     def _given_back(self, mgr, ctx, call: Call):
         """The views the call was given, by id, with their TensorRefs; and the blocks it wrote.

@@ -13,8 +13,6 @@ from .scan import Call
 
 _Tensor = torch.Tensor
 
-#: SimTensors kept per region for the TensorRefs it saw (Note [Kept wrappers])
-MAX_WRAPPERS = 1024
 #: a SimTensor's own attributes, never its TensorRef's
 _WRAPPER_ATTRIBUTES = frozenset({"data_"})
 _MISSING = object()
@@ -167,14 +165,13 @@ class Giver:
     """The plain tensors a region call is given for its TensorRefs (``call.views``): views of
     their copies, leaves where the call needs gradients, ``SimTensor``s on strict "sim"."""
 
-    __slots__ = ("views", "make", "training", "sim", "wrappers", "params")
+    __slots__ = ("views", "make", "training", "sim")
 
-    def __init__(self, call: Call, on_host: bool, training, sim: bool, kept):
+    def __init__(self, call: Call, on_host: bool, training, sim: bool):
         self.views = call.views
         self.make = host_view if on_host else compute_view
         self.training = training
         self.sim = sim
-        self.wrappers, self.params = kept if kept is not None else (None, ())
 
     def tree(self, a):
         """``a`` with each TensorRef, in tuples, lists and dicts, replaced by what the call gets."""
@@ -196,13 +193,6 @@ class Giver:
         grad = a.requires_grad
         if training is not None and grad:
             given = training.leaf(a, plain)
-        elif self.sim and id(a) in self.params:
-            kept = self.wrappers.get(id(a))
-            if kept is not None and kept[0] is plain and kept[1].requires_grad == grad:
-                given = kept[1]  # (Note [Kept wrappers])
-            else:
-                given = SimTensor(plain, grad)
-                self.wrappers[id(a)] = (plain, given)
         elif self.sim:
             given = SimTensor(plain, grad)
         elif grad:

@@ -270,7 +270,7 @@ class Scope:
     def _loop(self, mgr, call, fn, args, kwargs, guard: bool):
         """The call on plain tensors; with ``guard``, its ops sized as they run (``Glue``)."""
         sim = getattr(mgr.backend, "strict", False)
-        give = Giver(call, False, None, sim, None).tree
+        give = Giver(call, False, None, sim).tree
         cargs = [give(a) for a in args]
         ckwargs = {k: give(v) for k, v in kwargs.items()} if kwargs else {}
         previous = context.enter_plain(mgr.backend.declared)
