@@ -359,3 +359,21 @@ def test_a_random_fill_like_a_resident_tensor_draws_as_plain_torch(fast):
     source.add_(0)
     torch.manual_seed(3)
     assert_identical(expected, torch.randn_like(source))
+
+
+@pytest.mark.parametrize("fast", FAST_DEVICES, indirect=True)
+def test_a_fill_seen_by_callbacks_does_not_read_its_source(fast):
+    # With the fast path closed (a callback watches every op) a fill runs on its stand-in:
+    # the op the callback sees reads no block, as the fill reads no byte of its source.
+    source = torch.arange(12.0).reshape(3, 4)
+    source.add_(0)
+    seen = []
+    handle = tensorsManager.add_callback(before=lambda op: seen.append((op.name, list(op.blocks))))
+    try:
+        got = torch.ones_like(source)
+    finally:
+        handle.remove()
+    assert [(name, blocks) for name, blocks in seen if "ones_like" in name] == [("aten.ones_like.default", [])]
+    with plain_torch():
+        expected = torch.ones_like(torch.arange(12.0, device=fast.torch_device).reshape(3, 4))
+    assert_identical(expected, got)

@@ -38,11 +38,14 @@ def metadata_only(func, args, kwargs, spec):
     source = args[0]
     if not isinstance(source, TensorRef):
         return run_generic(func, args, kwargs, spec)
-    if (func in _FILLS and kwargs.get("device") is None and mgr.settings.budget_value is None
+    if (mgr.fast and func in _FILLS and kwargs.get("device") is None
+            and mgr.settings.budget_value is None
             and (block_of(source).dev is not None or mgr.backend.passthrough)):
         # Nothing to bring in and no budget to weigh: the fill runs on the resident copy, by
         # the fast path (a meta stand-in costs a hundred times the op: its meta kernels are
-        # Python). Random fills stay below: the device's generator draws them.
+        # Python). Random fills stay below: the device's generator draws them. Where the fast
+        # path is closed (callbacks, recording) the stand-in keeps the source out of the op's
+        # blocks: a fill does not read it.
         return run_unhandled(func, args, kwargs, spec)
     stand_in = raw.empty_strided(source.size(), source.stride(), dtype=source.dtype, device=_META)
     kwargs = dict(kwargs)
