@@ -141,3 +141,69 @@ def test_room_for_a_region_s_outputs_is_made_at_the_size_the_allocator_gives_the
         assert_identical(e, g)
     stats = tm.stats()
     assert stats["worst_overshoot_bytes"] == 0 and stats["peak_device_bytes"] <= tm.budget, stats
+
+
+_SEEN: list = []
+
+
+class _Seeing(torch.nn.Linear):
+    """A Linear recording what its forward reads of its weight (in a list outside the module;
+    not the tensor itself: a view the program keeps is a view the manager must not reuse)."""
+
+    def forward(self, x):
+        w = self.weight
+        _SEEN.append((id(w), w.__class__, w.requires_grad, dict(w.__dict__)))
+        return super().forward(x)
+
+
+@pytest.fixture
+def lenient():
+    """Plain device tensors on "sim" (CUDA as it is): a call is given plain views, not SimTensors."""
+    previous = tm.sim_strict
+    tm.sim_strict = False
+    tm.device = TEST_DEVICE
+    yield
+    tm.sim_strict = previous
+
+
+def test_a_parameter_s_alias_is_given_again_until_its_copy_or_attributes_change(lenient, no_collector):
+    """Note [Views need gradients as their tensors do]: a call without gradients gets, for a
+    parameter that needs them, an alias of its view that needs them too; the same one call
+    after call while its device copy and attributes stay, a new one where they change, and
+    it never keeps an evicted copy allocated."""
+    tm.strategy = "flow"  # (no budget: it keeps what it brought in)
+    torch.manual_seed(0)
+    layer = regions.region(_Seeing(64, 64))
+    x = torchTensorRef.manage(torch.randn(2, 64))
+    _SEEN.clear()
+    with torch.no_grad():
+        for _ in range(3):
+            layer(x)
+    alias = layer.weight._tr_alias  # (kept on the TensorRef with its view)
+    assert [seen[:3] for seen in _SEEN[-2:]] == [(id(alias), torch.Tensor, True)] * 2
+    assert all(grad and attrs.get("_is_param") for _id, _cls, grad, attrs in _SEEN)
+    del alias
+
+    layer.weight.tag = "a"
+    with torch.no_grad():
+        layer(x)
+    assert _SEEN[-1][3].get("tag") == "a"
+    del layer.weight.tag
+    with torch.no_grad():
+        layer(x)
+    assert "tag" not in _SEEN[-1][3] and "tag" not in layer.weight.__dict__
+
+    floor = tm.outside_bytes()
+    tm.evict_all()
+    assert tm.stats()["evictions"] > 0
+    assert tm.outside_bytes() <= floor  # (no alias kept a dropped copy allocated)
+    with torch.no_grad():
+        out = layer(x)
+    assert layer.weight._tr_alias is not None and _SEEN[-1][0] == id(layer.weight._tr_alias)
+    with plain_torch():
+        torch.manual_seed(0)
+        plain_layer = torch.nn.Linear(64, 64).to(tm.torch_device)
+        plain_x = torch.randn(2, 64).to(tm.torch_device)
+        with torch.no_grad():
+            plain = plain_layer(plain_x)
+    assert_identical(plain, out)

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import context, raw
 from .blocks import Block
+from .tensor_text import tensor_text
 
 if TYPE_CHECKING:
     from .proxy_info import ProxyInfo
@@ -69,13 +70,15 @@ class TensorRef(torch.Tensor):
 
     # Internals, all prefixed to stay clear of torch.Tensor's own attributes:
     #   _tr_block: the Block; _tr_view: cached plain view of its current copy;
-    #   _tr_gen: the block generation the view was made for; _tr_wr: liveness weakref.
+    #   _tr_gen: the block generation the view was made for; _tr_wr: liveness weakref;
+    #   _tr_alias: None or ``grad_alias``'s alias of _tr_view, dropped with it.
     # Slots, not the instance dict: every op's result sets them, and users' attributes
     # (``__dict__``) then hold only what users set.
-    __slots__ = ("_tr_block", "_tr_view", "_tr_gen", "_tr_wr")
+    __slots__ = ("_tr_block", "_tr_view", "_tr_gen", "_tr_wr", "_tr_alias")
     _tr_block: Block
     _tr_view: torch.Tensor | None  # (None only while _tr_gen is -1, never a generation)
     _tr_gen: int
+    _tr_alias: torch.Tensor | None
     _tr_wr: weakref.ref[TensorRef] | None
     # (torch's stubs type the impl as a plain function, the attribute as a classmethod)
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -107,7 +110,7 @@ class TensorRef(torch.Tensor):
         # only then clears its slots. The cached view would keep the device copy allocated
         # past its release: the manager would count bytes gone that the device still holds,
         # and another thread could fill that room. Dropped here, it is gone first.
-        self._tr_view = None
+        self._tr_view = self._tr_alias = None
         self._tr_gen = -1
 
     # (torch declares it by assigning a plain function to the attribute, which mypy reads as
@@ -210,7 +213,7 @@ class TensorRef(torch.Tensor):
     # (mypy reads the keyword-only parameter of Tensor.__repr__ without its name: no
     # override matches it, this one included)
     def __repr__(self, *, tensor_contents: Optional[str] = None) -> str:  # type: ignore[override]
-        text = tensor_text(self, tensor_contents)
+        text = tensor_text(self, host_copy(self), tensor_contents)
         if getattr(self, "_is_param", False):
             text = "Parameter containing:\n" + text
         return text
@@ -260,58 +263,6 @@ class TensorRef(torch.Tensor):
             new = _manager().manage_tensor(new)
         raw.TENSOR_DATA.__set__(self, new)
         _manager().rebind(self, new)
-
-
-def tensor_text(ref: TensorRef, tensor_contents: Optional[str] = None) -> str:
-    """``repr`` of a plain tensor with ``ref``'s values, metadata and autograd state.
-
-    Mirrors ``torch._tensor_str._str`` for dense tensors: the suffixes (device, dtype,
-    grad_fn ...) must be known before the text is laid out, because a long one moves to a
-    line of its own, so appending them to the repr of a host copy wraps lines differently.
-    """
-    from torch._tensor_str import PRINT_OPTS, _add_suffixes, _tensor_str
-
-    plain = host_copy(ref)
-    prefix = "tensor("
-    indent = len(prefix)
-    suffixes = []
-    device = ref.device
-    if device.type != torch._C._get_default_device() or (
-        device.type == "cuda" and torch.cuda.current_device() != device.index
-    ):
-        suffixes.append(f"device='{device}'")
-    default = torch.get_default_dtype()
-    complex_default = torch.cdouble if default == torch.double else torch.cfloat
-    empty = plain.numel() == 0
-    if empty:
-        if plain.dim() != 1:
-            suffixes.append(f"size={tuple(plain.shape)}")
-        if plain.dtype != default:
-            suffixes.append(f"dtype={plain.dtype}")
-    else:
-        if not PRINT_OPTS.edgeitems:
-            suffixes.append(f"size={tuple(plain.shape)}")
-        if plain.dtype not in (default, complex_default, torch.int64, torch.bool):
-            suffixes.append(f"dtype={plain.dtype}")
-    if tensor_contents is not None:
-        text = tensor_contents
-    elif empty:
-        text = "[]"
-    else:
-        with torch.no_grad():
-            text = _tensor_str(plain, indent)
-    try:
-        grad_fn = ref.grad_fn
-        name = None if grad_fn is None else type(grad_fn).__name__
-        if grad_fn is not None and name == "CppFunction":
-            name = grad_fn.name().rsplit("::", 1)[-1]
-    except RuntimeError:  # a view made and written in place under no_grad (pytorch#99968)
-        name = "Invalid"
-    if name is not None:
-        suffixes.append(f"grad_fn=<{name}>")
-    elif ref.requires_grad:
-        suffixes.append("requires_grad=True")
-    return _add_suffixes(prefix + text, suffixes, indent, force_newline=False)
 
 
 def _rebuild(plain: torch.Tensor, is_param: bool) -> torch.Tensor:
@@ -365,6 +316,7 @@ def make_ref(block: Block, view: torch.Tensor, declared: torch.device, requires_
         torch._C._set_neg(ref, True)
     ref._tr_block = block
     ref._tr_view = view
+    ref._tr_alias = None
     ref._tr_gen = -1 if geometry_only else block.gen
     block.refs += 1
     ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
@@ -386,7 +338,7 @@ def _forget_views(views: list) -> list:
     for wr in views:
         ref = wr()
         if ref is not None:
-            ref._tr_view = None
+            ref._tr_view = ref._tr_alias = None
             ref._tr_gen = -1  # (never a generation: the next use makes a view afresh)
             live.append(wr)
     return live
@@ -397,7 +349,7 @@ Block.forget_views = staticmethod(_forget_views)
 
 def set_view(ref: TensorRef, view: torch.Tensor) -> None:
     """``view`` is ``ref``'s view of its block's current copy (its geometry changed in place)."""
-    ref._tr_view, ref._tr_gen = view, ref._tr_block.gen
+    ref._tr_view, ref._tr_gen, ref._tr_alias = view, ref._tr_block.gen, None
 
 
 def rebind_view(ref: TensorRef, new: TensorRef) -> None:
@@ -413,7 +365,7 @@ def rebind_view(ref: TensorRef, new: TensorRef) -> None:
     # ``new``'s view as it is, made afresh at the next use where stale: a block whose only
     # copy is a checkpoint's range (``from_pretrained``, then ``model.to(device)``) has no
     # copy to view yet.
-    ref._tr_view, ref._tr_gen = new._tr_view, new._tr_gen
+    ref._tr_view, ref._tr_gen, ref._tr_alias = new._tr_view, new._tr_gen, None
     ref._tr_wr = wr = weakref.ref(ref, block.on_ref_dead)
     block.views.append(wr)
 
@@ -430,8 +382,21 @@ def compute_view(ref: TensorRef) -> torch.Tensor:
     storage = block.dev if block.dev is not None else block.host
     assert storage is not None  # (Note [Blocks and coherence]: a copy is valid)
     view = view_on(ref, storage)
-    ref._tr_view, ref._tr_gen = view, block.gen
+    ref._tr_view, ref._tr_gen, ref._tr_alias = view, block.gen, None
     return view
+
+
+def grad_alias(ref: TensorRef, view: torch.Tensor) -> torch.Tensor:
+    """An alias of ``view`` that needs gradients: the one made last time, kept with ``ref``'s
+    cached view while that is ``view``, where it is as it was made (needing gradients, with
+    no gradient, the attributes ``ref`` has); else a new one."""
+    alias = ref._tr_alias
+    if (alias is None or view is not ref._tr_view or not alias.requires_grad or alias.grad is not None
+            or alias.__dict__.keys() != ref.__dict__.keys()):
+        alias = view.detach().requires_grad_(True)
+        if view is ref._tr_view:
+            ref._tr_alias = alias
+    return alias
 
 
 def view_on(ref: TensorRef, storage: torch.UntypedStorage) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.tensor_ref import TensorRef, block_of, compute_view, host_view
+from ..core.tensor_ref import TensorRef, block_of, compute_view, grad_alias, host_view
 from ..memory.sim.tensor import NAME as SIM, SimTensor
 from ..ops.op_context import OpContext, wrap_one
 from .scan import Call
@@ -201,8 +201,10 @@ class Giver:
             # says ``requires_grad`` as the tensor does, because kernels choose by it: matmul
             # folds a 3-d input into one matrix product where an operand needs gradients, and
             # runs batched products otherwise, whose last bits differ. (An alias: the view
-            # itself is the one the per-op path runs ops on.)
-            given = plain.detach().requires_grad_(True)
+            # itself is the one the per-op path runs ops on.) The alias is kept with the view
+            # from call to call: made afresh for each of a module's parameters, it was a
+            # third of what giving a call its views cost.
+            given = grad_alias(a, plain)
         else:
             given = plain
         attributes = a.__dict__
