@@ -269,7 +269,7 @@ def test_victims_replayed_from_the_plan_are_the_ones_ranking_chooses(fresh_manag
         if i != 5:
             return
         assert strategy.plan is not None
-        remembered = {role for chosen in strategy.order._chosen.values() for _t, _c, role in chosen}
+        remembered = {role for chosen in strategy.order._chosen.values() for _t, _c, role, _n in chosen}
         weight = next(p for p in params if block_of(p).id in remembered and p.dim() == 2)
         block_of(weight).pins += 1
         pinned.append(block_of(weight))
@@ -295,6 +295,36 @@ def test_victims_replayed_from_the_plan_are_the_ones_ranking_chooses(fresh_manag
     assert evicted  # (there was paging, with other victims)
     assert pinned[0].id not in evicted
     assert strategy.plan is not None
+
+
+def test_victims_ranking_confirms_are_trusted_longer_for_the_same_bytes(fresh_manager, monkeypatch):
+    """Note [Victims replayed from the plan]: where ranking chooses the remembered victim
+    again, it is trusted for more periods: a loop that repeats itself ranks less and less
+    often, and moves the bytes it moved when every victim was ranked anew each ``REPLAYS``
+    periods."""
+    from torchTensorRef.strategies import flow_order
+
+    rank, most_replays = flow_order.Order._plan_rank, flow_order.MOST_REPLAYS
+
+    def runs(most):
+        monkeypatch.setattr(flow_order, "MOST_REPLAYS", most)
+        rankings = []
+
+        def counted(self, n):
+            if self._ranking[0] != n:
+                rankings.append(n)
+            return rank(self, n)
+
+        monkeypatch.setattr(flow_order.Order, "_plan_rank", counted)
+        losses, _params, per_step, plans = _run(Flow(), 0.5, steps=40)
+        return losses, per_step, plans, len(rankings)
+
+    fixed = runs(flow_order.REPLAYS)
+    trusted = runs(most_replays)
+    assert trusted[2][-30:] == [True] * 30  # (the plan followed)
+    assert trusted[0] == fixed[0]
+    assert trusted[1] == fixed[1]  # (the same bytes, step by step)
+    assert 0 < trusted[3] < fixed[3] / 2
 
 
 def test_a_loop_seen_before_is_followed_as_soon_as_its_period_is_found(fresh_manager):

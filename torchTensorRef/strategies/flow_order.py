@@ -32,8 +32,10 @@ _TINY_BYTES = 16 * 1024
 #: as measured".)
 _SMALL_SHARE = 256
 #: periods a victim chosen by ranking is taken again at its offset before the blocks are
-#: ranked there anew (Note [Victims replayed from the plan])
+#: ranked there anew (Note [Victims replayed from the plan]); each ranking that chooses it
+#: again doubles that, up to ``MOST_REPLAYS``
 REPLAYS = 4
+MOST_REPLAYS = 32
 
 
 # Note [Dirty blocks cost two copies]: evicting a clean block costs one copy, its fetch when
@@ -60,10 +62,14 @@ REPLAYS = 4
 # its role (``flow_plan.py``), and at offset ``k`` of the next ``REPLAYS - 1`` periods,
 # asked in the same way, the block in that role is taken again if it may still go (resident,
 # unpinned, not protected, clean where asked, ranked above ``worse_than``). Anything else
-# ranks the blocks as before and remembers the new choice, and so does every ``REPLAYS``-th
+# ranks the blocks as before and remembers the new choice, and so does the ``REPLAYS``-th
 # period: where the program drifted from what was resident then, a remembered choice is
-# corrected within that many periods. A remembered victim is always a block that may be
-# evicted, so a worse guess costs bytes, never a value.
+# corrected within that many periods. A ranking that chooses the remembered victim again
+# doubles the periods it is trusted for, up to ``MOST_REPLAYS``, and one that chooses
+# another brings them back to ``REPLAYS``: a loop that repeats itself exactly (decoding, a
+# training step) ranks seldom, and the rankings were a tenth of a region call's host time
+# under a budget. A remembered victim is always a block that may be evicted, so a worse
+# guess costs bytes, never a value.
 
 
 def _rank(block, n: int, nxt: Optional[int], limit: int) -> int:
@@ -102,7 +108,8 @@ class Order:
     _stamp: Dict[int, int]  # block id -> stamp of its live entry in the heap
     _counter: int  # the last stamp given
     _ranking: Tuple[int, list]  # (op, [(priority, id, block)], best victim last) while following the plan
-    _chosen: Dict[int, list]  # plan offset -> [(period ranked in, call, role)] (Note [Victims replayed from the plan])
+    #: plan offset -> [(period ranked in, call, role, periods trusted)] (Note [Victims replayed from the plan])
+    _chosen: Dict[int, list]
     _asked: Tuple[int, int]  # (op, victims asked for at it so far) while following the plan
 
     def __init__(self, learning: Learning, manager):
@@ -176,18 +183,29 @@ class Order:
         self._asked = (n, i)
         call = (clean_only, None if worse_than is None else worse_than - n)
         chosen = self._chosen.get(k)
+        due = None  # (the remembered role and its trust, where its time to be checked came)
         if chosen is not None and i < len(chosen):
-            ranked_at, was_call, role = chosen[i]
-            if was_call == call and turn - ranked_at < REPLAYS:
-                block = self._again(role, protect, n, worse_than, clean_only)
-                if block is not None:
-                    return block
+            ranked_at, was_call, role, trusted = chosen[i]
+            if was_call == call:
+                if turn - ranked_at < trusted:
+                    block = self._again(role, protect, n, worse_than, clean_only)
+                    if block is not None:
+                        return block
+                else:
+                    due = (role, trusted)
         block = self._ranked_victim(protect, n, worse_than, clean_only)
         if chosen is None:
             chosen = self._chosen[k] = []
+        if block is None:
+            del chosen[i:]
+            return None
+        role = self.learning.role(block.id, n, plan.period)
+        if due is not None and due[0] == role:
+            # (confirmed: trusted longer, and the victims after it at this op stand)
+            chosen[i] = (turn, call, role, min(2 * due[1], MOST_REPLAYS))
+            return block
         del chosen[i:]
-        if block is not None:
-            chosen.append((turn, call, self.learning.role(block.id, n, plan.period)))
+        chosen.append((turn, call, role, REPLAYS))
         return block
 
     def _again(self, role, protect, n: int, worse_than: Optional[int], clean_only: bool):
