@@ -390,12 +390,12 @@ def grad_alias(ref: TensorRef, view: torch.Tensor) -> torch.Tensor:
     """An alias of ``view`` that needs gradients: the one made last time, kept with ``ref``'s
     cached view while that is ``view``, where it is as it was made (needing gradients, with
     no gradient, the attributes ``ref`` has); else a new one."""
+    if view is not ref._tr_view:
+        return view.detach().requires_grad_(True)  # (not the cached view: nothing to keep it with)
     alias = ref._tr_alias
-    if (alias is None or view is not ref._tr_view or not alias.requires_grad or alias.grad is not None
+    if (alias is None or not alias.requires_grad or alias.grad is not None
             or alias.__dict__.keys() != ref.__dict__.keys()):
-        alias = view.detach().requires_grad_(True)
-        if view is ref._tr_view:
-            ref._tr_alias = alias
+        alias = ref._tr_alias = view.detach().requires_grad_(True)
     return alias
 
 
