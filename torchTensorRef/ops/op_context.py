@@ -58,7 +58,12 @@ class OpContext:
         """Whether a block of the op's arguments is explicit, and so are its results (Note
         [Default-device tensors] in ``device_checks.py``)."""
         if self._explicit is None:
-            self._explicit = any(b.explicit for b in self.blocks)
+            # (a loop, not ``any`` over a generator: a region's op has a block per tensor)
+            self._explicit = False
+            for b in self.blocks:
+                if b.explicit:
+                    self._explicit = True
+                    break
         return self._explicit
 
     def output_estimate(self) -> int:

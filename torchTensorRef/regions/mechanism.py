@@ -71,7 +71,7 @@ from .inside import Inside, Measure, measured
 from .op import Giver, Grouping, RegionContext, RegionSpec, Wrapper, bytes_of, take_back_attributes
 from . import stores
 from .step import Plan, Step
-from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, get_item, needs_grad,
+from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, needs_grad,
                    scan_call, select_object_slots)
 from .training import Training, foreign_hooks, probe_second_order, saves_blocks, watch_backward
 
@@ -254,7 +254,7 @@ class Region:
             est = 0
         elif not self.strict:
             with mgr.lock:
-                needs = self._needs(sum(b.nbytes for b in plan.ctx.blocks), est, key if plan.grad else None)
+                needs = self._needs(sum([b.nbytes for b in plan.ctx.blocks]), est, key if plan.grad else None)
                 # (the last reading of what the device holds beside the manager may count
                 # plain tensors since adopted or freed: read it again before refusing)
                 limit = mgr.limit
@@ -361,7 +361,8 @@ class Region:
     def _run(self, mgr, call: Call, fn, args, kwargs, on_host: bool, training=None, meter=None):
         backend = mgr.backend
         sim = self.device_views and getattr(backend, "strict", False) and not on_host
-        give = Giver(call, on_host, training, sim).tree
+        giver = Giver(call, on_host, training, sim)
+        give = giver.tree
         cargs = [give(a) for a in args]
         ckwargs = {k: give(v) for k, v in kwargs.items()} if kwargs else {}
         device = None if on_host or backend.passthrough else backend.declared
@@ -370,8 +371,9 @@ class Region:
         previous = context.enter_plain(device)
         running, stores.running.call = stores.running.call, call  # (Note [Stores on modules])
         try:
+            give_one = giver.one  # (every slot holds a TensorRef: ``scan_call``)
             for d, k, v in call.slots:
-                d[k] = give(v)
+                d[k] = give_one(v)
             if not sim and training is None and meter is None and state.glue is None:
                 return fn(*cargs, **ckwargs)  # (no context to enter: the call as it is)
             plain_mode = PlainMode() if sim else contextlib.nullcontext()
@@ -383,7 +385,11 @@ class Region:
             context.exit_plain(previous)
             state.depth -= 1
             for d, k, v in call.slots + call.restores:
-                if get_item(d, k) is views[id(v)][1]:
+                try:
+                    now = d[k]
+                except (KeyError, IndexError):
+                    continue  # (the call took it out: nothing to give back)
+                if now is views[id(v)][1]:
                     d[k] = v
             take_back_attributes(views)
             self._note_stores(call)
@@ -399,9 +405,8 @@ class Region:
         writes = self.writes
         for ref, view, address, version in views.values():
             given[id(view)] = ref
-            block = block_of(ref)
-            if version is None or view._version != version or block.id in writes:
-                written.append(block)
+            if version is None or view._version != version or writes and block_of(ref).id in writes:
+                written.append(block_of(ref))
             now = view.data_ if view.__class__ is SimTensor else view
             if now.data_ptr() != address or now.shape != ref.shape:
                 changed = changed or []

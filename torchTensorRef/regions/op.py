@@ -176,14 +176,18 @@ class Giver:
     def tree(self, a):
         """``a`` with each TensorRef, in tuples, lists and dicts, replaced by what the call gets."""
         if isinstance(a, TensorRef):
-            entry = self.views.get(id(a))
-            return entry[1] if entry is not None else self._give(a)
+            return self.one(a)
         cls = a.__class__
         if cls is tuple or cls is list:
             return cls(self.tree(e) for e in a)
         if cls is dict:
             return {k: self.tree(v) for k, v in a.items()}
         return a
+
+    def one(self, a: TensorRef):
+        """What the call gets for the TensorRef ``a`` (the same view wherever it is given)."""
+        entry = self.views.get(id(a))
+        return entry[1] if entry is not None else self._give(a)
 
     def _give(self, a: TensorRef):
         plain = self.make(a)

@@ -165,13 +165,6 @@ def parameter_slots(module: torch.nn.Module):
     return out
 
 
-def get_item(container, k):
-    try:
-        return container[k]
-    except (KeyError, IndexError):
-        return None
-
-
 def output_tensors(out):
     """The tensors among outputs ``out``, in lists, tuples and dicts (transformers' outputs)."""
     if isinstance(out, _Tensor):
@@ -186,6 +179,10 @@ def output_tensors(out):
 
 def collect_plain(out, given, found, seen) -> None:
     """Tensors among outputs ``out`` that are not TensorRefs."""
+    if isinstance(out, _Tensor):  # (the common case, without the generators)
+        if not isinstance(out, TensorRef) and id(out) not in given:
+            found.append(out)
+        return
     found.extend(t for t in output_tensors(out) if not isinstance(t, TensorRef) and id(t) not in given)
 
 

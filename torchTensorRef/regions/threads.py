@@ -21,21 +21,29 @@ class Callers:
     """The threads inside module calls, and the one running a region."""
 
     def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
+        # (entered as the plain lock: a Condition's own ``with`` runs two Python frames, and
+        # every module call enters and leaves; waiting and notifying go through the Condition)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._depth: dict = {}  # thread ident -> module calls in progress
         self._swapping = None  # thread ident running a region
+        self._waiting = 0  # threads waiting in ``enter`` (none: a release has no one to wake)
 
     def enter(self) -> None:
         """A module call starts on this thread (waits while another thread's region runs)."""
         me = _get_ident()
-        with self._cond:
+        with self._lock:
             while self._swapping is not None and self._swapping != me:
-                self._cond.wait()
+                self._waiting += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._waiting -= 1
             self._depth[me] = self._depth.get(me, 0) + 1
 
     def leave(self) -> None:
         me = _get_ident()
-        with self._cond:
+        with self._lock:
             n = self._depth[me] - 1
             if n:
                 self._depth[me] = n
@@ -46,16 +54,17 @@ class Callers:
         """Whether this thread may run a region now: no other thread is inside a module
         call. It then holds the right until :meth:`release`."""
         me = _get_ident()
-        with self._cond:
+        with self._lock:
             if self._swapping is None and len(self._depth) == 1 and me in self._depth:
                 self._swapping = me
                 return True
             return False
 
     def release(self) -> None:
-        with self._cond:
+        with self._lock:
             self._swapping = None
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
 
 callers = Callers()
