@@ -386,17 +386,19 @@ def compute_view(ref: TensorRef) -> torch.Tensor:
     return view
 
 
-def grad_alias(ref: TensorRef, view: torch.Tensor) -> torch.Tensor:
-    """An alias of ``view`` that needs gradients: the one made last time, kept with ``ref``'s
-    cached view while that is ``view``, where it is as it was made (needing gradients, with
-    no gradient, the attributes ``ref`` has); else a new one."""
-    if view is not ref._tr_view:
-        return view.detach().requires_grad_(True)  # (not the cached view: nothing to keep it with)
+def grad_alias(ref: TensorRef) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compute_view(ref)`` and an alias of it that needs gradients: the one made last time,
+    kept with that view while it stays ``ref``'s, where it is as it was made (needing
+    gradients, with no gradient, the attributes ``ref`` has); else a new one. (One step, not
+    two: a region call asks it for each of its module's parameters.)"""
+    view = ref._tr_view
+    if ref._tr_gen != ref._tr_block.gen or view is None:
+        view = compute_view(ref)  # (and the alias kept with the old view goes)
     alias = ref._tr_alias
     if (alias is None or not alias.requires_grad or alias.grad is not None
             or alias.__dict__.keys() != ref.__dict__.keys()):
         alias = ref._tr_alias = view.detach().requires_grad_(True)
-    return alias
+    return view, alias
 
 
 def view_on(ref: TensorRef, storage: torch.UntypedStorage) -> torch.Tensor:

@@ -371,9 +371,10 @@ class Region:
         previous = context.enter_plain(device)
         running, stores.running.call = stores.running.call, call  # (Note [Stores on modules])
         try:
-            give_one = giver.one  # (every slot holds a TensorRef: ``scan_call``)
+            new = giver.new  # (every slot holds a TensorRef: ``scan_call``; ``Giver.one`` inlined)
             for d, k, v in call.slots:
-                d[k] = give_one(v)
+                entry = views.get(id(v))
+                d[k] = entry[1] if entry is not None else new(v)
             if not sim and training is None and meter is None and state.glue is None:
                 return fn(*cargs, **ckwargs)  # (no context to enter: the call as it is)
             plain_mode = PlainMode() if sim else contextlib.nullcontext()

@@ -165,13 +165,15 @@ class Giver:
     """The plain tensors a region call is given for its TensorRefs (``call.views``): views of
     their copies, leaves where the call needs gradients, ``SimTensor``s on strict "sim"."""
 
-    __slots__ = ("views", "make", "training", "sim")
+    __slots__ = ("views", "make", "training", "sim", "alias")
 
     def __init__(self, call: Call, on_host: bool, training, sim: bool):
         self.views = call.views
         self.make = host_view if on_host else compute_view
         self.training = training
         self.sim = sim
+        #: a TensorRef needing gradients gets an alias kept with its cached view
+        self.alias = training is None and not sim and not on_host
 
     def tree(self, a):
         """``a`` with each TensorRef, in tuples, lists and dicts, replaced by what the call gets."""
@@ -187,19 +189,12 @@ class Giver:
     def one(self, a: TensorRef):
         """What the call gets for the TensorRef ``a`` (the same view wherever it is given)."""
         entry = self.views.get(id(a))
-        return entry[1] if entry is not None else self._give(a)
+        return entry[1] if entry is not None else self.new(a)
 
-    def _give(self, a: TensorRef):
-        plain = self.make(a)
-        training = self.training
-        if training is not None:
-            training.by_storage[plain.untyped_storage()._cdata] = a
+    def new(self, a: TensorRef):
+        """What the call gets for the TensorRef ``a``, not given to it yet."""
         grad = a.requires_grad
-        if training is not None and grad:
-            given = training.leaf(a, plain)
-        elif self.sim:
-            given = SimTensor(plain, grad)
-        elif grad:
+        if grad and self.alias:
             # Note [Views need gradients as their tensors do]: with gradients off (the only way
             # a call that reads a tensor needing them is not a training call) the view still
             # says ``requires_grad`` as the tensor does, because kernels choose by it: matmul
@@ -208,9 +203,20 @@ class Giver:
             # itself is the one the per-op path runs ops on.) The alias is kept with the view
             # from call to call: made afresh for each of a module's parameters, it was a
             # third of what giving a call its views cost.
-            given = grad_alias(a, plain)
+            plain, given = grad_alias(a)
         else:
-            given = plain
+            plain = self.make(a)
+            training = self.training
+            if training is not None:
+                training.by_storage[plain.untyped_storage()._cdata] = a
+            if training is not None and grad:
+                given = training.leaf(a, plain)
+            elif self.sim:
+                given = SimTensor(plain, grad)
+            elif grad:
+                given = plain.detach().requires_grad_(True)  # (a host copy's view: see above)
+            else:
+                given = plain
         attributes = a.__dict__
         if attributes:
             # What a tensor carries is what the call reads of it, as in plain torch: torch's
