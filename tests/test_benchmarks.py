@@ -22,8 +22,8 @@ pytest.importorskip("accelerate")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, optimizer_step, overhead,  # noqa: E402
-                        overshoot_plugin, plots, region_anatomy, region_calls, run_all, small_ops, train_budget,
-                        train_parts, transfer)
+                        overshoot_plugin, plots, region_anatomy, region_calls, region_instructions, run_all,
+                        small_ops, train_budget, train_parts, transfer)
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -451,6 +451,54 @@ def test_region_calls_reports_the_copies_of_region_groups(fresh_manager):
         assert g["copies_per_call"] < a["copies_per_call"] or label == "Flow, 25%", label
         assert g["copies_per_call"] <= a["copies_per_call"], label
         assert g["bytes_moved"] <= 1.10 * a["bytes_moved"], label
+
+
+class _Counter:
+    """Stands in for the counting library: what was counted, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def cg_start(self):
+        self.calls.append("start")
+
+    def cg_stop(self):
+        self.calls.append("stop")
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5], ids=["no-budget", "flow-50"])
+def test_region_instructions_counts_plain_then_the_regions_with_equal_outputs(fresh_manager, fraction):
+    counter = _Counter()
+    result = region_instructions.child(4, 16, 3, 8, fraction, counter)
+    assert counter.calls == ["start", "stop", "start", "stop"]  # plain torch's forwards, then the managed ones
+    assert result["equal"]
+    assert result["ops"] == 4 * 3  # one op of the manager per block: region calls alone
+    if fraction is None:
+        assert result["bytes_to_device"] == 0
+    else:
+        assert result["bytes_to_device"] > 0  # (four blocks at half their bytes: each call brings one in)
+    assert fresh_manager.budget is None  # (lifted after the row)
+
+
+def test_region_instructions_reads_callgrind_s_dumps_in_their_order(tmp_path):
+    out = tmp_path / "row.out"
+    for n, total in ((1, 100), (2, 250), (10, 7)):
+        (tmp_path / f"row.out.{n}").write_text(f"events: Ir\nsummary: 0\ntotals: {total}\n")
+    (tmp_path / "row.out.log").write_text("not a dump")
+    paths = region_instructions.dumps(str(out))
+    assert [os.path.basename(p) for p in paths] == ["row.out.1", "row.out.2", "row.out.10"]
+    assert region_instructions.totals(paths) == [100, 250, 7]
+    (tmp_path / "bad.out.1").write_text("events: Ir\n")
+    with pytest.raises(ValueError, match="no 'totals:' line"):
+        region_instructions.totals([str(tmp_path / "bad.out.1")])
+
+
+def test_region_instructions_says_what_it_needs_where_valgrind_is_missing(monkeypatch):
+    monkeypatch.setattr(region_instructions.shutil, "which", lambda tool: None)
+    with pytest.raises(SystemExit, match="needs valgrind and gcc"):
+        region_instructions.main(["--layers", "2", "--forwards", "1", "--warmup", "0"])
+    with pytest.raises(SystemExit):
+        region_instructions.main(["--fractions", "half"])  # (argparse's usage error)
 
 
 @pytest.mark.parametrize("budget", [None, 0.5], ids=["no-budget", "flow-50"])
