@@ -391,6 +391,8 @@ def grad_alias(ref: TensorRef) -> tuple[torch.Tensor, torch.Tensor]:
     kept with that view while it stays ``ref``'s, where it is as it was made (needing
     gradients, with no gradient, the attributes ``ref`` has); else a new one. (One step, not
     two: a region call asks it for each of its module's parameters.)"""
+    # (``compute_view``'s own check, inline: this runs for every parameter of every region
+    # call, where a frame more per parameter shows)
     view = ref._tr_view
     if ref._tr_gen != ref._tr_block.gen or view is None:
         view = compute_view(ref)  # (and the alias kept with the old view goes)
