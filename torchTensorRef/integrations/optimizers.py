@@ -170,18 +170,20 @@ def _on_plain_tensors(opt: torch.optim.Optimizer, wrapped, args, kwargs):
     groups, state = opt.param_groups, opt.state
     # (a parameter without a gradient is not given: the step passes it by, as a TensorRef)
     params = [p for g in groups for p in g["params"] if p.grad is not None]
-    entries = [(p, k, v) for p in params for k, v in (state.get(p) or {}).items() if isinstance(v, TensorRef)]
-    refs = params + [p.grad for p in params] + [v for _p, _k, v in entries]
+    # (each state looked up once: a tensor hashes in Python, and the step is per tensor)
+    states = [state.get(p) for p in params]
+    entries = [(i, k, v) for i, s in enumerate(states) if s for k, v in s.items() if isinstance(v, TensorRef)]
+    refs = params + [p.grad for p in params] + [v for _i, _k, v in entries]
     n = len(params)
 
     def step(views, adopt):
         plain = dict(zip(map(id, params), views))
-        swapped: defaultdict = defaultdict(dict)
-        for p, view, grad in zip(params, views, views[n:2 * n]):
+        mine = [dict(s) if s else {} for s in states]  # (what the step sees, by parameter)
+        for view, grad in zip(views, views[n:2 * n]):
             view.grad = grad
-            swapped[view] = dict(state.get(p) or {})
-        for (p, k, _v), view in zip(entries, views[2 * n:]):
-            swapped[plain[id(p)]][k] = view
+        for (i, k, _v), view in zip(entries, views[2 * n:]):
+            mine[i][k] = view
+        swapped = defaultdict(dict, zip(views, mine))
         whole = [g["params"] for g in groups]
         try:
             for g in groups:
@@ -193,16 +195,17 @@ def _on_plain_tensors(opt: torch.optim.Optimizer, wrapped, args, kwargs):
             for g, ps in zip(groups, whole):
                 g["params"] = ps
             given = dict(zip(map(id, views), refs))
-            for p, view in zip(params, views):
+            for p, view, s in zip(params, views, states):
                 view.grad = None
+                if s is None:
+                    s = state[p]
                 # (what the step assigned to its state: a view given back is its TensorRef)
-                mine = state[p]
                 for k, v in swapped[view].items():
                     ref = given.get(id(v))
                     if ref is not None:
-                        if mine.get(k) is not ref:
-                            mine[k] = ref
+                        if s.get(k) is not ref:
+                            s[k] = ref
                     else:
-                        mine[k] = adopt(v) if isinstance(v, torch.Tensor) else v
+                        s[k] = adopt(v) if isinstance(v, torch.Tensor) else v
 
     return run_on_views(_STEP, refs, step)

@@ -450,9 +450,9 @@ class TensorsManager:
         """An op on the host wrote ``block``'s host copy: a device copy is stale now."""
         self.books.host_written(block)
 
-    def adopt_output(self, t: torch.Tensor, ctx: OpInFlight) -> TensorRef:
-        """A new result ``t`` of op ``ctx`` as a TensorRef on a block of its own."""
-        return self.protocol.adopt_output(t, ctx)
+    def adopt_output(self, t: torch.Tensor, ctx: OpInFlight, storage=None) -> TensorRef:
+        """A new result ``t`` of op ``ctx`` as a TensorRef on a block of its own (``storage``: its untyped storage)."""
+        return self.protocol.adopt_output(t, ctx, storage)
 
     def result_block(self, t: torch.Tensor, index: int, on_host: bool = False,
                      storage: Optional[torch.UntypedStorage] = None) -> Block:

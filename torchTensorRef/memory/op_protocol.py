@@ -144,13 +144,21 @@ class OpProtocol:
         anything changes, so an op that cannot fit is not counted, the strategy never sees it,
         and nothing is evicted for it."""
         m = self.m
-        limit = m.accounting.limit
+        acct = m.accounting
+        limit = acct.limit
         size = m.backend.block_bytes
         need = size(ctx.output_estimate())
+        missing = 0
         for b in ctx.blocks:
-            if not b.host_only:
+            if b.dev is None and not b.host_only:
+                missing += size(b.nbytes)
+        if need + missing + acct.resident + acct.elsewhere_bytes <= limit:
+            return  # (it fits as things stand, its resident blocks counted in ``resident``)
+        for b in ctx.blocks:
+            if b.dev is not None and not b.host_only:
                 need += size(b.nbytes)
-        if need + m.accounting.elsewhere_bytes > limit:
+        need += missing
+        if need + acct.elsewhere_bytes > limit:
             outside = m.device_room.read_outside()  # (a reading of the device, not a stale one)
             if need + outside > limit:
                 raise OutOfBudgetError(ctx.name, need + outside, limit, outside=outside,
@@ -160,15 +168,18 @@ class OpProtocol:
         """Room for the op's missing blocks and results, then the blocks fetched; how many were missing."""
         m = self.m
         missing = [b for b in ctx.blocks if b.dev is None and not b.host_only]
+        room = 0
+        if m.accounting.limit is not None:
+            size = m.backend.block_bytes
+            room = size(ctx.output_estimate())
+            for b in missing:
+                room += size(b.nbytes)
+        if not missing and not room:
+            return 0  # (the common case of a step with nothing to move)
         protect = {b.id for b in ctx.blocks}
         try:
-            if m.accounting.limit is not None:
-                size = m.backend.block_bytes
-                room = size(ctx.output_estimate())
-                for b in missing:
-                    room += size(b.nbytes)
-                if room:
-                    m.device_room.make(room, protect, ctx.name)
+            if room:
+                m.device_room.make(room, protect, ctx.name)
             for b in missing:
                 m.residency.fetch(b, protect)
         except BaseException as e:
@@ -256,12 +267,16 @@ class OpProtocol:
                     if b.disk is not None or b.spilling is not None:
                         m.host_tier.disk_stale(b)
 
-    def adopt_output(self, t: torch.Tensor, ctx: OpInFlight) -> TensorRef:
-        """A new result ``t`` of the op as a TensorRef on a block of its own."""
+    def adopt_output(self, t: torch.Tensor, ctx: OpInFlight,
+                     storage: Optional[torch.UntypedStorage] = None) -> TensorRef:
+        """A new result ``t`` of the op as a TensorRef on a block of its own (``storage``:
+        ``t.untyped_storage()``, when the caller has it already)."""
         if getattr(ctx.spec, "one_tensor", False):  # (results of one op may share a new storage)
-            t = tight_result(t, t.untyped_storage())
+            tight = tight_result(t, storage if storage is not None else t.untyped_storage())
+            if tight is not t:
+                t, storage = tight, None
         m = self.m
-        block = self.result_block(t, ctx.index, ctx.on_host)
+        block = self.result_block(t, ctx.index, ctx.on_host, storage)
         if block.dev is not None:
             landing = self._landing.range
             if landing is not None:

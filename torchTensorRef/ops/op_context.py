@@ -28,12 +28,14 @@ class OpContext:
         blocks: distinct blocks of the TensorRef arguments, in argument order.
         written: the blocks the op writes in place.
         outputs: new blocks the op created (filled in after it runs).
+        made: device storage key -> the block of a result ``wrap_one`` adopted (``None``
+            until one): a later result on the same storage joins it.
         on_host: the op runs on host copies and makes host-only results (Note [Declared
             device] in ``devices.py``).
     """
 
     __slots__ = ("index", "spec", "blocks", "written", "outputs", "args", "kwargs", "on_host", "estimate",
-                 "start", "_explicit")
+                 "start", "_explicit", "made")
 
     def __init__(self, spec, blocks, written, args, kwargs, on_host=False):
         self.index = -1
@@ -49,6 +51,7 @@ class OpContext:
         #: bytes of the new tensors it allocates, once known (``output_estimate``)
         self.estimate = None
         self._explicit = None
+        self.made = None
 
     @property
     def name(self) -> str:
@@ -216,15 +219,22 @@ def wrap_one(t, ctx, mgr):
         return t
     if not t.is_cpu and t.device != mgr.backend.compute:
         return t  # explicitly sent to another device than the manager's: not managed
-    key = t.untyped_storage()._cdata
+    storage = t.untyped_storage()
+    key = storage._cdata
     for b in ctx.blocks:
         if b.dev_key == key:
             return make_ref(b, t, mgr.declared)  # a view: shares the input's block
-    for b in ctx.outputs:
-        if b.dev_key == key:
+    made = ctx.made
+    if made is not None:
+        b = made.get(key)
+        if b is not None:
             return make_ref(b, t, mgr.declared)  # shares the storage of another of its results
-    ref = mgr.adopt_output(t, ctx)
+    ref = mgr.adopt_output(t, ctx, storage)
+    block = block_of(ref)
     if ctx.explicit():
-        block_of(ref).explicit = True
+        block.explicit = True
+    if made is None:
+        ctx.made = made = {}
+    made[block.dev_key] = block
     return ref
 

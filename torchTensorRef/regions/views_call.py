@@ -68,13 +68,13 @@ def run_on_views(spec: RegionSpec, refs: Sequence[TensorRef], fn: Callable[[list
         with PlainMode() if sim else contextlib.nullcontext():
             out = fn(views, adopt)
     except BaseException:
-        _written(refs, views, versions)
+        _written(blocks, refs, views, versions)
         step.abort()
         raise
     finally:
         context.exit_plain(previous)
         state.depth -= 1
-    _written(refs, views, versions)
+    _written(blocks, refs, views, versions)
     step.end(None)
     return out
 
@@ -86,22 +86,27 @@ def _view(ref: TensorRef, sim: bool) -> torch.Tensor:
     return view
 
 
-def _written(refs, views, versions) -> None:
-    """Each of ``refs`` marked written, its version moved as its view's moved."""
+def _written(blocks, refs, views, versions) -> None:
+    """Each of ``refs`` (on ``blocks``, without repeats) marked written, its version moved
+    as its view's moved."""
     mgr = _mgr
-    moved: dict = {}
     with mgr.lock:
-        on_device = []
-        for ref in refs:
-            block = block_of(ref)
-            if block.host_only:
-                mgr.host_written(block)
-            else:
-                on_device.append(block)
+        on_device = [b for b in blocks if not b.host_only]
+        if len(on_device) != len(blocks):
+            for b in blocks:
+                if b.host_only:
+                    mgr.host_written(b)
         mgr.mark_written(on_device)
+    moved: dict = {}
     for ref, view, version in zip(refs, views, versions):
-        if version is not None and view._version != version:
-            moved.setdefault(view._version - version, []).append(ref)
+        if version is not None:
+            delta = view._version - version
+            if delta:
+                same = moved.get(delta)
+                if same is None:
+                    moved[delta] = [ref]
+                else:
+                    same.append(ref)
     for delta, moved_refs in moved.items():
         for _ in range(delta):
             torch.autograd.graph.increment_version(moved_refs)
