@@ -56,7 +56,7 @@ void cg_stop(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_STOP_INSTRUMENTATION; C
 """
 
 
-class _NoCounter:
+class NoCounter:
     """Where nothing counts (a child run natively: the tests)."""
 
     def cg_start(self) -> None:
@@ -126,14 +126,14 @@ def build_counter(folder: str) -> str:
     """The counting library built into ``folder``; raises ``SystemExit`` saying what is missing."""
     missing = [tool for tool in ("valgrind", "gcc") if shutil.which(tool) is None]
     if missing:
-        raise SystemExit(f"region_instructions.py counts with valgrind's callgrind and needs {' and '.join(missing)} "
+        raise SystemExit(f"counting instructions with valgrind's callgrind needs {' and '.join(missing)} "
                          f"on the PATH (Debian: apt install valgrind gcc)")
     source, library = os.path.join(folder, "counter.c"), os.path.join(folder, "counter.so")
     with open(source, "w") as f:
         f.write(_COUNTER_SOURCE)
     built = subprocess.run(["gcc", "-shared", "-fPIC", "-o", library, source], capture_output=True, text=True)
     if built.returncode:
-        raise SystemExit(f"region_instructions.py could not build its counter (valgrind's headers missing? Debian: "
+        raise SystemExit(f"could not build the instruction counter (valgrind's headers missing? Debian: "
                          f"apt install valgrind): {built.stderr.strip()}")
     return library
 
@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
         parser.error("--layers, --width and --forwards must be at least 1, --warmup at least 0")
     if args.child is not None:
         fraction = None if args.child == "none" else float(args.child)
-        counter = ctypes.CDLL(args.library) if args.library else _NoCounter()
+        counter = ctypes.CDLL(args.library) if args.library else NoCounter()
         print(json.dumps(child(args.layers, args.width, args.forwards, args.warmup, fraction, counter)))
         return {}
     with tempfile.TemporaryDirectory() as folder:

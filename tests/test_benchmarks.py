@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, optimizer_step, overhead,  # noqa: E402
                         overshoot_plugin, plots, region_anatomy, region_calls, region_instructions, run_all,
-                        small_ops, train_budget, train_parts, transfer)
+                        small_ops, train_budget, train_instructions, train_parts, transfer)
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -499,6 +499,29 @@ def test_region_instructions_says_what_it_needs_where_valgrind_is_missing(monkey
         region_instructions.main(["--layers", "2", "--forwards", "1", "--warmup", "0"])
     with pytest.raises(SystemExit):
         region_instructions.main(["--fractions", "half"])  # (argparse's usage error)
+
+
+def test_train_instructions_counts_each_part_of_plain_then_managed_steps_with_equal_losses(fresh_manager):
+    counter = _Counter()
+    result = train_instructions.child(2, 16, 4, 2, 1, counter)
+    # per part: two plain steps, then two managed ones, each counted on its own
+    assert counter.calls == ["start", "stop"] * (4 * len(train_parts.PARTS))
+    assert result["equal"]
+    assert result["ops_per_step"] > 0
+    assert fresh_manager.budget is None
+
+
+def test_train_instructions_sums_the_dumps_per_part_in_the_child_s_order():
+    steps = 2
+    counts = []
+    for i, _name in enumerate(train_parts.PARTS):  # plain's steps, then the managed ones
+        counts += [100 * (i + 1)] * steps + [150 * (i + 1)] * steps
+    parts = train_instructions.parts_of(counts, steps)
+    assert list(parts) == list(train_parts.PARTS) + ["step total"]
+    assert parts["forward"] == {"plain": 200, "managed": 300, "added": 100, "ratio": 1.5}
+    assert parts["step total"]["plain"] == 1000 and parts["step total"]["managed"] == 1500
+    with pytest.raises(ValueError, match="expected 16"):
+        train_instructions.parts_of(counts[:-1], steps)
 
 
 @pytest.mark.parametrize("budget", [None, 0.5], ids=["no-budget", "flow-50"])
