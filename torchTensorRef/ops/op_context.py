@@ -28,14 +28,12 @@ class OpContext:
         blocks: distinct blocks of the TensorRef arguments, in argument order.
         written: the blocks the op writes in place.
         outputs: new blocks the op created (filled in after it runs).
-        made: device storage key -> the block of a result ``wrap_one`` adopted (``None``
-            until one): a later result on the same storage joins it.
         on_host: the op runs on host copies and makes host-only results (Note [Declared
             device] in ``devices.py``).
     """
 
     __slots__ = ("index", "spec", "blocks", "written", "outputs", "args", "kwargs", "on_host", "estimate",
-                 "start", "_explicit", "made")
+                 "start", "_explicit", "_made", "_made_upto")
 
     def __init__(self, spec, blocks, written, args, kwargs, on_host=False):
         self.index = -1
@@ -51,11 +49,25 @@ class OpContext:
         #: bytes of the new tensors it allocates, once known (``output_estimate``)
         self.estimate = None
         self._explicit = None
-        self.made = None
+        self._made = None  # (device storage key -> block, for ``outputs[:_made_upto]``)
+        self._made_upto = 0
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def output_on(self, key: int):
+        """The first of ``outputs`` on the device storage ``key``, or ``None``. Outputs are
+        indexed as they come, whoever adopted them (a result, a resized argument's new
+        storage): an op with many results looks each up once, not in a scan of the others."""
+        made = self._made
+        if made is None:
+            made = self._made = {}
+        outputs = self.outputs
+        for b in outputs[self._made_upto:]:
+            made.setdefault(b.dev_key, b)
+        self._made_upto = len(outputs)
+        return made.get(key)
 
     def explicit(self) -> bool:
         """Whether a block of the op's arguments is explicit, and so are its results (Note
@@ -224,17 +236,12 @@ def wrap_one(t, ctx, mgr):
     for b in ctx.blocks:
         if b.dev_key == key:
             return make_ref(b, t, mgr.declared)  # a view: shares the input's block
-    made = ctx.made
-    if made is not None:
-        b = made.get(key)
+    if ctx.outputs:
+        b = ctx.output_on(key)
         if b is not None:
             return make_ref(b, t, mgr.declared)  # shares the storage of another of its results
     ref = mgr.adopt_output(t, ctx, storage)
-    block = block_of(ref)
     if ctx.explicit():
-        block.explicit = True
-    if made is None:
-        ctx.made = made = {}
-    made[block.dev_key] = block
+        block_of(ref).explicit = True
     return ref
 
