@@ -248,12 +248,18 @@ def test_overhead_harness_runs_and_outputs_match(tmp_path):
     assert saved["result"]["ratio_sim"] == result["ratio_sim"]
 
 
-@pytest.fixture(scope="module")
-def small_ops_result(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("small_ops")
-    png = folder / "small_ops.png" if _has_matplotlib() else None
-    argv = ["--size", "tiny", "--json", str(folder / "small_ops.json")] + (["--plot", str(png)] if png else [])
-    return small_ops.main(argv), folder / "small_ops.json", png
+def test_small_ops_tiny_run_times_every_row_within_its_budget_equal_to_plain(tmp_path):
+    # One test for the one run (the suite's slowest harness run): split across tests, a
+    # module fixture would run it again on each pytest-xdist worker its tests land on.
+    png = tmp_path / "small_ops.png" if _has_matplotlib() else None
+    path = tmp_path / "small_ops.json"
+    result = small_ops.main(["--size", "tiny", "--json", str(path)] + (["--plot", str(png)] if png else []))
+    _small_ops_every_row_timed_and_equal_to_plain(path)
+    _small_ops_budgets_and_bytes(result)
+    _small_ops_region_rows_match_plain_torch_within_their_budgets(result)
+    if png is not None:  # (matplotlib is in the test extra; without it no plot is asked for)
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def _has_matplotlib() -> bool:
@@ -264,8 +270,7 @@ def _has_matplotlib() -> bool:
     return True
 
 
-def test_small_ops_every_row_timed_and_equal_to_plain(small_ops_result):
-    result, path, _png = small_ops_result
+def _small_ops_every_row_timed_and_equal_to_plain(path):
     with open(path) as f:
         saved = json.load(f)
     for key in METADATA:
@@ -283,8 +288,8 @@ def test_small_ops_every_row_timed_and_equal_to_plain(small_ops_result):
             assert r["ops"] > 10 and r["outputs_equal"], r
 
 
-def test_small_ops_budgets_and_bytes(small_ops_result):
-    for work in small_ops_result[0]["works"]:
+def _small_ops_budgets_and_bytes(result):
+    for work in result["works"]:
         rows = {r["row"]: r for r in work["rows"]}
         base = work["budget_base_bytes"]
         if work["kind"] == "train":  # weights, grads, AdamW state and activations
@@ -303,8 +308,8 @@ def test_small_ops_budgets_and_bytes(small_ops_result):
             assert 0 < flow["bytes_moved"] <= genoa["bytes_moved"], (work["work"], flow, genoa)
 
 
-def test_small_ops_region_rows_match_plain_torch_within_their_budgets(small_ops_result):
-    for work in small_ops_result[0]["works"]:
+def _small_ops_region_rows_match_plain_torch_within_their_budgets(result):
+    for work in result["works"]:
         rows = {r["row"]: r for r in work["region_rows"]}  # (decoding, and training through regions)
         assert list(rows) == [label for label, *_ in small_ops.REGION_ROWS]
         for r in rows.values():
@@ -347,17 +352,9 @@ def test_small_ops_rows_picks_the_region_rows_by_label():
         assert all(r["equal"] and r["bytes_moved"] > 0 for r in work["region_rows"])
 
 
-def test_small_ops_plot(small_ops_result):
-    png = small_ops_result[2]
-    if png is None:
-        pytest.skip("needs matplotlib")
-    with open(png, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-
-
 def test_small_ops_budget_too_small_does_not_fit(monkeypatch, capsys):
     monkeypatch.setattr(small_ops, "ROWS", small_ops.ROWS[:1] + (("sim, Flow, 0.1%", "sim", "flow", 0.001),))
-    result = small_ops.main(["--size", "tiny", "--work", "decode"])
+    result = small_ops.main(["--size", "tiny", "--work", "decode", "--no-regions"])
     for work in result["works"]:
         row = work["rows"][1]
         assert not row["fits"] and "budget" in row["error"].lower(), row
@@ -368,7 +365,7 @@ def test_small_ops_mismatch_exits_non_zero(monkeypatch, capsys):
     monkeypatch.setattr(small_ops, "ROWS", small_ops.ROWS[:2])
     monkeypatch.setattr(small_ops, "outputs_equal", lambda outs, expected: False)
     with pytest.raises(SystemExit) as exit_:
-        small_ops.main(["--size", "tiny", "--work", "train"])
+        small_ops.main(["--size", "tiny", "--work", "train", "--no-regions"])
     assert exit_.value.code == 1
     assert "DIFFER FROM PLAIN" in capsys.readouterr().out
 
