@@ -178,6 +178,36 @@ def test_division_and_subtraction_in_chunks_equal_one_call(tight):
         assert torch.equal(_plain(g), e)
 
 
+@pytest.mark.parametrize("case", ["outer", "rows", "columns", "in place", "leading one"])
+def test_broadcasting_elementwise_ops_in_rows_equal_one_call(tight, case):
+    # diffusers' SD3 makes its 2-d sin-cos position embedding with ``torch.outer`` (a ``mul``
+    # of (M, 1) by (D,)): a result larger than the budget was refused as unsplittable.
+    col, pcol = _pair(ROWS, 1)
+    row, prow = _pair(DIM, seed=1)
+    big, pbig = _pair(ROWS, DIM, seed=2)
+    ops = {"outer": lambda c, r, b: torch.outer(c.view(-1), r),
+           "rows": lambda c, r, b: b - r,
+           "columns": lambda c, r, b: torch.div(c, b),
+           "in place": lambda c, r, b: b.add_(r.view(1, -1), alpha=0.5).mul_(c),
+           "leading one": lambda c, r, b: b.view(1, ROWS, DIM) * r.view(1, 1, DIM)}
+    with plain_torch():
+        expected = ops[case](pcol, prow, pbig)
+        layout = (expected.shape, expected.stride())
+        expected = expected.cpu()
+    _tighten(tight)
+    got = ops[case](col, row, big)
+    assert isinstance(got, TensorRef) and (got.shape, got.stride()) == layout
+    assert torch.equal(_plain(got), expected)
+
+
+def test_a_broadcast_whose_rows_are_not_one_range_is_refused(tight):
+    big, _ = _pair(DIM, ROWS)
+    row, _ = _pair(DIM, seed=1)
+    _tighten(tight)
+    with pytest.raises(OutOfBudgetError, match="mul"):
+        big.t() * row  # (the transposed rows are not ranges of its bytes)
+
+
 def test_transposed_tensors_in_chunks_equal_one_call(tight):
     # A weight used several times gets its gradients summed, each a transpose (a Linear's);
     # the sum was refused as unsplittable: pieces were cut for contiguous tensors only.

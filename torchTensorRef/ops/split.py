@@ -6,6 +6,8 @@ run as several kernels on *pieces* of their tensors, each piece small enough:
 - elementwise ops (and each position of a list op): consecutive chunks of the flattened
   tensors; every element is computed by the same kernel from the same inputs, so the bits
   are those of one call;
+- elementwise ops that broadcast (``torch.outer``, a bias added to every row): ranges of the
+  result's outer dimension, each tensor as long there cut alike, the others given whole;
 - reductions (``_foreach_norm``, ``_foreach_max``): one result per chunk, then combined
   (max and min exactly; a 2-norm as the norm of the chunks' norms: equal up to rounding,
   not bit for bit, since one kernel sums in another order);
@@ -30,7 +32,7 @@ the op and the smallest budget that works.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -171,14 +173,38 @@ def tensors_of(values):
                     yield e
 
 
-def _plan(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
+class _Cut(NamedTuple):
+    """How ``run_chunked`` cuts an op: along ``units`` positions of its result, ``chunk`` of
+    them at a time. Each tensor of ``cut`` (by ``id``) is cut into pieces: it holds
+    ``cut[id][0]`` elements a position, in one range of its bytes, and its piece of ``n``
+    positions has the shape ``lead + (n,) + tail`` (``cut[id][1:]``); the other tensors are
+    given whole to every chunk. A new result holds ``out_per_unit`` elements a position."""
+
+    cut: dict
+    big: list
+    units: int
+    chunk: int
+    aligns: tuple
+    shape: tuple
+    out_per_unit: int
+    out_stride: Optional[tuple]
+    reduction: bool
+    out_meta: Optional[list]
+
+
+def _plan(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broadcast: bool = False) -> _Cut:
     """How ``run_chunked`` splits the op; raises ``OutOfBudgetError`` where it cannot.
 
-    The big tensors are cut in ranges of their bytes: they must be laid out alike, contiguous
-    or dense in the same other order (gradients of a transposed weight, summed over its
-    uses), and contiguous where the op works on rows."""
+    Elementwise (``row`` 1): the big tensors, those with the most elements, are cut in
+    ranges of their bytes; they must be laid out alike, contiguous or dense in the same other
+    order (gradients of a transposed weight, summed over its uses). By rows (``row`` > 1):
+    the same, contiguous, in whole rows of ``row`` elements. Broadcasting (``broadcast``):
+    the result is cut along its first dimension longer than one, each contiguous tensor as
+    long there cut alike, the others (broadcast along it) given whole."""
     name = spec.name
     tensors = list(tensors_of(list(args) + list(kwargs.values())))
+    if broadcast:
+        return _broadcast_plan(func, args, kwargs, spec, left, tensors)
     numel = max((t.numel() for t in tensors), default=0)
     big = [t for t in tensors if t.numel() == numel]
     if not big or numel == 0:
@@ -188,19 +214,70 @@ def _plan(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
     if (any(t.shape != shape or t.stride() != stride or t.is_conj() or t.is_neg() for t in big)
             or not (big[0].is_contiguous() if row > 1 else dense(big[0]))):
         raise refuse(name, op_bytes(spec, args, kwargs), left)
-    seen: set = set()
-    refs_bytes(big, seen)
-    fixed = refs_bytes([t for t in tensors if block_of(t).id not in seen])
-    pieces = [t.element_size() for t in {id(block_of(t)): t for t in big}.values()]
+    tail = (row,) if row > 1 else ()
+    cut = {id(t): (row, (), tail) for t in big}
     reduction = func.overloadpacket.__name__ in _REDUCTIONS
     out_meta = None
     if spec.allocates and not reduction:
         out_meta = _out_dtypes(func, args, kwargs)
-        pieces += [d.itemsize for d in out_meta]
+    aligns = (1,) if row > 1 else (ALIGN, MIN_ALIGN)
+    return _sized(spec, args, kwargs, left, tensors, cut, numel // row, aligns, tuple(shape), row,
+                  None if big[0].is_contiguous() else tuple(stride), reduction, out_meta)
+
+
+def _broadcast_plan(func, args, kwargs, spec: OpSpec, left: int, tensors) -> _Cut:
+    name = spec.name
+    if any(isinstance(v, torch.Tensor) and not isinstance(v, TensorRef) and v.dim()
+           for v in list(args) + list(kwargs.values())):
+        raise refuse(name, op_bytes(spec, args, kwargs), left)  # (a plain tensor: not cut)
+    # (plain torch's own checks and layout, on meta tensors of the real shapes)
+    result = func(*[_meta(a, whole=True) for a in args], **{k: _meta(v, whole=True) for k, v in kwargs.items()})
+    out = _flat_results(result)
+    if len(out) != 1:
+        raise refuse(name, op_bytes(spec, args, kwargs), left)
+    shape = tuple(out[0].shape)
+    d = next((i for i, n in enumerate(shape) if n > 1), None)
+    if d is None or not out[0].is_contiguous():
+        raise refuse(name, op_bytes(spec, args, kwargs), left)
+    units = shape[d]
+    cut = {}
+    for t in tensors:
+        at = d - (len(shape) - t.dim())
+        if at < 0 or t.shape[at] != units:
+            continue  # (broadcast along the cut: given whole)
+        if not t.is_contiguous() or t.is_conj() or t.is_neg():
+            raise refuse(name, op_bytes(spec, args, kwargs), left)
+        tail = tuple(t.shape[at + 1:])
+        cut[id(t)] = (_numel(tail), tuple(t.shape[:at]), tail)
+    if not cut:
+        raise refuse(name, op_bytes(spec, args, kwargs), left)
+    out_meta = [out[0].dtype] if spec.allocates else None
+    return _sized(spec, args, kwargs, left, tensors, cut, units, (1,), shape, _numel(shape[d + 1:]), None,
+                  False, out_meta)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _sized(spec, args, kwargs, left, tensors, cut, units, aligns, shape, out_per_unit, out_stride,
+           reduction, out_meta) -> _Cut:
+    """The cut with its chunk: as many positions as fit ``left`` beside the tensors given whole."""
+    big = [t for t in tensors if id(t) in cut]
+    seen: set = set()
+    refs_bytes(big, seen)
+    fixed = refs_bytes([t for t in tensors if block_of(t).id not in seen])
+    # (bytes a position of each piece holds: one piece per block cut)
+    pieces = [t.element_size() * cut[id(t)][0] for t in {id(block_of(t)): t for t in big}.values()]
+    if out_meta is not None:
+        pieces += [d.itemsize * out_per_unit for d in out_meta]
     if reduction:
         fixed += block_bytes(8)  # each chunk's result (one value)
-    chunk = chunk_elements(sum(pieces), fixed, left, numel, name, pieces=pieces)
-    return big, numel, shape, chunk, reduction, out_meta
+    chunk = chunk_elements(sum(pieces), fixed, left, units, spec.name, aligns=aligns, pieces=pieces)
+    return _Cut(cut, big, units, chunk, aligns, shape, out_per_unit, out_stride, reduction, out_meta)
 
 
 def may_retry(spec: OpSpec) -> bool:
@@ -220,69 +297,71 @@ def check_chunkable(func, args, kwargs, spec: OpSpec, left: int) -> None:
     _plan(func, args, kwargs, spec, left)
 
 
-def _piece_of(v, numel: int, start: int, stop: int, row: int, written: set, pieces: dict):
-    """Argument ``v`` for the chunk ``start:stop``: a big tensor's piece (one per block and
-    offset, in ``pieces`` with whether the op writes it), in lists and tuples too."""
-    if isinstance(v, TensorRef) and v.numel() == numel:
-        key = (id(block_of(v)), v.storage_offset())
+def _piece_of(v, plan: _Cut, start: int, stop: int, written: set, pieces: dict):
+    """Argument ``v`` for the positions ``start:stop``: a cut tensor's piece (one per block,
+    offset and shape, in ``pieces`` with whether the op writes it), in lists and tuples too."""
+    if isinstance(v, TensorRef):
+        how = plan.cut.get(id(v))
+        if how is None:
+            return v
+        per, lead, tail = how
+        key = (id(block_of(v)), v.storage_offset(), how)
         if key not in pieces:
-            piece = alias_piece(v, start, stop)
-            pieces[key] = (piece if row == 1 else piece.view(-1, row), id(v) in written)
+            piece = alias_piece(v, start * per, stop * per)
+            pieces[key] = (piece.view(*lead, stop - start, *tail) if lead or tail else piece, id(v) in written)
         return pieces[key][0]
     if isinstance(v, (list, tuple)):
-        return v.__class__(_piece_of(e, numel, start, stop, row, written, pieces) for e in v)
+        return v.__class__(_piece_of(e, plan, start, stop, written, pieces) for e in v)
     return v
 
 
-def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1):
+def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broadcast: bool = False):
     """``func`` (elementwise, or a list op over one position) in chunks of its big tensors.
 
     The big tensors are those with the most elements (the op's shape); tensors with fewer
     (0-dim scalars, a step count, ``found_inf``) are passed whole to every chunk. With
     ``row`` > 1 the op works on each row of its last dimension alone (``log_softmax`` over
-    it): chunks are whole rows, and each piece is seen as a matrix of them.
+    it): chunks are whole rows, and each piece is seen as a matrix of them. With
+    ``broadcast`` the op's tensors broadcast to its result's shape: chunks are ranges of the
+    result's first dimension longer than one (``_plan``).
     """
-    big, numel, shape, chunk, reduction, out_meta = _plan(func, args, kwargs, spec, left, row)
-    if row > 1:
-        if chunk < row:
-            per_row = (numel and op_bytes(spec, args, kwargs) * row // numel) or row
-            raise refuse(spec.name, per_row, left)
-        chunk = chunk // row * row
+    plan = _plan(func, args, kwargs, spec, left, row, broadcast)
+    chunk, units, per = plan.chunk, plan.units, plan.out_per_unit
     written = {id(b) for b in _written(spec, args, kwargs)}
     packet = func.overloadpacket.__name__
     outs = None
-    if out_meta is not None:
+    if plan.out_meta is not None:
         # (laid out as the big tensors, as plain torch lays out an elementwise op's result)
-        stride = None if big[0].is_contiguous() else big[0].stride()
-        outs = [host_result(shape, d, stride=stride, pinned=True) for d in out_meta]
+        outs = [host_result(plan.shape, d, stride=plan.out_stride, pinned=True) for d in plan.out_meta]
     partial: List = []
     retry = may_retry(spec)
-    with held_on_host(big + (outs or []), wait=False):
+    smallest = plan.aligns[-1]
+    with held_on_host(plan.big + (outs or []), wait=False):
         start = 0
-        while start < numel:
-            stop = min(start + chunk, numel)
+        while start < units:
+            stop = min(start + chunk, units)
             pieces: dict = {}
-            cargs = [_piece_of(a, numel, start, stop, row, written, pieces) for a in args]
-            ckwargs = {k: _piece_of(v, numel, start, stop, row, written, pieces) for k, v in kwargs.items()}
+            cargs = [_piece_of(a, plan, start, stop, written, pieces) for a in args]
+            ckwargs = {k: _piece_of(v, plan, start, stop, written, pieces) for k, v in kwargs.items()}
             try:
-                with landing(outs, start, stop, spec) as host:
+                with landing(outs, start * per, stop * per, spec) as host:
                     result = run_generic(func, cargs, ckwargs, spec)
             except OutOfBudgetError:
-                smaller = max(chunk // 2 // (row if row > 1 else MIN_ALIGN), 1) * (row if row > 1 else MIN_ALIGN)
+                smaller = max(chunk // 2 // smallest, 1) * smallest
                 if not retry or smaller >= chunk:
                     raise
                 chunk = smaller  # (the chunk did not fit after all: nothing was written, a smaller one is cut)
                 del pieces, cargs, ckwargs
                 continue
             write_back([p for p, w in pieces.values() if w])
-            if reduction:
+            if plan.reduction:
                 partial.append(result)
             elif outs is not None:
                 for out, r in zip(outs, _flat_results(result)):
-                    land(r, out, start, stop, host)
+                    land(r, out, start * per, stop * per, host)
             del pieces, cargs, ckwargs, result
             start = stop
-    if reduction:
+    if plan.reduction:
         return _combine(packet, args, kwargs, partial)
     if outs is None:
         return _in_place_result(spec, args, kwargs)
@@ -302,14 +381,19 @@ def _written(spec, args, kwargs):
 
 def _out_dtypes(func, args, kwargs) -> List[torch.dtype]:
     """dtypes of the op's new results, from a run on meta tensors of one element."""
-    def meta(v):
-        if isinstance(v, torch.Tensor):
-            return raw.empty((1,) if v.dim() else (), dtype=v.dtype, device="meta")
-        if isinstance(v, (list, tuple)):
-            return v.__class__(meta(e) for e in v)
-        return v
-    out = func(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+    out = func(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()})
     return [t.dtype for t in _flat_results(out)]
+
+
+def _meta(v, whole: bool = False):
+    """``v`` with its tensors as meta tensors: of one element, or of their own geometry (``whole``)."""
+    if isinstance(v, torch.Tensor):
+        if whole:
+            return raw.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return raw.empty((1,) if v.dim() else (), dtype=v.dtype, device="meta")
+    if isinstance(v, (list, tuple)):
+        return v.__class__(_meta(e, whole) for e in v)
+    return v
 
 
 def _flat_results(result) -> list:

@@ -252,15 +252,16 @@ POINTWISE = [
 
 @implements(POINTWISE)
 def pointwise(func, args, kwargs, spec: OpSpec):
-    """An elementwise op in chunks when its tensors do not fit together."""
+    """An elementwise op in chunks when its tensors do not fit together: ranges of their
+    elements where they have one shape (0-d scalars aside), else ranges of the result's
+    outer dimension (``torch.outer(a, b)`` as ``a[:, None] * b``)."""
     left = fits(spec, args, kwargs)
     if left is None:
         return default(func, args, kwargs, spec)
     tensors = list(tensors_of(list(args) + list(kwargs.values())))
-    numel = max(t.numel() for t in tensors)
-    if any(t.numel() not in (numel, 1) or (t.numel() == 1 and t.dim() and numel > 1) for t in tensors):
-        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)  # broadcasting: not chunked
-    return run_chunked(func, args, kwargs, spec, left)
+    shape = max(tensors, key=torch.Tensor.numel).shape
+    broadcast = any(t.dim() and t.shape != shape for t in tensors)
+    return run_chunked(func, args, kwargs, spec, left, broadcast=broadcast)
 
 
 #: what ``_to_copy`` may be asked besides a dtype and stay a same-device elementwise conversion
