@@ -178,7 +178,8 @@ def test_division_and_subtraction_in_chunks_equal_one_call(tight):
         assert torch.equal(_plain(g), e)
 
 
-@pytest.mark.parametrize("case", ["outer", "rows", "columns", "in place", "leading one"])
+@pytest.mark.parametrize("case", ["outer", "rows", "columns", "in place", "leading one", "two dims",
+                                  "two dims in place"])
 def test_broadcasting_elementwise_ops_in_rows_equal_one_call(tight, case):
     # diffusers' SD3 makes its 2-d sin-cos position embedding with ``torch.outer`` (a ``mul``
     # of (M, 1) by (D,)): a result larger than the budget was refused as unsplittable.
@@ -189,7 +190,10 @@ def test_broadcasting_elementwise_ops_in_rows_equal_one_call(tight, case):
            "rows": lambda c, r, b: b - r,
            "columns": lambda c, r, b: torch.div(c, b),
            "in place": lambda c, r, b: b.add_(r.view(1, -1), alpha=0.5).mul_(c),
-           "leading one": lambda c, r, b: b.view(1, ROWS, DIM) * r.view(1, 1, DIM)}
+           "leading one": lambda c, r, b: b.view(1, ROWS, DIM) * r.view(1, 1, DIM),
+           # (positions over two dims, cut as one; a whole tensor of the result's rank)
+           "two dims": lambda c, r, b: b.view(2, ROWS // 2, DIM) + c.view(2, ROWS // 2, 1),
+           "two dims in place": lambda c, r, b: b.view(2, ROWS // 2, DIM).mul_(r.view(1, 1, DIM))}
     with plain_torch():
         expected = ops[case](pcol, prow, pbig)
         layout = (expected.shape, expected.stride())
@@ -206,6 +210,28 @@ def test_a_broadcast_whose_rows_are_not_one_range_is_refused(tight):
     _tighten(tight)
     with pytest.raises(OutOfBudgetError, match="mul"):
         big.t() * row  # (the transposed rows are not ranges of its bytes)
+
+
+@pytest.mark.parametrize("dim", [1, -1])
+def test_a_cat_along_an_inner_dimension_in_rows_equals_one_call(tight, dim):
+    # (SD3's sin-cos embedding joins two halves side by side: refused at a budget below it)
+    left, pleft = _pair(2, ROWS, DIM // 2)
+    right, pright = _pair(2, ROWS, DIM // 4, seed=1)
+    empty, pempty = _pair(0)  # (a 1-d empty tensor, which cat passes by)
+    with plain_torch():
+        expected = torch.cat([pleft, pempty, pright], dim=dim + (dim > 0)).cpu()
+    _tighten(tight)
+    got = torch.cat([left, empty, right], dim=dim + (dim > 0))
+    assert isinstance(got, TensorRef) and got.shape == expected.shape and got.is_contiguous()
+    assert torch.equal(_plain(got), expected)
+
+
+def test_a_cat_along_its_outer_dimension_larger_than_the_budget_is_refused(tight):
+    top, _ = _pair(ROWS // 2, DIM)
+    bottom, _ = _pair(ROWS // 2, DIM, seed=1)
+    _tighten(tight)
+    with pytest.raises(OutOfBudgetError, match="cat"):
+        torch.cat([top, bottom])
 
 
 def test_transposed_tensors_in_chunks_equal_one_call(tight):

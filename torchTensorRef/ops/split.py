@@ -239,21 +239,41 @@ def _broadcast_plan(func, args, kwargs, spec: OpSpec, left: int, tensors) -> _Cu
     d = next((i for i, n in enumerate(shape) if n > 1), None)
     if d is None or not out[0].is_contiguous():
         raise refuse(name, op_bytes(spec, args, kwargs), left)
-    units = shape[d]
-    cut = {}
+    # Cut along dims d, d + 1, ... while each tensor keeps its part: a cut one has the
+    # result's sizes there (its positions are then one range of its bytes, contiguous), a
+    # whole one sizes 1 or none.
+    cut_ids = set()
     for t in tensors:
         at = d - (len(shape) - t.dim())
-        if at < 0 or t.shape[at] != units:
-            continue  # (broadcast along the cut: given whole)
-        if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        if at >= 0 and t.shape[at] == shape[d]:
+            cut_ids.add(id(t))
+        elif at >= 0 and t.shape[at] != 1:
             raise refuse(name, op_bytes(spec, args, kwargs), left)
-        tail = tuple(t.shape[at + 1:])
-        cut[id(t)] = (_numel(tail), tuple(t.shape[:at]), tail)
+    end = d + 1
+    while end < len(shape) and all(_size_at(t, end, len(shape)) == (shape[end] if id(t) in cut_ids else 1)
+                                   for t in tensors):
+        end += 1
+    units = _numel(shape[d:end])
+    cut = {}
+    for t in tensors:
+        if id(t) in cut_ids:
+            if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                raise refuse(name, op_bytes(spec, args, kwargs), left)
+            at = d - (len(shape) - t.dim())
+            # (a piece keeps the rank: its positions in one dim, ones for the others cut)
+            cut[id(t)] = (_numel(t.shape[end - d + at:]), tuple(t.shape[:at]),
+                          (1,) * (end - d - 1) + tuple(t.shape[end - d + at:]))
     if not cut:
         raise refuse(name, op_bytes(spec, args, kwargs), left)
     out_meta = [out[0].dtype] if spec.allocates else None
-    return _sized(spec, args, kwargs, left, tensors, cut, units, (1,), shape, _numel(shape[d + 1:]), None,
+    return _sized(spec, args, kwargs, left, tensors, cut, units, (1,), shape, _numel(shape[end:]), None,
                   False, out_meta)
+
+
+def _size_at(t: torch.Tensor, dim: int, rank: int) -> int:
+    """``t``'s size at the result's ``dim`` (of ``rank`` dims), broadcast: 1 where it has none."""
+    at = dim - (rank - t.dim())
+    return t.shape[at] if at >= 0 else 1
 
 
 def _numel(shape) -> int:

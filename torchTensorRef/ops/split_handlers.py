@@ -1,7 +1,8 @@
 """The ops that run in pieces when they are larger than the budget (Note [Pieces] in
 ``pieces.py``, and ``split.py``): ``embedding`` and its backward by rows, ``mm`` by
 tiles of its output, the elementwise ops a training step runs on whole parameters by
-chunks, views of big tensors without moving bytes, and a whole tensor's norm by chunks.
+chunks (by rows where they broadcast, and ``cat`` along an inner dimension), views of big
+tensors without moving bytes, and a whole tensor's norm by chunks.
 
 Each handler first checks whether the op fits, and then takes the dispatcher's own path.
 """
@@ -262,6 +263,28 @@ def pointwise(func, args, kwargs, spec: OpSpec):
     shape = max(tensors, key=torch.Tensor.numel).shape
     broadcast = any(t.dim() and t.shape != shape for t in tensors)
     return run_chunked(func, args, kwargs, spec, left, broadcast=broadcast)
+
+
+@implements(aten.cat.default)
+def cat(func, args, kwargs, spec: OpSpec):
+    """``cat`` along an inner dimension when its tensors do not fit together: ranges of the
+    result's outer dimension, each tensor cut alike (two halves of an embedding joined side
+    by side); along its outermost dimension it is refused."""
+    try:  # (cat is frequent and rarely too large: the refusal, before any byte is written, says so)
+        return default(func, args, kwargs, spec)
+    except OutOfBudgetError:
+        tensors = args[0] if args else kwargs.get("tensors", ())
+        left = fits(spec, args, kwargs, out_bytes=block_bytes(sum(t.numel() * t.element_size() for t in tensors)))
+        if left is None:
+            raise
+    shaped = [t for t in tensors if t.dim() != 1 or t.numel()]  # (1-d empty tensors: skipped by cat)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not shaped or not -shaped[0].dim() <= dim < shaped[0].dim():
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    dim %= shaped[0].dim()
+    if all(n == 1 for n in shaped[0].shape[:dim]):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)  # (its pieces' results are not ranges)
+    return run_chunked(func, args, kwargs, spec, left, broadcast=True)
 
 
 #: what ``_to_copy`` may be asked besides a dtype and stay a same-device elementwise conversion
