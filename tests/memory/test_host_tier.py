@@ -136,6 +136,12 @@ def test_host_budget_settings_are_checked_and_a_refused_one_changes_nothing(tmp_
 
 def test_offload_dir_holds_the_spill_file_until_its_tensors_leave_it(tmp_path):
     tm = tensorsManager
+    # (tensors earlier tests keep alive go to a file of their own first: in the first file
+    # they would keep it after t leaves)
+    tm.offload_dir = tmp_path / "earlier"
+    tm.host_budget = held() + 0
+    tm.synchronize()
+    tm.host_budget = None
     tm.offload_dir = tmp_path / "first"
     t = torch.ones(64, 64)
     tm.evict_all()
