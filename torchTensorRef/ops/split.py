@@ -135,6 +135,24 @@ def fits(spec: OpSpec, args, kwargs, out_bytes: Optional[int] = None) -> Optiona
     return left
 
 
+def when_refused(split_fn):
+    """The handler of an op that runs whole by the dispatcher's own paths and, where they
+    refuse it for the budget, as ``split_fn(func, args, kwargs, spec, left)`` with the room
+    ``left``. The generic path refuses before the op changes anything (``may_retry``), so
+    the op that fits, nearly every call, pays no check of its own bytes here."""
+    def handler(func, args, kwargs, spec: OpSpec):
+        try:
+            return default(func, args, kwargs, spec)
+        except OutOfBudgetError:
+            left = fits(spec, args, kwargs) if may_retry(spec) else None
+            if left is None:
+                raise
+        return split_fn(func, args, kwargs, spec, left)
+    handler.__name__ = handler.__qualname__ = split_fn.__name__
+    handler.__doc__ = split_fn.__doc__
+    return handler
+
+
 def chunk_elements(per_element: int, fixed: int, left: int, numel: int, name: str,
                    aligns=(ALIGN, MIN_ALIGN), pieces: Sequence[int] = ()) -> int:
     """Elements per chunk so that ``fixed`` and a chunk's pieces fit in ``left``, a multiple

@@ -4,7 +4,8 @@ tiles of its output, the elementwise ops a training step runs on whole parameter
 chunks (by rows where they broadcast, and ``cat`` along an inner dimension), views of big
 tensors without moving bytes, and a whole tensor's norm by chunks.
 
-Each handler first checks whether the op fits, and then takes the dispatcher's own path.
+Each handler runs its op by the dispatcher's own paths first and splits it only where they
+refuse it for the budget (``split.when_refused``); ``embedding`` also reads rows alone by choice.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
 from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
 from .split import (tensors_of, block_bytes, chunk_elements, default, fits, op_bytes, refs_bytes, refuse, room,
-                    run_chunked)
+                    run_chunked, when_refused)
 
 aten = torch.ops.aten
 
@@ -105,11 +106,11 @@ def embedding(func, args, kwargs, spec: OpSpec):
 
 
 @implements(aten.embedding_dense_backward.default)
-def embedding_dense_backward(func, args, kwargs, spec: OpSpec):
+@when_refused
+def embedding_dense_backward(func, args, kwargs, spec: OpSpec, left: int):
     """The gradient of the rows the indices name, placed in a full-size host gradient."""
-    left = fits(spec, args, kwargs)
-    if left is None or kwargs:
-        return default(func, args, kwargs, spec)
+    if kwargs:
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     grad, indices, num_weights, padding_idx, scale = args
     rows, local = _remapped(indices)
     hits = (rows == padding_idx).nonzero()
@@ -133,29 +134,23 @@ _TILE_ALIGNS = (64, 8, 1)
 
 
 @implements(aten.mm.default)
-def mm(func, args, kwargs, spec: OpSpec):
+@when_refused
+def mm(func, args, kwargs, spec: OpSpec, left: int):
     """``a @ b`` in tiles of the output's columns (or rows) when it does not fit."""
     if kwargs:
-        return default(func, args, kwargs, spec)
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     a, b = args
-    left = fits(spec, args, kwargs, _product_bytes(a, b))
-    if left is None:
-        return default(func, args, kwargs, spec)
     return _matmul_tiles(func, args, kwargs, spec, left, a, b, None)
 
 
 @implements(aten.addmm.default)
-def addmm(func, args, kwargs, spec: OpSpec):
+@when_refused
+def addmm(func, args, kwargs, spec: OpSpec, left: int):
     """``bias + a @ b`` (a ``Linear`` with a bias) in tiles as ``mm``, each with its part of a
     bias of one value per column."""
-    if kwargs or len(args) != 3:
-        return default(func, args, kwargs, spec)
-    bias, a, b = args
-    left = fits(spec, args, kwargs, _product_bytes(a, b))
-    if left is None:
-        return default(func, args, kwargs, spec)
-    if not (isinstance(bias, TensorRef) and bias.dim() == 1 and bias.shape[0] == b.shape[-1]):
-        return default(func, args, kwargs, spec)
+    bias, a, b = args if len(args) == 3 else (None, None, None)
+    if kwargs or not (isinstance(bias, TensorRef) and bias.dim() == 1 and bias.shape[0] == b.shape[-1]):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     return _matmul_tiles(func, args, kwargs, spec, left, a, b, bias)
 
 
@@ -210,12 +205,10 @@ def _tiles(func, a, b, step, count, columns: bool, bias=None):
 
 
 @implements([aten.bmm.default, aten.baddbmm.default])
-def bmm(func, args, kwargs, spec: OpSpec):
+@when_refused
+def bmm(func, args, kwargs, spec: OpSpec, left: int):
     """A batched product (attention's scores and their use) in groups of whole batch
     elements when it does not fit: each element's product is computed alone, as in one call."""
-    left = fits(spec, args, kwargs)
-    if left is None:
-        return default(func, args, kwargs, spec)
     bias, (a, b) = (None, args) if func is aten.bmm.default else (args[0], args[1:3])
     refs = [t for t in (bias, a, b) if t is not None]
     if (len(args) != (2 if bias is None else 3) or not all(isinstance(t, TensorRef) and t.dim() == 3 for t in refs)
@@ -252,13 +245,11 @@ POINTWISE = [
 
 
 @implements(POINTWISE)
-def pointwise(func, args, kwargs, spec: OpSpec):
+@when_refused
+def pointwise(func, args, kwargs, spec: OpSpec, left: int):
     """An elementwise op in chunks when its tensors do not fit together: ranges of their
     elements where they have one shape (0-d scalars aside), else ranges of the result's
     outer dimension (``torch.outer(a, b)`` as ``a[:, None] * b``)."""
-    left = fits(spec, args, kwargs)
-    if left is None:
-        return default(func, args, kwargs, spec)
     tensors = list(tensors_of(list(args) + list(kwargs.values())))
     shape = max(tensors, key=torch.Tensor.numel).shape
     broadcast = any(t.dim() and t.shape != shape for t in tensors)
@@ -266,17 +257,12 @@ def pointwise(func, args, kwargs, spec: OpSpec):
 
 
 @implements(aten.cat.default)
-def cat(func, args, kwargs, spec: OpSpec):
+@when_refused
+def cat(func, args, kwargs, spec: OpSpec, left: int):
     """``cat`` along an inner dimension when its tensors do not fit together: ranges of the
     result's outer dimension, each tensor cut alike (two halves of an embedding joined side
     by side); along its outermost dimension it is refused."""
-    try:  # (cat is frequent and rarely too large: the refusal, before any byte is written, says so)
-        return default(func, args, kwargs, spec)
-    except OutOfBudgetError:
-        tensors = args[0] if args else kwargs.get("tensors", ())
-        left = fits(spec, args, kwargs, out_bytes=block_bytes(sum(t.numel() * t.element_size() for t in tensors)))
-        if left is None:
-            raise
+    tensors = args[0] if args else kwargs.get("tensors", ())
     shaped = [t for t in tensors if t.dim() != 1 or t.numel()]  # (1-d empty tensors: skipped by cat)
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if not shaped or not -shaped[0].dim() <= dim < shaped[0].dim():
@@ -299,19 +285,19 @@ _TO = (aten.to.dtype, aten.to.dtype_layout)
 
 
 @implements([aten._to_copy.default, aten.copy_.default, aten.clone.default, *_TO])
-def conversion(func, args, kwargs, spec: OpSpec):
+@when_refused
+def conversion(func, args, kwargs, spec: OpSpec, left: int):
     """A copy or dtype conversion on the device (``clone()``, ``.to(torch.float32)``,
     ``p.copy_(master)``) in chunks when its tensors do not fit together; a copy to or from
-    another device takes the usual path."""
+    another device is refused as the usual path refuses it."""
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
     device = kwargs.get("device")
     same_device = all(isinstance(t, TensorRef) and t.device == tensors[0].device for t in tensors) and (
         device is None or torch.device(device) == tensors[0].device)
-    left = fits(spec, args, kwargs) if same_device else None
-    if left is None or func in _TO and not estimate_output_bytes(spec, args, kwargs):
+    if not same_device or func in _TO and not estimate_output_bytes(spec, args, kwargs):
         # (a copy to or from the host counts only one side; a ``to`` that converts nothing
         # returns its argument, which a copy in chunks would not be)
-        return default(func, args, kwargs, spec)
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     options = all(_CONVERSION_ONLY.get(k, lambda v: False)(v) for k, v in kwargs.items() if k != "device")
     if not options or any(t.shape != tensors[0].shape for t in tensors):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
@@ -325,12 +311,10 @@ _ROW_OPS = {aten._log_softmax.default: 1, aten._softmax.default: 1, aten._safe_s
 
 
 @implements(list(_ROW_OPS))
-def rows(func, args, kwargs, spec: OpSpec):
+@when_refused
+def rows(func, args, kwargs, spec: OpSpec, left: int):
     """(log-)softmax over the last dimension, and its backward, in chunks of whole rows
     (the logits of a large vocabulary)."""
-    left = fits(spec, args, kwargs)
-    if left is None:
-        return default(func, args, kwargs, spec)
     at = _ROW_OPS[func]
     first = args[0]
     if kwargs or first.dim() == 0 or args[at] % first.dim() != first.dim() - 1:
@@ -371,11 +355,11 @@ def view(func, args, kwargs, spec: OpSpec):
 
 
 @implements(aten.linalg_vector_norm.default)
-def vector_norm(func, args, kwargs, spec: OpSpec):
+@when_refused
+def vector_norm(func, args, kwargs, spec: OpSpec, left: int):
     """The norm of a whole tensor that does not fit: the norm of its chunks' norms."""
-    left = fits(spec, args, kwargs)
     whole = (len(args) < 3 or args[2] is None) and kwargs.get("dim") is None
     keepdim = (len(args) > 3 and args[3]) or kwargs.get("keepdim", False)
-    if left is None or not whole or keepdim:
-        return default(func, args, kwargs, spec)
+    if not whole or keepdim:
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     return run_chunked(func, args, kwargs, spec, left)

@@ -22,7 +22,7 @@ import torch
 from ..core.op_specs import OpSpec, implements
 from ..core.tensor_ref import TensorRef, host_view
 from .pieces import gathered_piece, host_result, settle, to_host
-from .split import default, fits, op_bytes, refuse
+from .split import default, op_bytes, refuse, when_refused
 
 aten = torch.ops.aten
 
@@ -46,11 +46,9 @@ def _one_column(inputs: TensorRef, target, ignore_index: int):
 
 
 @implements(aten.nll_loss_forward.default)
-def nll_loss_forward(func, args, kwargs, spec: OpSpec):
+@when_refused
+def nll_loss_forward(func, args, kwargs, spec: OpSpec, left: int):
     """``nll_loss`` on the targets' values alone when its input does not fit."""
-    left = fits(spec, args, kwargs)
-    if left is None:
-        return default(func, args, kwargs, spec)
     if kwargs or len(args) != 5 or args[2] is not None or args[0].dim() != 2 or not isinstance(args[0], TensorRef):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     inputs, target, _weight, reduction, ignore_index = args
@@ -59,11 +57,9 @@ def nll_loss_forward(func, args, kwargs, spec: OpSpec):
 
 
 @implements(aten.nll_loss_backward.default)
-def nll_loss_backward(func, args, kwargs, spec: OpSpec):
+@when_refused
+def nll_loss_backward(func, args, kwargs, spec: OpSpec, left: int):
     """The gradient at the targets, computed on one column and placed in a host result."""
-    left = fits(spec, args, kwargs)
-    if left is None:
-        return default(func, args, kwargs, spec)
     if kwargs or len(args) != 7 or args[3] is not None or args[1].dim() != 2 or not isinstance(args[1], TensorRef):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     grad_output, inputs, target, _weight, reduction, ignore_index, total_weight = args
