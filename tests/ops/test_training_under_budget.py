@@ -212,6 +212,33 @@ def test_a_broadcast_whose_rows_are_not_one_range_is_refused(tight):
         big.t() * row  # (the transposed rows are not ranges of its bytes)
 
 
+@pytest.mark.parametrize("case", ["masked_fill", "masked_fill_", "where", "relu", "clamp", "maximum", "compare",
+                                  "neg"])
+def test_exact_elementwise_ops_larger_than_the_budget_in_pieces_equal_one_call(tight, case):
+    # (eager attention masks its scores: at a small budget the scores did not fit)
+    scores, pscores = _pair(2, 4, ROWS // 8, DIM)
+    bound, pbound = _pair(DIM, seed=1)
+    with plain_torch():
+        pmask = torch.ones(ROWS // 8, DIM, dtype=torch.bool).tril().view(1, 1, ROWS // 8, DIM)
+    mask = torchTensorRef.manage(pmask.cpu())
+    ops = {"masked_fill": lambda s, m, b: s.masked_fill(m, float("-inf")),
+           "masked_fill_": lambda s, m, b: s.masked_fill_(~m, -1e4),
+           "where": lambda s, m, b: torch.where(m, s, b),
+           "relu": lambda s, m, b: torch.relu(s),
+           "clamp": lambda s, m, b: s.clamp(-0.5, 0.5),
+           "maximum": lambda s, m, b: torch.maximum(s, b),
+           "compare": lambda s, m, b: s > b,
+           "neg": lambda s, m, b: -s}
+    with plain_torch():
+        expected = ops[case](pscores, pmask, pbound)
+        layout = (expected.shape, expected.stride(), expected.dtype)
+        expected = expected.cpu()
+    _tighten(tight)
+    got = ops[case](scores, mask, bound)
+    assert isinstance(got, TensorRef) and (got.shape, got.stride(), got.dtype) == layout
+    assert torch.equal(_plain(got), expected)
+
+
 @pytest.mark.parametrize("dim", [1, -1])
 def test_a_cat_along_an_inner_dimension_in_rows_equals_one_call(tight, dim):
     # (SD3's sin-cos embedding joins two halves side by side: refused at a budget below it)

@@ -244,7 +244,18 @@ POINTWISE = [
 ]
 
 
-@implements(POINTWISE)
+#: elementwise ops whose results are exact (a choice, a sign, a comparison): the same bits
+#: in pieces on every device; an attention's mask meets scores larger than a small budget
+EXACT = [
+    aten.where.self, aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_fill.Tensor,
+    aten.masked_fill_.Tensor, aten.relu.default, aten.relu_.default, aten.neg.default, aten.abs.default,
+    aten.maximum.default, aten.minimum.default, aten.clamp.default, aten.clamp_.default, aten.logical_not.default,
+    *(getattr(getattr(aten, name), overload) for name in ("eq", "ne", "lt", "le", "gt", "ge")
+      for overload in ("Tensor", "Scalar")),
+]
+
+
+@implements(POINTWISE + EXACT)
 @when_refused
 def pointwise(func, args, kwargs, spec: OpSpec, left: int):
     """An elementwise op in chunks when its tensors do not fit together: ranges of their
