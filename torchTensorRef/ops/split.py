@@ -6,8 +6,9 @@ run as several kernels on *pieces* of their tensors, each piece small enough:
 - elementwise ops (and each position of a list op): consecutive chunks of the flattened
   tensors; every element is computed by the same kernel from the same inputs, so the bits
   are those of one call;
-- elementwise ops that broadcast (``torch.outer``, a bias added to every row): ranges of the
-  result's outer dimension, each tensor as long there cut alike, the others given whole;
+- elementwise ops that broadcast (``torch.outer``, a bias added to every row), and ``cat``
+  along an inner dimension: ranges of the result's outer dimensions, each tensor as long
+  there cut alike, the others given whole;
 - reductions (``_foreach_norm``, ``_foreach_max``): one result per chunk, then combined
   (max and min exactly; a 2-norm as the norm of the chunks' norms: equal up to rounding,
   not bit for bit, since one kernel sums in another order);
@@ -217,8 +218,8 @@ def _plan(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broadcast: 
     ranges of their bytes; they must be laid out alike, contiguous or dense in the same other
     order (gradients of a transposed weight, summed over its uses). By rows (``row`` > 1):
     the same, contiguous, in whole rows of ``row`` elements. Broadcasting (``broadcast``):
-    the result is cut along its first dimension longer than one, each contiguous tensor as
-    long there cut alike, the others (broadcast along it) given whole."""
+    the result is cut along its outer dimensions from the first longer than one, each
+    contiguous tensor as long there cut alike, the others (broadcast along them) given whole."""
     name = spec.name
     tensors = list(tensors_of(list(args) + list(kwargs.values())))
     if broadcast:
@@ -260,24 +261,24 @@ def _broadcast_plan(func, args, kwargs, spec: OpSpec, left: int, tensors) -> _Cu
     # Cut along dims d, d + 1, ... while each tensor keeps its part: a cut one has the
     # result's sizes there (its positions are then one range of its bytes, contiguous), a
     # whole one sizes 1 or none.
-    cut_ids = set()
+    cut_at = {}  # (id of each tensor cut -> its dim at the result's d)
     for t in tensors:
         at = d - (len(shape) - t.dim())
         if at >= 0 and t.shape[at] == shape[d]:
-            cut_ids.add(id(t))
+            cut_at[id(t)] = at
         elif at >= 0 and t.shape[at] != 1:
             raise refuse(name, op_bytes(spec, args, kwargs), left)
     end = d + 1
-    while end < len(shape) and all(_size_at(t, end, len(shape)) == (shape[end] if id(t) in cut_ids else 1)
+    while end < len(shape) and all(_size_at(t, end, len(shape)) == (shape[end] if id(t) in cut_at else 1)
                                    for t in tensors):
         end += 1
     units = _numel(shape[d:end])
     cut = {}
     for t in tensors:
-        if id(t) in cut_ids:
+        at = cut_at.get(id(t))
+        if at is not None:
             if not t.is_contiguous() or t.is_conj() or t.is_neg():
                 raise refuse(name, op_bytes(spec, args, kwargs), left)
-            at = d - (len(shape) - t.dim())
             # (a piece keeps the rank: its positions in one dim, ones for the others cut)
             cut[id(t)] = (_numel(t.shape[end - d + at:]), tuple(t.shape[:at]),
                           (1,) * (end - d - 1) + tuple(t.shape[end - d + at:]))
@@ -361,7 +362,7 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broad
     ``row`` > 1 the op works on each row of its last dimension alone (``log_softmax`` over
     it): chunks are whole rows, and each piece is seen as a matrix of them. With
     ``broadcast`` the op's tensors broadcast to its result's shape: chunks are ranges of the
-    result's first dimension longer than one (``_plan``).
+    result's outer dimensions (``_plan``).
     """
     plan = _plan(func, args, kwargs, spec, left, row, broadcast)
     chunk, units, per = plan.chunk, plan.units, plan.out_per_unit

@@ -154,12 +154,6 @@ def addmm(func, args, kwargs, spec: OpSpec, left: int):
     return _matmul_tiles(func, args, kwargs, spec, left, a, b, bias)
 
 
-def _product_bytes(a, b) -> int:
-    """Bytes of ``a @ b`` as the device allocates them (cheaper than the schema's estimate,
-    on a path every ``Linear`` takes)."""
-    return block_bytes(a.shape[0] * b.shape[-1] * a.element_size())
-
-
 def _matmul_tiles(func, args, kwargs, spec: OpSpec, left: int, a, b, bias):
     if not (isinstance(a, TensorRef) and isinstance(b, TensorRef)):
         return default(func, args, kwargs, spec)
