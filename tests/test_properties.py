@@ -1,11 +1,12 @@
 """Property-based programs: random views, in-place writes, moves and backward, managed vs plain.
 
-Each example draws a program on a small pool of tensors while running it on plain torch,
-then replays it on TensorRefs on ``"sim"``: once with no budget (to measure the largest
-op's working set) and once under a tiny budget no smaller than that, which forces
-eviction. After each replay every tensor of the pool, its geometry, its aliasing, its grad
-and every value read on the way must be bit-identical to plain torch, and an op that fails
-in plain torch must fail the same way managed.
+Each example draws a program on a small pool of tensors while running it on plain torch on
+the managed tensors' device (``paired.plain_torch``), then replays it on TensorRefs: once
+with no budget (to measure the largest op's working set) and once under a tiny budget no
+smaller than that, which forces eviction. After each replay every tensor of the pool, its
+geometry, its device, its aliasing, its grad and every value read on the way must be
+bit-identical to plain torch, and an op that fails in plain torch must fail the same way
+managed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.strategies import NAMES
-from paired import budget
+from paired import budget, plain_torch
 
 MAX_POOL = 10
 MAX_DIM = 4
@@ -40,11 +41,25 @@ PROGRAMS = settings(
 
 # -- the interpreter: one step on one pool, plain or managed -------------------------------
 
-def _new(shape, dtype, requires_grad, seed):
+def _new(shape, dtype, requires_grad, seed, managed):
     g = torch.Generator().manual_seed(seed)
+    if managed:  # (a TensorRef made as a user makes one: the manager places it)
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=g, dtype=dtype, requires_grad=requires_grad)
+        return torch.randint(-5, 6, shape, generator=g, dtype=dtype)
+    # plain torch on the device: the same numbers, drawn by the host's generator
     if dtype.is_floating_point:
-        return torch.randn(shape, generator=g, dtype=dtype, requires_grad=requires_grad)
-    return torch.randint(-5, 6, shape, generator=g, dtype=dtype)
+        t = torch.randn(shape, generator=g, dtype=dtype, device="cpu")
+    else:
+        t = torch.randint(-5, 6, shape, generator=g, dtype=dtype, device="cpu")
+    return t.to(tensorsManager.torch_device).requires_grad_(requires_grad)
+
+
+def _shared_array(t, managed):
+    """An array sharing ``t``'s bytes whose writes autograd does not see: a TensorRef's
+    ``numpy()`` wherever it is (it is a host tensor to numpy); on the device, where plain torch
+    has no such array, ``t.data`` (its own version counter, as an array has none)."""
+    return t.detach().numpy() if managed else t.data
 
 
 def _view(t, kind, p):
@@ -82,14 +97,14 @@ def _view(t, kind, p):
     raise AssertionError(kind)
 
 
-def _write(t, kind, p, pool):
+def _write(t, kind, p, pool, managed):
     if kind == "add_":
         other = p if not isinstance(p, tuple) else pool[p[1]]
         t.add_(other)
     elif kind == "mul_":
         t.mul_(p)
     elif kind == "copy_":
-        src = pool[p[1]] if p[0] == "pool" else _new(p[1], t.dtype, False, p[2])
+        src = pool[p[1]] if p[0] == "pool" else _new(p[1], t.dtype, False, p[2], managed)
         t.copy_(src)
     elif kind == "fill_":
         t.fill_(p)
@@ -98,7 +113,7 @@ def _write(t, kind, p, pool):
     elif kind == "index_put_":
         rows, seed, accumulate = p
         index = torch.tensor(rows, dtype=torch.int64)
-        values = _new((len(rows),) + tuple(t.shape[1:]), t.dtype, False, seed)
+        values = _new((len(rows),) + tuple(t.shape[1:]), t.dtype, False, seed, managed)
         t.index_put_((index,), values, accumulate=accumulate)
     elif kind == "masked_fill_":
         t.masked_fill_(t > 0, p)
@@ -116,7 +131,7 @@ def _write(t, kind, p, pool):
     elif kind == "set_":  # t now views the other tensor's storage
         t.set_(pool[p])
     elif kind == "numpy_write":  # through an array sharing the bytes
-        t.detach().numpy()[p] = 7
+        _shared_array(t, managed)[p] = 7
     else:
         raise AssertionError(kind)
 
@@ -139,20 +154,20 @@ def _compute(kind, a, b):
     raise AssertionError(kind)
 
 
-def _observe(t, kind):
+def _observe(t, kind, managed):
     # as text: NaN (from dtype views) must compare equal to itself
     if kind == "item":
         return repr(t.item())
     if kind == "tolist":
         return repr(t.tolist())
     if kind == "numpy":
-        return t.detach().numpy().tobytes()
+        return (t.detach() if managed else t.detach().cpu()).numpy().tobytes()
     if kind == "repr":
         # Autograd regenerates the grad_fn of a view whose base was written in place by
         # replaying the view ops for tensor subclasses and with as_strided for plain
         # tensors: the name differs by design, the rest of the text must not.
-        # The managed tensors' device is in their text; the plain run is on the CPU.
-        # (and it wraps the lines differently)
+        # The device's name and index differ (a TensorRef says the manager's device, the
+        # plain tensor the device's index) and the text wraps differently.
         text = re.sub(r"\s+", " ", re.sub(r",\s*device='\w+:\d+'", "", repr(t)))
         return re.sub(r"grad_fn=<\w+>", "grad_fn=<...>", text)
     if kind == "format":
@@ -169,7 +184,7 @@ def run_step(step, pool, log, managed, arrays):
     adds = kind in ("new", "view", "compute")
     try:
         if kind == "new":
-            out = _new(*step[1:])
+            out = _new(*step[1:], managed)
         elif kind == "view":
             _, i, vkind, p = step
             out = _view(pool[i], vkind, p)
@@ -179,7 +194,7 @@ def run_step(step, pool, log, managed, arrays):
         elif kind == "write":
             _, i, wkind, p, no_grad = step
             with torch.no_grad() if no_grad else torch.enable_grad():
-                _write(pool[i], wkind, p, pool)
+                _write(pool[i], wkind, p, pool, managed)
         elif kind == "move":
             _, i, to_gpu = step
             t = pool[i]
@@ -191,9 +206,9 @@ def run_step(step, pool, log, managed, arrays):
             (t * t).sum().backward(retain_graph=retain)
         elif kind == "observe":
             _, i, okind = step
-            log.append(_observe(pool[i], okind))
+            log.append(_observe(pool[i], okind, managed))
         elif kind == "export":
-            arrays.append(pool[step[1]].detach().numpy())
+            arrays.append(_shared_array(pool[step[1]], managed))
         elif kind == "array_write":  # later, while the tensor may be on the accelerator
             _, k, at, value = step
             arrays[k][at] = value
@@ -416,10 +431,10 @@ def _draw_step(data, pool, arrays):
 
 
 def draw_program(data, max_steps=40):
-    """Draw a program while running it on plain torch; return (steps, pool, log)."""
+    """Draw a program while running it on plain torch on the device; return (steps, pool, log)."""
     steps, pool, log, arrays = [], [], [], []
     n = data.draw(st.integers(2, max_steps), label="steps")
-    with torchTensorRef.disabled():
+    with plain_torch():
         for _ in range(n):
             step = _draw_step(data, pool, arrays)
             steps.append(step)
@@ -437,8 +452,15 @@ def replay(steps):
 # -- comparing the two runs ------------------------------------------------------------
 
 def _plain_of(t):
+    """A TensorRef's values on the host."""
     with torchTensorRef.disabled():
-        return t.target.detach().clone()
+        return t.target.detach().cpu().clone()
+
+
+def _host(t):
+    """A plain device tensor's values on the host."""
+    with torchTensorRef.disabled():
+        return t.detach().cpu()
 
 
 def _autograd_state(t):
@@ -456,14 +478,14 @@ def assert_same_pool(plain, managed):
             continue
         assert isinstance(m, torchTensorRef.TensorRef), f"pool[{k}] is {type(m).__name__}"
         where = f"pool[{k}]"
-        geometry = (m.shape, m.stride(), m.storage_offset(), m.dtype)
-        assert geometry == (p.shape, p.stride(), p.storage_offset(), p.dtype), f"{where}: {geometry}"
+        geometry = (m.shape, m.stride(), m.storage_offset(), m.dtype, m.device)
+        assert geometry == (p.shape, p.stride(), p.storage_offset(), p.dtype, p.device), f"{where}: {geometry}"
         assert _autograd_state(m) == _autograd_state(p), f"{where}: {_autograd_state(m)} != {_autograd_state(p)}"
-        torch.testing.assert_close(_plain_of(m), p.detach(), rtol=0, atol=0, equal_nan=True, msg=where)
+        torch.testing.assert_close(_plain_of(m), _host(p), rtol=0, atol=0, equal_nan=True, msg=where)
         if _autograd_state(p) == (p.requires_grad, True):
             assert (p.grad is None) == (m.grad is None), f"{where}.grad"
             if p.grad is not None:
-                torch.testing.assert_close(_plain_of(m.grad), p.grad, rtol=0, atol=0, equal_nan=True,
+                torch.testing.assert_close(_plain_of(m.grad), _host(p.grad), rtol=0, atol=0, equal_nan=True,
                                            msg=f"{where}.grad")
     # views share a block exactly where plain tensors share a storage
     live = [k for k, p in enumerate(plain) if p is not None]
