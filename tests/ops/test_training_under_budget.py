@@ -590,3 +590,55 @@ def test_a_copy_to_the_host_takes_the_usual_path(tight):
         expected = pw.cpu()
     _tighten(tight, ROWS // 4 * DIM * 4 + 4096)
     assert torch.equal(w.cpu(), expected)
+
+
+@pytest.mark.parametrize("case", ["product", "gelu's input", "contiguous", "copy", "two halves"])
+def test_halves_of_a_chunked_tensor_in_rows_equal_one_call(tight, case):
+    # diffusers' GEGLU multiplies one half of a projection (``chunk(2, dim=-1)``: not one
+    # range of its bytes) by an activation of the other: at a quarter of a UNet's weights
+    # the product was refused as unsplittable.
+    proj, pproj = _pair(2, ROWS // 4, 2 * DIM)
+    dst, pdst = _pair(2, ROWS // 4, DIM, seed=1)
+    ops = {"product": lambda p, d: p.chunk(2, -1)[0] * torch.relu(p.chunk(2, -1)[1]),
+           "gelu's input": lambda p, d: torch.maximum(p.chunk(2, -1)[1], d),
+           "contiguous": lambda p, d: p.chunk(2, -1)[1].contiguous(),
+           "copy": lambda p, d: d.copy_(p.chunk(2, -1)[0]),
+           "two halves": lambda p, d: p.chunk(2, -1)[0] - p.chunk(2, -1)[1]}
+    with plain_torch():
+        expected = ops[case](pproj, pdst)
+        layout = (expected.shape, expected.stride())
+        expected = expected.cpu()
+    _tighten(tight)
+    with torch.no_grad():
+        got = ops[case](proj, dst)
+    assert isinstance(got, TensorRef) and (got.shape, got.stride()) == layout
+    assert torch.equal(_plain(got), expected)
+    assert torch.equal(_plain(proj), pproj.cpu())  # (only read)
+
+
+def test_a_half_of_a_chunked_tensor_written_in_place_is_refused(tight):
+    # (a piece of a half brings the other half's bytes too; written back, they would
+    # overwrite what another piece of the tensor wrote)
+    proj, _ = _pair(2, ROWS // 4, 2 * DIM)
+    other, _ = _pair(2, ROWS // 4, DIM, seed=1)
+    _tighten(tight)
+    first, second = proj.chunk(2, -1)
+    with pytest.raises(OutOfBudgetError, match="mul"):
+        first.mul_(other)
+    with pytest.raises(OutOfBudgetError, match="add"):
+        torch.add(first, other, out=second)
+
+
+def test_contiguous_of_a_transposed_tensor_larger_than_the_budget_is_laid_out_as_plain_torch(tight):
+    a, pa = _pair(ROWS, DIM)
+    with plain_torch():
+        expected = pa.t().contiguous()
+        layout = (expected.shape, expected.stride())
+    _tighten(tight)
+    try:
+        got = a.t().contiguous()
+    except OutOfBudgetError as e:  # (its positions overlap in its bytes: not cut)
+        assert "clone" in str(e)
+    else:
+        assert (got.shape, got.stride()) == layout
+        assert torch.equal(_plain(got), expected.cpu())

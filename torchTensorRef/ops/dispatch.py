@@ -102,15 +102,17 @@ def _only_on_disk(a) -> bool:
 
 
 def view_on_disk(func, args, kwargs):
-    """A view (``detach``, ``view``, ``t`` ...) of a block whose only copy is on disk: its
+    """A view (``detach``, ``view``, ``t``, ``split`` ...) of a block whose only copy is on disk: its
     geometry comes from the op on a meta twin, and nothing is read (``nn.Parameter(w)`` of a
     weight loaded lazily runs ``detach``)."""
     ref = args[0]
     storage = raw.empty(block_of(ref).nbytes, dtype=raw.UINT8, device="meta").untyped_storage()
     meta = raw.typed_view(storage, ref.dtype, ref.size(), ref.stride(), ref.storage_offset())
     out = func(meta, *args[1:], **kwargs)
-    if out.__class__ is not _Tensor or out.untyped_storage()._cdata != meta.untyped_storage()._cdata:
-        return run_generic(func, args, kwargs, _SPECS.get(id(func)) or spec_of(func))  # not one view
+    outs = out if isinstance(out, (list, tuple)) else (out,)  # (``split``, ``unbind``: several views)
+    if not outs or any(o.__class__ is not _Tensor or o.untyped_storage()._cdata != meta.untyped_storage()._cdata
+                       for o in outs):
+        return run_generic(func, args, kwargs, _SPECS.get(id(func)) or spec_of(func))  # not views of it
     mgr = _mgr
     with mgr.lock:
         block = block_of(ref)
@@ -124,10 +126,11 @@ def view_on_disk(func, args, kwargs):
             mgr.op_count += 1
             block.last_use = ctx.index
             strategy.before_op(ctx)
-        view = make_ref(block, out, mgr.declared, geometry_only=True)  # (a meta view: no bytes to run on)
+        # (meta views: no bytes to run on)
+        views = [make_ref(block, o, mgr.declared, geometry_only=True) for o in outs]
         if ctx is not None:
             strategy.after_op(ctx)
-        return view
+        return views[0] if outs is not out else out.__class__(views)
 
 
 class _NotResident(Exception):

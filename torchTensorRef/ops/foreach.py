@@ -7,7 +7,7 @@ These ops treat each list position independently (the CPU kernels even loop over
 positions), so running them on consecutive slices of their lists gives the same result,
 bit for bit. When the whole op fits the budget it takes the generic path unchanged; a
 position whose tensors do not fit even alone runs in chunks of its elements
-(``split.run_chunked``: elementwise positions exactly, norms and maxima combined).
+(``chunks.run_chunked``: elementwise positions exactly, norms and maxima combined).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from ..core import raw
 from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements
-from . import split
+from . import chunks, split
 from .dispatch import run_generic, run_unhandled
 from .host_arguments import to_host
 from .output_size import estimate_output_bytes
@@ -107,7 +107,7 @@ def _meta_slice(value, start, stop):
 def _slices(spec, layout, n, args, kwargs, limit) -> List[Tuple[int, int, bool]]:
     """Consecutive position ranges ``(start, stop, alone)``, each as long as fits within
     ``limit`` together with the op's shared arguments; ``alone``: one position that does
-    not fit by itself, to run in chunks of its tensors (``split.run_chunked``)."""
+    not fit by itself, to run in chunks of its tensors (``chunks.run_chunked``)."""
     per_position = []
     for index, name in layout.lists:
         value = _get(args, kwargs, index, name)
@@ -166,7 +166,7 @@ def run_in_slices(func, args, kwargs, spec: OpSpec):
         # Refused before any slice has written: a position that cannot be chunked.
         for start, stop, alone in slices:
             if alone:
-                split.check_chunkable(func, *_sliced(layout, n, args, kwargs, start, stop, _meta_slice), spec, limit)
+                chunks.check_chunkable(func, *_sliced(layout, n, args, kwargs, start, stop, _meta_slice), spec, limit)
     for start, stop, alone in slices:
         results.extend(_run_slice(func, spec, layout, n, args, kwargs, start, stop, alone, limit))
     if layout.returns_lists == 0:
@@ -181,7 +181,7 @@ def _run_slice(func, spec, layout, n, args, kwargs, start, stop, alone, limit) -
     room was an estimate: ``split.may_retry``) runs as two halves, a position alone in chunks."""
     slice_args, slice_kwargs = _sliced(layout, n, args, kwargs, start, stop, lambda v, a, b: v[a:b])
     if alone:
-        return [split.run_chunked(func, slice_args, slice_kwargs, spec, limit)]
+        return [chunks.run_chunked(func, slice_args, slice_kwargs, spec, limit)]
     try:
         return [run_generic(func, slice_args, slice_kwargs, spec)]
     except OutOfBudgetError:

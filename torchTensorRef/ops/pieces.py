@@ -96,11 +96,18 @@ def dense(t: torch.Tensor) -> bool:
     return True
 
 
-def alias_piece(ref: TensorRef, start: int, stop: int) -> TensorRef:
+def alias_piece(ref: TensorRef, start: int, stop: int, geometry=None) -> TensorRef:
     """A piece over elements ``start:stop`` (in the order of its bytes) of settled dense
     ``ref``, aliasing its host bytes: fetched once ``ref``'s write-back ends, and written
-    back into them asynchronously, ``ref``'s host copy waiting for it."""
-    piece = _manage(raw.alias(flat_host(ref)[start:stop]))
+    back into them asynchronously, ``ref``'s host copy waiting for it. With ``geometry``
+    (sizes, strides): over elements ``start:stop`` of settled ``ref``'s storage counted from
+    its first element, seen with that geometry (positions of a view that is not dense)."""
+    if geometry is None:
+        plain = raw.alias(flat_host(ref)[start:stop])
+    else:
+        v = host_view(ref).detach()
+        plain = raw.alias(v.as_strided((stop - start,), (1,), v.storage_offset() + start)).as_strided(*geometry)
+    piece = _manage(plain)
     parent, block = block_of(ref), block_of(piece)
     block.host_parent = parent
     if parent.host_pending is not None:

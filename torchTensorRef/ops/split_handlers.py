@@ -19,8 +19,8 @@ from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
 from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
-from .split import (tensors_of, block_bytes, chunk_elements, default, fits, op_bytes, refs_bytes, refuse, room,
-                    run_chunked, when_refused)
+from .chunks import by_positions, run_chunked, tensors_of
+from .split import block_bytes, chunk_elements, default, fits, op_bytes, refs_bytes, refuse, room, when_refused
 
 aten = torch.ops.aten
 
@@ -256,9 +256,7 @@ def pointwise(func, args, kwargs, spec: OpSpec, left: int):
     elements where they have one shape (0-d scalars aside), else ranges of the result's
     outer dimension (``torch.outer(a, b)`` as ``a[:, None] * b``)."""
     tensors = list(tensors_of(list(args) + list(kwargs.values())))
-    shape = max(tensors, key=torch.Tensor.numel).shape
-    broadcast = any(t.dim() and t.shape != shape for t in tensors)
-    return run_chunked(func, args, kwargs, spec, left, broadcast=broadcast)
+    return run_chunked(func, args, kwargs, spec, left, broadcast=by_positions(tensors))
 
 
 @implements(aten.cat.default)
@@ -307,7 +305,10 @@ def conversion(func, args, kwargs, spec: OpSpec, left: int):
     if not options or any(t.shape != tensors[0].shape for t in tensors):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     kwargs = {k: v for k, v in kwargs.items() if k != "device"}  # (the same device: each chunk's)
-    return run_chunked(func, args, kwargs, spec, left)
+    refs = list(tensors_of(list(args) + list(kwargs.values())))
+    # (``contiguous()`` of a dense view: a contiguous result, cut along its positions)
+    relaid = kwargs.get("memory_format") is torch.contiguous_format and not refs[0].is_contiguous()
+    return run_chunked(func, args, kwargs, spec, left, broadcast=relaid or by_positions(refs))
 
 
 #: ops that compute each row of their last dimension alone: the position of their ``dim``
@@ -331,11 +332,15 @@ def rows(func, args, kwargs, spec: OpSpec, left: int):
 
 # -- views of tensors larger than the budget -------------------------------------------------
 
-#: view ops a training step applies to whole parameters (``linear`` transposes its weight)
+#: view ops a training step applies to whole parameters (``linear`` transposes its weight),
+#: and those that take parts of a tensor (``chunk``: the halves of a gated activation's
+#: projection, which the elementwise ops cut along their positions)
 VIEWS = [
     aten.t.default, aten.transpose.int, aten.view.default, aten.detach.default, aten.alias.default,
     aten.permute.default, aten.unsqueeze.default, aten.expand.default, aten._unsafe_view.default,
-    aten._conj.default, aten._neg_view.default,
+    aten._conj.default, aten._neg_view.default, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.unbind.int, aten.squeeze.dim,
+    aten.squeeze.default,
 ]
 
 
