@@ -49,6 +49,10 @@ def run(variant: str, outcomes: str, tests: str, budget: str, pytest_args: List[
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # (not the caller's pytest's)
     env.update(TORCHTENSORREF_CLIENT_VARIANT=variant, TORCHTENSORREF_CLIENT_OUTCOMES=str(out),
                TORCHTENSORREF_CLIENT_BUDGET=budget)
+    if variant == "sim":
+        # (the device the Hugging Face libraries' testing utilities pick as they load: a test's
+        # default argument ``device=torch_device`` is bound then, before the plugin runs)
+        env.update(DIFFUSERS_TEST_DEVICE="sim", TRANSFORMERS_TEST_DEVICE="sim")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as folder:
         ini = pathlib.Path(folder) / "pytest.ini"
