@@ -642,3 +642,28 @@ def test_contiguous_of_a_transposed_tensor_larger_than_the_budget_is_laid_out_as
     else:
         assert (got.shape, got.stride()) == layout
         assert torch.equal(_plain(got), expected.cpu())
+
+
+@pytest.mark.parametrize("case", ["select", "unbind", "narrow", "every other row", "split", "squeeze", "item",
+                                  "bool", "a row in place"])
+def test_parts_of_a_tensor_larger_than_the_budget_equal_plain_torch(tight, case):
+    # (taking a part of a tensor that did not fit was refused, and so was item() of one element)
+    big, pbig = _pair(ROWS, DIM)
+    ops = {"select": lambda b: b[3] * 2,
+           "unbind": lambda b: b.unbind(0)[2] + 1,
+           "narrow": lambda b: b.narrow(0, 100, 300) * 2,
+           "every other row": lambda b: b[::2].clone(),
+           "split": lambda b: b.split(8)[1] - 1,
+           "squeeze": lambda b: b.view(1, ROWS, DIM).squeeze(0)[4:6] * 3,
+           "item": lambda b: torch.tensor(b[5, 7].item()),
+           "bool": lambda b: torch.tensor(bool(b[5, 7] > 0)),
+           "a row in place": lambda b: b[7].add_(1.0)}
+    with plain_torch():
+        expected = ops[case](pbig)
+        layout = (expected.shape, expected.stride(), expected.dtype)
+        expected, expected_big = expected.cpu(), pbig.cpu()
+    _tighten(tight)
+    got = ops[case](big)
+    assert (got.shape, got.stride(), got.dtype) == layout
+    assert torch.equal(_plain(got), expected)
+    assert torch.equal(_plain(big), expected_big)

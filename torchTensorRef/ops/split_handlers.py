@@ -14,7 +14,7 @@ import torch
 
 from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements, spec_of
-from ..core.tensor_ref import TensorRef, host_view, block_of
+from ..core.tensor_ref import TensorRef, block_of, host_copy, host_view
 from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
@@ -362,6 +362,17 @@ def view(func, args, kwargs, spec: OpSpec):
         except OutOfBudgetError:
             pass  # (the room was a reading that moved; a view writes nothing: none is lost)
     return view_on_disk(func, args, kwargs)
+
+
+@implements(aten._local_scalar_dense.default)
+@when_refused
+def scalar(func, args, kwargs, spec: OpSpec, left: int):
+    """``item()`` of a tensor that does not fit (an element of a view of one): read from its
+    host copy, the host waiting for it to be current, as ``item()`` waits for the device."""
+    ref = args[0]
+    if kwargs or len(args) != 1 or not isinstance(ref, TensorRef):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    return host_copy(ref).item()
 
 
 @implements(aten.linalg_vector_norm.default)
