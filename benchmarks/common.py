@@ -15,6 +15,9 @@ import time
 from typing import Callable, Dict, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# (transformers 5.25 and later kernelize what from_pretrained loads with hub kernels, which
+# need a download, and whose library refuses devices it does not know, "sim" among them)
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
 
 import torch  # noqa: E402
 

@@ -11,6 +11,11 @@ import torchTensorRef
 from torchTensorRef import tensorsManager
 
 
+# transformers 5.25 and later kernelize every model from_pretrained loads (hub kernels, the
+# ``kernels`` package), and that library refuses devices it does not know, "sim" among them,
+# as it refuses plain tensors there: the suite loads models without it, on every device.
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
+
 # The device every test starts on. CI has no GPU and uses "sim"; on a GPU machine
 # TORCHTENSORREF_TEST_DEVICE=cuda runs the same suite against the real accelerator.
 TEST_DEVICE = os.environ.get("TORCHTENSORREF_TEST_DEVICE", "sim")
