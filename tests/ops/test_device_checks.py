@@ -246,3 +246,26 @@ def test_new_tensor_is_made_where_its_tensor_is_and_as_the_program_chose():
         named + torch.ones(2, device="cpu")  # the program's own device tensor: CUDA's error
     on_host = torch.ones(2, device="cpu").new_tensor([3.0])
     assert on_host.device.type == "cpu"
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_a_cpu_tensor_moved_to_the_device_is_there_as_in_plain_torch(mode):
+    # diffusers' randn_tensor draws on the CPU with a CPU generator, then moves to the device.
+    # Under inference_mode ``to`` reaches the manager whole: "sim" refused the CPU argument,
+    # and, let through, ran it on the host where it returned its argument, a host tensor.
+    context = getattr(torch, mode)
+    device = tensorsManager.torch_device
+
+    def run():
+        with context():
+            t = torch.randn(2, 8, generator=torch.Generator().manual_seed(0), device="cpu")
+            return t, [t.to(device), t.to(device, torch.float64), t.to(device, copy=True)]
+
+    with plain_torch():
+        plain_source, expected = run()
+    source, got = run()
+    assert _host_only(source)
+    for g, e in zip(got, expected):
+        assert (g.device, g.dtype, g.shape, g.is_inference()) == (e.device, e.dtype, e.shape, e.is_inference())
+        assert not _host_only(g) and block_of(g) is not block_of(source)
+        assert torch.equal(to_plain(g), to_plain(e))

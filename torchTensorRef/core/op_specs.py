@@ -151,7 +151,7 @@ _HOST_ARGUMENTS = {
 TAKES_CPU_TENSORS = frozenset({
     "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "_unsafe_index", "index_put",
     "index_put_", "_index_put_impl_", "_unsafe_index_put", "_pack_padded_sequence", "_pad_packed_sequence",
-    "lstm", "gru", "rnn_tanh", "rnn_relu", "set_", "lift_fresh", "lift_fresh_copy",
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "set_", "lift_fresh", "lift_fresh_copy", "to",
 })
 
 _HANDLERS: Dict[object, Handler] = {}

@@ -324,7 +324,7 @@ def _run_generic_locked(mgr, func, args, kwargs, spec: OpSpec):
     cargs = [swap_in(a, on_host) for a in args]
     ckwargs = {k: swap_in(v, on_host) for k, v in kwargs.items()} if kwargs else {}
     if ckwargs and "device" in ckwargs and backend.declared != backend.compute:
-        ckwargs = compute_kwargs(ckwargs, backend)
+        ckwargs = compute_kwargs(ckwargs, backend, spec, blocks)
     try:
         out = mgr.call(ctx, func, cargs, ckwargs)
     except BaseException:

@@ -145,13 +145,23 @@ def placement(kwargs, blocks, backend) -> bool:
     return bool(blocks)
 
 
-def compute_kwargs(kwargs, backend):
-    """``kwargs`` with the declared device (``sim``) replaced by where the kernels run."""
+def compute_kwargs(kwargs, backend, spec: OpSpec, blocks):
+    """``kwargs`` with the declared device (``sim``) replaced by where the kernels run.
+
+    ``to`` a host tensor's block (a host-only one), asked for the declared device, copies:
+    on the device where the kernels run, the host, it would return its argument, and the
+    result would be the host tensor where the device's own ``to`` gives a device tensor
+    (``to`` reaches the manager whole under ``inference_mode``)."""
     target = kwargs.get("device")
     if target is not None and torch.device(target).type == backend.declared.type != backend.compute.type:
         kwargs = dict(kwargs)
         kwargs["device"] = backend.compute
+        if spec.func.overloadpacket is _TO and any(b.host_only for b in blocks):
+            kwargs["copy"] = True
     return kwargs
+
+
+_TO = torch.ops.aten.to
 
 
 def follow_restrides(spec, args, kwargs, cargs, ckwargs, ctx, mgr):
