@@ -136,7 +136,10 @@ class PinnedMemory:
             start = storage.data_ptr()
             i = bisect.bisect_right(spans, (start, 1 << 64)) - 1
             return i >= 0 and start + storage.nbytes() <= spans[i][1] and storage.nbytes() > 0
-        return storage.device.type == "cpu" and storage.is_pinned(_cuda_by_name())
+        if storage.device.type != "cpu":
+            return False
+        cuda = _cuda_by_name()
+        return storage.is_pinned() if cuda is None else storage.is_pinned(cuda)
 
     def freed(self, storage: torch.UntypedStorage, keep: int = 0) -> None:
         """``storage`` is no longer used by a block (it is freed when its last view dies);
