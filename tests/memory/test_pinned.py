@@ -266,27 +266,3 @@ def test_pinned_blocks_alive_at_exit_leave_without_errors():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in for pinning on CUDA")
-def test_buffers_are_pinned_for_cuda_by_name_where_another_accelerator_is_registered(monkeypatch):
-    # Note [Pinned for CUDA]: PyTorch pins for its first accelerator, a registered private-use
-    # device ("sim", registered here); in a CUDA process that had chosen "sim", every pin
-    # asked the sim device, failed, and no block was prefetched again, silently.
-    assert torch.accelerator.current_accelerator().type != "cuda"
-    asked = []
-
-    def pin(tensor, device=None):
-        asked.append(device)
-        return tensor  # (no CUDA here: the buffer stands for CUDA's pinned one)
-
-    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
-    memory = PinnedMemory(emulated=False, limit=64 * KIB)
-    buffer = memory.allocate(1000)
-    assert buffer is not None and buffer.numel() == 1000 and asked == [torch.device("cuda")]
-    assert memory.is_pinned(buffer.untyped_storage()) and memory.used == rounded(1000)
-    with torchTensorRef.disabled():
-        src = torch.arange(100, dtype=torch.uint8)
-    staged = memory.staged(src)
-    assert staged is not None and torch.equal(staged, src)
-    assert asked == [torch.device("cuda")] * 2

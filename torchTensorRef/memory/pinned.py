@@ -11,14 +11,6 @@ transient pinned buffer (:meth:`PinnedMemory.staged`): the host copies the bytes
 copy to the device is asynchronous. (From pageable memory, CUDA first waits for the stream:
 everything queued before the copy.)
 
-Note [Pinned for CUDA]: PyTorch pins host memory for "the" accelerator, and once a
-private-use device is registered it is that one, first (``torch.accelerator``): in a CUDA
-process that also chose ``"sim"`` (a test suite run on a GPU), ``empty(..., pin_memory=True)``
-asked the sim device for a pinned allocator it has not, every pin failed, and no block was
-prefetched from then on, silently. So where the accelerator is not CUDA, the buffers are
-pinned for CUDA by name (a copy of an unpinned buffer: the only way PyTorch offers), and a
-storage is asked whether CUDA pinned it.
-
 Accounting follows PyTorch's pinned allocator, which rounds every allocation up to a power
 of two; only the buffers allocated here are counted (a tensor the user pinned is not).
 On ``"sim"`` (no CUDA) pinning is emulated: the buffers are ordinary, and this registry is
@@ -43,23 +35,6 @@ from .sim.pool import BufferPool
 #: pageable memory (a mask, a model's plain buffer shared with an attribute), whose waits cost
 #: far more than their copies; a larger one is pinned once it is paged, if it can move
 STAGE_MAX = 16 << 20
-
-
-def _cuda_by_name() -> Optional[torch.device]:
-    """CUDA where PyTorch's accelerator is another device (Note [Pinned for CUDA]), else ``None``."""
-    accelerator = torch.accelerator.current_accelerator()
-    return None if accelerator is None or accelerator.type == "cuda" else _CUDA
-
-
-_CUDA = torch.device("cuda")
-
-
-def pinned_empty(nbytes: int) -> torch.Tensor:
-    """A flat uint8 buffer of ``nbytes`` in CUDA's pinned memory (raises where pinning fails)."""
-    cuda = _cuda_by_name()
-    if cuda is None:
-        return raw.empty(nbytes, dtype=raw.UINT8, pin_memory=True)
-    return raw.empty(nbytes, dtype=raw.UINT8).pin_memory(cuda)
 
 
 def default_limit() -> int:
@@ -102,7 +77,7 @@ class PinnedMemory:
                 buffer = raw.empty(nbytes, dtype=raw.UINT8)
         else:
             try:
-                buffer = pinned_empty(nbytes)
+                buffer = raw.empty(nbytes, dtype=raw.UINT8, pin_memory=True)
             except RuntimeError:
                 return None  # locked-memory limits: pageable memory still works
         storage = buffer.untyped_storage()
@@ -121,7 +96,7 @@ class PinnedMemory:
         if nbytes > STAGE_MAX or self.used + rounded(nbytes) > self.limit:
             return None
         try:
-            buffer = raw.empty(nbytes, dtype=raw.UINT8) if self.emulated else pinned_empty(nbytes)
+            buffer = raw.empty(nbytes, dtype=raw.UINT8, pin_memory=not self.emulated)
         except RuntimeError:
             return None
         return buffer.copy_(src)
@@ -136,10 +111,7 @@ class PinnedMemory:
             start = storage.data_ptr()
             i = bisect.bisect_right(spans, (start, 1 << 64)) - 1
             return i >= 0 and start + storage.nbytes() <= spans[i][1] and storage.nbytes() > 0
-        if storage.device.type != "cpu":
-            return False
-        cuda = _cuda_by_name()
-        return storage.is_pinned() if cuda is None else storage.is_pinned(cuda)
+        return storage.device.type == "cpu" and storage.is_pinned()
 
     def freed(self, storage: torch.UntypedStorage, keep: int = 0) -> None:
         """``storage`` is no longer used by a block (it is freed when its last view dies);
