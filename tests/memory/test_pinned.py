@@ -266,3 +266,24 @@ def test_pinned_blocks_alive_at_exit_leave_without_errors():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_a_pin_the_system_refuses_is_counted_and_the_copy_stays_pageable(monkeypatch):
+    # (a pin refused, by locked-memory limits or a device with no pinned allocator, was
+    # swallowed: the host copy stayed pageable and was never prefetched, and nothing said so)
+    empty = torchTensorRef.core.raw.empty
+
+    def refusing(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("cudaHostAlloc failed: out of memory")  # (what a locked-memory limit gives)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torchTensorRef.core.raw, "empty", refusing)
+    memory = PinnedMemory(emulated=False, limit=64 * KIB)
+    with torchTensorRef.disabled():
+        src = torch.arange(100, dtype=torch.uint8)
+    assert memory.allocate(1000) is None and memory.staged(src) is None
+    assert memory.failed == 2 and memory.used == 0
+    # the manager's own pins: none refused in this process (emulated on "sim"; real on CUDA,
+    # where a refusal would leave its blocks unprefetched)
+    assert tm.stats()["pin_failures"] == tm.backend.pinned.failed == 0

@@ -59,6 +59,10 @@ class PinnedMemory:
         self.emulated = emulated
         self.limit = default_limit() if limit is None else limit
         self.used = 0
+        #: pins PyTorch refused (locked-memory limits, no pinned allocator for the device):
+        #: their host copies stay pageable, their copies make the host wait, and no prefetch
+        #: brings them in; counted, since nothing else says so
+        self.failed = 0
         self._sizes: Dict[int, int] = {}  # storage key -> rounded bytes, for the buffers allocated here
         #: emulated: (start, end) addresses of those buffers, sorted, so that a storage aliasing
         #: one (a piece of a big host tensor, from dlpack) is pinned too, as CUDA finds it
@@ -79,7 +83,8 @@ class PinnedMemory:
             try:
                 buffer = raw.empty(nbytes, dtype=raw.UINT8, pin_memory=True)
             except RuntimeError:
-                return None  # locked-memory limits: pageable memory still works
+                self.failed += 1
+                return None  # (pageable memory still works)
         storage = buffer.untyped_storage()
         self._sizes[storage._cdata] = size
         if self.emulated:
@@ -98,6 +103,7 @@ class PinnedMemory:
         try:
             buffer = raw.empty(nbytes, dtype=raw.UINT8, pin_memory=not self.emulated)
         except RuntimeError:
+            self.failed += 1
             return None
         return buffer.copy_(src)
 

@@ -50,7 +50,9 @@ class Statistics:
         ``tensors`` (live TensorRefs), ``tensors_on_device``, ``blocks``,
         ``blocks_on_device``, ``host_bytes`` (host copies of paged blocks, CPU tensors
         not counted), ``peak_host_bytes``, ``host_budget``, ``bytes_from_disk``,
-        ``bytes_to_disk``, ``pinned_bytes``, ``outside_bytes`` (device bytes allocated
+        ``bytes_to_disk``, ``pinned_bytes``, ``pin_failures`` (pins PyTorch refused since the
+        device was chosen: those host copies stay pageable, and are never prefetched),
+        ``outside_bytes`` (device bytes allocated
         outside the manager at the last reading: Note [Budget on CUDA]),
         ``device_overshoot_bytes`` (the most the device held above the budget at an op's
         end, read there only with ``tensorsManager.check_device``); on CUDA also
@@ -80,6 +82,7 @@ class Statistics:
             out["peak_host_bytes"] = tier.peak
             out["host_budget"] = tier.limit
             out["pinned_bytes"] = backend.pinned.used if backend.pinned is not None else 0
+            out["pin_failures"] = backend.pinned.failed if backend.pinned is not None else 0
             out["outside_bytes"] = m.device_room.read_outside() if not backend.passthrough and not m.unresolved else 0
             if backend.simulated:
                 out["max_memory_allocated"] = backend.max_allocated()
