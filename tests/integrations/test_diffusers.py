@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchTensorRef import strategies, tensorsManager as tm
-from paired import budget, plain_torch
+from paired import budget, device_type, plain_torch
 
 diffusers = pytest.importorskip("diffusers")
 # (loaded here, on no device: diffusers' lazy modules make module-level tensors as they load,
@@ -93,7 +93,13 @@ def test_a_unet_denoising_loop_below_its_weights_equals_plain_torch(strategy, fr
         expected = denoise(unet().eval().to(tm.torch_device), tm.torch_device)
     model = unet().eval()
     under(strategy, fraction, model)
-    assert torch.equal(denoise(model), expected)
+    got = denoise(model)
+    if device_type() == "cuda":
+        # (attention's bmm runs in groups of batch elements there, and cuBLAS picks its kernel
+        # by the shape it is given: equal up to rounding, docs/concepts.md)
+        torch.testing.assert_close(got, expected)
+    else:
+        assert torch.equal(got, expected)
     check_paged()
 
 
