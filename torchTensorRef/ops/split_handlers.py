@@ -305,10 +305,10 @@ def conversion(func, args, kwargs, spec: OpSpec, left: int):
     if not options or any(t.shape != tensors[0].shape for t in tensors):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     kwargs = {k: v for k, v in kwargs.items() if k != "device"}  # (the same device: each chunk's)
-    refs = list(tensors_of(list(args) + list(kwargs.values())))
-    # (``contiguous()`` of a dense view: a contiguous result, cut along its positions)
-    relaid = kwargs.get("memory_format") is torch.contiguous_format and not refs[0].is_contiguous()
-    return run_chunked(func, args, kwargs, spec, left, broadcast=relaid or by_positions(refs))
+    # (``contiguous()`` of a dense view: a contiguous result, cut along its positions; every
+    # tensor here is a TensorRef, ``same_device`` says so)
+    relaid = kwargs.get("memory_format") is torch.contiguous_format and not tensors[0].is_contiguous()
+    return run_chunked(func, args, kwargs, spec, left, broadcast=relaid or by_positions(tensors))
 
 
 #: ops that compute each row of their last dimension alone: the position of their ``dim``
