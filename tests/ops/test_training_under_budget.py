@@ -515,6 +515,38 @@ def test_batched_products_larger_than_the_budget_in_batch_groups_equal_one_call(
     _assert_product_pieces_equal(got, expected.cpu())
 
 
+@pytest.mark.parametrize("case", ["scores", "scores-bias-rows", "use", "wide-b", "broadcast-bias-columns"])
+def test_a_batch_element_larger_than_the_budget_runs_in_tiles_equal_to_one_call(tight, case):
+    # one attention element larger than the budget (a 5.4 MiB score matrix at 4 MiB) was
+    # refused: batched products were cut only between batch elements
+    heads, n, d = 2, 192, 16
+    q, pq = _pair(heads, n, d)
+    k, pk = _pair(heads, n, d, seed=1)
+    if case == "scores":  # q @ k^T: k transposed, tiles of the scores' rows
+        run = lambda q, k: torch.bmm(q, k.transpose(1, 2))  # noqa: E731
+    elif case == "scores-bias-rows":  # a mask added per row and column, scaled
+        mask, pmask = _pair(heads, n, n, seed=2)
+        run = lambda q, k: torch.baddbmm(  # noqa: E731
+            mask if isinstance(q, TensorRef) else pmask, q, k.transpose(1, 2), beta=0.5, alpha=0.25)
+    elif case == "use":  # softmax(scores) @ v: tiles of the scores' rows, v whole
+        p, pp = _pair(heads, n, n, seed=3)
+        run = lambda q, k: torch.bmm(p if isinstance(q, TensorRef) else pp, k)  # noqa: E731
+    elif case == "wide-b":  # q^T-like: the second operand the larger, tiles of its columns
+        w, pw = _pair(heads, d, 2 * n, seed=4)
+        run = lambda q, k: torch.bmm(k, w if isinstance(q, TensorRef) else pw)  # noqa: E731
+    else:  # a bias of one row broadcast over rows and batch, cut by columns
+        w, pw = _pair(heads, d, 2 * n, seed=4)
+        bias, pbias = _pair(1, 1, 2 * n, seed=5)
+        run = lambda q, k: torch.baddbmm(  # noqa: E731
+            bias if isinstance(q, TensorRef) else pbias, k, w if isinstance(q, TensorRef) else pw)
+    with plain_torch():
+        expected = run(pq, pk).cpu()
+    _tighten(tight, room=n * n * 4 // 2)  # (half of one element's output)
+    got = run(q, k)
+    assert tight.stats()["peak_device_bytes"] < n * n * 4
+    _assert_product_pieces_equal(got, expected)
+
+
 def _train_mixed(model, ids, mode, device, steps=2):
     """One of three mixed-precision loops a user writes."""
     if mode == "master":  # bf16 weights, fp32 master copies and optimizer state

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..core.errors import OutOfBudgetError
+from ..core import raw
 from ..core.op_specs import OpSpec, implements, spec_of
 from ..core.tensor_ref import TensorRef, block_of, host_copy, host_view
 from ..memory.manager import tensorsManager as mgr
@@ -198,33 +199,94 @@ def _tiles(func, a, b, step, count, columns: bool, bias=None):
     return out
 
 
+def _in_order(view: torch.Tensor) -> torch.Tensor:
+    """A dense host copy of plain ``view`` laid out in the order of its strides: a part of a
+    transposed matrix stays transposed, so the BLAS reads each piece as it read the whole."""
+    order = sorted(range(view.dim()), key=lambda d: -view.stride(d))
+    laid = raw.empty([view.shape[d] for d in order], dtype=view.dtype)
+    copy = laid.permute([order.index(d) for d in range(view.dim())])
+    return copy.copy_(view)
+
+
+#: the positions of a batched product's operands (bias, a, b) that a tile of its output's
+#: rows (dimension 1) or columns (2) cuts: the bias and ``a`` by rows, the bias and ``b`` by columns
+_CUT_BY = {1: (True, True, False), 2: (True, False, True)}
+
+
 @implements([aten.bmm.default, aten.baddbmm.default])
 @when_refused
 def bmm(func, args, kwargs, spec: OpSpec, left: int):
-    """A batched product (attention's scores and their use) in groups of whole batch
-    elements when it does not fit: each element's product is computed alone, as in one call."""
+    """A batched product (attention's scores and their use) when it does not fit: in groups
+    of whole batch elements, or, where one element is larger than the room, element by
+    element in tiles of its output's rows (or columns) as ``mm``. Each output element is one
+    dot product, as in one call."""
     bias, (a, b) = (None, args) if func is aten.bmm.default else (args[0], args[1:3])
-    refs = [t for t in (bias, a, b) if t is not None]
+    operands = (bias, a, b)
+    refs = [t for t in operands if t is not None]
     if (len(args) != (2 if bias is None else 3) or not all(isinstance(t, TensorRef) and t.dim() == 3 for t in refs)
-            or any(t.shape[0] not in (1, a.shape[0]) for t in refs)):
+            or any(t.shape[0] not in (1, a.shape[0]) for t in refs)
+            or bias is not None and (bias.shape[1] not in (1, a.shape[1]) or bias.shape[2] not in (1, b.shape[2]))):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     count, n, m = a.shape[0], a.shape[1], b.shape[2]
     batched = [t for t in refs if t.shape[0] == count]
     shared = refs_bytes([t for t in refs if t.shape[0] != count])  # (broadcast over the batch: whole)
     pieces = [t.numel() // count * t.element_size() for t in batched] + [n * m * a.element_size()]
-    step = chunk_elements(sum(pieces), shared, left, count, spec.name, (1,), pieces)
+    if count > 1 and shared + sum(block_bytes(p) for p in pieces) <= left:
+        step = chunk_elements(sum(pieces), shared, left, count, spec.name, (1,), pieces)
+        tiles = [(slice(s, min(s + step, count)), slice(None), slice(None)) for s in range(0, count, step)]
+    else:
+        tiles = _element_tiles(operands, count, n, m, left, spec.name)
     settle(refs)
     out = host_result((count, n, m), a.dtype)
+    kept: dict = {}  # operand position -> (its part's index, the piece): reused by the next tile
     with held_on_host([out]):
         out_host = host_view(out)
-        for start in range(0, count, step):
-            stop = min(start + step, count)
-            operands = [gathered_piece(host_view(t).detach()[start:stop].clone()) if t.shape[0] == count else t
-                        for t in refs]
-            result = run_generic(func, operands, kwargs, spec)
-            out_host[start:stop].copy_(to_host(result))
-            del operands, result
+        for tile in tiles:
+            parts = [None if t is None else _part(t, at, tile, count, kept) for at, t in enumerate(operands)]
+            result = run_generic(func, [p for p in parts if p is not None], kwargs, spec)
+            out_host[tile].copy_(to_host(result))
+            del parts, result
     return out
+
+
+def _element_tiles(operands, count: int, n: int, m: int, left: int, name: str):
+    """Tiles of each batch element's output rows (or, where ``b`` is the larger operand, its
+    columns) small enough for ``left``: the operands a tile cuts come in parts, the others
+    whole (an element of them, where they have one per element)."""
+    bias, a, b = operands
+    dim = 1 if a.shape[1] * a.shape[2] * a.element_size() >= b.shape[1] * b.shape[2] * b.element_size() else 2
+    units = (n, m)[dim - 1]
+    fixed, per_unit = 0, [(n + m - units) * a.element_size()]  # (the result's part: a row or a column)
+    for t, cut in zip(operands, _CUT_BY[dim]):
+        if t is None:
+            continue
+        element = t.numel() // t.shape[0] * t.element_size()
+        if cut and t.shape[dim] == units:
+            per_unit.append(element // units)
+        else:
+            fixed += refs_bytes([t]) if t.shape[0] != count else block_bytes(element)
+    step = chunk_elements(sum(per_unit), fixed, left, units, name, _TILE_ALIGNS, per_unit)
+    return [(slice(i, i + 1),) + ((slice(s, min(s + step, units)), slice(None)) if dim == 1
+                                  else (slice(None), slice(s, min(s + step, units))))
+            for i in range(count) for s in range(0, units, step)]
+
+
+def _part(t: TensorRef, at: int, tile, count: int, kept: dict):
+    """The part of settled operand ``t`` (position ``at`` in (bias, a, b)) that ``tile`` of
+    the output reads: ``t`` itself where that is all of it, else a piece (the previous
+    tile's, where it read the same part)."""
+    batch, rows, columns = tile
+    index = (batch if t.shape[0] == count else slice(None),
+             rows if at != 2 and t.shape[1] != 1 else slice(None),
+             columns if at != 1 and t.shape[2] != 1 else slice(None))
+    if all(s == slice(None) or (s.start, s.stop) == (0, size) for s, size in zip(index, t.shape)):
+        return t
+    key = tuple((s.start, s.stop) for s in index)
+    if at in kept and kept[at][0] == key:
+        return kept[at][1]
+    piece = gathered_piece(_in_order(host_view(t).detach()[index]))
+    kept[at] = (key, piece)
+    return piece
 
 
 # -- elementwise ops a training step runs on whole parameters -------------------------------
