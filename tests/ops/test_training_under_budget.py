@@ -547,6 +547,51 @@ def test_a_batch_element_larger_than_the_budget_runs_in_tiles_equal_to_one_call(
     _assert_product_pieces_equal(got, expected)
 
 
+#: activations and transcendental functions (Note [Cuts of host kernels]): a shape larger than
+#: the room, and than threads x 32,768 elements (at most four threads: ``few_threads``), of an
+#: odd size: a whole call's ranges on several threads are then not multiples of its vectors
+ROUNDED_SHAPE = (641, 509)
+
+
+@pytest.fixture
+def few_threads():
+    """At most four of the host's threads (a host kernel's whole call on more threads is cut
+    into ranges whose ends this shape's size no longer fixes: the op is refused there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(before, 4))
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu-tanh", "silu", "sigmoid", "sin", "exp", "pow", "silu_"])
+def test_activations_larger_than_the_budget_in_chunks_equal_one_call(tight, few_threads, op):
+    # a UNet's GEGLU at 256 KiB (gelu), SD3's sin-cos position embedding (sin) were refused
+    run = {"gelu": torch.nn.functional.gelu, "gelu-tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+           "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid, "sin": torch.sin, "exp": torch.exp,
+           "pow": lambda x: x.abs() ** 1.7, "silu_": lambda x: torch.nn.functional.silu(x, inplace=True)}[op]
+    x, px = _pair(*ROUNDED_SHAPE)
+    with plain_torch():
+        expected = run(px).cpu()
+    _tighten(tight, room=256 * 1024)
+    got = run(x)
+    assert torch.equal(_plain(got), expected)
+    assert tight.stats()["peak_device_bytes"] < x.numel() * 4
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_an_activations_backward_larger_than_the_budget_equals_one_call(tight, few_threads, approximate):
+    # a UNet trained at a quarter of its weights stopped at gelu_backward
+    x, px = _pair(*ROUNDED_SHAPE)
+    g, pg = _pair(*ROUNDED_SHAPE, seed=1)
+    x.requires_grad_(True)
+    px.requires_grad_(True)
+    with plain_torch():
+        torch.nn.functional.gelu(px, approximate=approximate).backward(pg)
+    _tighten(tight, room=512 * 1024)
+    torch.nn.functional.gelu(x, approximate=approximate).backward(g)
+    assert torch.equal(_plain(x.grad), px.grad.cpu())
+
+
 def _train_mixed(model, ids, mode, device, steps=2):
     """One of three mixed-precision loops a user writes."""
     if mode == "master":  # bf16 weights, fp32 master copies and optimizer state

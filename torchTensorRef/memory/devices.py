@@ -97,6 +97,9 @@ class Backend:
     #: "sim" keeps as a plain CPU one, as it does what is computed from it (Note [Plain CPU
     #: tensors] in ``ops/device_checks.py``)
     nested_results: bool = False
+    #: its kernels are the host's (PyTorch's CPU kernels), which may compute an element by
+    #: where it falls in their loops (Note [Cuts of host kernels] in ``ops/vector_loops.py``)
+    host_kernels: bool = False
 
     def __init__(self, compute: torch.device, declared: torch.device):
         self.compute = compute
@@ -215,6 +218,7 @@ class SimBackend(Backend):
 
     name = "sim"
     simulated = True
+    host_kernels = True
     pinned: PinnedMemory  # (emulated, always)
 
     def __init__(self, capacity: int = SIM_CAPACITY_BYTES, pinned_limit: Optional[int] = None,

@@ -10,7 +10,7 @@ Each chunk runs the op's own kernel on pieces of its tensors (Note [Pieces] in
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
@@ -252,7 +252,8 @@ def _piece_of(v, plan: _Cut, start: int, stop: int, written: set, pieces: dict):
     return v
 
 
-def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broadcast: bool = False):
+def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broadcast: bool = False,
+                cuts: Optional[Callable[[int, int], int]] = None):
     """``func`` (elementwise, or a list op over one position) in chunks of its big tensors.
 
     The big tensors are those with the most elements (the op's shape); tensors with fewer
@@ -260,7 +261,8 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broad
     ``row`` > 1 the op works on each row of its last dimension alone (``log_softmax`` over
     it): chunks are whole rows, and each piece is seen as a matrix of them. With
     ``broadcast`` the op's tensors broadcast to its result's shape: chunks are ranges of the
-    result's outer dimensions (``_plan``).
+    result's outer dimensions (``_plan``). ``cuts(start, most)`` says where a chunk starting at
+    ``start`` ends, given at most ``most`` positions (``vector_loops.cutter``; 0: none fits).
     """
     plan = _plan(func, args, kwargs, spec, left, row, broadcast)
     chunk, units, per = plan.chunk, plan.units, plan.out_per_unit
@@ -276,7 +278,9 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broad
     with held_on_host(plan.big + (outs or []), wait=False):
         start = 0
         while start < units:
-            stop = min(start + chunk, units)
+            stop = min(start + chunk, units) if cuts is None else cuts(start, chunk)
+            if stop <= start:
+                raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
             pieces: dict = {}
             cargs = [_piece_of(a, plan, start, stop, written, pieces) for a in args]
             ckwargs = {k: _piece_of(v, plan, start, stop, written, pieces) for k, v in kwargs.items()}

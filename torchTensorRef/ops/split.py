@@ -5,7 +5,8 @@ run as several kernels on *pieces* of their tensors, each piece small enough:
 
 - elementwise ops (and each position of a list op): consecutive chunks of the flattened
   tensors; every element is computed by the same kernel from the same inputs, so the bits
-  are those of one call;
+  are those of one call (activations on the host's kernels: cut where those compute each
+  element as one call does, Note [Cuts of host kernels] in ``vector_loops.py``);
 - elementwise ops that broadcast (``torch.outer``, a bias added to every row), and ``cat``
   along an inner dimension: ranges of the result's outer dimensions, each tensor as long
   there cut alike, the others given whole;

@@ -20,6 +20,7 @@ from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
 from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
+from . import vector_loops
 from .chunks import by_positions, run_chunked, tensors_of
 from .split import block_bytes, chunk_elements, default, fits, op_bytes, refs_bytes, refuse, room, when_refused
 
@@ -319,6 +320,46 @@ def pointwise(func, args, kwargs, spec: OpSpec, left: int):
     outer dimension (``torch.outer(a, b)`` as ``a[:, None] * b``)."""
     tensors = list(tensors_of(list(args) + list(kwargs.values())))
     return run_chunked(func, args, kwargs, spec, left, broadcast=by_positions(tensors))
+
+
+def _overloads(names):
+    """The overloads of ``names`` (``"pow.Tensor_Scalar"``) this PyTorch has."""
+    found = []
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(aten, packet, None), overload or "default", None)
+        if op is not None:
+            found.append(op)
+    return found
+
+
+#: elementwise ops whose host kernels may round an element by where it falls in their vector
+#: loops (activations and their backward, transcendental functions): a network's activation
+#: larger than a small budget meets them (a UNet's GEGLU, a sin-cos position embedding)
+ROUNDED = _overloads([
+    "sin", "cos", "exp", "log", "sqrt", "rsqrt", "reciprocal", "erf", "sigmoid", "tanh", "gelu", "silu",
+    "softplus", "mish", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "gelu_backward", "silu_backward",
+    "sigmoid_backward", "tanh_backward", "softplus_backward", "mish_backward", "sigmoid_", "tanh_", "silu_",
+    "gelu_", "exp_", "mish_",
+])
+
+
+@implements(ROUNDED)
+@when_refused
+def rounded(func, args, kwargs, spec: OpSpec, left: int):
+    """An elementwise op whose tensors have one shape and layout, in chunks of their bytes;
+    on a device computing with the host's kernels, cut where each element is computed as in
+    one call (Note [Cuts of host kernels] in ``vector_loops.py``), else refused."""
+    tensors = list(tensors_of(list(args) + list(kwargs.values())))
+    if by_positions(tensors):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    cuts = None
+    if mgr.backend.host_kernels:
+        numel = max(t.numel() for t in tensors)
+        cuts = vector_loops.cutter(numel, torch.get_num_threads())
+        if cuts is None:
+            raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    return run_chunked(func, args, kwargs, spec, left, cuts=cuts)
 
 
 @implements(aten.cat.default)

@@ -1,0 +1,83 @@
+"""Where an elementwise op computed by the host's kernels may be cut and keep one call's bits.
+
+Note [Cuts of host kernels]: a CUDA elementwise kernel computes every element by the same
+code, wherever it falls, so any cut of its tensors gives the bits of one call. PyTorch's CPU
+kernels (the ``"sim"`` device's) do not, for the ops whose vectorized and scalar forms round
+differently (``sigmoid``, ``silu``, ``gelu`` with ``tanh``, ``pow`` among them on x86): a
+kernel's loop computes each run of ``2 * Vec::size()`` elements with the vector form and the
+run's remainder with the scalar one, and it does so once per range its ``parallel_for``
+gives a thread. A tensor of ``numel`` elements run on ``threads`` threads is cut into
+ranges of ``ceil(numel / threads)`` elements when ``numel`` exceeds the grain (32,768
+elements for most kernels; ``gelu``'s grain is its size over the threads above 16,384), and
+each range's last ``len % (2 * Vec::size())`` elements take the scalar form.
+
+A piece gives those bits when (1) it lies within one such range of the whole call, (2) it
+starts a multiple of ``STEP`` elements (a multiple of every float type's ``2 * Vec::size()``)
+after that range's start, and (3) its own call splits it the same way: it is at most
+``SERIAL`` elements (below every grain: one range), or a multiple of ``STEP`` times every
+thread count from 1 to ``threads`` (every range its ``parallel_for`` may make is then a
+multiple of ``STEP``); a piece not ending its range must be a multiple of ``STEP`` too.
+Where the whole call's ranges depend on a grain this module does not know (more than
+``SERIAL`` elements, fewer than ``(threads - 1) * GRAIN`` + 1), no cut is offered and the op
+is refused. ``tests/ops/test_vector_loops.py`` checks these cuts against one call of the
+host's own kernels, so a PyTorch that splits its loops otherwise fails there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional
+
+import torch
+
+#: a piece starts a multiple of this many elements after its range's start (the widest
+#: ``2 * Vec::size()`` of a float type: 64 bf16 or fp16 elements with AVX-512; 128 for margin)
+STEP = 128
+#: the grain of most of PyTorch's CPU elementwise kernels (``at::internal::GRAIN_SIZE``)
+GRAIN = 32768
+#: a piece of at most this many elements runs as one range whatever its kernel's grain
+SERIAL = 2048
+
+
+def _openmp() -> bool:
+    """Whether ATen's ``parallel_for`` is OpenMP's (whose ranges this module models)."""
+    return "OpenMP" in torch.__config__.parallel_info()
+
+
+_OPENMP: Optional[bool] = None
+
+
+def ranges(numel: int, threads: int) -> Optional[List[int]]:
+    """The ends of the ranges one call over ``numel`` elements gives its threads (the last
+    is ``numel``), or ``None`` where they depend on the kernel's grain."""
+    global _OPENMP
+    if threads <= 1 or numel <= SERIAL:
+        return [numel]
+    if _OPENMP is None:
+        _OPENMP = _openmp()
+    if not _OPENMP or numel <= (threads - 1) * GRAIN:
+        return None
+    size = -(-numel // threads)
+    return sorted({min(numel, t * size) for t in range(1, threads + 1)})
+
+
+def cutter(numel: int, threads: int) -> Optional[Callable[[int, int], int]]:
+    """``stop(start, most)``: where the piece starting at ``start`` (a cut this function gave,
+    or 0) ends, given at most ``most`` elements; 0 when ``most`` is too small. ``None``
+    where the op cannot be cut (Note [Cuts of host kernels])."""
+    ends = ranges(numel, threads)
+    if ends is None:
+        return None
+    whole = STEP * math.lcm(*range(1, threads + 1))
+
+    def stop(start: int, most: int) -> int:
+        end = next(e for e in ends if e > start)
+        left = end - start
+        if left <= most and (left <= SERIAL or left % whole == 0):
+            return end
+        n = min(most, left) // whole * whole
+        if n == 0:
+            n = min(most, left, SERIAL) // STEP * STEP
+        return start + n if n else 0
+
+    return stop
