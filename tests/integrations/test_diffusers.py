@@ -152,13 +152,15 @@ def train(model, device=None, steps=2):
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
 @pytest.mark.parametrize("strategy", strategies.NAMES)
-def test_unet_training_steps_under_a_budget_of_its_weights_equal_plain_torch(strategy):
-    # (weights, gradients and AdamW's two moments: four times the budget)
+def test_unet_training_steps_under_a_budget_of_its_weights_equal_plain_torch(strategy, fraction):
+    # (at 1.0, weights, gradients and AdamW's two moments: four times the budget; at 0.25 the
+    # GEGLU's activation is larger than the room, and its gelu_backward was refused)
     with plain_torch():
         expected = train(unet().to(tm.torch_device), tm.torch_device)
     model = unet()
-    under(strategy, 1.0, model)
+    under(strategy, fraction, model)
     losses, params = train(model)
     assert all(torch.equal(a, b) for a, b in zip(losses, expected[0]))
     assert all(torch.equal(a, b) for a, b in zip(params, expected[1]))

@@ -592,6 +592,30 @@ def test_an_activations_backward_larger_than_the_budget_equals_one_call(tight, f
     assert torch.equal(_plain(x.grad), px.grad.cpu())
 
 
+def test_a_gated_activation_of_half_a_projection_larger_than_the_budget_equals_one_call(tight, few_threads):
+    # diffusers' GEGLU: gelu of one half of a projection (a view laid out otherwise than its
+    # gradient) times the other; cut in rows, whose count (a multiple of 12) puts the whole
+    # call's thread ranges between rows on up to four threads
+    rows, width = 1200, 100
+    x, px = _pair(rows, 2 * width)
+    g, pg = _pair(rows, width, seed=1)
+    x.requires_grad_(True)
+    px.requires_grad_(True)
+
+    def geglu(x):
+        hidden, gate = x.chunk(2, dim=-1)
+        return hidden * torch.nn.functional.gelu(gate, approximate="tanh")
+
+    with plain_torch():
+        py = geglu(px)
+        py.backward(pg)
+    _tighten(tight, room=512 * 1024)
+    y = geglu(x)
+    y.backward(g)
+    assert torch.equal(_plain(y), py.detach().cpu())
+    assert torch.equal(_plain(x.grad), px.grad.cpu())
+
+
 def _train_mixed(model, ids, mode, device, steps=2):
     """One of three mixed-precision loops a user writes."""
     if mode == "master":  # bf16 weights, fp32 master copies and optimizer state

@@ -55,6 +55,31 @@ def test_cuts_give_one_calls_bits_on_the_host(threads, count, numel):
                 assert torch.equal(pieces, op(x)), (name, dtype, most)
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows, width", [(3000, 100), (611, 250)])
+def test_cuts_in_rows_give_one_calls_bits_on_the_host(threads, count, rows, width):
+    # (tensors laid out otherwise, or broadcast: a GEGLU's gate, one half of a projection,
+    # in gelu's backward; a power with one exponent per column)
+    torch.set_num_threads(count)
+    cut = vector_loops.cutter(rows * width, count, width)
+    if cut is None:  # (the whole call's ranges end within a row, or hang on a grain)
+        ends = vector_loops.ranges(rows * width, count)
+        assert ends is None or any(e % width for e in ends)
+        return
+    torch.manual_seed(rows)
+    projection, grad = torch.randn(rows, 2 * width), torch.randn(rows, width)
+    exponent = torch.rand(width) + 0.5
+    gate = projection[:, width:]
+    ops = {"gelu_backward": lambda r: aten.gelu_backward(grad[r], gate[r], approximate="tanh"),
+           "silu_backward": lambda r: aten.silu_backward(grad[r], gate[r]),
+           "pow": lambda r: grad[r].abs() ** exponent}
+    for most in (333, 10**7):
+        bounds = _bounds(cut, rows, most)
+        for name, op in ops.items():
+            pieces = torch.cat([op(slice(a, b)) for a, b in zip(bounds, bounds[1:])])
+            assert torch.equal(pieces, op(slice(None))), (name, most)
+
+
 def test_naive_cuts_would_not_give_them(threads):
     # (the test above can fail: ranges of 4096 elements, as any cut on CUDA, round otherwise
     # on two threads where the whole call's ranges are not multiples of the vector loop)
@@ -63,6 +88,10 @@ def test_naive_cuts_would_not_give_them(threads):
     x = torch.randn(3 * 65536 + 1000)
     pieces = torch.cat([torch.sigmoid(x[s:s + 4096]) for s in range(0, x.numel(), 4096)])
     assert not torch.equal(pieces, torch.sigmoid(x))
+    # (nor pieces of 333 rows of 100 elements, whose own calls split them within a row)
+    gate, grad = torch.randn(3000, 200)[:, 100:], torch.randn(3000, 100)
+    pieces = torch.cat([aten.silu_backward(grad[s:s + 333], gate[s:s + 333]) for s in range(0, 3000, 333)])
+    assert not torch.equal(pieces, aten.silu_backward(grad, gate))
 
 
 def test_no_cut_where_the_ranges_hang_on_the_grain():

@@ -253,7 +253,7 @@ def _piece_of(v, plan: _Cut, start: int, stop: int, written: set, pieces: dict):
 
 
 def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broadcast: bool = False,
-                cuts: Optional[Callable[[int, int], int]] = None):
+                cutter: Optional[Callable[[int, int], Optional[Callable[[int, int], int]]]] = None):
     """``func`` (elementwise, or a list op over one position) in chunks of its big tensors.
 
     The big tensors are those with the most elements (the op's shape); tensors with fewer
@@ -261,11 +261,15 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broad
     ``row`` > 1 the op works on each row of its last dimension alone (``log_softmax`` over
     it): chunks are whole rows, and each piece is seen as a matrix of them. With
     ``broadcast`` the op's tensors broadcast to its result's shape: chunks are ranges of the
-    result's outer dimensions (``_plan``). ``cuts(start, most)`` says where a chunk starting at
-    ``start`` ends, given at most ``most`` positions (``vector_loops.cutter``; 0: none fits).
+    result's outer dimensions (``_plan``). ``cutter(elements, per_position)`` gives where
+    chunks may end (``vector_loops.cutter``: ``cuts(start, most)``, 0 where none fits; ``None``:
+    nowhere, the op is refused); without it any chunk will do.
     """
     plan = _plan(func, args, kwargs, spec, left, row, broadcast)
     chunk, units, per = plan.chunk, plan.units, plan.out_per_unit
+    cuts = None if cutter is None else cutter(units * per, per)
+    if cutter is not None and cuts is None:
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     written = {id(b) for b in _written(spec, args, kwargs)}
     packet = func.overloadpacket.__name__
     outs = None

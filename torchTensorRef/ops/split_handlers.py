@@ -347,19 +347,19 @@ ROUNDED = _overloads([
 @implements(ROUNDED)
 @when_refused
 def rounded(func, args, kwargs, spec: OpSpec, left: int):
-    """An elementwise op whose tensors have one shape and layout, in chunks of their bytes;
-    on a device computing with the host's kernels, cut where each element is computed as in
-    one call (Note [Cuts of host kernels] in ``vector_loops.py``), else refused."""
+    """An elementwise op in chunks as ``pointwise``; on a device computing with the host's
+    kernels, cut where those compute each element as one call does (Note [Cuts of host
+    kernels] in ``vector_loops.py``), else refused."""
     tensors = list(tensors_of(list(args) + list(kwargs.values())))
-    if by_positions(tensors):
-        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
-    cuts = None
+    positions = by_positions(tensors)
+    cutter = None
     if mgr.backend.host_kernels:
-        numel = max(t.numel() for t in tensors)
-        cuts = vector_loops.cutter(numel, torch.get_num_threads())
-        if cuts is None:
+        if positions and any(t.dim() and t.shape[-1] != 1 and t.stride(-1) != 1 for t in tensors):
+            # (the kernel would loop along another dimension than the rows it is cut in)
             raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
-    return run_chunked(func, args, kwargs, spec, left, cuts=cuts)
+        threads = torch.get_num_threads()
+        cutter = lambda numel, row: vector_loops.cutter(numel, threads, row)  # noqa: E731
+    return run_chunked(func, args, kwargs, spec, left, broadcast=positions, cutter=cutter)
 
 
 @implements(aten.cat.default)

@@ -61,23 +61,32 @@ def ranges(numel: int, threads: int) -> Optional[List[int]]:
     return sorted({min(numel, t * size) for t in range(1, threads + 1)})
 
 
-def cutter(numel: int, threads: int) -> Optional[Callable[[int, int], int]]:
+def cutter(numel: int, threads: int, row: int = 1) -> Optional[Callable[[int, int], int]]:
     """``stop(start, most)``: where the piece starting at ``start`` (a cut this function gave,
-    or 0) ends, given at most ``most`` elements; 0 when ``most`` is too small. ``None``
-    where the op cannot be cut (Note [Cuts of host kernels])."""
+    or 0) ends, given at most ``most`` positions; 0 when ``most`` is too small. ``None``
+    where the op cannot be cut (Note [Cuts of host kernels]).
+
+    A position is one element (``row`` 1: the op's tensors are one range of bytes, which the
+    kernel loops over as one run), or a row of ``row`` elements of a result cut along its
+    positions (tensors that broadcast or are laid out otherwise, each with its last dimension
+    dense): the kernel then starts its vector loop again at each row, so a piece of whole rows
+    needs no step, only the whole call's ranges falling between rows."""
     ends = ranges(numel, threads)
-    if ends is None:
+    if ends is None or any(e % row for e in ends):
         return None
-    whole = STEP * math.lcm(*range(1, threads + 1))
+    ends = [e // row for e in ends]
+    align = STEP if row == 1 else 1
+    whole = align * math.lcm(*range(1, threads + 1))
+    serial = SERIAL // row
 
     def stop(start: int, most: int) -> int:
         end = next(e for e in ends if e > start)
         left = end - start
-        if left <= most and (left <= SERIAL or left % whole == 0):
+        if left <= most and (left <= serial or left % whole == 0):
             return end
         n = min(most, left) // whole * whole
         if n == 0:
-            n = min(most, left, SERIAL) // STEP * STEP
+            n = min(most, left, serial) // align * align
         return start + n if n else 0
 
     return stop
