@@ -15,6 +15,7 @@ aten = torch.ops.aten
 OPS = {
     "sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu, "softplus": torch.nn.functional.softplus,
     "pow": lambda x: x.abs() ** 1.7, "rsqrt": lambda x: torch.rsqrt(x.abs() + 1e-3), "sin": torch.sin,
+    "gelu-tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),  # (its own grain)
     "gelu_backward": lambda x: aten.gelu_backward(x * 0.5, x, approximate="tanh"),
 }
 
@@ -36,12 +37,12 @@ def _bounds(cut, numel, most):
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
-@pytest.mark.parametrize("numel", [2048, 100003, 262144 + 77])
+@pytest.mark.parametrize("numel", [2048, 30720, 32768, 100003, 262144 + 77])
 def test_cuts_give_one_calls_bits_on_the_host(threads, count, numel):
     torch.set_num_threads(count)
     cut = vector_loops.cutter(numel, count)
     if cut is None:  # (the whole call's ranges hang on a grain: 100003 elements on 4 threads)
-        assert count > 1 and numel <= (count - 1) * vector_loops.GRAIN
+        assert count > 1 and vector_loops.SERIAL < numel <= (count - 1) * vector_loops.GRAIN
         return
     torch.manual_seed(numel)
     for dtype in (torch.float32, torch.bfloat16):
@@ -98,6 +99,9 @@ def test_no_cut_where_the_ranges_hang_on_the_grain():
     assert vector_loops.cutter(40000, 3) is None
     assert vector_loops.ranges(5000, 1) == [5000] and vector_loops.ranges(2000, 8) == [2000]
     assert vector_loops.ranges(100001, 2) == [50001, 100001]
+    # (a UNet's GEGLU at 256 KiB: 32,768 elements, one range or two of 16,384 alike)
+    assert vector_loops.ranges(32768, 2) == [32768] and vector_loops.ranges(30720, 4) == [30720]
+    assert vector_loops.ranges(32768, 3) is None
 
 
 def test_too_few_elements_for_a_cut_ends_nothing():

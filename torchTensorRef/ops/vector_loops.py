@@ -18,7 +18,9 @@ after that range's start, and (3) its own call splits it the same way: it is at 
 thread count from 1 to ``threads`` (every range its ``parallel_for`` may make is then a
 multiple of ``STEP``); a piece not ending its range must be a multiple of ``STEP`` too.
 Where the whole call's ranges depend on a grain this module does not know (more than
-``SERIAL`` elements, fewer than ``(threads - 1) * GRAIN`` + 1), no cut is offered and the op
+``SERIAL`` elements, at most ``(threads - 1) * GRAIN``), they matter only where they end
+off the vector loop's runs: if every thread count the call may take ends them on a multiple
+of ``STEP``, the whole call computes as one range would; else no cut is offered and the op
 is refused. ``tests/ops/test_vector_loops.py`` checks these cuts against one call of the
 host's own kernels, so a PyTorch that splits its loops otherwise fails there.
 """
@@ -47,18 +49,24 @@ def _openmp() -> bool:
 _OPENMP: Optional[bool] = None
 
 
-def ranges(numel: int, threads: int) -> Optional[List[int]]:
+def ranges(numel: int, threads: int, unit: int = STEP) -> Optional[List[int]]:
     """The ends of the ranges one call over ``numel`` elements gives its threads (the last
-    is ``numel``), or ``None`` where they depend on the kernel's grain."""
+    is ``numel``), or ``None`` where they depend on the kernel's grain. Ranges whose ends are
+    multiples of ``unit`` (where the vector loop starts again anyway) count as one."""
     global _OPENMP
     if threads <= 1 or numel <= SERIAL:
         return [numel]
     if _OPENMP is None:
         _OPENMP = _openmp()
-    if not _OPENMP or numel <= (threads - 1) * GRAIN:
+    if not _OPENMP:
         return None
-    size = -(-numel // threads)
-    return sorted({min(numel, t * size) for t in range(1, threads + 1)})
+    if numel > (threads - 1) * GRAIN:
+        size = -(-numel // threads)
+        return sorted({min(numel, t * size) for t in range(1, threads + 1)})
+    # (fewer elements: how many threads the call takes hangs on its kernel's grain, at least
+    # SERIAL; every count it may take must then end its ranges where the loop starts again)
+    counts = range(2, min(threads, -(-numel // SERIAL)) + 1)
+    return [numel] if all(-(-numel // n) % unit == 0 for n in counts) else None
 
 
 def cutter(numel: int, threads: int, row: int = 1) -> Optional[Callable[[int, int], int]]:
@@ -71,7 +79,7 @@ def cutter(numel: int, threads: int, row: int = 1) -> Optional[Callable[[int, in
     positions (tensors that broadcast or are laid out otherwise, each with its last dimension
     dense): the kernel then starts its vector loop again at each row, so a piece of whole rows
     needs no step, only the whole call's ranges falling between rows."""
-    ends = ranges(numel, threads)
+    ends = ranges(numel, threads, STEP if row == 1 else row)
     if ends is None or any(e % row for e in ends):
         return None
     ends = [e // row for e in ends]
