@@ -83,6 +83,16 @@ def budget(nbytes, threads: int = 0) -> int:
     return outside() + threads * THREAD_WORKSPACE + parse_size(nbytes, none=False)
 
 
+def room_report() -> str:
+    """What decides whether Flow has room to prefetch, for an assertion's message: the
+    manager's count, the buffers copies still use, the limit, the outside reading, pins."""
+    tm = tensorsManager
+    s = tm.stats()
+    return (f"in_use={tm.in_use()} pending={tm.accounting.pending_bytes} limit={tm.limit} "
+            f"outside={tm.read_outside()} pinned_bytes={s['pinned_bytes']} pin_failures={s['pin_failures']} "
+            f"prefetches_dropped={s['prefetches_dropped']} evictions={s['evictions']}")
+
+
 def without_emulated_workspaces(reason: str):
     """Skip a test about "sim" itself where it emulates workspaces (``reason`` says why)."""
     return pytest.mark.skipif(EMULATED_WORKSPACES, reason=f"emulated workspaces: {reason}")

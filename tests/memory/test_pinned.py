@@ -16,7 +16,7 @@ from torchTensorRef.memory import pinned as pinned_module
 from torchTensorRef.memory.pinned import PinnedMemory, rounded
 from torchTensorRef.strategies import Flow
 from torchTensorRef.core.tensor_ref import block_of
-from paired import budget
+from paired import budget, room_report
 
 KIB = 1024
 
@@ -212,7 +212,7 @@ def test_a_users_tensor_keeps_its_memory_while_flow_pins_and_prefetches_others(l
     for _ in range(8):
         for t in refs + others:
             t.sum()
-    assert tm.stats()["prefetches"] > 0 and all(_is_pinned(o) for o in others)  # the others were
+    assert tm.stats()["prefetches"] > 0 and all(_is_pinned(o) for o in others), room_report()  # the others were
     for r in refs:
         r.add_(1)
     tm.evict_all()

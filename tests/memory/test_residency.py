@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from paired import (assert_identical, budget, capacity, needs_fast_path, paging, plain_torch, run_both,  # noqa: F401 (a fixture)
-                    small_sim_capacity)
+from paired import (assert_identical, budget, capacity, needs_fast_path, paging,  # noqa: F401 (a fixture)
+                    plain_torch, room_report, run_both, small_sim_capacity)
 import torchTensorRef
 from torchTensorRef import DeviceOutOfMemoryError, HostMemoryError, OutOfBudgetError, tensorsManager as tm
 from torchTensorRef.memory.room import is_out_of_memory
@@ -273,7 +273,7 @@ def test_an_out_of_memory_in_a_prefetch_drops_it_and_keeps_the_ops_inputs(inject
     tensors = [torch.full((256,), float(i)) for i in range(4)]  # 1 KiB each
     tm.budget = budget(3 * KIB)
     _read_cycle(12, tensors)
-    assert tm.stats()["prefetches"] > 0  # the loop prefetches when nothing fails
+    assert tm.stats()["prefetches"] > 0, room_report()  # the loop prefetches when nothing fails
     tm.reset_stats()
     fail = injector("prefetch", OOM_ERRORS[error], times=10**6)
     seen, handle = _on_device_during_ops()

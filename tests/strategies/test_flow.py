@@ -13,7 +13,7 @@ from torchTensorRef.analysis.offline import reference_moves
 from torchTensorRef.core.tensor_ref import block_of
 from torchTensorRef.strategies import Flow, Strategy, flow_prefetch
 from torchTensorRef.strategies.flow_plan import loop_key
-from paired import assert_identical, budget, outside, plain_torch, sim_only, small_sim_capacity, to_plain
+from paired import assert_identical, budget, outside, plain_torch, room_report, sim_only, small_sim_capacity, to_plain
 
 KIB = 1024
 
@@ -214,7 +214,7 @@ def test_prefetches_blocks_of_upcoming_ops_before_they_run(fresh_manager):
     with tm.recording() as trace:
         total = step()
     stats = tm.stats()
-    assert stats["prefetches"] > 0 and stats["prefetch_hits"] > 0
+    assert stats["prefetches"] > 0 and stats["prefetch_hits"] > 0, room_report()
     assert stats["peak_device_bytes"] <= tm.budget
     # some copies in were done ahead: finished before the op preceding their first use began
     starts = sorted((start, index) for index, _name, start, _end in trace.ops)
