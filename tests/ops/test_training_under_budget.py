@@ -592,6 +592,19 @@ def test_an_activations_backward_larger_than_the_budget_equals_one_call(tight, f
     assert torch.equal(_plain(x.grad), px.grad.cpu())
 
 
+def test_an_activations_backward_in_chunks_of_a_few_vectors_equals_one_call(tight):
+    # torch.func's per-sample gradients of a small MLP at half its weights: gelu_backward of
+    # 256 float32 elements with room for 64 of each tensor was refused (its chunks had to be
+    # multiples of 128 elements, the step of the narrowest type, not of float32's 32)
+    x, px = _pair(8, 32)
+    g, pg = _pair(8, 32, seed=1)
+    with plain_torch():
+        expected = aten.gelu_backward(pg, px).cpu()
+    _tighten(tight, room=3 * tight.block_bytes(64 * 4) + 64)
+    got = aten.gelu_backward(g, x)
+    assert torch.equal(_plain(got), expected)
+
+
 def test_a_gated_activation_of_half_a_projection_larger_than_the_budget_equals_one_call(tight, few_threads):
     # diffusers' GEGLU: gelu of one half of a projection (a view laid out otherwise than its
     # gradient) times the other; cut in rows, whose count (a multiple of 12) puts the whole

@@ -40,12 +40,12 @@ def _bounds(cut, numel, most):
 @pytest.mark.parametrize("numel", [2048, 30720, 32768, 100003, 262144 + 77])
 def test_cuts_give_one_calls_bits_on_the_host(threads, count, numel):
     torch.set_num_threads(count)
-    cut = vector_loops.cutter(numel, count)
-    if cut is None:  # (the whole call's ranges hang on a grain: 100003 elements on 4 threads)
-        assert count > 1 and vector_loops.SERIAL < numel <= (count - 1) * vector_loops.GRAIN
-        return
     torch.manual_seed(numel)
     for dtype in (torch.float32, torch.bfloat16):
+        cut = vector_loops.cutter(numel, count, step=vector_loops.STEP_BYTES // dtype.itemsize)
+        if cut is None:  # (the whole call's ranges hang on a grain: 100003 elements on 4 threads)
+            assert count > 1 and vector_loops.SERIAL < numel <= (count - 1) * vector_loops.GRAIN
+            continue
         x = torch.randn(numel).to(dtype)
         # (1000 on four threads: fewer than a multiple of every thread count, so pieces of at
         # most SERIAL elements)

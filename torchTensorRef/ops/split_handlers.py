@@ -358,7 +358,8 @@ def rounded(func, args, kwargs, spec: OpSpec, left: int):
             # (the kernel would loop along another dimension than the rows it is cut in)
             raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
         threads = torch.get_num_threads()
-        cutter = lambda numel, row: vector_loops.cutter(numel, threads, row)  # noqa: E731
+        step = vector_loops.STEP_BYTES // min(t.element_size() for t in tensors)
+        cutter = lambda numel, row: vector_loops.cutter(numel, threads, row, step)  # noqa: E731
     return run_chunked(func, args, kwargs, spec, left, broadcast=positions, cutter=cutter)
 
 

@@ -12,16 +12,16 @@ elements for most kernels; ``gelu``'s grain is its size over the threads above 1
 each range's last ``len % (2 * Vec::size())`` elements take the scalar form.
 
 A piece gives those bits when (1) it lies within one such range of the whole call, (2) it
-starts a multiple of ``STEP`` elements (a multiple of every float type's ``2 * Vec::size()``)
-after that range's start, and (3) its own call splits it the same way: it is at most
-``SERIAL`` elements (below every grain: one range), or a multiple of ``STEP`` times every
-thread count from 1 to ``threads`` (every range its ``parallel_for`` may make is then a
-multiple of ``STEP``); a piece not ending its range must be a multiple of ``STEP`` too.
-Where the whole call's ranges depend on a grain this module does not know (more than
-``SERIAL`` elements, at most ``(threads - 1) * GRAIN``), they matter only where they end
-off the vector loop's runs: if every thread count the call may take ends them on a multiple
-of ``STEP``, the whole call computes as one range would; else no cut is offered and the op
-is refused. ``tests/ops/test_vector_loops.py`` checks these cuts against one call of the
+starts a multiple of a *step* after that range's start (``STEP_BYTES`` of its elements, a
+multiple of any type's ``2 * Vec::size()``), and (3) its own call splits it the same way: it
+is at most ``SERIAL`` elements (below every grain: one range), or a multiple of the step
+times every thread count from 1 to ``threads`` (every range its ``parallel_for`` may make is
+then a multiple of the step); a piece not ending its range must be a multiple of the step
+too. Where the whole call's ranges depend on a grain this module does not know (more than
+``SERIAL`` elements, at most ``(threads - 1) * GRAIN``), they matter only where they end off
+the vector loop's runs: if every thread count the call may take ends them on a multiple of
+the step, the whole call computes as one range would; else no cut is offered and the op is
+refused. ``tests/ops/test_vector_loops.py`` checks these cuts against one call of the
 host's own kernels, so a PyTorch that splits its loops otherwise fails there.
 """
 
@@ -32,9 +32,9 @@ from typing import Callable, List, Optional
 
 import torch
 
-#: a piece starts a multiple of this many elements after its range's start (the widest
-#: ``2 * Vec::size()`` of a float type: 64 bf16 or fp16 elements with AVX-512; 128 for margin)
-STEP = 128
+#: a piece starts a multiple of this many bytes of elements after its range's start: the
+#: widest ``2 * Vec::size()`` of any type (two 512-bit vectors: 64 bf16 elements, 32 float32)
+STEP_BYTES = 128
 #: the grain of most of PyTorch's CPU elementwise kernels (``at::internal::GRAIN_SIZE``)
 GRAIN = 32768
 #: a piece of at most this many elements runs as one range whatever its kernel's grain
@@ -49,7 +49,7 @@ def _openmp() -> bool:
 _OPENMP: Optional[bool] = None
 
 
-def ranges(numel: int, threads: int, unit: int = STEP) -> Optional[List[int]]:
+def ranges(numel: int, threads: int, unit: int = STEP_BYTES) -> Optional[List[int]]:
     """The ends of the ranges one call over ``numel`` elements gives its threads (the last
     is ``numel``), or ``None`` where they depend on the kernel's grain. Ranges whose ends are
     multiples of ``unit`` (where the vector loop starts again anyway) count as one."""
@@ -69,21 +69,23 @@ def ranges(numel: int, threads: int, unit: int = STEP) -> Optional[List[int]]:
     return [numel] if all(-(-numel // n) % unit == 0 for n in counts) else None
 
 
-def cutter(numel: int, threads: int, row: int = 1) -> Optional[Callable[[int, int], int]]:
+def cutter(numel: int, threads: int, row: int = 1,
+           step: int = STEP_BYTES) -> Optional[Callable[[int, int], int]]:
     """``stop(start, most)``: where the piece starting at ``start`` (a cut this function gave,
     or 0) ends, given at most ``most`` positions; 0 when ``most`` is too small. ``None``
     where the op cannot be cut (Note [Cuts of host kernels]).
 
     A position is one element (``row`` 1: the op's tensors are one range of bytes, which the
-    kernel loops over as one run), or a row of ``row`` elements of a result cut along its
+    kernel loops over as one run; ``step``: ``STEP_BYTES`` over their smallest element size,
+    the default fits any), or a row of ``row`` elements of a result cut along its
     positions (tensors that broadcast or are laid out otherwise, each with its last dimension
     dense): the kernel then starts its vector loop again at each row, so a piece of whole rows
     needs no step, only the whole call's ranges falling between rows."""
-    ends = ranges(numel, threads, STEP if row == 1 else row)
+    ends = ranges(numel, threads, step if row == 1 else row)
     if ends is None or any(e % row for e in ends):
         return None
     ends = [e // row for e in ends]
-    align = STEP if row == 1 else 1
+    align = step if row == 1 else 1
     whole = align * math.lcm(*range(1, threads + 1))
     serial = SERIAL // row
 
