@@ -34,6 +34,24 @@ def test_backward_gives_the_same_gradients(paging):
     assert_identical(*run_both(run))
 
 
+def test_torch_func_per_sample_gradients_and_a_jacobian(paging):
+    # (torch.func's transforms reach the manager as the plain ops of their batching rules:
+    # per-sample gradients as Opacus computes them, a Jacobian through jacrev)
+    def run():
+        m = mlp()
+        params = {k: v.detach() for k, v in m.named_parameters()}
+        x, y = torch.randn(4, 6), torch.randn(4, 3)
+
+        def loss(p, xi, yi):
+            return (torch.func.functional_call(m, p, (xi.unsqueeze(0),)) - yi).pow(2).sum()
+
+        per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+        jacobian = torch.func.jacrev(lambda xi: torch.func.functional_call(m, params, (xi,)))(x[0])
+        return [per_sample[k] for k in sorted(per_sample)] + [jacobian]
+
+    assert_identical(*run_both(run))
+
+
 def test_retain_graph_allows_a_second_backward_and_only_then(paging):
     def run():
         m = mlp()
