@@ -629,6 +629,27 @@ def test_a_gated_activation_of_half_a_projection_larger_than_the_budget_equals_o
     assert torch.equal(_plain(x.grad), px.grad.cpu())
 
 
+@pytest.mark.parametrize("case", ["conv2d", "bias-stride-padding", "channels-last", "conv1d"])
+def test_a_convolution_larger_than_the_budget_in_groups_of_channels_equals_one_call(tight, case):
+    # a UNet's convolutions at 256 KiB (diffusers' own tests) were refused
+    conv = torch.nn.functional.conv1d if case == "conv1d" else torch.nn.functional.conv2d
+    shape, filters = ((2, 32, 128), (96, 32, 3)) if case == "conv1d" else ((2, 32, 16, 16), (96, 32, 3, 3))
+    x, px = _pair(*shape)
+    w, pw = _pair(*filters, seed=1)
+    b, pb = _pair(96, seed=2)
+    if case == "channels-last":
+        x, px, w, pw = (t.to(memory_format=torch.channels_last) for t in (x, px, w, pw))
+    kwargs = {"stride": 2, "padding": 1} if case == "bias-stride-padding" else {"padding": 1}
+    bias = case != "conv2d"
+    with plain_torch():
+        expected = conv(px, pw, pb if bias else None, **kwargs)
+    _tighten(tight, room=96 * 1024)
+    got = conv(x, w, b if bias else None, **kwargs)
+    assert got.stride() == expected.stride()  # (channels last stays channels last)
+    _assert_product_pieces_equal(got, expected.cpu())
+    assert tight.stats()["peak_device_bytes"] < sum(t.numel() * 4 for t in (x, w, got))
+
+
 def _train_mixed(model, ids, mode, device, steps=2):
     """One of three mixed-precision loops a user writes."""
     if mode == "master":  # bf16 weights, fp32 master copies and optimizer state

@@ -19,7 +19,8 @@ run as several kernels on *pieces* of their tensors, each piece small enough:
 - ``mm``: tiles of the output's columns (or rows), each reading the matching columns of
   the second operand (rows of the first); every output element is one dot product as in
   one call; ``bmm`` and ``baddbmm`` in groups of batch elements, and one element larger
-  than the room in tiles of its output's rows (or columns) as ``mm``;
+  than the room in tiles of its output's rows (or columns) as ``mm``; a convolution in
+  groups of its output channels (``split_products.py``);
 - ``softmax`` and ``log_softmax`` over the last dimension, and their backward: chunks of
   whole rows (each row is computed alone, by the same kernel, whatever the other rows).
 

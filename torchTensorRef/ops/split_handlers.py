@@ -1,8 +1,9 @@
 """The ops that run in pieces when they are larger than the budget (Note [Pieces] in
-``pieces.py``, and ``split.py``): ``embedding`` and its backward by rows, ``mm`` by
-tiles of its output, the elementwise ops a training step runs on whole parameters by
-chunks (by rows where they broadcast, and ``cat`` along an inner dimension), views of big
-tensors without moving bytes, and a whole tensor's norm by chunks.
+``pieces.py``, and ``split.py``): ``embedding`` and its backward by rows, the elementwise
+ops a training step runs on whole parameters and the activations by chunks (by rows where
+they broadcast, and ``cat`` along an inner dimension), views of big tensors without moving
+bytes, and a whole tensor's norm by chunks (matrix products and convolutions:
+``split_products.py``).
 
 Each handler runs its op by the dispatcher's own paths first and splits it only where they
 refuse it for the budget (``split.when_refused``); ``embedding`` also reads rows alone by choice.
@@ -13,16 +14,15 @@ from __future__ import annotations
 import torch
 
 from ..core.errors import OutOfBudgetError
-from ..core import raw
-from ..core.op_specs import OpSpec, implements, spec_of
+from ..core.op_specs import OpSpec, implements
 from ..core.tensor_ref import TensorRef, block_of, host_copy, host_view
 from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
-from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
+from .pieces import gathered_piece, host_result, settle, to_host
 from . import vector_loops
 from .chunks import by_positions, run_chunked, tensors_of
-from .split import block_bytes, chunk_elements, default, fits, op_bytes, refs_bytes, refuse, room, when_refused
+from .split import block_bytes, default, fits, op_bytes, refuse, room, when_refused
 
 aten = torch.ops.aten
 
@@ -121,173 +121,6 @@ def embedding_dense_backward(func, args, kwargs, spec: OpSpec, left: int):
     out = host_result((num_weights, grad.shape[-1]), grad.dtype, zero=True)
     host_view(out).index_copy_(0, rows, to_host(part))
     return out
-
-
-# -- matrix products ------------------------------------------------------------------------
-
-def _columns(plain: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Columns ``start:stop`` of a plain host matrix as a new tensor, dense in the same order."""
-    return plain[:, start:stop].clone(memory_format=torch.preserve_format)
-
-
-#: tile widths: each output element is one dot product whatever the tile, so any width
-#: gives the bits of one call; wide tiles are cheaper
-_TILE_ALIGNS = (64, 8, 1)
-
-
-@implements(aten.mm.default)
-@when_refused
-def mm(func, args, kwargs, spec: OpSpec, left: int):
-    """``a @ b`` in tiles of the output's columns (or rows) when it does not fit."""
-    if kwargs:
-        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
-    a, b = args
-    return _matmul_tiles(func, args, kwargs, spec, left, a, b, None)
-
-
-@implements(aten.addmm.default)
-@when_refused
-def addmm(func, args, kwargs, spec: OpSpec, left: int):
-    """``bias + a @ b`` (a ``Linear`` with a bias) in tiles as ``mm``, each with its part of a
-    bias of one value per column."""
-    bias, a, b = args if len(args) == 3 else (None, None, None)
-    if kwargs or not (isinstance(bias, TensorRef) and bias.dim() == 1 and bias.shape[0] == b.shape[-1]):
-        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
-    return _matmul_tiles(func, args, kwargs, spec, left, a, b, bias)
-
-
-def _matmul_tiles(func, args, kwargs, spec: OpSpec, left: int, a, b, bias):
-    if not (isinstance(a, TensorRef) and isinstance(b, TensorRef)):
-        return default(func, args, kwargs, spec)
-    a_bytes, b_bytes = refs_bytes([a]), refs_bytes([b])
-    bias_bytes = refs_bytes([bias]) if bias is not None else 0
-    m, k = a.shape
-    n = b.shape[1]
-    out_size = a.element_size()
-    if a_bytes <= b_bytes:
-        # Tiles of columns: all of a, then b[:, j:j+w], the bias's [j:j+w] and out[:, j:j+w] per tile.
-        pieces = (k * b.element_size(), m * out_size) + ((bias.element_size(),) if bias is not None else ())
-        width = chunk_elements(sum(pieces), a_bytes, left, n, spec.name, _TILE_ALIGNS, pieces)
-        return _tiles(func, a, b, width, n, columns=True, bias=bias)
-    pieces = (k * a.element_size(), n * out_size)
-    height = chunk_elements(sum(pieces), b_bytes + bias_bytes, left, m, spec.name, _TILE_ALIGNS, pieces)
-    return _tiles(func, a, b, height, m, columns=False, bias=bias)
-
-
-def _tiles(func, a, b, step, count, columns: bool, bias=None):
-    spec = spec_of(func)
-    tiled = b if columns else a
-    settle([tiled] + ([bias] if bias is not None and columns else []))
-    whole = host_view(tiled).detach()
-    out = host_result((a.shape[0], b.shape[1]), a.dtype)  # (mm takes one dtype)
-    with held_on_host([out]):
-        out_host = host_view(out)
-        for start in range(0, count, step):
-            stop = min(start + step, count)
-            if columns:
-                piece = gathered_piece(_columns(whole, start, stop))
-                operands = [a, piece]
-                if bias is not None:
-                    operands.insert(0, gathered_piece(host_view(bias).detach()[start:stop].clone()))
-                result = run_generic(func, operands, {}, spec)
-                out_host[:, start:stop].copy_(to_host(result))
-            else:
-                piece = gathered_piece(whole[start:stop].clone(memory_format=torch.preserve_format))
-                operands = [piece, b] if bias is None else [bias, piece, b]
-                result = run_generic(func, operands, {}, spec)
-                out_host[start:stop].copy_(to_host(result))
-            del piece, result, operands
-    return out
-
-
-def _in_order(view: torch.Tensor) -> torch.Tensor:
-    """A dense host copy of plain ``view`` laid out in the order of its strides: a part of a
-    transposed matrix stays transposed, so the BLAS reads each piece as it read the whole."""
-    order = sorted(range(view.dim()), key=lambda d: -view.stride(d))
-    laid = raw.empty([view.shape[d] for d in order], dtype=view.dtype)
-    copy = laid.permute([order.index(d) for d in range(view.dim())])
-    return copy.copy_(view)
-
-
-#: the positions of a batched product's operands (bias, a, b) that a tile of its output's
-#: rows (dimension 1) or columns (2) cuts: the bias and ``a`` by rows, the bias and ``b`` by columns
-_CUT_BY = {1: (True, True, False), 2: (True, False, True)}
-
-
-@implements([aten.bmm.default, aten.baddbmm.default])
-@when_refused
-def bmm(func, args, kwargs, spec: OpSpec, left: int):
-    """A batched product (attention's scores and their use) when it does not fit: in groups
-    of whole batch elements, or, where one element is larger than the room, element by
-    element in tiles of its output's rows (or columns) as ``mm``. Each output element is one
-    dot product, as in one call."""
-    bias, (a, b) = (None, args) if func is aten.bmm.default else (args[0], args[1:3])
-    operands = (bias, a, b)
-    refs = [t for t in operands if t is not None]
-    if (len(args) != (2 if bias is None else 3) or not all(isinstance(t, TensorRef) and t.dim() == 3 for t in refs)
-            or any(t.shape[0] not in (1, a.shape[0]) for t in refs)
-            or bias is not None and (bias.shape[1] not in (1, a.shape[1]) or bias.shape[2] not in (1, b.shape[2]))):
-        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
-    count, n, m = a.shape[0], a.shape[1], b.shape[2]
-    batched = [t for t in refs if t.shape[0] == count]
-    shared = refs_bytes([t for t in refs if t.shape[0] != count])  # (broadcast over the batch: whole)
-    pieces = [t.numel() // count * t.element_size() for t in batched] + [n * m * a.element_size()]
-    if count > 1 and shared + sum(block_bytes(p) for p in pieces) <= left:
-        step = chunk_elements(sum(pieces), shared, left, count, spec.name, (1,), pieces)
-        tiles = [(slice(s, min(s + step, count)), slice(None), slice(None)) for s in range(0, count, step)]
-    else:
-        tiles = _element_tiles(operands, count, n, m, left, spec.name)
-    settle(refs)
-    out = host_result((count, n, m), a.dtype)
-    kept: dict = {}  # operand position -> (its part's index, the piece): reused by the next tile
-    with held_on_host([out]):
-        out_host = host_view(out)
-        for tile in tiles:
-            parts = [None if t is None else _part(t, at, tile, count, kept) for at, t in enumerate(operands)]
-            result = run_generic(func, [p for p in parts if p is not None], kwargs, spec)
-            out_host[tile].copy_(to_host(result))
-            del parts, result
-    return out
-
-
-def _element_tiles(operands, count: int, n: int, m: int, left: int, name: str):
-    """Tiles of each batch element's output rows (or, where ``b`` is the larger operand, its
-    columns) small enough for ``left``: the operands a tile cuts come in parts, the others
-    whole (an element of them, where they have one per element)."""
-    bias, a, b = operands
-    dim = 1 if a.shape[1] * a.shape[2] * a.element_size() >= b.shape[1] * b.shape[2] * b.element_size() else 2
-    units = (n, m)[dim - 1]
-    fixed, per_unit = 0, [(n + m - units) * a.element_size()]  # (the result's part: a row or a column)
-    for t, cut in zip(operands, _CUT_BY[dim]):
-        if t is None:
-            continue
-        element = t.numel() // t.shape[0] * t.element_size()
-        if cut and t.shape[dim] == units:
-            per_unit.append(element // units)
-        else:
-            fixed += refs_bytes([t]) if t.shape[0] != count else block_bytes(element)
-    step = chunk_elements(sum(per_unit), fixed, left, units, name, _TILE_ALIGNS, per_unit)
-    return [(slice(i, i + 1),) + ((slice(s, min(s + step, units)), slice(None)) if dim == 1
-                                  else (slice(None), slice(s, min(s + step, units))))
-            for i in range(count) for s in range(0, units, step)]
-
-
-def _part(t: TensorRef, at: int, tile, count: int, kept: dict):
-    """The part of settled operand ``t`` (position ``at`` in (bias, a, b)) that ``tile`` of
-    the output reads: ``t`` itself where that is all of it, else a piece (the previous
-    tile's, where it read the same part)."""
-    batch, rows, columns = tile
-    index = (batch if t.shape[0] == count else slice(None),
-             rows if at != 2 and t.shape[1] != 1 else slice(None),
-             columns if at != 1 and t.shape[2] != 1 else slice(None))
-    if all(s == slice(None) or (s.start, s.stop) == (0, size) for s, size in zip(index, t.shape)):
-        return t
-    key = tuple((s.start, s.stop) for s in index)
-    if at in kept and kept[at][0] == key:
-        return kept[at][1]
-    piece = gathered_piece(_in_order(host_view(t).detach()[index]))
-    kept[at] = (key, piece)
-    return piece
 
 
 # -- elementwise ops a training step runs on whole parameters -------------------------------
