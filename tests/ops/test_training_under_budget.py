@@ -650,6 +650,26 @@ def test_a_convolution_larger_than_the_budget_in_groups_of_channels_equals_one_c
     assert tight.stats()["peak_device_bytes"] < sum(t.numel() * 4 for t in (x, w, got))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
+def test_a_group_norm_larger_than_the_budget_in_groups_of_samples_equals_one_call(tight, layout):
+    # a UNet's GroupNorm at 256 KiB (diffusers' own tests) was refused
+    x, px = _pair(6, 32, 16, 16)
+    w, pw = _pair(32, seed=1)
+    b, pb = _pair(32, seed=2)
+    if layout == "channels-last":
+        x, px = x.to(memory_format=torch.channels_last), px.to(memory_format=torch.channels_last)
+    with plain_torch():
+        expected = [t.cpu() for t in aten.native_group_norm(px, pw, pb, 6, 32, 256, 8, 1e-5)]
+        expected_strides = aten.native_group_norm(px, pw, pb, 6, 32, 256, 8, 1e-5)[0].stride()
+    _tighten(tight, room=96 * 1024)
+    got = aten.native_group_norm(x, w, b, 6, 32, 256, 8, 1e-5)
+    assert got[0].stride() == expected_strides
+    assert all(torch.equal(_plain(g), e) for g, e in zip(got, expected))
+    with torch.no_grad():  # (as a module computes it)
+        assert torch.equal(_plain(torch.nn.functional.group_norm(x, 8, w, b)), expected[0])
+    assert tight.stats()["peak_device_bytes"] < 2 * x.numel() * 4
+
+
 def _train_mixed(model, ids, mode, device, steps=2):
     """One of three mixed-precision loops a user writes."""
     if mode == "master":  # bf16 weights, fp32 master copies and optimizer state

@@ -96,7 +96,7 @@ def _tiles(func, a, b, step, count, columns: bool, bias=None):
     return out
 
 
-def _in_order(view: torch.Tensor) -> torch.Tensor:
+def in_order(view: torch.Tensor) -> torch.Tensor:
     """A dense host copy of plain ``view`` laid out in the order of its strides: a part of a
     transposed matrix stays transposed, so the BLAS reads each piece as it read the whole."""
     order = sorted(range(view.dim()), key=lambda d: -view.stride(d))
@@ -181,7 +181,7 @@ def _part(t: TensorRef, at: int, tile, count: int, kept: dict):
     key = tuple((s.start, s.stop) for s in index)
     if at in kept and kept[at][0] == key:
         return kept[at][1]
-    piece = gathered_piece(_in_order(host_view(t).detach()[index]))
+    piece = gathered_piece(in_order(host_view(t).detach()[index]))
     kept[at] = (key, piece)
     return piece
 
@@ -212,13 +212,13 @@ def convolution(func, args, kwargs, spec: OpSpec, left: int):
     settle([t for t in (weight, bias) if t is not None])
 
     def channels_of(start: int):
-        part = [gathered_piece(_in_order(host_view(t).detach()[start:start + step])) if t is not None else None
+        part = [gathered_piece(in_order(host_view(t).detach()[start:start + step])) if t is not None else None
                 for t in (weight, bias)]
         return run_generic(func, [x, *part, *args[3:]], {}, spec)
 
     result = channels_of(0)
     # (laid out as the device's kernel lays out its result: channels last or not)
-    layout = raw.empty(meta.shape, device="meta", memory_format=_memory_format(result)).stride()
+    layout = raw.empty(meta.shape, device="meta", memory_format=memory_format_of(result)).stride()
     out = host_result(meta.shape, meta.dtype, stride=layout)
     with held_on_host([out]):
         out_host = host_view(out)
@@ -229,8 +229,9 @@ def convolution(func, args, kwargs, spec: OpSpec, left: int):
     return out
 
 
-def _memory_format(result: torch.Tensor) -> torch.memory_format:
-    """The layout of a convolution's result: channels last where it is so and not also contiguous."""
+def memory_format_of(result: torch.Tensor) -> torch.memory_format:
+    """The layout a kernel gave ``result`` (a convolution's, a norm's): channels last where it
+    is so and not also contiguous."""
     last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(result.dim())
     if last is not None and result.is_contiguous(memory_format=last) and not result.is_contiguous():
         return last
