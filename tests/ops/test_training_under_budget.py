@@ -515,7 +515,8 @@ def test_batched_products_larger_than_the_budget_in_batch_groups_equal_one_call(
     _assert_product_pieces_equal(got, expected.cpu())
 
 
-@pytest.mark.parametrize("case", ["scores", "scores-bias-rows", "use", "wide-b", "broadcast-bias-columns"])
+@pytest.mark.parametrize("case", ["scores", "scores-bias-rows", "use", "wide-b", "broadcast-bias-columns",
+                                  "use-of-sliced-values"])
 def test_a_batch_element_larger_than_the_budget_runs_in_tiles_equal_to_one_call(tight, case):
     # one attention element larger than the budget (a 5.4 MiB score matrix at 4 MiB) was
     # refused: batched products were cut only between batch elements
@@ -531,6 +532,11 @@ def test_a_batch_element_larger_than_the_budget_runs_in_tiles_equal_to_one_call(
     elif case == "use":  # softmax(scores) @ v: tiles of the scores' rows, v whole
         p, pp = _pair(heads, n, n, seed=3)
         run = lambda q, k: torch.bmm(p if isinstance(q, TensorRef) else pp, k)  # noqa: E731
+    elif case == "use-of-sliced-values":  # diffusers' attention slicing: one head's values, a
+        # view of all heads' (a block larger than the room), were brought in whole
+        p, pp = _pair(1, n, n, seed=3)
+        v, pv = _pair(16, n, d, seed=4)
+        run = lambda q, k: torch.bmm(*((p, v[1:2]) if isinstance(q, TensorRef) else (pp, pv[1:2])))  # noqa: E731
     elif case == "wide-b":  # q^T-like: the second operand the larger, tiles of its columns
         w, pw = _pair(heads, d, 2 * n, seed=4)
         run = lambda q, k: torch.bmm(k, w if isinstance(q, TensorRef) else pw)  # noqa: E731

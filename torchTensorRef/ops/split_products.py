@@ -13,7 +13,7 @@ import torch
 
 from ..core import raw
 from ..core.op_specs import OpSpec, implements, spec_of
-from ..core.tensor_ref import TensorRef, host_view
+from ..core.tensor_ref import TensorRef, block_of, host_view
 from .dispatch import run_generic
 from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
 from .split import block_bytes, chunk_elements, default, op_bytes, refs_bytes, refuse, when_refused
@@ -170,13 +170,15 @@ def _element_tiles(operands, count: int, n: int, m: int, left: int, name: str):
 
 def _part(t: TensorRef, at: int, tile, count: int, kept: dict):
     """The part of settled operand ``t`` (position ``at`` in (bias, a, b)) that ``tile`` of
-    the output reads: ``t`` itself where that is all of it, else a piece (the previous
-    tile's, where it read the same part)."""
+    the output reads: ``t`` itself where that is all of it and of its block, else a piece
+    (the previous tile's, where it read the same part). (A view of a larger block, one slice
+    of an attention's values, would bring all its block in: its part is gathered.)"""
     batch, rows, columns = tile
     index = (batch if t.shape[0] == count else slice(None),
              rows if at != 2 and t.shape[1] != 1 else slice(None),
              columns if at != 1 and t.shape[2] != 1 else slice(None))
-    if all(s == slice(None) or (s.start, s.stop) == (0, size) for s, size in zip(index, t.shape)):
+    if (all(s == slice(None) or (s.start, s.stop) == (0, size) for s, size in zip(index, t.shape))
+            and block_bytes(block_of(t).nbytes) <= block_bytes(t.numel() * t.element_size())):
         return t
     key = tuple((s.start, s.stop) for s in index)
     if at in kept and kept[at][0] == key:
