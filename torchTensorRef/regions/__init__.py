@@ -288,9 +288,16 @@ def _module_info(module) -> _ModuleInfo:
     return info
 
 
+#: the level of the innermost torch.func transform running (``None``: none)
+_transform_level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)
+
+
 def _call(self, forced, args, kwargs):
     info = _module_info(self)
-    if info.compiled or info.hooked(self):
+    # (inside torch.func's transforms, grad, vmap, jacrev, the module's ops must reach the
+    # transform one by one, and the manager's own allocations made from Python here, a
+    # group's pinned buffer, would become the transform's wrapped tensors)
+    if info.compiled or info.hooked(self) or _transform_level() is not None:
         return _original_call(self, *args, **kwargs)
     if forced is None:
         limit = _mgr.limit
