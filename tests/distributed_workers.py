@@ -123,8 +123,7 @@ def ddp_run(rank: int, world: int, strategy: str, budget_fraction, options: dict
     # which the budget covers as on CUDA: DDP's gradient buckets, FSDP2's all-gather
     # buffers, each up to the parameters' bytes, and the gradients they are copied from)
     room = 2 * param_bytes(plain)
-    gc.collect()  # (an earlier run's engines hold their buckets in reference cycles)
-    tensorsManager.budget = None if budget is None else tensorsManager.outside_bytes() + room + budget
+    held = _budget_above_outside(room, budget)
     tensorsManager.reset_stats()
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -159,10 +158,20 @@ def ddp_run(rank: int, world: int, strategy: str, budget_fraction, options: dict
     if budget is not None:
         # (the manager may use the room left for DDP's and FSDP2's own buffers while they do
         # not exist; beside them nothing passed the budget: worst_overshoot_bytes above)
-        assert stats["peak_device_bytes"] <= room + budget, (where, stats["peak_device_bytes"], room + budget)
+        assert stats["peak_device_bytes"] <= held, (where, stats["peak_device_bytes"], held)
         assert stats["evictions"] > 0, f"{where}: the budget did not make the manager page"
     del engines, optimizers, managed
     tensorsManager.budget = None
+
+
+def _budget_above_outside(room: int, budget) -> int:
+    """Set the budget to ``room + budget`` above what the device holds outside the manager now;
+    the bytes the manager may hold under it. (What lies outside at this reading, a tensor an
+    earlier run left to the collector, may be freed later: the manager may then use it.)"""
+    gc.collect()  # (an earlier run's engines hold their buckets in reference cycles)
+    outside = tensorsManager.outside_bytes()
+    tensorsManager.budget = None if budget is None else outside + room + budget
+    return outside + room + (budget or 0)
 
 
 class _nothing:
@@ -235,8 +244,7 @@ def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -
     # which the budget covers as on CUDA: DDP's gradient buckets, FSDP2's all-gather
     # buffers and reduce-scatter inputs, each at most the parameters' bytes)
     room = int(room_fraction * param_bytes(plain))
-    gc.collect()  # (an earlier run's engines hold their buckets in reference cycles)
-    tensorsManager.budget = None if budget is None else tensorsManager.outside_bytes() + room + budget
+    held = _budget_above_outside(room, budget)
     host_budget = None if host_fraction is None else int(host_fraction * param_bytes(plain))
     tensorsManager.host_budget = host_budget
     tensorsManager.reset_stats()
@@ -277,7 +285,7 @@ def fsdp_run(rank: int, meshes, strategy: str, budget_fraction, options: dict) -
     if budget is not None:
         # (the manager may use the room left for DDP's and FSDP2's own buffers while they do
         # not exist; beside them nothing passed the budget: worst_overshoot_bytes above)
-        assert stats["peak_device_bytes"] <= room + budget, (where, stats["peak_device_bytes"], room + budget)
+        assert stats["peak_device_bytes"] <= held, (where, stats["peak_device_bytes"], held)
         assert stats["evictions"] > 0, f"{where}: the budget did not make the manager page"
     if host_budget is not None:
         assert stats["peak_host_bytes"] <= host_budget, (where, stats["peak_host_bytes"], host_budget)
