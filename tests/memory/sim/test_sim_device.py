@@ -523,3 +523,18 @@ def test_other_generators_are_torchs_own():
     assert issubclass(torch._C.Generator, torch.Generator)
     with pytest.raises(RuntimeError, match="sim:0"):
         torch.Generator(device="sim:1")
+
+
+def test_fork_rng_of_the_device_leaves_its_numbers_as_plain_torch_s():
+    # (peft's PSOFT initializes under torch.random.fork_rng(device_type=x.device.type): it
+    # asked torch.sim for its generator's state, which the device module did not give)
+    def fn():
+        inside = []
+        with torch.random.fork_rng(devices=[0], device_type="sim"):
+            inside.append(torch.randn(4, device="sim"))
+        inside.append(torch.randn(4, device="sim"))  # (the numbers before the fork come again)
+        return inside
+
+    plain, managed = run_both(fn, seed=5)
+    assert_identical(plain, managed)
+    assert_identical(managed[0], managed[1])

@@ -137,6 +137,14 @@ class _SimModule:
     def manual_seed_all(self, seed: int) -> None:
         pass  # the simulated device computes with the CPU's kernels and generator
 
+    # (its random ops without a generator draw from the CPU's default one: its state is the
+    # device's, as ``torch.random.fork_rng(device_type="sim")`` saves and restores it)
+    def get_rng_state(self, device: Device = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: Device = None) -> None:
+        torch.set_rng_state(new_state)
+
     def get_amp_supported_dtype(self) -> List[torch.dtype]:
         return [torch.float16, torch.bfloat16]
 
