@@ -69,6 +69,11 @@ import torch
 _ids = itertools.count(1)
 
 
+def id_mark() -> int:
+    """An id below the ids of every block made from now on (blocks are numbered as made)."""
+    return next(_ids)
+
+
 class Residence(enum.Enum):
     """Where a block's current bytes are (Note [Residence])."""
 

@@ -61,6 +61,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode, _pop_mode_temporarily
 
 from ..core import context
+from ..core.blocks import id_mark
 from ..core.errors import OutOfBudgetError
 from ..core.tensor_ref import block_of
 from ..memory.manager import tensorsManager as _mgr
@@ -132,6 +133,9 @@ class Region:
         self.probes = 0  # calls with gradients run op by op to see their backward
         #: a call changed its module's own state (Note [Stores on modules]): op by op from now on
         self.mutates = False
+        #: a measured call read TensorRefs its scan did not find (Note [Tensors no scan finds]
+        #: in ``scan.py``): its calls with gradients run op by op from now on
+        self.unseen = False
         #: ids of the blocks of its module's tensors that a measured call wrote in place: its
         #: calls count them as written (Note [Unversioned writes])
         self.writes: set = set()
@@ -205,6 +209,8 @@ class Region:
         a region."""
         if grad_error is not None:
             raise RuntimeError(grad_error)
+        if self.unseen:
+            raise NotARegion("it reads tensors no scan of its call finds")
         if not train or not self.measure:
             raise NotARegion("needs gradients")
         if self.second_order:
@@ -329,6 +335,7 @@ class Region:
         """The call op by op (within the budget, as any code), measuring what its ops allocate
         (what it needs inside as a region); with ``grad``, whether its backward asks for more."""
         meter = Measure({block_of(r).id for r in call.refs}, mgr.alloc_bytes)
+        mark = id_mark()  # (blocks the call makes have larger ids)
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
         running, stores.running.call = stores.running.call, call  # (what it assigns: Note [Stores on modules])
         # (called from a loop on plain tensors, it runs as it would outside one: what it
@@ -348,6 +355,8 @@ class Region:
         if meter.wrote:
             self.writes.update(meter.wrote.intersection(block_of(v).id for _d, _k, v in call.slots))
         held = call.all_held
+        if not self.unseen and any(b < mark for b in meter.read.difference(block_of(t).id for t in call.refs + held)):
+            self.unseen = True
         used = self.inside.learn_uses(key, held, meter.read)
         self.inside.record(key, sum(block_of(held[i]).nbytes for i in used), meter.peak)
         self.ops = meter.ops

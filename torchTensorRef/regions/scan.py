@@ -21,6 +21,17 @@ class NotARegion(Exception):
     """This call cannot run as a region (raised before anything changed)."""
 
 
+# Note [Tensors no scan finds]: a call's scan finds the TensorRefs among its arguments, its
+# modules' parameters and buffers, and what its modules and the objects given to it hold; a
+# module kept out of the module tree (peft's FRoD layers share their tuner's projection
+# buffers by ``object.__setattr__``), a closure or a global may hold more. Inside a region
+# such a tensor stays a TensorRef and its ops go op by op: the values are right, but with
+# gradients the results computed from it and from the call's plain leaves are TensorRefs
+# whose graph ends at those leaves, not at the parameters, so the region's node never sees
+# them and the parameters' gradients were lost, silently. A measured call (the first with
+# gradients always is one) sees every block its ops read; one read that is neither the
+# scan's nor made by the call makes the region run its calls with gradients op by op.
+
 
 class Call:
     """One region call's TensorRefs and where they sit."""
