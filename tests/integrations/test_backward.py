@@ -104,3 +104,39 @@ def test_a_backward_after_the_device_changed_is_refused_and_runs_once_it_is_back
     loss.backward()
     for p, expected in zip(m.parameters(), plain_grads()):
         torch.testing.assert_close(p.grad.cpu(), expected, rtol=0, atol=0)
+
+
+def test_at_exit_the_package_waits_for_what_autograd_s_device_thread_began():
+    # (Note [Autograd's device thread at exit]: a backward whose node is still running on the
+    # device's thread holds the drain back until it ends)
+    import threading
+
+    from torchTensorRef.integrations import backward
+
+    if tm.backend.declared.type == "cpu":
+        pytest.skip("no thread of autograd's own: the device's backward runs on the caller's thread")
+    started, release, drained = threading.Event(), threading.Event(), threading.Event()
+
+    class Held(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            started.set()
+            release.wait(30)
+            return g
+
+    w = torch.nn.Parameter(torch.randn(4))
+    first = threading.Thread(target=lambda: Held.apply(w).sum().backward(), daemon=True)
+    first.start()
+    assert started.wait(30), "the first backward did not start"
+    drain = threading.Thread(target=lambda: (backward.finish_device_thread(), drained.set()), daemon=True)
+    drain.start()
+    assert not drained.wait(0.5), "the drain ended while the device's thread was still in the first backward"
+    release.set()
+    assert drained.wait(30), "the drain did not end once the device's thread was free"
+    first.join(30)
+    drain.join(30)
+    assert torch.equal(w.grad.cpu(), torch.ones(4))

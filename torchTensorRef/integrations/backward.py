@@ -14,9 +14,22 @@ before it starts (``torch.autograd.backward``, which ``Tensor.backward`` calls, 
 
 What cannot be known before (an op of the per-op path whose working set no longer fits) is
 refused when it comes, saying that the backward stopped midway.
+
+Note [Autograd's device thread at exit]: autograd runs a backward of an accelerator's tensors
+(CUDA's, "sim"'s) on a thread of its own for that device, and wakes the caller when the
+graph's work is done, before that thread has let go of the task: its tensors (TensorRefs,
+whose release runs Python) and, on "sim", the stream guards of PyTorch's Python device
+guard. A program that ends right then finalizes the interpreter under that thread, which,
+taking the GIL to go on, is ended through C++ frames that may not be unwound: "terminate
+called without an active exception", the process aborted with what it printed but had not
+flushed. So at exit, where a backward ran, the package first runs a one-element backward on
+the device: the thread takes its tasks in order, so when that one ends the thread has let go
+of the ones before it.
 """
 
 from __future__ import annotations
+
+import atexit
 
 import torch
 
@@ -24,9 +37,12 @@ from ..core.errors import OutOfBudgetError
 from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as _mgr
 from ..regions import step, training
+from .plain import disabled
 
 #: autograd's entry points, wrapped by ``patching``
 FUNCTIONS = (("torch.autograd", "backward"), ("torch.autograd", "grad"))
+#: whether a backward was run since the package was imported (Note [Autograd's device thread at exit])
+ran = [False]
 
 
 def guard_wrapper(wrapped, instance, args, kwargs):
@@ -35,6 +51,7 @@ def guard_wrapper(wrapped, instance, args, kwargs):
     in ``regions/training.py``)."""
     roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
     check(roots)
+    ran[0] = True
     with training.backwards.call(_keeps_graph(wrapped, args, kwargs)):
         return wrapped(*args, **kwargs)
 
@@ -105,3 +122,22 @@ def _check_regions(mgr, nodes, limit: int, outside: int) -> None:
                     detail="refused before the backward ran: the graph is untouched, so raising the budget "
                            "and calling backward() again works", outside=outside)
         todo.extend(child for child, _ in node.next_functions)
+
+
+def finish_device_thread() -> None:
+    """Wait until autograd's thread for the managed device has ended what it began (Note
+    [Autograd's device thread at exit]); nothing where no such thread can have run."""
+    backend = _mgr.backend
+    device = backend.declared
+    if not ran[0] or backend.passthrough or device.type == "cpu" or (
+            device.type == "cuda" and not torch.cuda.is_initialized()):
+        return
+    try:
+        with disabled():
+            leaf = torch.zeros((), device=device, requires_grad=True)
+            torch.autograd.backward(leaf)
+    except Exception:  # (at exit there is no one to tell; the interpreter ends as it would have)
+        pass
+
+
+atexit.register(finish_device_thread)  # (run before the manager's own exit handler: registered after it)
