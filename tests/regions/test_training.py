@@ -643,16 +643,37 @@ class _HoldsUnseen(torch.nn.Module):
         return (projected * self.scale).sum(-1)
 
 
-@pytest.mark.parametrize("held", ["module", "closure"])
+class _Adapter(torch.nn.Module):
+    """A layer wrapping another, adding a trainable scale of a projection held out of its
+    module tree (as peft injects its FRoD layers into a model)."""
+
+    def __init__(self, base: torch.nn.Module, shared: _Shared):
+        super().__init__()
+        self.base = base
+        self.scale = torch.nn.Parameter(torch.ones(8))
+        object.__setattr__(self, "shared", shared)  # (not registered: not a submodule)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.shared.proj) * self.scale
+
+
+@pytest.mark.parametrize("held", ["module", "closure", "injected"])
 def test_a_region_reading_a_tensor_its_call_does_not_hold_trains_as_plain_torch(held):
     # Note [Tensors no scan finds]: the gradients of the scale were lost after the region's
-    # first call (peft's FRoD adapters did not train: their outputs did not move)
+    # first call (peft's FRoD adapters did not train: their outputs did not move); injected
+    # once the model had been called, the adapter's region was measured before it held one
     def run():
         torch.manual_seed(0)
-        model = _HoldsUnseen(held, _Shared())
+        shared = _Shared()
         x = torch.randn(4, 8)
-        model.eval()
-        first = model(x)  # (a call with gradients in eval mode, as peft's tests make one first)
+        if held == "injected":
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+            first = model(x)  # (with gradients, before the adapter: as peft's tests call the base model)
+            model[0] = _Adapter(model[0], shared)
+        else:
+            model = _HoldsUnseen(held, shared)
+            model.eval()
+            first = model(x)  # (a call with gradients in eval mode, as peft's tests make one first)
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []

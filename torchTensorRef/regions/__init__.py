@@ -139,7 +139,7 @@ class _ModuleInfo:
     """A module's region and what its size rule needs (recomputed when its tensors change)."""
 
     __slots__ = ("region", "methods", "slots", "sizes", "generation", "compiled", "nbytes", "modules", "buffers",
-                 "held")
+                 "held", "layout")
 
     def __init__(self, module):
         self.region = Region(f"region {type(module).__name__}")
@@ -152,6 +152,7 @@ class _ModuleInfo:
         self.modules = ()
         self.buffers = ()  # (submodule, or None for the module itself; its buffers) where it has some
         self.held = ()  # (dict, name) of the tensors and containers its modules hold besides
+        self.layout = None  # its submodules and the names of their tensors, when last read
 
     def kernel_written(self, module) -> list:
         """The buffers of the modules in training mode: a batch norm's kernel updates its
@@ -174,6 +175,12 @@ class _ModuleInfo:
                 return
         stores.watch(module.modules())
         self.slots = parameter_slots(module)
+        layout = (tuple(map(id, module.modules())), tuple((id(d), k) for d, k in self.slots))
+        if self.layout is not None and layout != self.layout:
+            for r in (self.region, *self.methods.values()):
+                if isinstance(r, Region):  # (not a method's Scope, nor False: seen once)
+                    r.forget()
+        self.layout = layout
         self.held = held_values(module)
         self.sizes = tuple((d, len(d)) for m in module.modules() for d in (m._parameters, m._buffers))
         self.generation = generation[0] + stores.structure[0]  # (both only grow)

@@ -146,6 +146,11 @@ class Region:
     def name(self) -> str:
         return self.spec.name
 
+    def forget(self) -> None:
+        """Its module's submodules or tensors changed (an adapter injected): what its calls
+        read and allocate is measured again, with gradients too (Note [Tensors no scan finds])."""
+        self.inside, self.backward_peaks, self.second_order, self.probes = Inside(), {}, None, 0
+
     def run(self, fn, args, kwargs, slots=(), grad_error=None, train=True, kernel_written=(), room=True, held=()):
         """``fn(*args, **kwargs)`` as one op, with ``slots`` (``(dict, key)``: a module's
         parameters and buffers) swapped for plain views during the call. A call that needs

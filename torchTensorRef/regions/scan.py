@@ -29,7 +29,8 @@ class NotARegion(Exception):
 # gradients the results computed from it and from the call's plain leaves are TensorRefs
 # whose graph ends at those leaves, not at the parameters, so the region's node never sees
 # them and the parameters' gradients were lost, silently. A measured call (the first with
-# gradients always is one) sees every block its ops read; one read that is neither the
+# gradients always is one, as is the first after its module's submodules or tensors changed:
+# ``Region.forget``) sees every block its ops read; one read that is neither the
 # scan's nor made by the call makes the region run its calls with gradients op by op.
 
 
