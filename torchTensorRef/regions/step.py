@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
+from ..core.errors import OutOfBudgetError
 from ..core.tensor_ref import block_of
 from ..memory.devices import largest_within
 from ..memory.manager import tensorsManager as _mgr
@@ -139,7 +140,16 @@ class BackwardStep:
             ctx.estimate = self._room(blocks) if limited else 0
             # (unmeasured, its room is all the budget leaves: not kept from other threads)
             self.step = Step(ctx, limited, keep=self.seen is not None)
-            self.step.begin()  # (no op-by-op fallback here: the graph is plain)
+            try:
+                self.step.begin()  # (no op-by-op fallback here: the graph is plain)
+            except OutOfBudgetError:
+                if not limited or self.seen is not None or mgr.settings.budget_value is None:
+                    raise
+                # All the room the budget leaves was read before the evictions that make it:
+                # a block still viewed outside the manager stays counted once evicted (Note
+                # [Buffers still viewed] in memory/residency.py). Read again, now that they ran.
+                ctx.estimate = self._room(blocks)
+                self.step.begin()
             if limited and self.seen is None:
                 # (the blocks' storages once resident: views of them are not new bytes)
                 self.measuring = Measure({b.dev_key for b in blocks}, mgr.alloc_bytes, backend.dev_bytes)
