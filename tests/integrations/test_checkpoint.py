@@ -447,3 +447,30 @@ def test_a_checkpoint_written_again_in_place_is_refused_at_the_next_read(saved, 
     with pytest.raises(CheckpointChangedError, match=str(path)):
         model(ids)  # (and at every later read of the file)
     assert to_plain(torch.ones(2)).tolist() == [1.0, 1.0]  # the manager still works
+
+
+def test_safetensors_loads_to_the_managed_device_as_plain_torch_moves_what_it_reads(tmp_path):
+    # peft's load_peft_weights opens an adapter's file for the model's device; safetensors
+    # knows only real devices and raised "device sim is invalid" (636 of peft's tests)
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "w.safetensors"
+    with plain_torch():
+        saved = {"a": torch.randn(4, 3), "b": torch.arange(10)}
+        save_file(saved, path)
+        expected = {k: v.to(tensorsManager.torch_device) for k, v in saved.items()}
+        device = str(tensorsManager.torch_device)
+        plain = load_file(path, device=device)  # (inside disabled(): plain tensors on the device)
+    assert {type(t) for t in plain.values()} == {type(expected["a"])}
+    loaded = load_file(path, device=device)
+    with safe_open(path, framework="pt", device=device) as f:
+        part = f.get_slice("a")[1:3]
+        whole = f.get_tensor("b")
+    for got in (*loaded.values(), part, whole):
+        assert isinstance(got, TensorRef) and got.device == expected["a"].device
+    assert_identical(to_plain(plain["a"]), expected["a"])
+    assert_identical(loaded["a"], expected["a"])
+    assert_identical(loaded["b"], expected["b"])
+    assert_identical(part, expected["a"][1:3])
+    assert_identical(whole, expected["b"])

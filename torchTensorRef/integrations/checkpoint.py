@@ -27,6 +27,7 @@ import torch
 
 from ..core import context, raw
 from ..memory.disk import FileRange, file_identity
+from .on_device import OnDevice
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -442,9 +443,14 @@ def safe_open_wrapper(wrapped, instance, args, kwargs):
     plain in every thread when opened inside ``disabled()``."""
     from ..memory.manager import tensorsManager as mgr
 
-    handle = wrapped(*args, **kwargs)
     framework = kwargs.get("framework", args[1] if len(args) > 1 else None)
     device = kwargs.get("device", args[2] if len(args) > 2 else "cpu")
+    if framework in ("pt", "torch") and isinstance(device, (str, torch.device)) and str(device).split(":")[0] == "sim":
+        # (safetensors knows only real devices: read on the host, then moved as ``.to`` moves them)
+        kwargs = {**kwargs, "device": "cpu"} if len(args) < 3 else kwargs
+        args = args if len(args) < 3 else (*args[:2], "cpu", *args[3:])
+        return OnDevice(safe_open_wrapper(wrapped, instance, args, kwargs), str(device), context.is_disabled())
+    handle = wrapped(*args, **kwargs)
     path = kwargs.get("filename", args[0] if args else None)
     if framework not in ("pt", "torch"):
         return handle
