@@ -27,7 +27,7 @@ import torch
 
 from ..core import context, raw
 from ..memory.disk import FileRange, file_identity
-from .on_device import OnDevice
+from .on_device import HandleWrapper, OnDevice
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -354,25 +354,7 @@ def _slots(model: torch.nn.Module) -> Dict[tuple, List[str]]:
 
 # -- safetensors.safe_open, as transformers' from_pretrained uses it --------------------------
 
-class _FileWrapper:
-    """A ``safe_open`` handle wrapped: a context manager as the handle is, and what is not
-    overridden is the handle's."""
-
-    def __init__(self, handle):
-        self._handle = handle
-
-    def __enter__(self):
-        self._handle.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._handle.__exit__(*exc)
-
-    def __getattr__(self, name):
-        return getattr(self._handle, name)
-
-
-class LazyFile(_FileWrapper):
+class LazyFile(HandleWrapper):
     """A ``safe_open`` handle whose whole-tensor reads (``get_tensor(k)``, ``get_slice(k)[...]``)
     give file-backed TensorRefs; anything else (partial slices, metadata) is the real handle's."""
 
@@ -398,16 +380,16 @@ class LazySlice:
             return file_backed(self._file._header, self._name)
         from .manage import adopt
 
-        return adopt(self._file._handle.get_slice(self._name)[index])
+        return adopt(self._file.handle.get_slice(self._name)[index])
 
     def get_shape(self):
         return list(self._file._header.entries[self._name].shape)
 
     def __getattr__(self, name):
-        return getattr(self._file._handle.get_slice(self._name), name)
+        return getattr(self._file.handle.get_slice(self._name), name)
 
 
-class PlainFile(_FileWrapper):
+class PlainFile(HandleWrapper):
     """A ``safe_open`` handle opened inside ``disabled()``: its reads give plain tensors in
     whichever thread makes them (transformers reads from a thread pool, where the opening
     thread's ``disabled()`` does not reach, and the tensors safetensors makes there were adopted)."""
@@ -416,10 +398,10 @@ class PlainFile(_FileWrapper):
         from .plain import disabled
 
         with disabled():
-            return self._handle.get_tensor(name)
+            return self.handle.get_tensor(name)
 
     def get_slice(self, name):
-        return PlainSlice(self._handle.get_slice(name))
+        return PlainSlice(self.handle.get_slice(name))
 
 
 class PlainSlice:
