@@ -22,6 +22,7 @@ os.environ.setdefault("USE_HUB_KERNELS", "NO")
 import torch  # noqa: E402
 
 import torchTensorRef  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torchTensorRef import tensorsManager as tm  # noqa: E402
 
 #: special tokens inside every benchmark's vocabulary; no eos, so generate() always makes its tokens
@@ -328,6 +329,36 @@ def regions_off():
         yield
     finally:
         torchTensorRef.regions.enabled = previous
+
+
+class _KernelTemporaries(TorchDispatchMode):
+    """Records, op by op, the most the CUDA allocator held during the op above what it holds
+    after it: the temporaries the kernel made and freed inside its call."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = device
+        self.largest = {"bytes": 0, "op": None}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        torch.cuda.reset_peak_memory_stats(self.device)
+        out = func(*args, **(kwargs or {}))
+        made = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        if made > self.largest["bytes"]:
+            self.largest = {"bytes": made, "op": str(func)}
+        return out
+
+
+def kernel_temporary(call: Callable[[], object], cuda_device) -> dict:
+    """The largest temporary one kernel of plain torch's ``call`` makes inside its call on
+    ``cuda_device`` (a convolution's cuDNN workspace, say): ``{"bytes", "op"}``. The budget
+    leaves those out (docs/concepts.md, "The budget on a GPU"): a managed row's real peak is
+    compared with the budget plus this."""
+    mode = _KernelTemporaries(cuda_device)
+    with mode:
+        call()
+    torch.cuda.reset_peak_memory_stats(cuda_device)
+    return mode.largest
 
 
 def copy_rates(cuda_device, timed, nbytes: int, repeats: int = 5) -> dict:

@@ -254,9 +254,12 @@ class Run:
         self.sync()
         return out, time.perf_counter() - start
 
-    def plain(self):
-        """Plain torch inside: creations are plain tensors, on the device where not told."""
-        return torchTensorRef.disabled(device=None if self.cuda else "sim")
+    def plain(self, made_on_device: bool = False):
+        """Plain torch inside: creations are plain tensors, on "sim" on the device where not
+        told. With ``made_on_device``, on CUDA too: the reference of a row whose own code makes
+        tensors without a device (a scheduler's tables), which the manager makes on the
+        accelerator (docs/concepts.md, "Tensors made without a device")."""
+        return torchTensorRef.disabled(device=self.plain_device if made_on_device or not self.cuda else None)
 
     def free(self) -> None:
         gc.collect()
@@ -434,6 +437,9 @@ def evaluate(run: Run, row: dict) -> None:
         row["peak"] = None  # (it ran on the CPU, SIM_CPU_NOTE: no device memory to speak of)
     if row.get("budget"):
         row["peak_to_budget"] = common.ratio(row.get("peak"), row["budget"])
+        temporary = (plain or {}).get("kernel_temporary")
+        if temporary and row.get("peak") is not None:  # (the promise: the budget plus one kernel's temporaries)
+            row["peak_to_budget_and_temporary"] = row["peak"] / (row["budget"] + temporary["bytes"])
     if plain is None or "seconds" not in plain:
         return
     if row["config"] == "cpu" and plain.get("cut_seconds"):  # (the same cut-down call on the device)
@@ -447,7 +453,7 @@ def evaluate(run: Run, row: dict) -> None:
         row["to_bound"] = row["seconds_per_unit"] / row["bound_per_unit"]
     if row is plain:
         return
-    expected = plain.get("_cpu_reference") if row["config"] == "cpu" else plain.get("_output")
+    expected = plain.get("_cpu_reference") if row["config"] == "cpu" else plain.get(row.get("_reference", "_output"))
     got = row.get("_output")
     if expected is None or got is None:
         return
@@ -850,15 +856,22 @@ def denoiser_section(run: Run) -> None:
 
     # 1. plain, resident on the device
     def plain(row):
-        with run.plain():
+        # (the scheduler's tables are made without a device: on CUDA its float32 kernels round
+        # otherwise than the CPU's, and the latents part by up to an ulp of bfloat16 a step)
+        with run.plain(made_on_device=True):
             model = held["master"] if run.cuda else common.plain_copy(held["master"]).to(run.plain_device)
             lat, tx = latents.to(run.plain_device), text.to(run.plain_device)
             out = measure(run, row, lambda: denoise(model, lat, tx, steps), size["plain_warmup"], size["timed"],
                           moved=nothing_moved, units=steps)
             row["_output"] = common.as_plain(out)
-            if run.cuda:  # the CPU's one step, here too: its reference and its time
+        if run.cuda:
+            with run.plain():  # the scheduler on the host, as plain torch makes it without a device
+                row["_host_scheduler"] = common.as_plain(denoise(model, lat, tx, steps))
+                # the CPU's one step, here too: its reference and its time
                 one, row["cut_seconds"] = run.timed(lambda: denoise(model, lat, tx, 1))
                 row["_cpu_reference"] = common.as_plain(one)
+                row["kernel_temporary"] = common.kernel_temporary(lambda: denoise(model, lat, tx, 1),
+                                                                  run.plain_device)
 
     run.row(plain, config="plain", device=run.device, **meta)
     if run.cuda:
@@ -885,6 +898,9 @@ def denoiser_section(run: Run) -> None:
         row["_output"] = common.as_plain(out)
         if expected is not None:  # (which call first parts from plain torch, where one does)
             row["call_differences"] = [max_difference(common.as_plain(o), expected) for o in outputs]
+        host_made = run.find(meta["group"], "plain")
+        if host_made is not None and "_host_scheduler" in host_made:
+            row["host_scheduler_difference"] = max_difference(row["_output"], host_made["_host_scheduler"])
 
     flow_row = run.row(flow, config=f"flow {budget_label(size['unet_budget'], wbytes)}", device=run.device,
                        strategy="flow", **meta)
@@ -913,6 +929,7 @@ def denoiser_section(run: Run) -> None:
             out = measure(run, row, call, size["baseline_warmup"], size["timed"], moved=moved, units=steps)
         row["moved_estimated"] = True
         row["_output"] = common.as_plain(out)
+        row["_reference"] = "_host_scheduler" if run.cuda else "_output"  # (its scheduler's tables are on the host)
         if not run.cuda:
             row["note"] = SIM_CPU_NOTE
         if flow_row.get("budget") and row.get("peak"):  # (beside the managed row's budget)
@@ -999,6 +1016,14 @@ def print_table(run: Run) -> None:
     groups = list(dict.fromkeys(r["group"] for r in run.rows))
     for r in sorted(run.rows, key=lambda r: (groups.index(r["group"]), table_rank(r))):
         print(row_line(r))
+    for r in run.rows:
+        if r.get("peak_to_budget_and_temporary") is not None:
+            temporary = run.find(r["group"], "plain")["kernel_temporary"]
+            print(f"{r['group']} / {r['config']}: real peak / (budget + {format_size(temporary['bytes'])}, the "
+                  f"largest temporary one kernel made, {temporary['op']}): {r['peak_to_budget_and_temporary']:.3f}")
+        if r.get("host_scheduler_difference") is not None:
+            print(f"{r['group']} / {r['config']}: max diff {r['host_scheduler_difference']:.3g} from plain torch "
+                  f"with the scheduler's tables made on the host")
 
 
 def table_rank(r: dict) -> int:

@@ -721,6 +721,43 @@ def test_cuda_peak_without_cuda_says_so(monkeypatch, capsys):
     assert "needs CUDA" in capsys.readouterr().out
 
 
+class FakeAllocator:
+    """``torch.cuda``'s counters of allocated bytes, for a kernel that makes a temporary."""
+
+    def __init__(self):
+        self.current = self.peak = 1 << 20
+
+    def reset_peak_memory_stats(self, device=None):
+        self.peak = self.current
+
+    def memory_allocated(self, device=None):
+        return self.current
+
+    def max_memory_allocated(self, device=None):
+        return self.peak
+
+
+def test_kernel_temporary_names_the_op_whose_call_held_the_most_it_then_freed(monkeypatch):
+    fake = FakeAllocator()
+    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+
+    @torch.library.custom_op("ttr_benchmarks::with_workspace", mutates_args=())
+    def with_workspace(x: torch.Tensor, workspace: int) -> torch.Tensor:
+        fake.peak = max(fake.peak, fake.current + workspace)  # (made and freed inside the call)
+        return x.clone()
+
+    def call():
+        x = torch.ones(4)
+        y = with_workspace(x, 3 << 20)
+        fake.current += 512  # (a result that stays: not a temporary)
+        return with_workspace(y * 2, 1 << 20)
+
+    with torchTensorRef.disabled():
+        found = common.kernel_temporary(call, "cuda:0")
+    assert found == {"bytes": 3 << 20, "op": "ttr_benchmarks.with_workspace.default"}
+
+
 def test_real_models_small_on_sim_equal_to_plain_within_their_budgets(tmp_path):
     """``benchmarks/real_models.py --size small --device sim``, in its own process as on a GPU:
     every row runs, the managed rows' tokens, losses and latents are plain torch's bit for bit
