@@ -213,10 +213,14 @@ def _on_device(mgr, fn, args, kwargs, nbytes: int, what: str):
                     mgr.device_room.inject("create", nbytes)  # (on "sim" the device's empty kernel does)
                 result = fn(*args, **kwargs)
                 if isinstance(result, TensorRef):  # made by the sim device's empty kernel
-                    block_of(result).explicit = False  # (which took it for an allocation the program named)
                     mgr.strategy.on_adopt(block_of(result))
-                    return result
-                return _adopt(result)
+                else:  # a plain device tensor, as CUDA's factories make (a fake one stays plain)
+                    result = _adopt(result)
+                if isinstance(result, TensorRef):
+                    # (both took it for a tensor the program put on the device; ``create``
+                    # marks it so where the program named it: Note [Default-device tensors])
+                    block_of(result).explicit = False
+                return result
             except Exception as e:
                 if not is_out_of_memory(e):
                     raise
