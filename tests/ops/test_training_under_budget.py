@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -32,12 +33,14 @@ def _plain(t):
         return t.detach().cpu().clone()
 
 
-def _assert_product_pieces_equal(got, expected):
+def _assert_product_pieces_equal(got, expected, inner: int):
     """The pieces of a matrix product against one call: the same bits where the BLAS picks
-    one kernel for every shape (the CPU, "sim"); within float32's rounding on CUDA, where
-    cuBLAS picks its kernel by the shape it is given (docs/concepts.md)."""
+    one kernel for every shape (the CPU, "sim"); on CUDA, where cuBLAS picks its kernel by the
+    shape it is given (docs/concepts.md), within what two orders of summing ``inner``
+    products may part by: ``inner`` roundings of the largest result."""
     if device_type() == "cuda":
-        torch.testing.assert_close(_plain(got), expected)
+        atol = inner * torch.finfo(expected.dtype).eps * float(expected.abs().max())
+        torch.testing.assert_close(_plain(got), expected, rtol=0, atol=atol)
     else:
         assert torch.equal(_plain(got), expected)
 
@@ -144,7 +147,7 @@ def test_addmm_in_tiles_equals_one_call(tight, which):
             expected = torch.addmm(pbias, pw, psmall).cpu()
         _tighten(tight)
         out = torch.addmm(bias, w, small)
-    _assert_product_pieces_equal(out, expected)
+    _assert_product_pieces_equal(out, expected, inner=DIM)
 
 
 def test_elementwise_in_chunks_equals_one_call(tight):
@@ -512,7 +515,7 @@ def test_batched_products_larger_than_the_budget_in_batch_groups_equal_one_call(
     _tighten(tight, room=64 * 1024)
     got = run(a, b, bias)
     assert tight.stats()["peak_device_bytes"] < 2 * 16 * 32 * 40 * 4
-    _assert_product_pieces_equal(got, expected.cpu())
+    _assert_product_pieces_equal(got, expected.cpu(), inner=48)
 
 
 @pytest.mark.parametrize("case", ["scores", "scores-bias-rows", "use", "wide-b", "broadcast-bias-columns",
@@ -550,7 +553,7 @@ def test_a_batch_element_larger_than_the_budget_runs_in_tiles_equal_to_one_call(
     _tighten(tight, room=n * n * 4 // 2)  # (half of one element's output)
     got = run(q, k)
     assert tight.stats()["peak_device_bytes"] < n * n * 4
-    _assert_product_pieces_equal(got, expected)
+    _assert_product_pieces_equal(got, expected, inner=n if case.startswith("use") else d)
 
 
 #: activations and transcendental functions (Note [Cuts of host kernels]): a shape larger than
@@ -652,7 +655,7 @@ def test_a_convolution_larger_than_the_budget_in_groups_of_channels_equals_one_c
     _tighten(tight, room=96 * 1024)
     got = conv(x, w, b if bias else None, **kwargs)
     assert got.stride() == expected.stride()  # (channels last stays channels last)
-    _assert_product_pieces_equal(got, expected.cpu())
+    _assert_product_pieces_equal(got, expected.cpu(), inner=w.shape[1] * math.prod(w.shape[2:]))
     assert tight.stats()["peak_device_bytes"] < sum(t.numel() * 4 for t in (x, w, got))
 
 
@@ -664,11 +667,14 @@ def test_a_group_norm_larger_than_the_budget_in_groups_of_samples_equals_one_cal
     b, pb = _pair(32, seed=2)
     if layout == "channels-last":
         x, px = x.to(memory_format=torch.channels_last), px.to(memory_format=torch.channels_last)
+    # (torch.group_norm gives the op its input contiguous: in the input's own layout on the
+    # CPU, in the standard one on CUDA, whose kernel refuses any other, plain torch's too)
+    nx, npx = (x.contiguous(), px.contiguous()) if device_type() == "cuda" else (x, px)
     with plain_torch():
-        expected = [t.cpu() for t in aten.native_group_norm(px, pw, pb, 6, 32, 256, 8, 1e-5)]
-        expected_strides = aten.native_group_norm(px, pw, pb, 6, 32, 256, 8, 1e-5)[0].stride()
+        expected = [t.cpu() for t in aten.native_group_norm(npx, pw, pb, 6, 32, 256, 8, 1e-5)]
+        expected_strides = aten.native_group_norm(npx, pw, pb, 6, 32, 256, 8, 1e-5)[0].stride()
     _tighten(tight, room=96 * 1024)
-    got = aten.native_group_norm(x, w, b, 6, 32, 256, 8, 1e-5)
+    got = aten.native_group_norm(nx, w, b, 6, 32, 256, 8, 1e-5)
     assert got[0].stride() == expected_strides
     assert all(torch.equal(_plain(g), e) for g, e in zip(got, expected))
     with torch.no_grad():  # (as a module computes it)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torchTensorRef
 from torchTensorRef.ops import vector_loops
 
 aten = torch.ops.aten
@@ -18,6 +19,14 @@ OPS = {
     "gelu-tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),  # (its own grain)
     "gelu_backward": lambda x: aten.gelu_backward(x * 0.5, x, approximate="tanh"),
 }
+
+
+@pytest.fixture(autouse=True)
+def host_tensors():
+    """Plain CPU tensors, whatever the suite's device: the host's own kernels are what these
+    tests are about (an accelerator's give one call's bits for any cut)."""
+    with torchTensorRef.disabled():
+        yield
 
 
 @pytest.fixture
