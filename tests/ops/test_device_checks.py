@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import torchTensorRef
+from conftest import TEST_DEVICE
 from paired import assert_identical, device_type, paging, plain_torch, to_plain  # noqa: F401  (paging is a fixture)
 from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.core.tensor_ref import block_of
@@ -196,6 +197,31 @@ def test_a_plain_cpu_batch_meets_a_model_made_without_a_device_on_the_accelerato
     assert_identical(expected, out)
     assert isinstance(out, TensorRef) and out.device.type == device_type() and not _host_only(out)
     assert not block_of(out).explicit  # (made without a device, as the model)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "sim", reason="the timing form is sim's")
+def test_the_timing_form_of_sim_takes_a_plain_cpu_tensor_for_the_device_s():
+    # There the device's copies are plain CPU tensors, and so are plain ops' results on them
+    # (generate()'s own loop under a budget that pages): each was adopted and copied in anew,
+    # as a DataLoader worker's batch is, 1,208 copies a decoding call of an 8-layer Llama at
+    # 100% of its weights where strict "sim" and CUDA make 32
+    previous = tensorsManager.sim_strict
+    tensorsManager.sim_strict = False
+    tensorsManager.device = "sim"
+    try:
+        tensorsManager.strategy = "flow"
+        x = torch.arange(4.0)  # made without a device
+        x.add_(0)  # (brought in)
+        batch = _plain_cpu(4)
+        before = tensorsManager.stats()
+        out = x * batch
+        after = tensorsManager.stats()
+        assert (after["tensors"], after["fetches"]) == (before["tensors"] + 1, before["fetches"])  # (its result)
+        with torchTensorRef.disabled():
+            assert torch.equal(out.cpu(), torch.arange(4.0) * batch)
+    finally:
+        tensorsManager.sim_strict = previous
+        tensorsManager.device = "sim"
 
 
 def test_plain_device_tensors_meet_tensor_refs_in_plain_torch():

@@ -46,7 +46,10 @@ would go to the TensorRef made for it, not to it), and for a plain view of a blo
 is a plain CPU tensor there (no wrapper can hold one), and so is what is computed from it
 (``TransformerEncoder``'s eval fast path), which is the device's on a GPU; once the manager has
 handed out a nested tensor (``Backend.nested_results``), plain CPU tensors are let through as
-the device's.
+the device's. In sim's timing form (``sim_strict = False``) the device's copies are plain CPU
+tensors, and so are plain ops' results on them (``generate()``'s own loop under a budget
+that pages): there a plain CPU tensor is taken for the device's, as CUDA uses its plain
+device tensors as they are, where each was adopted and copied in anew.
 """
 
 from __future__ import annotations
@@ -133,8 +136,11 @@ def bring_plain_tensors(spec, args, kwargs, blocks):
     Returns ``(args, kwargs, refs)`` with them replaced and the new TensorRefs, or ``None``
     where there is none to bring.
     """
-    if _mgr.backend.nested_results or spec.func.overloadpacket.__name__ in TAKES_CPU_TENSORS:
+    backend = _mgr.backend
+    if backend.nested_results or spec.func.overloadpacket.__name__ in TAKES_CPU_TENSORS:
         return None
+    if backend.simulated and not backend.strict:
+        return None  # (sim's timing form: Note [Plain CPU tensors])
     for b in blocks:
         if b.explicit:
             return None  # the program's device tensor beside a CPU one: CUDA's error
