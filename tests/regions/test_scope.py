@@ -12,6 +12,7 @@ import torchTensorRef
 from torchTensorRef import regions, tensorsManager as tm
 from torchTensorRef.regions import scope
 from torchTensorRef.strategies import Flow
+from conftest import TEST_DEVICE
 from paired import assert_identical, budget, plain_torch
 
 pytestmark = pytest.mark.usefixtures("regions_on")
@@ -92,6 +93,28 @@ def test_a_loop_under_a_budget_runs_on_plain_tensors_its_layers_paged():
     stats = tm.stats()
     assert stats["evictions"] > 0
     assert stats["max_memory_allocated"] <= tm.budget and stats["peak_device_bytes"] <= tm.budget
+
+
+@pytest.mark.skipif(TEST_DEVICE != "sim", reason="the timing form is sim's")
+def test_a_loop_in_the_timing_form_of_sim_gives_its_layers_plain_tensors_as_regions():
+    # There the loop's plain tensors are plain CPU tensors, as the device's copies are: its
+    # layers must take them as the device's and run as regions, as on strict "sim" and CUDA,
+    # not op by op (the form that times the manager would time another path)
+    previous = tm.sim_strict
+    tm.sim_strict = False
+    tm.device = "sim"
+    try:
+        inputs = [torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        plain = expected(inputs, 6)
+        outs, ops = managed_runs(inputs, 6)
+        for got, want in zip(outs, plain):
+            assert_identical(want, got)
+        assert ops[1] == ops[2] == 1 + 4 * 6 < ops[0], ops
+        assert tm.stats()["evictions"] > 0
+    finally:
+        tm.budget = None
+        tm.sim_strict = previous
+        tm.device = "sim"
 
 
 @pytest.mark.parametrize("strategy", ["genoa", "flow"])

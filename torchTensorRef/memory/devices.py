@@ -115,6 +115,12 @@ class Backend:
         """``"cpu"``, ``"sim"`` or ``"cuda"``: what strategies may specialise on."""
         return self.name
 
+    @property
+    def plain_cpu_is_device(self) -> bool:
+        """Whether a plain CPU tensor may be one of the device's (Note [Plain CPU tensors] in
+        ``ops/device_checks.py``): once it handed out a nested tensor."""
+        return self.nested_results
+
     def capacity(self) -> Optional[int]:
         """Bytes of the device usable by this process (``None``: unbounded)."""
         return None
@@ -239,6 +245,12 @@ class SimBackend(Backend):
         self.allocated = ALLOCATED
         self.rounding = False
         self.set_rounding(rounding)
+
+    @property
+    def plain_cpu_is_device(self) -> bool:
+        # (in the timing form its device tensors are plain CPU tensors, and so are plain ops'
+        # results on them)
+        return self.nested_results or not self.strict
 
     def capacity(self) -> Optional[int]:
         return self._capacity

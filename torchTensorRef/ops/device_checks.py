@@ -48,8 +48,9 @@ is a plain CPU tensor there (no wrapper can hold one), and so is what is compute
 handed out a nested tensor (``Backend.nested_results``), plain CPU tensors are let through as
 the device's. In sim's timing form (``sim_strict = False``) the device's copies are plain CPU
 tensors, and so are plain ops' results on them (``generate()``'s own loop under a budget
-that pages): there a plain CPU tensor is taken for the device's, as CUDA uses its plain
-device tensors as they are, where each was adopted and copied in anew.
+that pages): there a plain CPU tensor is taken for the device's, by ops and by regions
+alike, as CUDA uses its plain device tensors as they are, where each was adopted and copied
+in anew (or the loop's layers ran op by op). ``Backend.plain_cpu_is_device`` says when.
 """
 
 from __future__ import annotations
@@ -137,10 +138,8 @@ def bring_plain_tensors(spec, args, kwargs, blocks):
     where there is none to bring.
     """
     backend = _mgr.backend
-    if backend.nested_results or spec.func.overloadpacket.__name__ in TAKES_CPU_TENSORS:
+    if backend.plain_cpu_is_device or spec.func.overloadpacket.__name__ in TAKES_CPU_TENSORS:
         return None
-    if backend.simulated and not backend.strict:
-        return None  # (sim's timing form: Note [Plain CPU tensors])
     for b in blocks:
         if b.explicit:
             return None  # the program's device tensor beside a CPU one: CUDA's error

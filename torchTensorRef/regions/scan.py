@@ -235,7 +235,8 @@ def scan_call(args, kwargs, slots, kernel_written, held=()) -> Call:
     if call.nested:
         # (the encoder's fast path packs a padded batch: its layers' kernels take it as it is)
         raise NotARegion("a nested tensor among its arguments")
-    if call.host_tensor and call.refs and not _mgr.backend.passthrough:
+    backend = _mgr.backend
+    if call.host_tensor and call.refs and not backend.passthrough and not backend.plain_cpu_is_device:
         # (op by op, the manager brings it to the device beside the model's tensors, as plain
         # torch runs them together; a region would give its kernels the CPU tensor as it is)
         raise NotARegion("a plain CPU tensor among its arguments")
