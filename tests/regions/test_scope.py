@@ -95,6 +95,38 @@ def test_a_loop_under_a_budget_runs_on_plain_tensors_its_layers_paged():
     assert stats["max_memory_allocated"] <= tm.budget and stats["peak_device_bytes"] <= tm.budget
 
 
+def test_a_loop_is_one_region_again_once_the_pressure_that_paged_has_passed():
+    # A large tensor of the program's, made and freed, made room by evicting once: the
+    # loop's later calls, with everything fitting again, ran one region per layer for good
+    inputs = [torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(7)]
+    plain = expected(inputs, 3)
+    tm.strategy = "flow"
+    model = stack()
+    tm.budget = budget(2 * weight_bytes(model))
+    outs, ops = [], []
+
+    def call(x):
+        x = torchTensorRef.manage(x.clone())
+        before = tm.stats()["ops"]
+        outs.append(run(model, x, 3))
+        ops.append(tm.stats()["ops"] - before)
+
+    for x in inputs[:3]:
+        call(x)
+    assert ops[-1] == 1, ops  # (one region: the budget has not paged)
+    transient = torch.ones(int(1.5 * weight_bytes(model)) // 4)
+    transient.add_(1)  # (resident: the model's tensors evicted for it)
+    assert tm.stats()["evictions"] > 0 and tm.paged
+    del transient
+    for x in inputs[3:]:
+        call(x)
+    for got, want in zip(outs, plain):
+        assert_identical(want, got)
+    assert ops[-2:] == [1, 1], ops
+    stats = tm.stats()
+    assert stats["max_memory_allocated"] <= tm.budget and stats["peak_device_bytes"] <= tm.budget
+
+
 @pytest.mark.skipif(TEST_DEVICE != "sim", reason="the timing form is sim's")
 def test_a_loop_in_the_timing_form_of_sim_gives_its_layers_plain_tensors_as_regions():
     # There the loop's plain tensors are plain CPU tensors, as the device's copies are: its

@@ -82,8 +82,11 @@ class TensorsManager:
         #: a CUDA graph capture is under way (ops on TensorRefs refuse it)
         self.capturing: bool = False
         #: room had to be made by evicting since the budget or device was set; ``paged``: the
-        #: same, setting the budget included (Note [Regions until the budget pages])
+        #: same, setting the budget included, until a loop ran without (Note [Regions until
+        #: the budget pages])
         self.pressured = self.paged = False
+        #: times room was made by evicting (a loop that made none leaves it as it found it)
+        self.room_evictions: int = 0
         #: whether ops may take the fast path (Note [Fast path] in ops/dispatch.py)
         self.fast: bool = False
         #: the strategy, when it sees the fast path's ops through its fast_op hooks
@@ -141,8 +144,10 @@ class TensorsManager:
 
     def note_pressure(self) -> None:
         """Room had to be made by evicting: strategies that learn from every op start now."""
+        self.room_evictions += 1
+        self.paged = True  # (set wherever ``pressured`` is, and again after a loop cleared it)
         if not self.pressured:
-            self.pressured = self.paged = True  # (``paged`` is set wherever ``pressured`` is)
+            self.pressured = True
             self.refresh_fast()
 
     @property

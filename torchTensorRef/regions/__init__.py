@@ -254,6 +254,13 @@ def _tensor_bytes(info: _ModuleInfo) -> int:
 # it makes by evicting brings the rule back. With gradients the rule stands: a region's
 # backward has no op-by-op fallback, and its bound before it is measured
 # (``Region._needs``) would refuse the whole model at most budgets.
+#
+# Pressure that passed (a large tensor of the program's made and freed, a first call's
+# measuring) would otherwise keep every later call paged, one region per layer, with nothing
+# moving: a loop on plain tensors (``run_method`` under a budget that paged) that made no room
+# by evicting clears ``paged``, and the next call of the method is one region again where it
+# fits. A model's forward called in a loop of the program's own keeps the rule of a budget
+# that pages once it has.
 
 def _too_large(info: _ModuleInfo) -> bool:
     """The size rule, under a budget: whether the module's tensors take more than ``fraction``
@@ -378,7 +385,11 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
             scope = info.methods.get((name, "scope"))
             if scope is None:
                 scope = info.methods[(name, "scope")] = Scope(f"{name} {type(module).__name__}")
-            return scope.run(fn, args, kwargs)
+            evictions = _mgr.room_evictions
+            out = scope.run(fn, args, kwargs)
+            if _mgr.room_evictions == evictions:
+                _mgr.paged = False  # (the budget no longer pages: Note [Regions until the budget pages])
+            return out
         region = info.methods.get(name)
         if region is None:
             region = info.methods[name] = Region(f"{name} {type(module).__name__}")
