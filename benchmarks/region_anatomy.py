@@ -13,6 +13,14 @@ small ``--width`` (16) gives the host work with warm caches; at 256 and above th
 copies before each step evict the caches its code then misses on, which a GPU's kernels and
 copies do not (their memory traffic is the device's).
 
+``--model llama`` times greedy ``generate()`` calls of a Llama of ``--layers`` decoder layers
+of hidden ``--width`` instead (``--tokens`` after 8, batch 1; ``--forwards`` calls): with no
+budget a call is one region; under a budget that pages, its loop runs on plain tensors and each
+layer, the embedding, the last norm and the head are region calls given the key/value cache
+(Note [Loops on plain tensors]), the call step being a decoder layer's forward; µs are per
+manager op, plain torch's time being its ``generate()`` call's divided by them (the step
+"module call to region" then holds the model's own forward, no region, and its layers').
+
 ``--device cuda`` runs the same on a GPU against plain CUDA torch: what the host spends per
 region call there, the stream and allocator calls of its copies included (the device is
 synchronized after each timed loop; the kernels are queued, not waited for, so at a small
@@ -21,7 +29,7 @@ width the times are the host's). ``--profile N`` then runs the forwards once mor
 own, in µs per region call.
 
     python benchmarks/region_anatomy.py [--layers 8] [--width 16] [--forwards 400] [--budget 0.5]
-                                        [--device cuda] [--profile 25]
+                                        [--device cuda] [--profile 25] [--model llama [--tokens 16]]
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import os
 import pstats
 import sys
 import time
+from typing import Optional
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,7 +54,7 @@ import torchTensorRef.regions as regions  # noqa: E402
 from benchmarks import common, region_calls  # noqa: E402
 from benchmarks.common import tm  # noqa: E402
 from torchTensorRef.memory import residency, room  # noqa: E402
-from torchTensorRef.regions import mechanism, op, step  # noqa: E402
+from torchTensorRef.regions import mechanism, op, scan, step  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,14 +76,17 @@ STEPS = (
     ("        views given back", mechanism.Region, "_given_back"),
     ("        outputs wrapped", op.Wrapper, "tree"),
     ("      end (finish)", step.Step, "end"),
+    # (across the others: the search of the objects a call is given, a key/value cache,
+    # for the TensorRefs they hold, before the call and for what it stored after)
+    ("    objects searched", scan, "object_tensors"),
 )
 
 
-def timed_steps(acc: collections.Counter):
-    """Wrap each of ``STEPS`` to add its wall time to ``acc[label]``; returns a function
+def timed_steps(acc: collections.Counter, steps=STEPS):
+    """Wrap each of ``steps`` to add its wall time to ``acc[label]``; returns a function
     that gives the originals back."""
     originals = []
-    for label, owner, name in STEPS:
+    for label, owner, name in steps:
         fn = owner.__dict__[name]
         originals.append((owner, name, fn))
 
@@ -92,10 +104,21 @@ def timed_steps(acc: collections.Counter):
     return restore
 
 
-def anatomy(layers: int, width: int, forwards: int, fraction, device: str = common.SIM_CPU,
-            profile: int = 0) -> dict:
-    """µs per region call of each step, and of the whole call beyond plain's block forward;
-    with ``profile``, the functions taking the most time of their own in a profiled run."""
+class Work:
+    """What is timed: a managed call and plain torch's, and the module whose forward is a
+    region's call (``STEPS``' "the call"). ``regions``: region calls per call, known for the
+    stack (every block), counted by the manager for decoding."""
+
+    def __init__(self, run, plain_run, expected, block: type, regions: Optional[int] = None):
+        self.run, self.plain_run, self.expected, self.block, self.regions = run, plain_run, expected, block, regions
+
+    def steps(self):
+        return tuple((label, self.block, "forward") if label == "        the call" else (label, owner, name)
+                     for label, owner, name in STEPS)
+
+
+def stack_work(layers: int, width: int, fraction, device: str) -> Work:
+    """``region_calls``' stack of MLP blocks, each a region, called on one vector."""
     model = region_calls.stack(layers, width)
     on = common.plain_device(device)
     with torchTensorRef.disabled():
@@ -105,43 +128,82 @@ def anatomy(layers: int, width: int, forwards: int, fraction, device: str = comm
         with torch.no_grad():
             expected = plain_model(plain_x).cpu()
     managed, mx = region_calls.managed_stack(model, x, fraction, {}, device)
-    sync = torch.cuda.synchronize if on.startswith("cuda") else (lambda: None)
 
     def run():
         with torch.no_grad():
             return managed(mx)
 
-    common.warm_up(run, region_calls.WARMUP, 4 * region_calls.WARMUP)
-    calls = forwards * layers
+    def plain_run():
+        with torch.no_grad():
+            return plain_model(plain_x)
+
+    return Work(run, plain_run, expected, region_calls.Block, layers)
+
+
+def llama_work(layers: int, width: int, fraction, device: str, tokens: int) -> Work:
+    """Greedy ``generate()`` of ``tokens`` after 8 of a Llama of ``layers`` decoder layers of
+    hidden ``width``, batch 1: under a budget that pages, its loop on plain tensors and one
+    region per layer and per module outside them (Note [Loops on plain tensors])."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    common.quiet_transformers()
+    model = common.llama(layers=layers, hidden=width, intermediate=2 * width, vocab=1000, heads=4, kv_heads=4,
+                         positions=8 + tokens + 8).eval()
+    ids = common.plain_inputs(0, 1000, 1, 8)
+    on = common.plain_device(device)
+    with torchTensorRef.disabled(device=on if on != "cpu" else None):
+        plain_model, plain_ids = common.plain_copy(model).to(on), ids.to(on)
+        expected = common.generate(plain_model, plain_ids, tokens).cpu()
+    managed = common.managed_copy(model, device, "flow")
+    mids = torchTensorRef.manage(ids.clone())
+    tm.budget = None if fraction is None else tm.outside_bytes() + int(fraction * common.param_bytes(model))
+    return Work(lambda: common.generate(managed, mids, tokens), lambda: common.generate(plain_model, plain_ids, tokens),
+                expected, LlamaDecoderLayer)
+
+
+def anatomy(layers: int, width: int, forwards: int, fraction, device: str = common.SIM_CPU,
+            profile: int = 0, model: str = "stack", tokens: int = 16) -> dict:
+    """µs per region call of each step, and of the whole call beyond plain's; with
+    ``profile``, the functions taking the most time of their own in a profiled run."""
+    work = (stack_work(layers, width, fraction, device) if model == "stack"
+            else llama_work(layers, width, fraction, device, tokens))
+    on = common.plain_device(device)
+    sync = torch.cuda.synchronize if on.startswith("cuda") else (lambda: None)
+    common.warm_up(work.run, region_calls.WARMUP, 4 * region_calls.WARMUP)
     with torchTensorRef.disabled(device=on if on != "cpu" else None), torch.no_grad():
         sync()
         start = time.perf_counter_ns()
         for _ in range(forwards):
-            plain_model(plain_x)
+            work.plain_run()
         sync()
         plain_ns = time.perf_counter_ns() - start
     acc: collections.Counter = collections.Counter()
     tm.reset_stats()
-    restore = timed_steps(acc)
+    steps = work.steps()
+    restore = timed_steps(acc, steps)
     try:
         sync()
         start = time.perf_counter_ns()
-        outs = [run() for _ in range(forwards)]
+        outs = [work.run() for _ in range(forwards)]
         sync()
         managed_ns = time.perf_counter_ns() - start
     finally:
         restore()
     stats = tm.stats()
+    # (decoding: the manager's ops are its region calls and the loop's own, one a call)
+    calls = forwards * work.regions if work.regions is not None else stats["ops"]
     result = {
-        "device": device, "width": width, "layers": layers, "forwards": forwards, "budget_fraction": fraction,
+        "device": device, "model": model, "width": width, "layers": layers, "forwards": forwards,
+        "budget_fraction": fraction,
         "plain_us_per_block": plain_ns / calls / 1e3,
         "added_us_per_call": (managed_ns - plain_ns) / calls / 1e3,
-        "steps_us_per_call": {label: acc[label] / calls / 1e3 for label, _o, _n in STEPS},
+        "steps_us_per_call": {label: acc[label] / calls / 1e3 for label, _o, _n in steps},
         "ops_per_forward": stats["ops"] / forwards,
-        "equal": all(torch.equal(common.as_plain(o), expected) for o in outs),
+        "evictions_per_forward": stats["evictions"] / forwards,
+        "equal": all(torch.equal(common.as_plain(o), work.expected) for o in outs),
     }
     if profile:
-        result["profile"] = profiled(run, forwards, calls, profile, sync)
+        result["profile"] = profiled(work.run, forwards, calls, profile, sync)
     return result
 
 
@@ -166,7 +228,8 @@ def profiled(run, forwards: int, calls: int, top: int, sync) -> list:
 
 
 def table(result: dict) -> str:
-    lines = [f"  plain torch's block forward: {result['plain_us_per_block']:.1f} us; a region call adds "
+    unit = "block forward" if result.get("model", "stack") == "stack" else "call per manager op"
+    lines = [f"  plain torch's {unit}: {result['plain_us_per_block']:.1f} us; a region call adds "
              f"{result['added_us_per_call']:.1f} us (with the timers); manager ops per forward: "
              f"{result['ops_per_forward']:.0f}; outputs equal plain: {result['equal']}",
              f"  {'step (inclusive)':<40} {'us/call':>8}"]
@@ -191,6 +254,10 @@ def main(argv=None) -> dict:
                         help='"sim-cpu" (the lenient "sim", the default) or "cuda"')
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile the forwards and print the N functions with the most time of their own")
+    parser.add_argument("--model", choices=("stack", "llama"), default="stack",
+                        help="stack: region_calls' MLP blocks; llama: greedy generate() of a Llama of "
+                             "--layers decoder layers of hidden --width")
+    parser.add_argument("--tokens", type=int, default=16, help="new tokens a generate() call (--model llama)")
     parser.add_argument("--json", help="write the results (with device, torch, date, command) to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -198,15 +265,19 @@ def main(argv=None) -> dict:
     previous = regions.enabled, regions.under_budget
     regions.enabled = regions.under_budget = True
     try:
-        result = anatomy(args.layers, args.width, args.forwards, args.budget, args.device, args.profile)
+        result = anatomy(args.layers, args.width, args.forwards, args.budget, args.device, args.profile,
+                         args.model, args.tokens)
     finally:
         regions.enabled, regions.under_budget = previous
         tm.budget = None
         tm.strategy, tm.device, tm.sim_strict = "flow", "cpu", True
     budget = "no budget" if args.budget is None else f"Flow at {args.budget:.0%} of the weights"
     where = "lenient sim" if args.device == common.SIM_CPU else args.device
-    print(f"{args.layers} blocks of width {args.width}, one region each, batch 1, no gradients; {where}, "
-          f"{budget}; torch {torch.__version__}, 1 thread, {args.forwards} forwards (wall time)")
+    what = (f"{args.layers} blocks of width {args.width}, one region each, batch 1, no gradients"
+            if args.model == "stack" else
+            f"a Llama of {args.layers} layers of hidden {args.width}, generate() of {args.tokens} tokens after 8")
+    print(f"{what}; {where}, {budget}; torch {torch.__version__}, 1 thread, {args.forwards} "
+          f"{'forwards' if args.model == 'stack' else 'calls'} (wall time)")
     print(table(result))
     if args.json:
         common.write_result(args.json, "benchmarks/region_anatomy.py", argv, where, result)

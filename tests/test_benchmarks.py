@@ -540,6 +540,23 @@ def test_region_anatomy_times_each_step_of_a_region_call_and_gives_them_back(fre
     assert all(owner.__dict__[name] is fn for (owner, name), fn in originals.items())
 
 
+def test_region_anatomy_times_a_llama_s_decoding_by_its_layers_regions(fresh_manager):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    forward = LlamaDecoderLayer.__dict__["forward"]
+    result = region_anatomy.main(["--model", "llama", "--layers", "2", "--width", "32", "--forwards", "2",
+                                  "--tokens", "3", "--budget", "0.5"])
+    assert result["equal"] and result["model"] == "llama"
+    # (under a budget that pages: the loop, and at least a region per layer for each of the
+    # 3 forwards a call makes, not one region a call)
+    assert result["ops_per_forward"] > 1 + 3 * 2, result["ops_per_forward"]
+    assert result["evictions_per_forward"] > 0
+    steps = result["steps_us_per_call"]
+    assert 0 < steps["        the call"] < steps["      run (views in, call, views out)"]
+    assert steps["    objects searched"] > 0  # (the layers are given the key/value cache)
+    assert LlamaDecoderLayer.__dict__["forward"] is forward
+
+
 def test_region_anatomy_runs_on_the_test_device_and_profiles_the_calls(fresh_manager, tmp_path):
     # (on the test device, "sim" or "cuda", against plain torch there: how the next GPU run
     # finds where a region call's host time goes)
