@@ -839,3 +839,20 @@ def test_a_call_given_a_nested_tensor_runs_op_by_op(strategy):
     tm.budget = budget(weight_bytes(model))  # (the layers are regions, the encoder is not)
     got = run(model, torchTensorRef.manage(x.clone()), torchTensorRef.manage(mask.clone()))
     assert_identical(expected, got)
+
+
+def test_the_size_rule_reads_a_module_s_bytes_again_once_its_tensors_change():
+    # (kept from call to call: the size rule asks at every call of every module; a tensor
+    # given other bytes, ``p.data = t``, or resized in place must be seen)
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.randn(8, 32))
+    module.register_buffer("b", torch.zeros(16))
+    info = regions._module_info(module)
+    assert regions._tensor_bytes(info) == tm.block_bytes(8 * 32 * 4) + tm.block_bytes(16 * 4)
+    module.w.data = torch.randn(160, 32)
+    assert regions._tensor_bytes(info) == tm.block_bytes(160 * 32 * 4) + tm.block_bytes(16 * 4)
+    module.b.resize_(1024)
+    assert regions._tensor_bytes(info) == tm.block_bytes(160 * 32 * 4) + tm.block_bytes(1024 * 4)
+    module.register_buffer("c", torch.zeros(8))
+    info = regions._module_info(module)
+    assert regions._tensor_bytes(info) == tm.block_bytes(160 * 32 * 4) + tm.block_bytes(1024 * 4) + tm.block_bytes(32)

@@ -87,6 +87,9 @@ class TensorsManager:
         self.pressured = self.paged = False
         #: times room was made by evicting (a loop that made none leaves it as it found it)
         self.room_evictions: int = 0
+        #: times a TensorRef was given another block or a block another size (what sizes a
+        #: module's tensors is read again after)
+        self.block_changes: int = 0
         #: whether ops may take the fast path (Note [Fast path] in ops/dispatch.py)
         self.fast: bool = False
         #: the strategy, when it sees the fast path's ops through its fast_op hooks
@@ -368,6 +371,7 @@ class TensorsManager:
 
     def rebind(self, ref: TensorRef, new: TensorRef) -> None:
         """Point ``ref`` at ``new``'s block (after ``ref.data = new``)."""
+        self.block_changes += 1
         self.adoption.rebind(ref, new)
 
     def new_device_tensor(self, size: Sequence[int], stride: Optional[Sequence[int]], dtype: Optional[torch.dtype],
@@ -474,6 +478,7 @@ class TensorsManager:
 
     def resized(self, block: Block, nbytes: int) -> None:
         """``block``'s storage was resized in place (``resize_``) to ``nbytes``."""
+        self.block_changes += 1
         self.protocol.resized(block, nbytes)
 
     def new_block(self, nbytes: int) -> Block:

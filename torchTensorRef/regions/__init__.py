@@ -138,8 +138,8 @@ def _check(module, name) -> None:
 class _ModuleInfo:
     """A module's region and what its size rule needs (recomputed when its tensors change)."""
 
-    __slots__ = ("region", "methods", "slots", "sizes", "generation", "compiled", "nbytes", "modules", "buffers",
-                 "held", "layout")
+    __slots__ = ("region", "methods", "slots", "sizes", "generation", "compiled", "nbytes", "bytes_key", "modules",
+                 "buffers", "held", "layout")
 
     def __init__(self, module):
         self.region = Region(f"region {type(module).__name__}")
@@ -148,7 +148,8 @@ class _ModuleInfo:
         self.sizes = ()
         self.generation = -1
         self.compiled = False
-        self.nbytes = 0
+        self.nbytes = 0  # (``_tensor_bytes``, as of ``bytes_key``)
+        self.bytes_key = None
         self.modules = ()
         self.buffers = ()  # (submodule, or None for the module itself; its buffers) where it has some
         self.held = ()  # (dict, name) of the tensors and containers its modules hold besides
@@ -175,6 +176,7 @@ class _ModuleInfo:
                 return
         stores.watch(module.modules())
         self.slots = parameter_slots(module)
+        self.bytes_key = None
         layout = (tuple(map(id, module.modules())), tuple((id(d), k) for d, k in self.slots))
         if self.layout is not None and layout != self.layout:
             for r in (self.region, *self.methods.values()):
@@ -229,7 +231,12 @@ def _capture_inert(hooks) -> bool:
 
 def _tensor_bytes(info: _ModuleInfo) -> int:
     """Device bytes of the module's tensors, each as the budget counts it (rounded up as the
-    device's allocator rounds it), to weigh against the manager's share."""
+    device's allocator rounds it), to weigh against the manager's share. Read again when its
+    tensors, the device or a block's size changed (``Manager.block_changes``): the size rule
+    asks it at every call of every module, the whole model's included."""
+    key = (info.generation, _mgr.block_changes, _mgr.backend)
+    if info.bytes_key == key:
+        return info.nbytes
     size = _mgr.backend.block_bytes
     seen = set()
     total = 0
@@ -239,6 +246,7 @@ def _tensor_bytes(info: _ModuleInfo) -> int:
         if b is not None and b.id not in seen:
             seen.add(b.id)
             total += size(b.nbytes)
+    info.nbytes, info.bytes_key = total, key
     return total
 
 
@@ -311,7 +319,7 @@ def _call(self, forced, args, kwargs):
     # (inside torch.func's transforms, grad, vmap, jacrev, the module's ops must reach the
     # transform one by one, and the manager's own allocations made from Python here, a
     # group's pinned buffer, would become the transform's wrapped tensors)
-    if info.compiled or info.hooked(self) or _transform_level() is not None:
+    if info.compiled or _transform_level() is not None:
         return _original_call(self, *args, **kwargs)
     if forced is None:
         limit = _mgr.limit
@@ -326,6 +334,10 @@ def _call(self, forced, args, kwargs):
         if ops is not None and ops < min_ops and not (
                 paged and _mgr.settings.budget_value is not None and info.slots and not torch.is_grad_enabled()):
             return _original_call(self, *args, **kwargs)
+    # (asked after the size rule: a model too large to be one region, whose walk of its
+    # modules is the longest, is not walked at each call)
+    if info.hooked(self):
+        return _original_call(self, *args, **kwargs)
     return _as_region(self, info, info.region, lambda *a, **k: _original_call(self, *a, **k), args, kwargs,
                       train=train)
 
