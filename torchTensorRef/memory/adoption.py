@@ -155,6 +155,7 @@ class Adoption:
     def rebind(self, ref: TensorRef, new: TensorRef) -> None:
         """Point ``ref`` at ``new``'s block (after ``ref.data = new``)."""
         m = self.m
+        m.books.changes += 1
         with m.lock:
             old = block_of(ref)
             block = block_of(new)

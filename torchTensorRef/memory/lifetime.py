@@ -42,6 +42,9 @@ class Books:
         self.dead: List[Block] = []
         self.external: int = 0
         self.host_only: int = 0
+        #: times a TensorRef was given another block or a block another size (what sizes a
+        #: module's tensors is read again after)
+        self.changes: int = 0
 
     def new_block(self, nbytes: int) -> Block:
         """A new live block of ``nbytes`` (no copy yet)."""

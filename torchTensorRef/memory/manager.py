@@ -81,15 +81,9 @@ class TensorsManager:
         self.unresolved: bool = False
         #: a CUDA graph capture is under way (ops on TensorRefs refuse it)
         self.capturing: bool = False
-        #: room had to be made by evicting since the budget or device was set; ``paged``: the
-        #: same, setting the budget included, until a loop ran without (Note [Regions until
-        #: the budget pages])
+        #: room had to be made by evicting since the budget or device was set; ``paged``: the same,
+        #: until a loop made none (Note [Regions until the budget pages] in regions/__init__.py)
         self.pressured = self.paged = False
-        #: times room was made by evicting (a loop that made none leaves it as it found it)
-        self.room_evictions: int = 0
-        #: times a TensorRef was given another block or a block another size (what sizes a
-        #: module's tensors is read again after)
-        self.block_changes: int = 0
         #: whether ops may take the fast path (Note [Fast path] in ops/dispatch.py)
         self.fast: bool = False
         #: the strategy, when it sees the fast path's ops through its fast_op hooks
@@ -147,7 +141,6 @@ class TensorsManager:
 
     def note_pressure(self) -> None:
         """Room had to be made by evicting: strategies that learn from every op start now."""
-        self.room_evictions += 1
         self.paged = True  # (set wherever ``pressured`` is, and again after a loop cleared it)
         if not self.pressured:
             self.pressured = True
@@ -371,7 +364,6 @@ class TensorsManager:
 
     def rebind(self, ref: TensorRef, new: TensorRef) -> None:
         """Point ``ref`` at ``new``'s block (after ``ref.data = new``)."""
-        self.block_changes += 1
         self.adoption.rebind(ref, new)
 
     def new_device_tensor(self, size: Sequence[int], stride: Optional[Sequence[int]], dtype: Optional[torch.dtype],
@@ -478,7 +470,6 @@ class TensorsManager:
 
     def resized(self, block: Block, nbytes: int) -> None:
         """``block``'s storage was resized in place (``resize_``) to ``nbytes``."""
-        self.block_changes += 1
         self.protocol.resized(block, nbytes)
 
     def new_block(self, nbytes: int) -> Block:
@@ -494,11 +485,7 @@ tensorsManager = TensorsManager()
 context.install_manager(tensorsManager)
 
 
-def _exiting() -> None:
-    tensorsManager.exiting = True
-
-
-atexit.register(_exiting)
+atexit.register(setattr, tensorsManager, "exiting", True)  # (TensorRefs dying at exit release nothing)
 
 
 def _initial_device() -> None:

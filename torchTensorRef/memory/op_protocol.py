@@ -320,6 +320,7 @@ class OpProtocol:
     def resized(self, block: Block, nbytes: int) -> None:
         """``block``'s storage was resized in place (``resize_``) to ``nbytes``."""
         m = self.m
+        m.books.changes += 1
         m.host_tier.disk_stale(block)
         if block.dev is not None:
             if m.backend.simulated:

@@ -232,9 +232,9 @@ def _capture_inert(hooks) -> bool:
 def _tensor_bytes(info: _ModuleInfo) -> int:
     """Device bytes of the module's tensors, each as the budget counts it (rounded up as the
     device's allocator rounds it), to weigh against the manager's share. Read again when its
-    tensors, the device or a block's size changed (``Manager.block_changes``): the size rule
+    tensors, the device or a block's size changed (``Books.changes``): the size rule
     asks it at every call of every module, the whole model's included."""
-    key = (info.generation, _mgr.block_changes, _mgr.backend)
+    key = (info.generation, _mgr.books.changes, _mgr.backend)
     if info.bytes_key == key:
         return info.nbytes
     size = _mgr.backend.block_bytes
@@ -397,9 +397,9 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
             scope = info.methods.get((name, "scope"))
             if scope is None:
                 scope = info.methods[(name, "scope")] = Scope(f"{name} {type(module).__name__}")
-            evictions = _mgr.room_evictions
+            evictions = _mgr.device_room.evictions
             out = scope.run(fn, args, kwargs)
-            if _mgr.room_evictions == evictions:
+            if _mgr.device_room.evictions == evictions:
                 _mgr.paged = False  # (the budget no longer pages: Note [Regions until the budget pages])
             return out
         region = info.methods.get(name)
