@@ -856,3 +856,38 @@ def test_the_size_rule_reads_a_module_s_bytes_again_once_its_tensors_change():
     module.register_buffer("c", torch.zeros(8))
     info = regions._module_info(module)
     assert regions._tensor_bytes(info) == tm.block_bytes(160 * 32 * 4) + tm.block_bytes(1024 * 4) + tm.block_bytes(32)
+
+
+def test_the_search_of_an_object_finds_its_tensors_as_it_did_with_classes_seen_before(monkeypatch):
+    # (what a value is to the search is kept for its class: a second search, and one after the
+    # kept classes were dropped, find the same tensors, and pass over callables and modules)
+    from torchTensorRef.regions import scan
+
+    class Layer:
+        def __init__(self, k):
+            self.keys, self.values, self.ready, self.dtype = k, k + 1, True, torch.float32
+
+    class Hook:
+        def __init__(self):
+            self.t = torch.ones(1)
+
+        def __call__(self):
+            return None
+
+    with torchTensorRef.disabled():
+        a, b = torch.zeros(2), torch.ones(3)
+    cache = type("Cache", (), {})()
+    cache.layers = [Layer(a), Layer(b)]
+    cache.extra = {"mask": a, "hook": Hook(), "module": torch.nn.Linear(1, 1), "n": 3}
+
+    def found():
+        return [(k, v) for _c, k, v in scan.object_tensors(cache, set(), scan.OBJECT_DEPTH, [scan.OBJECT_VALUES])]
+
+    first = found()
+    assert [k for k, _v in first] == ["keys", "values", "keys", "values", "mask"]
+    second = found()
+    assert [(k, id(v)) for k, v in second] == [(k, id(v)) for k, v in first]
+    monkeypatch.setattr(scan, "_MOST_KINDS", len(scan._kinds))  # (the next new class drops them)
+    cache.extra["more"] = type("Other", (), {})()
+    cache.extra["more"].t = b
+    assert [k for k, _v in found()] == ["keys", "values", "keys", "values", "mask", "t"]

@@ -97,6 +97,30 @@ def object_tensors(obj, seen: set, depth: int, budget: list) -> list:
     return out
 
 
+#: what a value is to the search of an object, by its class: passed over, a tensor, or searched
+_PASS, _TENSOR, _SEARCH = 0, 1, 2
+_kinds: dict = dict.fromkeys(_LEAVES, _PASS)
+#: classes kept in ``_kinds`` at most (classes made at run time would otherwise pile up)
+_MOST_KINDS = 4096
+
+
+def _kind(v) -> int:
+    """What ``v`` is to the search, kept for its class (whether a value is a tensor, a list or
+    dict, or an object: an instance with a ``__dict__``, not callable, not a module, type or
+    device, is its class's answer)."""
+    if isinstance(v, _Tensor):
+        kind = _TENSOR
+    elif isinstance(v, (list, dict)) or is_object(v):
+        kind = _SEARCH
+    else:
+        kind = _PASS
+    if len(_kinds) >= _MOST_KINDS:
+        _kinds.clear()
+        _kinds.update(dict.fromkeys(_LEAVES, _PASS))
+    _kinds[v.__class__] = kind
+    return kind
+
+
 def _object_tensors(obj, seen: set, depth: int, budget: list, out: list) -> bool:
     """``object_tensors`` into ``out``; ``False`` once the budget is spent."""
     if id(obj) in seen or depth == 0:
@@ -108,15 +132,19 @@ def _object_tensors(obj, seen: set, depth: int, budget: list, out: list) -> bool
     else:
         container = obj if isinstance(obj, dict) else obj.__dict__
         items = tuple(container.items())  # (a snapshot: another thread may add to a shared object)
+    kinds = _kinds
     for k, v in items:
         budget[0] -= 1
         if budget[0] < 0:
             return False
-        if v.__class__ in _LEAVES:
+        kind = kinds.get(v.__class__)
+        if kind is None:
+            kind = _kind(v)
+        if kind == _PASS:
             continue
-        if isinstance(v, _Tensor):
+        if kind == _TENSOR:
             out.append((container, k, v))
-        elif (isinstance(v, (list, dict)) or is_object(v)) and not _object_tensors(v, seen, depth - 1, budget, out):
+        elif not _object_tensors(v, seen, depth - 1, budget, out):
             return False
     return True
 
