@@ -24,12 +24,13 @@ taking the GIL to go on, is ended through C++ frames that may not be unwound: "t
 called without an active exception", the process aborted with what it printed but had not
 flushed. So at exit, where a backward ran, the package first runs a one-element backward on
 the device: the thread takes its tasks in order, so when that one ends the thread has let go
-of the ones before it.
+of the ones before it, and it pauses a moment, so that the thread lets go of that last one too.
 """
 
 from __future__ import annotations
 
 import atexit
+import time
 
 import torch
 
@@ -41,6 +42,8 @@ from .plain import disabled
 
 #: autograd's entry points, wrapped by ``patching``
 FUNCTIONS = (("torch.autograd", "backward"), ("torch.autograd", "grad"))
+#: seconds the exit waits after its last backward (Note [Autograd's device thread at exit])
+EXIT_GRACE_S = 0.02
 #: whether a backward was run since the package was imported (Note [Autograd's device thread at exit])
 ran = [False]
 
@@ -136,6 +139,9 @@ def finish_device_thread() -> None:
         with disabled():
             leaf = torch.zeros((), device=device, requires_grad=True)
             torch.autograd.backward(leaf)
+        # (the thread lets go of this last task too, and on "sim" that takes the GIL: a pause
+        # gives it the GIL before the interpreter finalizes, where the caller would keep it)
+        time.sleep(EXIT_GRACE_S)
     except Exception:  # (at exit there is no one to tell; the interpreter ends as it would have)
         pass
 
