@@ -29,19 +29,32 @@ def _python_blocks(text):
     return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
 
 
+#: what a page's program prints once its last block has run
+END = "<every block ran>"
+#: what the C++ runtime prints when a thread is ended under it as the interpreter finalizes
+AT_EXIT_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.parametrize("page", RUNNABLE)
 def test_code_blocks_run(page, tmp_path):
     blocks = _python_blocks(_read(page))
     assert blocks, f"{page} has no python block"
     script = tmp_path / "page.py"
-    script.write_text("\n\n".join(blocks))
+    script.write_text("\n\n".join(blocks) + f"\n\nprint({END!r}, flush=True)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHTENSORREF_")}
     # the package of this checkout, whichever copy is installed
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     # (the pages' "sim" is its strict form, which a process that sees a GPU cannot register)
     env["CUDA_VISIBLE_DEVICES"] = ""
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env=env)
+    for attempt in range(2):
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600, env=env)
+        # (a run whose every block ran and that aborted as the interpreter finalized, under
+        # autograd's thread for "sim": Note [Autograd's device thread at exit] in
+        # integrations/backward.py, is run again, once; an abort before its end is not)
+        at_exit = done.returncode == -6 and done.stdout.endswith(END + "\n") and AT_EXIT_ABORT in done.stderr
+        if done.returncode == 0 or attempt or not at_exit:
+            break
     assert done.returncode == 0, f"{page}:\n{done.stdout}\n{done.stderr}"
 
 
