@@ -234,7 +234,7 @@ def _tensor_bytes(info: _ModuleInfo) -> int:
     device's allocator rounds it), to weigh against the manager's share. Read again when its
     tensors, the device or a block's size changed (``Books.changes``): the size rule
     asks it at every call of every module, the whole model's included."""
-    key = (info.generation, _mgr.books.changes, _mgr.backend)
+    key = (info.generation, _mgr.books.changes, id(_mgr.backend))  # (the id: an old device is not kept)
     if info.bytes_key == key:
         return info.nbytes
     size = _mgr.backend.block_bytes
