@@ -170,6 +170,11 @@ def measure_generate(dev: Device, model, ids, size: dict, moved: Callable[[], in
         result["counters"] = {k: stats[k] // calls for k in COUNTERS}
         result["settled"] = tm.strategy.settled
         result["evicts_ahead"] = getattr(tm.strategy, "evicts_ahead", None)
+        # (whether the budget still paged after the timed calls: a generate() call is then a
+        # loop with a region per layer, else one region, Note [Regions until the budget
+        # pages]; and what the device held outside the manager, which the budget's share leaves)
+        result["paged"] = tm.paged
+        result["outside_after"] = tm.outside_bytes()
     if predict is not None:
         result["predicted"] = predict(call)
     return result
@@ -425,7 +430,8 @@ def print_report(result: dict) -> None:
                       f"{c['copies_to_device']} copies, "
                       f"{c['evictions']} evictions, {c['writebacks']} write-backs, {c['host_syncs']} host waits"
                       f"{'; prefetches evict ahead' if m.get('evicts_ahead') else ''}"
-                      f"{'' if m.get('settled', True) else '; timed before the strategy settled'}")
+                      f"{'' if m.get('settled', True) else '; timed before the strategy settled'}"
+                      f"{'; the budget pages' if m.get('paged') else ''}")
     if "predicted_on" in result:
         print_predictions(result, cell)
     print("targets:")

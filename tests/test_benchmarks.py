@@ -124,6 +124,10 @@ def test_gpu_throughput_harness_on_sim(gpu_result):
         for workload in ("generate", "train"):
             assert "error" not in r[workload], (config, workload, r[workload])
     assert rows[("resident", None)]["generate"]["moved"] == 0
+    # (at half the weights the budget pages: a loop with a region per layer; with none, one region)
+    assert rows[("flow", 0.5)]["generate"]["paged"] and not rows[("flow", None)]["generate"]["paged"]
+    assert rows[("flow", None)]["generate"]["manager_ops"] < rows[("flow", 0.5)]["generate"]["manager_ops"]
+    assert all(r["generate"]["outside_after"] >= 0 for (c, _f), r in rows.items() if c in ("flow", "genoa"))
     assert rows[("resident", None)]["train"]["moved"] == 0
     assert "skipped" in rows[("accelerate", None)]["train"]
     # accelerate copies all weights for every forward: the prompt's and one per further token
