@@ -134,6 +134,21 @@ def device_type() -> str:
 
 
 @contextlib.contextmanager
+def timing_form_of_sim():
+    """``"sim"`` in its timing form (``sim_strict = False``: its device tensors are plain CPU
+    tensors) for the block; strict ``"sim"`` again after it, no budget."""
+    previous = tensorsManager.sim_strict
+    tensorsManager.sim_strict = False
+    tensorsManager.device = "sim"
+    try:
+        yield
+    finally:
+        tensorsManager.budget = None
+        tensorsManager.sim_strict = previous
+        tensorsManager.device = "sim"
+
+
+@contextlib.contextmanager
 def plain_torch():
     """Plain torch on the managed tensors' device: what a test compares them with.
 

@@ -10,7 +10,8 @@ import torch
 
 import torchTensorRef
 from conftest import TEST_DEVICE
-from paired import assert_identical, device_type, paging, plain_torch, to_plain  # noqa: F401  (paging is a fixture)
+from paired import (assert_identical, device_type, paging, plain_torch, timing_form_of_sim,  # noqa: F401
+                    to_plain)  # (paging is a fixture)
 from torchTensorRef import TensorRef, tensorsManager
 from torchTensorRef.core.tensor_ref import block_of
 
@@ -205,10 +206,7 @@ def test_the_timing_form_of_sim_takes_a_plain_cpu_tensor_for_the_device_s():
     # (generate()'s own loop under a budget that pages): each was adopted and copied in anew,
     # as a DataLoader worker's batch is, 1,208 copies a decoding call of an 8-layer Llama at
     # 100% of its weights where strict "sim" and CUDA make 32
-    previous = tensorsManager.sim_strict
-    tensorsManager.sim_strict = False
-    tensorsManager.device = "sim"
-    try:
+    with timing_form_of_sim():
         tensorsManager.strategy = "flow"
         x = torch.arange(4.0)  # made without a device
         x.add_(0)  # (brought in)
@@ -219,9 +217,6 @@ def test_the_timing_form_of_sim_takes_a_plain_cpu_tensor_for_the_device_s():
         assert (after["tensors"], after["fetches"]) == (before["tensors"] + 1, before["fetches"])  # (its result)
         with torchTensorRef.disabled():
             assert torch.equal(out.cpu(), torch.arange(4.0) * batch)
-    finally:
-        tensorsManager.sim_strict = previous
-        tensorsManager.device = "sim"
 
 
 def test_plain_device_tensors_meet_tensor_refs_in_plain_torch():

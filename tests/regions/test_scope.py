@@ -13,7 +13,7 @@ from torchTensorRef import regions, tensorsManager as tm
 from torchTensorRef.regions import scope
 from torchTensorRef.strategies import Flow
 from conftest import TEST_DEVICE
-from paired import assert_identical, budget, plain_torch
+from paired import assert_identical, budget, plain_torch, timing_form_of_sim
 
 pytestmark = pytest.mark.usefixtures("regions_on")
 
@@ -73,12 +73,17 @@ def managed_runs(inputs, *args, fraction=0.6):
     tm.budget = budget(int(fraction * weight_bytes(model)))
     tm.reset_stats()
     outs, ops = [], []
+    counted_runs(model, inputs, args, outs, ops)
+    return outs, ops
+
+
+def counted_runs(model, inputs, args, outs: list, ops: list) -> None:
+    """Each input's run of ``model``, managed: its result into ``outs``, its manager ops into ``ops``."""
     for x in inputs:
         x = torchTensorRef.manage(x.clone())
         before = tm.stats()["ops"]
         outs.append(run(model, x, *args))
         ops.append(tm.stats()["ops"] - before)
-    return outs, ops
 
 
 def test_a_loop_under_a_budget_runs_on_plain_tensors_its_layers_paged():
@@ -104,22 +109,13 @@ def test_a_loop_is_one_region_again_once_the_pressure_that_paged_has_passed():
     model = stack()
     tm.budget = budget(2 * weight_bytes(model))
     outs, ops = [], []
-
-    def call(x):
-        x = torchTensorRef.manage(x.clone())
-        before = tm.stats()["ops"]
-        outs.append(run(model, x, 3))
-        ops.append(tm.stats()["ops"] - before)
-
-    for x in inputs[:3]:
-        call(x)
+    counted_runs(model, inputs[:3], (3,), outs, ops)
     assert ops[-1] == 1, ops  # (one region: the budget has not paged)
     transient = torch.ones(int(1.5 * weight_bytes(model)) // 4)
     transient.add_(1)  # (resident: the model's tensors evicted for it)
     assert tm.stats()["evictions"] > 0 and tm.paged
     del transient
-    for x in inputs[3:]:
-        call(x)
+    counted_runs(model, inputs[3:], (3,), outs, ops)
     for got, want in zip(outs, plain):
         assert_identical(want, got)
     assert ops[-2:] == [1, 1], ops
@@ -132,10 +128,7 @@ def test_a_loop_in_the_timing_form_of_sim_gives_its_layers_plain_tensors_as_regi
     # There the loop's plain tensors are plain CPU tensors, as the device's copies are: its
     # layers must take them as the device's and run as regions, as on strict "sim" and CUDA,
     # not op by op (the form that times the manager would time another path)
-    previous = tm.sim_strict
-    tm.sim_strict = False
-    tm.device = "sim"
-    try:
+    with timing_form_of_sim():
         inputs = [torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(3)]
         plain = expected(inputs, 6)
         outs, ops = managed_runs(inputs, 6)
@@ -143,10 +136,6 @@ def test_a_loop_in_the_timing_form_of_sim_gives_its_layers_plain_tensors_as_regi
             assert_identical(want, got)
         assert ops[1] == ops[2] == 1 + 4 * 6 < ops[0], ops
         assert tm.stats()["evictions"] > 0
-    finally:
-        tm.budget = None
-        tm.sim_strict = previous
-        tm.device = "sim"
 
 
 @pytest.mark.parametrize("strategy", ["genoa", "flow"])
