@@ -82,7 +82,7 @@ class TensorsManager:
         #: a CUDA graph capture is under way (ops on TensorRefs refuse it)
         self.capturing: bool = False
         #: room had to be made by evicting since the budget or device was set; ``paged``: the same,
-        #: until a loop made none (Note [Regions until the budget pages] in regions/__init__.py)
+        #: until a loop evicted nothing (Note [Regions until the budget pages] in regions/__init__.py)
         self.pressured = self.paged = False
         #: whether ops may take the fast path (Note [Fast path] in ops/dispatch.py)
         self.fast: bool = False

@@ -59,9 +59,6 @@ class Room:
 
     def __init__(self, manager) -> None:
         self.m = manager
-        #: times room was made by evicting (a loop on plain tensors that made none clears
-        #: ``paged``: Note [Regions until the budget pages] in ``regions/__init__.py``)
-        self.evictions = 0
 
     # -- readings of the device (Note [Budget on CUDA] in ``accounting.py``) ------------------
 
@@ -170,7 +167,6 @@ class Room:
                 return
             victim = m.strategy.choose_victim(protect)
             if victim is not None:
-                self.evictions += 1
                 m.note_pressure()
                 if not m.residency.evict_victim(victim, protect):
                     protect = {*protect, victim.id}  # (its group's buffer stays: it frees nothing)

@@ -265,8 +265,8 @@ def _tensor_bytes(info: _ModuleInfo) -> int:
 #
 # Pressure that passed (a large tensor of the program's made and freed, a first call's
 # measuring) would otherwise keep every later call paged, one region per layer, with nothing
-# moving: a loop on plain tensors (``run_method`` under a budget that paged) that made no room
-# by evicting clears ``paged``, and the next call of the method is one region again where it
+# moving: a loop on plain tensors (``run_method`` under a budget that paged) that evicted
+# nothing (to make room or to prefetch) clears ``paged``, and the next call of the method is one region again where it
 # fits. A model's forward called in a loop of the program's own keeps the rule of a budget
 # that pages once it has.
 
@@ -397,9 +397,10 @@ def run_method(module: torch.nn.Module, name: str, fn, args, kwargs):
             scope = info.methods.get((name, "scope"))
             if scope is None:
                 scope = info.methods[(name, "scope")] = Scope(f"{name} {type(module).__name__}")
-            evictions = _mgr.device_room.evictions
+            # (any eviction: Flow's prefetches evict ahead of the room a region makes)
+            evictions = _mgr.statistics.counters["evictions"]
             out = scope.run(fn, args, kwargs)
-            if _mgr.device_room.evictions == evictions:
+            if _mgr.statistics.counters["evictions"] == evictions:
                 _mgr.paged = False  # (the budget no longer pages: Note [Regions until the budget pages])
             return out
         region = info.methods.get(name)
