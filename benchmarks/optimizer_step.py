@@ -1,14 +1,17 @@
-"""An optimizer's step alone, with nothing to page: the manager against plain torch.
+"""An optimizer's step alone, with nothing to page and under a budget: the manager against plain torch.
 
 A small Llama (``small_ops``' small shapes) with gradients from one backward; its AdamW step
 (list kernels, ``foreach=True``) is timed alone, interleaved with the same step of a plain
 copy on the same device, on one thread in process CPU time. Rows: pass-through ("cpu") and
-the lenient ``"sim"`` with no budget (plain CPU torch's kernels), each with the step as one
-op of the manager (Note [Optimizer steps on plain tensors] in
-``torchTensorRef/integrations/optimizers.py``) and op by op (``regions.enabled = False``).
-Per row: ms per step, the median of per-pair ratios to plain, the manager's ops per step,
-and whether the parameters equal plain torch's after every step (bit for bit: the same
-kernels on the same gradients).
+the lenient ``"sim"`` with no budget (plain CPU torch's kernels), and the lenient ``"sim"``
+under Flow with a budget of 64x the parameters' bytes (the step's parameters, gradients and
+two moments, each rounded as the budget counts it, fit an eighth of it: one part) and of 2x
+(they take twice the budget: the step runs in parts, each tensor brought in and written back
+once a step), each with the step on plain tensors (Notes [Optimizer steps on plain tensors]
+and [Optimizer steps under a budget] in ``torchTensorRef/integrations/optimizers.py``) and
+op by op (``regions.enabled = False``). Per row: ms per step, the median of per-pair ratios
+to plain, the manager's ops per step, the MiB it moved per step, and whether the parameters
+equal plain torch's after every step (bit for bit: the same kernels on the same gradients).
 
     python benchmarks/optimizer_step.py [--steps 200] [--json out.json]
 """
@@ -31,12 +34,16 @@ from benchmarks import common, overhead  # noqa: E402
 from benchmarks.common import tm  # noqa: E402
 from benchmarks.small_ops import SIZES  # noqa: E402
 
-#: (label, device, the step as one op)
+#: (label, device, the step on plain tensors, the budget as a multiple of the parameters' bytes)
 ROWS = (
-    ("pass-through, one op", "cpu", True),
-    ("pass-through, op by op", "cpu", False),
-    ("sim-cpu, no budget, one op", common.SIM_CPU, True),
-    ("sim-cpu, no budget, op by op", common.SIM_CPU, False),
+    ("pass-through, one op", "cpu", True, None),
+    ("pass-through, op by op", "cpu", False, None),
+    ("sim-cpu, no budget, one op", common.SIM_CPU, True, None),
+    ("sim-cpu, no budget, op by op", common.SIM_CPU, False, None),
+    ("sim-cpu, Flow, 64x, one op", common.SIM_CPU, True, 64.0),
+    ("sim-cpu, Flow, 64x, op by op", common.SIM_CPU, False, 64.0),
+    ("sim-cpu, Flow, 2x, in parts", common.SIM_CPU, True, 2.0),
+    ("sim-cpu, Flow, 2x, op by op", common.SIM_CPU, False, 2.0),
 )
 WARMUP = 3
 CLOCK = time.process_time
@@ -55,8 +62,9 @@ def with_gradients(model, ids):
     return model
 
 
-def row(model, ids, device: str, one_op: bool, steps: int) -> dict:
-    """A fresh managed copy and a plain one on ``device``, their steps timed in turn."""
+def row(model, ids, device: str, one_op: bool, steps: int, budget=None) -> dict:
+    """A fresh managed copy and a plain one on ``device``, their steps timed in turn (under a
+    budget of ``budget`` times the parameters' bytes, on top of what the device holds)."""
     on = common.plain_device(device)
     with torchTensorRef.disabled(device=on if on != "cpu" else None):
         plain = with_gradients(common.plain_copy(model).to(on), ids.to(on))
@@ -67,6 +75,8 @@ def row(model, ids, device: str, one_op: bool, steps: int) -> dict:
     try:
         with_gradients(managed, torchTensorRef.manage(ids.clone()))
         opt = torch.optim.AdamW(managed.parameters(), lr=1e-3, foreach=True)
+        if budget is not None:
+            tm.budget = tm.outside_bytes() + int(budget * common.param_bytes(managed))
 
         def plain_step():
             with torchTensorRef.disabled(device=on if on != "cpu" else None):
@@ -80,13 +90,17 @@ def row(model, ids, device: str, one_op: bool, steps: int) -> dict:
         times, ratios = {"plain": []}, {}
         tm.reset_stats()
         overhead.interleaved(plain_step, opt.step, "managed", steps, times, ratios, clock=CLOCK)
-        ops = tm.stats()["ops"] / steps
+        stats = tm.stats()
+        ops = stats["ops"] / steps
+        moved = (stats["bytes_to_device"] + stats["bytes_to_host"]) / steps / 2**20
         equal.append(_equal(plain, managed))
+        within = stats["peak_device_bytes"] <= tm.budget if budget is not None else True
     finally:
         torchTensorRef.regions.enabled = previous
-    return {"device": device, "one_op": one_op, "ms": statistics.median(times["managed"]) * 1e3,
+        tm.budget = None
+    return {"device": device, "one_op": one_op, "budget": budget, "ms": statistics.median(times["managed"]) * 1e3,
             "plain_ms": statistics.median(times["plain"]) * 1e3, "ratio": statistics.median(ratios["managed"]),
-            "ops_per_step": ops, "equal": all(equal)}
+            "ops_per_step": ops, "mib_moved": moved, "within_budget": within, "equal": all(equal)}
 
 
 def _equal(plain, managed) -> bool:
@@ -104,21 +118,23 @@ def main(argv=None) -> dict:
     torchTensorRef.patch()
     model, ids = model_and_ids(SIZES[args.size])
     try:
-        rows = {label: row(model, ids, device, one_op, args.steps) for label, device, one_op in ROWS}
+        rows = {label: row(model, ids, device, one_op, args.steps, budget) for label, device, one_op, budget in ROWS}
     finally:
         tm.strategy, tm.device, tm.sim_strict = "flow", "cpu", True
     print(f"a {args.size} Llama's AdamW step alone, torch {torch.__version__}, 1 thread, "
           f"{args.steps} steps per row (process CPU time)")
-    print(f"  {'row':<30} {'ms':>7} {'plain':>7} {'ratio':>6} {'ops':>5}  equal")
+    print(f"  {'row':<30} {'ms':>7} {'plain':>7} {'ratio':>6} {'ops':>5} {'MiB':>6}  within  equal")
     for label, r in rows.items():
-        print(f"  {label:<30} {r['ms']:7.2f} {r['plain_ms']:7.2f} {r['ratio']:6.3f} {r['ops_per_step']:5.0f}  "
-              f"{r['equal']}")
+        print(f"  {label:<30} {r['ms']:7.2f} {r['plain_ms']:7.2f} {r['ratio']:6.3f} {r['ops_per_step']:5.0f} "
+              f"{r['mib_moved']:6.2f}  {str(r['within_budget']):<6}  {r['equal']}")
     result = {"size": args.size, "steps": args.steps, "rows": rows}
     if args.json:
         common.write_result(args.json, "benchmarks/optimizer_step.py", argv, "cpu (pass-through) and sim (lenient)",
                             result)
     if not all(r["equal"] for r in rows.values()):
         raise SystemExit("parameters differ from plain torch")
+    if not all(r["within_budget"] for r in rows.values()):
+        raise SystemExit("a row's peak went over its budget")
     return result
 
 

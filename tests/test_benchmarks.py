@@ -584,11 +584,15 @@ def test_optimizer_step_times_the_step_alone_as_one_op_and_op_by_op(fresh_manage
     path = tmp_path / "optimizer_step.json"
     result = optimizer_step.main(["--size", "tiny", "--steps", "3", "--json", str(path)])
     rows = result["rows"]
-    assert list(rows) == [label for label, _device, _one in optimizer_step.ROWS]
+    assert list(rows) == [label for label, _device, _one, _budget in optimizer_step.ROWS]
     for label, r in rows.items():
-        assert r["equal"], label  # (the parameters of plain torch, bit for bit, after every step)
+        assert r["equal"] and r["within_budget"], label  # (plain torch's parameters, bit for bit, every step)
         assert r["ms"] > 0 and r["plain_ms"] > 0, label
-        assert (r["ops_per_step"] == 1) == r["one_op"], label
+        if r["budget"] != 2.0:
+            assert (r["ops_per_step"] == 1) == r["one_op"], label
+    parts, op_by_op = rows["sim-cpu, Flow, 2x, in parts"], rows["sim-cpu, Flow, 2x, op by op"]
+    assert 1 < parts["ops_per_step"] < op_by_op["ops_per_step"]  # (a part an op)
+    assert parts["mib_moved"] > 0 and rows["sim-cpu, Flow, 64x, one op"]["mib_moved"] == 0
     assert json.loads(path.read_text())["command"].startswith("python benchmarks/optimizer_step.py --size tiny")
 
 

@@ -5,18 +5,18 @@ parameter with one op per formula term: AdamW's step is a ``_foreach_lerp_`` ove
 first moments, a ``_foreach_mul_`` and a ``_foreach_addcmul_`` over all the second moments,
 a ``_foreach_sqrt`` of them, and so on. Where the parameters, gradients and moments do not
 fit the budget together, each of those ops runs in slices that fit (``ops/foreach.py``), and
-each streams its lists through the device: the moments are brought in and written back
-once per op that reads them, not once per step. So the step of an optimizer that updates
-each parameter on its own (the ``SLICED`` classes: no term mixes parameters) runs here as
-several steps, each over a part of the parameters whose tensors fit half of the manager's
-share of the budget, with every formula term applied to that part before the next: each
-tensor is brought in once and written back once per step. The results are the same bits:
-every term is elementwise per parameter, and a list op on a shorter list computes each
-position as on the whole list.
+each streams its lists through the device: the moments are brought in and written back once
+per op that reads them, not once per step. So the step of an optimizer that updates each
+parameter on its own (the ``SLICED`` classes: no term mixes parameters) runs here as several
+steps, each over a part of the parameters whose tensors fit an eighth of the manager's share
+of the budget, with every formula term applied to that part before the next: each tensor is
+brought in once and written back once per step. The results are the same bits: every term is
+elementwise per parameter, and a list op on a shorter list computes each position as on the
+whole list.
 
 The step runs whole where it is given a closure (it evaluates the loss: once per step),
 where its class was stepped before ``torchTensorRef`` was imported (its hooks would run once
-per part), and with nothing to page.
+per part), and where it fits an eighth of the manager's share.
 
 Note [Optimizer steps on plain tensors]: with nothing to page (no budget, or pass-through),
 each of a step's list ops would still take the manager's path for every op, as the forward
@@ -31,18 +31,34 @@ step left. A first step makes the state, and tensors made inside a step are new 
 runs op by op, as does a step given a closure or a tensor (GradScaler's scale, to a fused
 step), one whose groups hold tensors (a tensor learning rate), or one with a tensor that is
 not a TensorRef.
+
+Note [Optimizer steps under a budget]: under a budget, each part of a step (the whole step
+where it fits an eighth of the manager's share) runs on plain tensors the same way, as one
+op whose blocks are made resident within the budget with room beside them for what the
+step allocates inside (AdamW's square roots of its second moments, as large as the part's
+parameters): op by op, a step is some ten list ops per part and an ``item()`` per parameter
+for each bias correction, each taking the manager's path. That room is measured: in its
+steady state a part first runs op by op under a dispatch mode that follows the bytes its
+ops allocate (``regions.inside.Measure``, as a region's first call), and from the next step
+on it runs on plain tensors with that peak kept as room. A part whose blocks and room do
+not fit as things stand runs op by op. The gradients count as written only where their
+version counters moved: a gradient the step read alone stays as clean as op by op, and an
+eviction drops it instead of writing it back.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from typing import Optional
 
 import torch
 
 from .. import regions
+from ..core.errors import OutOfBudgetError
 from ..core.tensor_ref import TensorRef, block_of
 from ..memory.manager import tensorsManager as _mgr
+from ..regions.inside import Measure
 from ..regions.op import RegionSpec
 from ..regions.views_call import run_on_views
 
@@ -55,6 +71,9 @@ _CLASSES = tuple(getattr(torch.optim, name) for name in SLICED)
 #: what each optimizer's last step left (``_shape``): a step that finds the same runs on
 #: plain tensors (Note [Optimizer steps on plain tensors])
 _left: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+#: under a budget, each part's parameters (their ids) -> the peak bytes its step allocated
+#: inside, measured op by op (Note [Optimizer steps under a budget])
+_peaks: "weakref.WeakKeyDictionary[torch.optim.Optimizer, dict]" = weakref.WeakKeyDictionary()
 #: the op the strategies see for a step on plain tensors (Flow keys its history on it)
 _STEP = RegionSpec("optimizer step")
 
@@ -79,7 +98,11 @@ def parts(opt: torch.optim.Optimizer):
     limit = _mgr.limit
     if _mgr.settings.budget_value is None or limit is None or _mgr.backend.passthrough or type(opt) not in _CLASSES:
         return None
-    room = (limit - _mgr.accounting.elsewhere_bytes) // 2
+    # (an eighth of the share: a part, the room for what its step allocates inside (as
+    # large as its parameters) and the next part, prefetched beside it, take a third of it,
+    # leaving the rest to what the strategy keeps from step to step; larger parts moved
+    # more bytes, as each is resident whole)
+    room = (limit - _mgr.accounting.elsewhere_bytes) // 8
     groups = [g["params"] for g in opt.param_groups]
     sizes = [[_param_bytes(opt, p) for p in ps] for ps in groups]
     if sum(map(sum, sizes)) <= room:
@@ -98,34 +121,82 @@ def parts(opt: torch.optim.Optimizer):
 
 def step_wrapper(wrapped, instance, args, kwargs):
     """``Optimizer.step`` of a ``SLICED`` class: in parts where its state does not fit, on
-    plain tensors where nothing is paged."""
+    plain tensors in its steady state (Notes [Optimizer steps on plain tensors], [Optimizer
+    steps under a budget])."""
     opt, rest = (instance, args) if instance is not None else (args[0] if args else None, args[1:])
     if (not isinstance(opt, torch.optim.Optimizer) or rest or kwargs.get("closure") is not None
-            or getattr(wrapped, "hooked", False)):
+            or getattr(wrapped, "hooked", False) or type(opt) not in _CLASSES):
         return wrapped(*args, **kwargs)
-    if _nothing_to_page() and type(opt) in _CLASSES:
+    if not _views_allowed():
+        return _in_parts(opt, wrapped, args, kwargs, None)
+    if _mgr.backend.passthrough or _mgr.settings.budget_value is None:
         return _whole(opt, wrapped, args, kwargs)
+    shape = _shape(opt)
+    steady = shape is not None and _left.get(opt) == shape and not _tensor_among(kwargs)
+    out = _in_parts(opt, wrapped, args, kwargs, steady)
+    if not steady:
+        _left[opt] = _shape(opt)  # (a step op by op may have made state)
+    return out
+
+
+def _views_allowed() -> bool:
+    """Whether a step may run on plain tensors as one op of the manager."""
+    return (regions.enabled and _mgr.trace is None and not _mgr.lock._is_owned()
+            and not torch.compiler.is_compiling())
+
+
+def _tensor_among(kwargs) -> bool:
+    # (a tensor among its arguments, as GradScaler gives a fused step its scale: op by op)
+    return any(isinstance(v, torch.Tensor) for v in kwargs.values())
+
+
+def _in_parts(opt: torch.optim.Optimizer, wrapped, args, kwargs, steady: Optional[bool]):
+    """The step part by part (``parts``; one part where it fits whole): a part on plain
+    tensors where the optimizer is ``steady`` and what that part allocates inside was
+    measured; else op by op, measured where ``steady`` (``None``: op by op, unmeasured)."""
     split = parts(opt)
-    if split is None:
-        return wrapped(*args, **kwargs)
     groups = opt.param_groups
     whole = [g["params"] for g in groups]
+    peaks = _peaks.get(opt) if steady is not None else None
+    if steady is not None and peaks is None:
+        peaks = _peaks[opt] = {}
     out = None
     try:
-        for part in split:
+        for part in split or (whole,):
             for g, ps in zip(groups, part):
                 g["params"] = ps
-            out = wrapped(*args, **kwargs)
+            if not steady:
+                out = wrapped(*args, **kwargs)
+                continue
+            key = tuple(id(p) for ps in part for p in ps)
+            inside = peaks.get(key)
+            if inside is not None:
+                try:
+                    out = _on_plain_tensors(opt, wrapped, args, kwargs, inside)
+                    continue
+                except OutOfBudgetError:
+                    pass  # (its blocks and room do not fit as things stand: nothing changed)
+            meter = Measure(_blocks_of(opt), _mgr.alloc_bytes)  # (what it writes in place is not new)
+            with meter:
+                out = wrapped(*args, **kwargs)
+            peaks[key] = meter.peak
     finally:
         for g, ps in zip(groups, whole):
             g["params"] = ps
     return out
 
 
-def _nothing_to_page() -> bool:
-    return (regions.enabled and _mgr.trace is None and not _mgr.lock._is_owned()
-            and (_mgr.backend.passthrough or _mgr.settings.budget_value is None)
-            and not torch.compiler.is_compiling())
+def _blocks_of(opt: torch.optim.Optimizer) -> set:
+    """Ids of the blocks of the step's parameters, gradients and state."""
+    state = opt.state
+    out = set()
+    for g in opt.param_groups:
+        for p in g["params"]:
+            s = state.get(p)
+            for t in (p, p.grad, *(s.values() if s else ())):
+                if isinstance(t, TensorRef):
+                    out.add(block_of(t).id)
+    return out
 
 
 def _shape(opt: torch.optim.Optimizer):
@@ -156,8 +227,7 @@ def _whole(opt: torch.optim.Optimizer, wrapped, args, kwargs):
     """The step with nothing to page: on plain tensors in its steady state, else op by op;
     what it leaves is remembered (Note [Optimizer steps on plain tensors])."""
     shape = _shape(opt)
-    # (a tensor among its arguments, as GradScaler gives a fused step its scale: op by op)
-    if shape is None or _left.get(opt) != shape or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+    if shape is None or _left.get(opt) != shape or _tensor_among(kwargs):
         out = wrapped(*args, **kwargs)
         _left[opt] = _shape(opt)  # (a step op by op may have made state)
     else:
@@ -166,7 +236,7 @@ def _whole(opt: torch.optim.Optimizer, wrapped, args, kwargs):
     return out
 
 
-def _on_plain_tensors(opt: torch.optim.Optimizer, wrapped, args, kwargs):
+def _on_plain_tensors(opt: torch.optim.Optimizer, wrapped, args, kwargs, inside=None):
     groups, state = opt.param_groups, opt.state
     # (a parameter without a gradient is not given: the step passes it by, as a TensorRef)
     params = [p for g in groups for p in g["params"] if p.grad is not None]
@@ -208,4 +278,4 @@ def _on_plain_tensors(opt: torch.optim.Optimizer, wrapped, args, kwargs):
                     else:
                         s[k] = adopt(v) if isinstance(v, torch.Tensor) else v
 
-    return run_on_views(_STEP, refs, step)
+    return run_on_views(_STEP, refs, step, inside, range(n, 2 * n))

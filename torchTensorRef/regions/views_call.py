@@ -13,7 +13,7 @@ Every one counts as written, not only those whose counters moved: a write no cou
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -28,23 +28,29 @@ from .op import RegionContext, RegionSpec, Wrapper
 from .step import Step
 
 
-def run_on_views(spec: RegionSpec, refs: Sequence[TensorRef], fn: Callable[[list, Callable], Any]) -> Any:
+def run_on_views(spec: RegionSpec, refs: Sequence[TensorRef], fn: Callable[[list, Callable], Any],
+                 inside: Optional[int] = None, read: range = range(0)) -> Any:
     """``fn(views, adopt)`` as one op that may write each of ``refs``, ``views[i]`` a plain
     tensor of ``refs[i]``'s bytes (its device copy; a host-only block's host copy).
     ``adopt(t)`` gives back, for a tensor the call made or was given, its TensorRef (a view
     joins its TensorRef's block; anything else becomes a new block). ``fn`` must keep none
-    of the views past its return.
+    of the views past its return. Under a budget, ``inside`` is the room kept beside the
+    blocks for what the call allocates (measured by the caller); ``None``: no budget pages,
+    and only the device's capacity bounds what the call allocates, as it bounds plain torch.
+    ``read``: the positions of ``refs`` the call only reads (an optimizer's gradients): each
+    counts as written only where its view's version counter moved.
 
     Raises:
-        OutOfBudgetError: the blocks do not fit the budget together; nothing changed.
+        OutOfBudgetError: the blocks and ``inside`` do not fit the budget together; nothing
+            changed.
     """
     mgr = _mgr
     with mgr.lock:
         mgr.drain()
         blocks = blocks_of_list([block_of(r) for r in refs])
         ctx = RegionContext(spec, blocks, [], (), {}, False)
-        ctx.estimate = 0
-    step = Step(ctx, False)
+        ctx.estimate = inside or 0
+    step = Step(ctx, inside is not None)
     step.begin()
     backend = mgr.backend
     sim = getattr(backend, "strict", False) and not backend.passthrough
@@ -68,14 +74,14 @@ def run_on_views(spec: RegionSpec, refs: Sequence[TensorRef], fn: Callable[[list
         with PlainMode() if sim else contextlib.nullcontext():
             out = fn(views, adopt)
     except BaseException:
-        _written(blocks, refs, views, versions)
+        _written(blocks, refs, views, versions, read)
         step.abort()
         raise
     finally:
         context.exit_plain(previous)
         state.depth -= 1
-    _written(blocks, refs, views, versions)
-    step.end(None)
+    _written(blocks, refs, views, versions, read)
+    step.end(inside)
     return out
 
 
@@ -86,10 +92,16 @@ def _view(ref: TensorRef, sim: bool) -> torch.Tensor:
     return view
 
 
-def _written(blocks, refs, views, versions) -> None:
+def _written(blocks, refs, views, versions, read: range = range(0)) -> None:
     """Each of ``refs`` (on ``blocks``, without repeats) marked written, its version moved
-    as its view's moved."""
+    as its view's moved; those at the positions ``read`` only where their versions moved
+    (a block read alone stays clean: evicted, it is dropped, not written back)."""
     mgr = _mgr
+    if read:
+        clean = {block_of(refs[i]).id for i in read if versions[i] is not None and views[i]._version == versions[i]}
+        clean.difference_update(block_of(r).id for i, r in enumerate(refs) if i not in read)
+        if clean:
+            blocks = [b for b in blocks if b.id not in clean]
     with mgr.lock:
         on_device = [b for b in blocks if not b.host_only]
         if len(on_device) != len(blocks):
