@@ -253,9 +253,11 @@ def test_an_error_inside_the_step_leaves_the_optimizer_as_it_was(fresh_manager):
     opt.step()  # (and it steps again)
 
 
-def test_a_training_loop_as_users_write_it_steps_on_plain_tensors_as_plain_torch(fresh_manager):
+@pytest.mark.parametrize("kib", [None, 4], ids=["no budget", "paging"])
+def test_a_training_loop_as_users_write_it_steps_on_plain_tensors_as_plain_torch(fresh_manager, kib):
     # default AdamW (the device's choice of kernels), gradients zeroed both ways and clipped
-    # op by op, a scheduler, the optimizer saved and restored midway
+    # op by op, a scheduler, the optimizer saved and restored midway; under a budget, the
+    # model and the step page
     def loop():
         dev = tm.torch_device
         torch.manual_seed(0)
@@ -263,7 +265,7 @@ def test_a_training_loop_as_users_write_it_steps_on_plain_tensors_as_plain_torch
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(dev)
-        for i in range(6):
+        for i in range(8):
             opt.zero_grad(set_to_none=i % 2 == 0)
             m(x).pow(2).mean().backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
@@ -281,12 +283,19 @@ def test_a_training_loop_as_users_write_it_steps_on_plain_tensors_as_plain_torch
     with plain_torch():
         expected, _ = loop()
     tm.strategy = "flow"
+    tm.budget = None if kib is None else budget(kib * KIB)
+    tm.reset_stats()
     calls, real = counted_steps()
     try:
         managed, opt = loop()
     finally:
         optimizers.run_on_views = real
-    assert len(calls) == 4  # (all but the first step of each optimizer, which makes its state)
+    if kib is None:
+        assert len(calls) == 6  # (all but the first step of each optimizer, which makes its state)
+    else:
+        # (and the second, which measures what each part allocates inside)
+        assert len(calls) == 4 * len(optimizers.parts(opt)) > 4
+        assert tm.stats()["evictions"] > 0 and tm.stats()["peak_device_bytes"] <= tm.budget
     assert_identical(expected, managed)
     assert all(type(v) is TensorRef for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
