@@ -46,8 +46,12 @@ floor, by the manager for the others); µs per op is the time added over plain (
 phase) divided by them. Every output (tokens, losses) is compared with plain torch on the
 same device; a mismatch is printed and the run exits non-zero.
 
-    python benchmarks/small_ops.py [--work all] [--size small] [--repeats 9] [--json out.json] [--plot out.png]
-                                   [--no-regions]
+    python benchmarks/small_ops.py [--work all] [--size small] [--layers N] [--repeats 9] [--json out.json]
+                                   [--plot out.png] [--no-regions]
+
+``--layers`` sets the models' depth: under a budget Flow brings a region's blocks ahead where
+that costs few more bytes than bringing them on demand, which depends on how many layers
+share the room.
 """
 
 from __future__ import annotations
@@ -466,6 +470,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--size", choices=tuple(SIZES), default="small",
                         help="tiny: hidden 64, 2 layers, 4 new tokens (checks the harness in seconds); "
                              "medium: the small shapes at hidden 1024")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the models' decoder layers (default: the size's): how deep the pager's plan looks")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per row (default: the size's)")
     parser.add_argument("--json", help="write the results (with device, torch, date, command) to this file")
     parser.add_argument("--plot", help="write the plot (PNG) to this file")
@@ -485,6 +491,10 @@ def main(argv=None) -> dict:
         FLOW_OPTIONS["prefetch_evicts"] = True
     torch.set_num_threads(1)
     size = SIZES[args.size]
+    if args.layers is not None:
+        if args.layers < 1:
+            parser.error(f"--layers must be a whole number of decoder layers >= 1, not {args.layers}")
+        size = dict(size, llama=dict(size["llama"], layers=args.layers), gpt2=dict(size["gpt2"], layers=args.layers))
     repeats = args.repeats or size["repeats"]
     kinds = tuple(WORKS) if args.work == "all" else (args.work,)
     works = []

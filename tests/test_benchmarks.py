@@ -266,6 +266,23 @@ def test_small_ops_tiny_run_times_every_row_within_its_budget_equal_to_plain(tmp
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_small_ops_layers_sets_the_models_depth(capsys):
+    def run(*extra):
+        result = small_ops.main(["--size", "tiny", "--regions-only", "--rows", "sim, Flow, 50%, regions",
+                                 "--work", "decode", "--repeats", "1", *extra])
+        rows = [r for w in result["works"] for r in w["region_rows"]]  # (the Llama's, GPT-2's)
+        assert len(rows) == 2 and all(r["equal"] and r["peak_device_bytes"] <= r["budget"] for r in rows), rows
+        return result, rows[0]
+
+    default, shallow = run()
+    deep, row = run("--layers", "4")
+    assert (default["llama"]["layers"], deep["llama"]["layers"], deep["gpt2"]["layers"]) == (2, 4, 4)
+    assert row["budget"] > shallow["budget"]  # (half the weights: the deeper model's are more)
+    with pytest.raises(SystemExit):
+        small_ops.main(["--size", "tiny", "--layers", "0"])
+    assert "--layers must be a whole number of decoder layers >= 1, not 0" in capsys.readouterr().err
+
+
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
