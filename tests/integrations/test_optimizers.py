@@ -39,6 +39,20 @@ OPTIMIZERS = {
 }
 
 
+def counted_parts():
+    """The parts each step ran in (1: whole), counted until ``optimizers.parts`` is restored."""
+    split = []
+    real = optimizers.parts
+
+    def counting(opt):
+        out = real(opt)
+        split.append(1 if out is None else len(out))
+        return out
+
+    optimizers.parts = counting
+    return split, real
+
+
 def train(ps, make, steps: int = 3):
     """``steps`` steps of ``make(ps)`` on fixed gradients; the bytes each step moved."""
     opt = make(ps)
@@ -62,15 +76,7 @@ def test_a_step_in_parts_gives_plain_torch_s_parameters_and_moves_each_tensor_on
     ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
     tm.strategy = "flow"
     tm.budget = budget(96 * KIB)  # the parameters alone do not fit, with gradients and state
-    split = []
-    real_parts = optimizers.parts
-
-    def counted(opt):
-        out = real_parts(opt)
-        split.append(0 if out is None else len(out))
-        return out
-
-    optimizers.parts = counted
+    split, real_parts = counted_parts()
     try:
         managed, opt, moved = train(ps, OPTIMIZERS[name])
     finally:
@@ -314,15 +320,7 @@ def test_a_steady_step_under_a_budget_runs_each_part_on_plain_tensors_as_plain_t
     tm.budget = budget((8192 if fits else 256) * KIB)  # (129 KiB of parameters: 4x that with state)
     ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
     calls, real = counted_steps()
-    split = []
-    real_parts = optimizers.parts
-
-    def counted(opt):
-        out = real_parts(opt)
-        split.append(1 if out is None else len(out))
-        return out
-
-    optimizers.parts = counted
+    split, real_parts = counted_parts()
     try:
         managed, opt, moved = train(ps, OPTIMIZERS[name], steps)
     finally:

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from typing import Optional
 
 import torch
 
@@ -128,12 +127,15 @@ def step_wrapper(wrapped, instance, args, kwargs):
             or getattr(wrapped, "hooked", False) or type(opt) not in _CLASSES):
         return wrapped(*args, **kwargs)
     if not _views_allowed():
-        return _in_parts(opt, wrapped, args, kwargs, None)
-    if _mgr.backend.passthrough or _mgr.settings.budget_value is None:
-        return _whole(opt, wrapped, args, kwargs)
+        return _in_parts(opt, wrapped, args, kwargs, False)
     shape = _shape(opt)
     steady = shape is not None and _left.get(opt) == shape and not _tensor_among(kwargs)
-    out = _in_parts(opt, wrapped, args, kwargs, steady)
+    if _mgr.backend.passthrough or _mgr.settings.budget_value is None:
+        # (nothing to page: whole; what ``_left`` holds stays after a step on plain tensors,
+        # so a state name the step added makes the next step op by op)
+        out = _on_plain_tensors(opt, wrapped, args, kwargs) if steady else wrapped(*args, **kwargs)
+    else:
+        out = _in_parts(opt, wrapped, args, kwargs, steady)
     if not steady:
         _left[opt] = _shape(opt)  # (a step op by op may have made state)
     return out
@@ -150,16 +152,14 @@ def _tensor_among(kwargs) -> bool:
     return any(isinstance(v, torch.Tensor) for v in kwargs.values())
 
 
-def _in_parts(opt: torch.optim.Optimizer, wrapped, args, kwargs, steady: Optional[bool]):
+def _in_parts(opt: torch.optim.Optimizer, wrapped, args, kwargs, steady: bool):
     """The step part by part (``parts``; one part where it fits whole): a part on plain
     tensors where the optimizer is ``steady`` and what that part allocates inside was
-    measured; else op by op, measured where ``steady`` (``None``: op by op, unmeasured)."""
+    measured; else op by op, measured where ``steady``."""
     split = parts(opt)
     groups = opt.param_groups
     whole = [g["params"] for g in groups]
-    peaks = _peaks.get(opt) if steady is not None else None
-    if steady is not None and peaks is None:
-        peaks = _peaks[opt] = {}
+    peaks = _peaks.setdefault(opt, {}) if steady else None
     out = None
     try:
         for part in split or (whole,):
@@ -221,19 +221,6 @@ def _shape(opt: torch.optim.Optimizer):
                         return None
             out.append((p, grad is not None, tuple(s) if s else ()))
     return tuple(out)
-
-
-def _whole(opt: torch.optim.Optimizer, wrapped, args, kwargs):
-    """The step with nothing to page: on plain tensors in its steady state, else op by op;
-    what it leaves is remembered (Note [Optimizer steps on plain tensors])."""
-    shape = _shape(opt)
-    if shape is None or _left.get(opt) != shape or _tensor_among(kwargs):
-        out = wrapped(*args, **kwargs)
-        _left[opt] = _shape(opt)  # (a step op by op may have made state)
-    else:
-        # (what ``_left`` holds stays: a state name the step added makes the next step op by op)
-        out = _on_plain_tensors(opt, wrapped, args, kwargs)
-    return out
 
 
 def _on_plain_tensors(opt: torch.optim.Optimizer, wrapped, args, kwargs, inside=None):
