@@ -98,6 +98,27 @@ def test_a_step_in_parts_gives_plain_torch_s_parameters_and_moves_each_tensor_on
     assert to_host <= 1.25 * once
 
 
+@pytest.mark.parametrize("views", [True, False], ids=["regions", "op by op"])
+def test_a_step_that_runs_op_by_op_takes_parts_of_half_the_share(fresh_manager, monkeypatch, views):
+    # (516 KiB of parameters, gradients and state: more than an eighth of a 2 MiB budget, at
+    # most half of it)
+    monkeypatch.setattr(torchTensorRef.regions, "enabled", views)
+    with plain_torch():
+        dev = tm.torch_device
+        expected, _, _ = train([p.to(dev).requires_grad_() for p in params()], OPTIMIZERS["adamw-foreach"], 4)
+    ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
+    tm.strategy = "flow"
+    tm.budget = budget(2048 * KIB)
+    split, real_parts = counted_parts()
+    try:
+        managed, _, _ = train(ps, OPTIMIZERS["adamw-foreach"], 4)
+    finally:
+        optimizers.parts = real_parts
+    assert (min(split) > 1) if views else split == [1] * 4
+    assert_identical([p.detach() for p in expected], [p.detach() for p in managed])
+    assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
 def test_a_step_with_a_closure_runs_whole(fresh_manager):
     ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
     tm.budget = budget(96 * KIB)

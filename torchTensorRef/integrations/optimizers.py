@@ -9,10 +9,10 @@ each streams its lists through the device: the moments are brought in and writte
 per op that reads them, not once per step. So the step of an optimizer that updates each
 parameter on its own (the ``SLICED`` classes: no term mixes parameters) runs here as several
 steps, each over a part of the parameters whose tensors fit an eighth of the manager's share
-of the budget, with every formula term applied to that part before the next: each tensor is
-brought in once and written back once per step. The results are the same bits: every term is
-elementwise per parameter, and a list op on a shorter list computes each position as on the
-whole list.
+of the budget (half where the step runs op by op: regions off, a trace or a compile), with
+every formula term applied to that part before the next: each tensor is brought in once and
+written back once per step. The results are the same bits: every term is elementwise per
+parameter, and a list op on a shorter list computes each position as on the whole list.
 
 The step runs whole where it is given a closure (it evaluates the loss: once per step),
 where its class was stepped before ``torchTensorRef`` was imported (its hooks would run once
@@ -97,11 +97,12 @@ def parts(opt: torch.optim.Optimizer):
     limit = _mgr.limit
     if _mgr.settings.budget_value is None or limit is None or _mgr.backend.passthrough or type(opt) not in _CLASSES:
         return None
-    # (an eighth of the share: a part, the room for what its step allocates inside (as
-    # large as its parameters) and the next part, prefetched beside it, take a third of it,
-    # leaving the rest to what the strategy keeps from step to step; larger parts moved
-    # more bytes, as each is resident whole)
-    room = (limit - _mgr.accounting.elsewhere_bytes) // 8
+    # (where the step may run on plain tensors, an eighth of the share: a part, the room
+    # for what its step allocates inside (as large as its parameters) and the next part,
+    # prefetched beside it, take a third of it, leaving the rest to what the strategy keeps
+    # from step to step; larger parts moved more bytes, as each is resident whole. Op by op
+    # only each list op's tensors are resident at once, and half the share means fewer ops)
+    room = (limit - _mgr.accounting.elsewhere_bytes) // (8 if _views_allowed() else 2)
     groups = [g["params"] for g in opt.param_groups]
     sizes = [[_param_bytes(opt, p) for p in ps] for ps in groups]
     if sum(map(sum, sizes)) <= room:
