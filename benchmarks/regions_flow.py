@@ -1,23 +1,27 @@
 """What Flow learns when module calls are regions: ``generate()`` calls of different prompt lengths.
 
-A random-weight 4-layer Llama (hidden 256, the ``small`` size of ``small_ops.py``) on
+A random-weight Llama of ``--layers`` (4 by default) (hidden 256, the ``small`` size of ``small_ops.py``) on
 ``"sim"`` under Flow at ``--fraction`` of its weights runs greedy ``generate()`` six times,
 each with a different prompt length (8, 11, 5, 9, 13, 7 tokens) and number of new tokens
 (16, 12, 20, 16, 9, 14), as real serving does, with module regions on and then off (a fresh
 copy each). Flow should learn the period of one decode step and keep it across calls. After each
 call it prints the ops the manager counted, Flow's period (in ops) and whether Flow follows a compiled plan, and the
-bytes moved and evictions of that call; the last call is recorded, and its bytes are
-compared with the offline reference on its trace (at region granularity where regions are
-on: ``tensorsManager.recording(regions=True)``). A decode step is the ops of one token: with
+bytes moved and evictions of that call. Every call is recorded (a recorded ``generate()``
+runs its own loop op by op, its model's calls as regions, so that the trace has every op: a
+call recorded after unrecorded ones would be a loop Flow has not seen), and the last call's
+bytes are compared with the offline reference on its trace (at region granularity where regions are
+on: ``tensorsManager.recording(regions=True)``), and with regions also at the granularity
+of their groups (a region's tensors moved as one: ``reference_moves(..., groups=trace.groups)``,
+Note [Region groups]), and in groups with room for the next op's blocks while each op runs
+(``ahead=1``: what a pager whose copies overlap compute needs). A decode step is the ops of one token: with
 regions, one op per region plus ``generate()``'s own ops.
 
-    python benchmarks/regions_flow.py [--fraction 0.5]
+    python benchmarks/regions_flow.py [--fraction 0.5] [--layers 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -35,6 +39,15 @@ PROMPTS = (8, 11, 5, 9, 13, 7)
 TOKENS = (16, 12, 20, 16, 9, 14)
 
 
+def to_reference(trace, share: int, moved: int, groups=None, ahead: int = 0):
+    """``moved`` as a ratio to the offline reference's bytes on ``trace`` within ``share``
+    (``groups``: at their granularity; ``ahead``: room for the next ops' blocks too);
+    ``None`` where the reference moves nothing."""
+    ref = reference_moves(trace.accesses, share, trace.initial, trace.created, trace.block_bytes, groups, ahead)
+    ref_moved = ref["bytes_to_device"] + ref["bytes_to_host"]
+    return moved / ref_moved if ref_moved else None
+
+
 def run(model, fraction: float, regions: bool) -> list:
     previous = torchTensorRef.regions.enabled, torchTensorRef.regions.under_budget
     torchTensorRef.regions.enabled = torchTensorRef.regions.under_budget = regions
@@ -48,17 +61,20 @@ def run(model, fraction: float, regions: bool) -> list:
             ids = torchTensorRef.manage(common.plain_inputs(i, model.config.vocab_size, 1, n))
             tm.reset_stats()
             last = i == len(PROMPTS) - 1
-            # (the last call recorded, regions as regions: the offline reference at their granularity)
-            with tm.recording(regions=regions) if last else contextlib.nullcontext() as trace:
+            # (regions as regions: the offline reference at their granularity)
+            with tm.recording(regions=regions) as trace:
                 common.generate(managed, ids, TOKENS[i])
             s = tm.stats()
             moved = s["bytes_to_device"] + s["bytes_to_host"]
             row = dict(prompt=n, tokens=TOKENS[i], ops=s["ops"], period=flow.period, plan=flow.plan is not None,
-                       mib_moved=moved / common.MIB, evictions=s["evictions"], to_reference=None)
+                       mib_moved=moved / common.MIB, evictions=s["evictions"], to_reference=None,
+                       to_group_reference=None, to_overlap_reference=None, groups=0)
             if last:
-                ref = reference_moves(trace.accesses, share, trace.initial, trace.created, trace.block_bytes)
-                ref_moved = ref["bytes_to_device"] + ref["bytes_to_host"]
-                row["to_reference"] = moved / ref_moved if ref_moved else None
+                row["to_reference"] = to_reference(trace, share, moved)
+                row["groups"] = len(trace.groups)
+                if regions:
+                    row["to_group_reference"] = to_reference(trace, share, moved, trace.groups)
+                    row["to_overlap_reference"] = to_reference(trace, share, moved, trace.groups, ahead=1)
             rows.append(row)
         tm.budget = None
         return rows
@@ -69,9 +85,11 @@ def run(model, fraction: float, regions: bool) -> list:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fraction", type=float, default=0.5, help="budget as a fraction of the weights")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    model = common.llama(layers=4, hidden=256, intermediate=512, vocab=1000, heads=4, kv_heads=4, positions=96)
+    model = common.llama(layers=args.layers, hidden=256, intermediate=512, vocab=1000, heads=4, kv_heads=4,
+                         positions=96)
     result = {}
     for regions in (True, False):
         label = "regions" if regions else "per op"
@@ -79,9 +97,14 @@ def main(argv=None) -> dict:
         print(f"Flow at {args.fraction:.0%} of the weights, {label}:")
         for r in result[label]:
             ratio = "" if r["to_reference"] is None else f"  moved/offline reference {r['to_reference']:.3f}"
+            if r["to_group_reference"] is not None:
+                ratio += f", in groups {r['to_group_reference']:.3f}, and copying a call ahead " \
+                         f"{r['to_overlap_reference']:.3f}"
             print(f"  prompt {r['prompt']:2d}, {r['tokens']:2d} new: ops {r['ops']:6d}  period {r['period']}  "
                   f"plan {r['plan']}  "
                   f"MiB moved {r['mib_moved']:6.1f}  evictions {r['evictions']}{ratio}")
+        if result[label][-1]["groups"]:
+            print(f"  (the last call's trace: {result[label][-1]['groups']} tensors read in region groups)")
     return result
 
 

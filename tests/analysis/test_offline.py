@@ -74,6 +74,39 @@ def test_an_op_larger_than_the_budget_is_an_error():
         reference_moves([(0, "a", 10, False), (0, "b", 10, False)], budget=15)
 
 
+def test_a_group_comes_in_and_leaves_whole():
+    # a1 and a2 are one group: reading a1 brings both in, and room for b takes both out
+    accesses = [(0, "a1", 10, False), (1, "b", 10, False), (2, "a2", 10, False)]
+    units = {"a1": "A", "a2": "A"}
+    assert reference_moves(accesses, budget=30, groups=units)["bytes_to_device"] == 30
+    # room for 20: block by block a1 and b stay and b goes for a2 (30); in groups, A goes
+    # for b and comes back whole (50)
+    assert reference_moves(accesses, budget=20)["bytes_to_device"] == 30
+    r = reference_moves(accesses, budget=20, groups=units)
+    assert r["bytes_to_device"] == 50 and r["peak_device_bytes"] == 20
+    with pytest.raises(OutOfBudgetError):
+        reference_moves(accesses, budget=15, groups=units)  # (the group alone is 20)
+
+
+def test_a_group_writes_back_only_its_members_written():
+    accesses = [(0, "a1", 10, True), (0, "a2", 10, False), (1, "b", 20, False)]
+    r = reference_moves(accesses, budget=20, groups={"a1": "A", "a2": "A"})
+    assert r["bytes_to_host"] == 10 and r["bytes_to_device"] == 40
+    # a group read at the start is resident whole where one member was, its dirt kept
+    r = reference_moves(accesses, budget=20, initial={"a1": (10, True)}, groups={"a1": "A", "a2": "A"})
+    assert r["bytes_to_device"] == 20 and r["bytes_to_host"] == 10
+
+
+def test_copies_ahead_need_the_next_ops_room_while_an_op_runs():
+    # a b c a, room for two: Belady keeps a (b goes for c): 30 bytes. With the next op's
+    # blocks resident beside each op, a must go for c while b runs, and come back: 40.
+    assert reference_moves(reads("a", "b", "c", "a"), budget=20)["bytes_to_device"] == 30
+    r = reference_moves(reads("a", "b", "c", "a"), budget=20, ahead=1)
+    assert r["bytes_to_device"] == 40 and r["peak_device_bytes"] == 20
+    # where the next op's blocks do not fit beside an op's, the op runs with its own alone
+    assert reference_moves(reads("a", "b", "a"), budget=10, ahead=1)["bytes_to_device"] == 30
+
+
 class _Trace:
     def __init__(self, accesses, initial=None, initial_host=None, created=()):
         self.accesses, self.created = accesses, set(created)

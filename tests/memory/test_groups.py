@@ -14,6 +14,7 @@ import torch
 from paired import assert_identical, budget, plain_torch, to_plain
 import torchTensorRef
 from torchTensorRef import regions, tensorsManager as tm
+from torchTensorRef.analysis.offline import reference_moves
 from torchTensorRef.core.tensor_ref import block_of
 from torchTensorRef.memory import groups
 from torchTensorRef.strategies import Flow
@@ -252,3 +253,36 @@ def test_a_group_dies_quietly_after_the_device_changed(as_regions, monkeypatch):
     del model
     gc.collect()
     assert raised == []
+
+
+def test_a_recording_names_each_tensor_read_in_a_group(as_regions):
+    # (the offline reference at group granularity reads them: Flow's bytes against it)
+    expected = _plain()[0]
+    tm.strategy = "flow"
+    model = _stack()
+    as_regions(model)
+    x = _input()
+    tm.budget = budget(_weights(model) // 2)
+    try:
+        _run(model, x, 8)
+        share = tm.limit - _outside()
+        tm.reset_stats()
+        with tm.recording(regions=True) as trace:
+            assert_identical(expected, _run(model, x, 1)[0])
+        stats = tm.stats()
+    finally:
+        tm.budget = None
+    made = {}
+    for layer in model:
+        members = [block_of(p) for p in layer.parameters() if block_of(p).group is not None]
+        assert len(members) >= 3
+        assert {trace.groups[b.id] for b in members} == {members[0].group.members[0].id}
+        made[members[0].group.members[0].id] = members
+    assert len(made) == LAYERS and set(trace.groups.values()) == set(made)
+    assert len(trace.groups) == sum(len(m) for m in made.values())
+    args = (trace.accesses, share, trace.initial, trace.created, trace.block_bytes)
+    alone, grouped = reference_moves(*args), reference_moves(*args, groups=trace.groups)
+    ahead = reference_moves(*args, groups=trace.groups, ahead=1)
+    moved = stats["bytes_to_device"] + stats["bytes_to_host"]
+    assert 0 < alone["bytes_to_device"] <= grouped["bytes_to_device"] <= ahead["bytes_to_device"]
+    assert moved <= 1.10 * (ahead["bytes_to_device"] + ahead["bytes_to_host"])

@@ -50,6 +50,10 @@ class Trace:
         self.initial_host: dict = {}
         #: blocks created by ops while recording (they need no copy in)
         self.created: set = set()
+        #: {block_id: its group} for the blocks read while in a region group (Note [Region
+        #: groups]), a group named by its first member's id: the offline reference at group
+        #: granularity (``reference_moves(..., groups=trace.groups)``)
+        self.groups: Dict[int, int] = {}
         #: the device bytes a block of ``nbytes`` takes, as the budget counted it (the
         #: allocator's rounding): for the offline reference (``reference_moves``)
         self.block_bytes = None
@@ -91,6 +95,10 @@ class Trace:
         if self.entered:
             self.entries[index] = self.entered
             self.entered = 0
+
+    def grouped(self, block) -> None:
+        """``block``, read by an op, is a member of a region group."""
+        self.groups[block.id] = block.group.members[0].id
 
     def kernel(self, index: int, func, args, kwargs, out, start: int, end: int) -> None:
         """The op's kernel ran from ``start`` to ``end``: keep that and what it costs a GPU."""

@@ -396,6 +396,8 @@ class OpProtocol:
         for b in ctx.blocks:
             if not b.host_only:
                 trace.accesses.append((index, b.id, b.nbytes, b.id in written))
+                if b.group is not None and not b.group.dissolved:
+                    trace.grouped(b)
         for b in ctx.outputs:
             if not b.host_only:
                 trace.accesses.append((index, b.id, b.nbytes, True))
