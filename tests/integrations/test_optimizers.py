@@ -98,10 +98,12 @@ def test_a_step_in_parts_gives_plain_torch_s_parameters_and_moves_each_tensor_on
     assert to_host <= 1.25 * once
 
 
-@pytest.mark.parametrize("views", [True, False], ids=["regions", "op by op"])
-def test_a_step_that_runs_op_by_op_takes_parts_of_half_the_share(fresh_manager, monkeypatch, views):
+@pytest.mark.parametrize("views,paged", [(True, True), (True, False), (False, True)],
+                         ids=["regions, the budget pages", "regions, nothing paged yet", "op by op"])
+def test_a_step_takes_parts_of_an_eighth_of_the_share_only_on_views_where_the_budget_pages(
+        fresh_manager, monkeypatch, views, paged):
     # (516 KiB of parameters, gradients and state: more than an eighth of a 2 MiB budget, at
-    # most half of it)
+    # most half of it; op by op, and until the budget pages, parts take half the share)
     monkeypatch.setattr(torchTensorRef.regions, "enabled", views)
     with plain_torch():
         dev = tm.torch_device
@@ -109,12 +111,14 @@ def test_a_step_that_runs_op_by_op_takes_parts_of_half_the_share(fresh_manager, 
     ps = [torchTensorRef.manage(p).requires_grad_() for p in params()]
     tm.strategy = "flow"
     tm.budget = budget(2048 * KIB)
+    if paged:
+        tm.note_pressure()  # (as room made by evicting does)
     split, real_parts = counted_parts()
     try:
         managed, _, _ = train(ps, OPTIMIZERS["adamw-foreach"], 4)
     finally:
         optimizers.parts = real_parts
-    assert (min(split) > 1) if views else split == [1] * 4
+    assert (min(split) > 1) if views and paged else split == [1] * 4
     assert_identical([p.detach() for p in expected], [p.detach() for p in managed])
     assert tm.stats()["peak_device_bytes"] <= tm.budget
 

@@ -116,6 +116,53 @@ def test_adamw_steps_through_regions_match_plain_torch(device, fraction):
         assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 
+@pytest.mark.parametrize("fraction", [2.0, 1.0, 0.85, 0.7])
+def test_a_budget_the_step_fits_keeps_what_regions_save_plain_and_the_device_within_it(fraction):
+    # Under a budget a step's regions need at most half of, and before anything was evicted,
+    # what they save stays plain, counted as the device's outside bytes (Note [Saved while
+    # nothing pages]); where the step does not fit and the budget starts paging, later calls
+    # make blocks of it. Either way the device itself never holds more than the budget at an
+    # op's end, and the values are plain torch's.
+    with plain_torch():
+        x = torch.randn(512, 16)  # (activations several times the weights)
+        plain_model = stack().to(tm.torch_device)
+        plain_losses = train_steps(plain_model, x.to(tm.torch_device), steps=5)
+        plain_params = [p.detach() for p in plain_model.parameters()]
+    tm.strategy = "flow"
+    model = stack()
+    mx = torchTensorRef.manage(x.cpu())
+    train_steps(stack(), mx, steps=2)  # (the same step's peak with no budget, on a copy)
+    peak = tm.stats()["peak_device_bytes"]
+    checking = tm.check_device
+    tm.check_device = True
+    try:
+        tm.reset_stats()
+        tm.budget = budget(int(fraction * peak))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, overshoot = [], 0
+        for step in range(5):
+            if step == 3:  # (the first calls and backwards measured what they allocate)
+                overshoot = tm.stats()["device_overshoot_bytes"]
+                tm.reset_stats()
+            opt.zero_grad(set_to_none=True)
+            loss = model(mx).square().mean()
+            nodes = link_nodes(loss)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        stats = tm.stats()
+    finally:
+        tm.check_device = checking
+    assert_identical(plain_losses, losses)
+    assert_identical(plain_params, [p.detach() for p in model.parameters()])
+    assert nodes and stats["peak_device_bytes"] <= tm.budget
+    assert overshoot == stats["device_overshoot_bytes"] == 0
+    if fraction == 2.0:  # (nothing pages: the last steps evict nothing, and keep what they save plain)
+        assert stats["evictions"] == 0 and not any(node.training.paged for node in nodes)
+    if fraction == 0.7:
+        assert stats["evictions"] > 0 and all(node.training.paged for node in nodes)
+
+
 def llama_steps(model, ids, clip=False, checkpointing=False):
     """Five AdamW steps of a Llama; the losses and the last loss."""
     if checkpointing:
@@ -563,6 +610,7 @@ def test_a_region_s_backward_is_one_op_whose_working_set_holds_the_weights_it_sa
     model = stack()
     tm.strategy = "flow"
     tm.budget = budget(weight_bytes(model) * 4)
+    tm.note_pressure()  # (the budget pages: what the backward saved are blocks of the manager)
     x = torchTensorRef.manage(torch.randn(8, 16))
     model(x).sum().backward()  # (measured: op by op)
     model(x).sum().backward()  # (each backward's room measured)
@@ -578,15 +626,18 @@ def test_a_region_s_backward_is_one_op_whose_working_set_holds_the_weights_it_sa
 
 
 @pytest.mark.parametrize("device,strategy,limit,paged", [
-    ("cpu", "flow", "none", False), (TEST_DEVICE, "flow", "budget", True), (TEST_DEVICE, "flow", "none", False),
+    ("cpu", "flow", "none", False), (TEST_DEVICE, "flow", "budget", False), (TEST_DEVICE, "flow", "tight", True),
+    (TEST_DEVICE, "flow", "budget-evicted", True), (TEST_DEVICE, "flow", "none", False),
     (TEST_DEVICE, "flow", "evicted", True), (TEST_DEVICE, "genoa", "none", True)],
-    ids=["pass-through", "budget", "no-budget", "no-budget-after-evicting", "genoa-no-budget"])
+    ids=["pass-through", "budget-it-fits", "budget-over-half", "budget-after-evicting", "no-budget",
+         "no-budget-after-evicting", "genoa-no-budget"])
 def test_activations_become_blocks_only_where_the_manager_pages(device, strategy, limit, paged):
-    # With nothing ever evicted (pass-through, or no budget before the device's capacity made
-    # the manager evict) the inner graph keeps what it saves, as plain torch does; under a
-    # budget, once room was made by evicting, or under a strategy that sends every block back
-    # after its op (Genoa), each activation becomes a block of the manager (Note [Saved while
-    # nothing pages]). The gradients are plain torch's either way.
+    # With nothing ever evicted (pass-through, no budget before the device's capacity made
+    # the manager evict, or a budget the call's needs take at most half of) the inner graph
+    # keeps what it saves, as plain torch does; under a budget the call needs more of, once
+    # room was made by evicting, or under a strategy that sends every block back after its op
+    # (Genoa), each activation becomes a block of the manager (Note [Saved while nothing
+    # pages]). The gradients are plain torch's either way.
     tm.device = device
     tm.strategy = strategy
     with plain_torch():
@@ -596,10 +647,12 @@ def test_activations_become_blocks_only_where_the_manager_pages(device, strategy
         plain(x.to(tm.torch_device)).sum().backward()
     torch.manual_seed(0)
     model = Block()
-    if limit == "budget":
+    if limit.startswith("budget"):
         tm.budget = budget(weight_bytes(model) * 8)
-    elif limit == "evicted":
-        tm.note_pressure()  # (as making room does once the device's capacity is reached)
+    elif limit == "tight":
+        tm.budget = budget(weight_bytes(model) * 4)
+    if limit.endswith("evicted"):
+        tm.note_pressure()  # (as making room does once the device's capacity or the budget is reached)
     mx = torchTensorRef.manage(x.cpu())
     model(mx)  # (the first call with gradients runs op by op: Note [Gradients of gradients])
     model.zero_grad(set_to_none=True)

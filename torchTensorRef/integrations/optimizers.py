@@ -33,7 +33,8 @@ step), one whose groups hold tensors (a tensor learning rate), or one with a ten
 not a TensorRef.
 
 Note [Optimizer steps under a budget]: under a budget, each part of a step (the whole step
-where it fits an eighth of the manager's share) runs on plain tensors the same way, as one
+where it fits an eighth of the manager's share, or half of it until the budget has paged,
+as regions' size rule: Note [Regions until the budget pages]) runs on plain tensors the same way, as one
 op whose blocks are made resident within the budget with room beside them for what the
 step allocates inside (AdamW's square roots of its second moments, as large as the part's
 parameters): op by op, a step is some ten list ops per part and an ``item()`` per parameter
@@ -97,12 +98,14 @@ def parts(opt: torch.optim.Optimizer):
     limit = _mgr.limit
     if _mgr.settings.budget_value is None or limit is None or _mgr.backend.passthrough or type(opt) not in _CLASSES:
         return None
-    # (where the step may run on plain tensors, an eighth of the share: a part, the room
-    # for what its step allocates inside (as large as its parameters) and the next part,
-    # prefetched beside it, take a third of it, leaving the rest to what the strategy keeps
-    # from step to step; larger parts moved more bytes, as each is resident whole. Op by op
-    # only each list op's tensors are resident at once, and half the share means fewer ops)
-    room = (limit - _mgr.accounting.elsewhere_bytes) // (8 if _views_allowed() else 2)
+    # (where the step may run on plain tensors under a budget that pages, an eighth of the
+    # share: a part, the room for what its step allocates inside (as large as its
+    # parameters) and the next part, prefetched beside it, take a third of it, leaving the
+    # rest to what the strategy keeps from step to step; larger parts moved more bytes, as
+    # each is resident whole. Until the budget pages, half: nothing is kept or prefetched
+    # for later, and each part is an op's host work. Op by op only each list op's tensors
+    # are resident at once, and half the share means fewer ops)
+    room = (limit - _mgr.accounting.elsewhere_bytes) // (8 if _views_allowed() and _mgr.paged else 2)
     groups = [g["params"] for g in opt.param_groups]
     sizes = [[_param_bytes(opt, p) for p in ps] for ps in groups]
     if sum(map(sum, sizes)) <= room:

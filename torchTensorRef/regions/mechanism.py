@@ -284,8 +284,9 @@ class Region:
             if not self.strict and type(e) is OutOfBudgetError:
                 raise NotARegion("larger than the budget") from e
             raise
+        needs = self._needs(sum([b.nbytes for b in ctx.blocks]), ctx.estimate, plan.key) if plan.grad else 0
         training = Training(self, plan.key, self.device_views and getattr(mgr.backend, "strict", False),
-                            saves_blocks(mgr, plan.paged), ctx.estimate) if plan.grad else None
+                            saves_blocks(mgr, plan.paged, needs), ctx.estimate) if plan.grad else None
         meter = Measure({b.dev_key for b in ctx.blocks}, mgr.alloc_bytes, mgr.backend.dev_bytes) if plan.meter else None
         try:
             out = self._run(mgr, call, fn, args, kwargs, plan.on_host, training, meter)
@@ -487,10 +488,11 @@ class Region:
             if linked:
                 # (the node's outputs are these same TensorRefs, now with its grad_fn)
                 training.link([p for p, _r in linked], [r for _p, r in linked])
-        if plain_out or mgr.accounting.readings != readings:
+        if plain_out or mgr.accounting.readings != readings or training is not None and not training.paged:
             # A reading of the device in ``make_room`` counted the new tensors, allocated and
             # not yet blocks, as outside the manager; kept, that reading made the next calls
-            # look larger than the budget (a decoder layer ran op by op): read it again.
+            # look larger than the budget (a decoder layer ran op by op): read it again (and
+            # the activations a plain graph holds: Note [Saved while nothing pages]).
             mgr.read_outside()
         return wrapped, nbytes
 

@@ -140,6 +140,7 @@ class BackwardStep:
             ctx.estimate = self._room(blocks) if limited else 0
             # (unmeasured, its room is all the budget leaves: not kept from other threads)
             self.step = Step(ctx, limited, keep=self.seen is not None)
+            paged = mgr.paged
             try:
                 self.step.begin()  # (no op-by-op fallback here: the graph is plain)
             except OutOfBudgetError:
@@ -150,6 +151,11 @@ class BackwardStep:
                 # [Buffers still viewed] in memory/residency.py). Read again, now that they ran.
                 ctx.estimate = self._room(blocks)
                 self.step.begin()
+            if self.seen is None:
+                # What it evicted made room for a measurement, not room the budget lacks: the
+                # budget pages only where later calls, measured, must evict too (Note
+                # [Regions until the budget pages] in regions/__init__.py)
+                mgr.paged = paged
             if limited and self.seen is None:
                 # (the blocks' storages once resident: views of them are not new bytes)
                 self.measuring = Measure({b.dev_key for b in blocks}, mgr.alloc_bytes, backend.dev_bytes)

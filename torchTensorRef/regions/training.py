@@ -36,10 +36,17 @@ in pass-through). Making each activation a block after the call and a view of it
 backward took more host time than the call's kernels on a small model
 (``benchmarks/train_parts.py``). A graph made so holds device bytes outside the manager until
 its backward frees them, which the device's readings count as outside bytes, as they count a
-program's plain tensors; a call made once the manager has evicted, or under a budget, makes
-blocks of them again. A strategy that sends blocks back after every op (Genoa:
-``Strategy.sends_back``) gets blocks always: plain tensors would keep on the device what it
-sent back.
+program's plain tensors; a call made once the manager has evicted makes blocks of them again.
+Under a budget the same holds for a call whose needs (``Region._needs``: its working set, the
+room for its inside and its backward) take at most ``PLAIN_SHARE`` of the manager's share:
+a budget the step fits in pays what no budget pays. Its activations were allocated in the
+room the call kept for its inside, and once it returns the device is read again, so that
+they count as outside bytes against the budget until the backward frees them (a later
+reading finds them gone); any eviction reads the device first. A larger call, whose plain
+activations could leave too little room for the ops between it and its backward, makes
+blocks of them, which those ops may evict. A strategy that sends blocks back after every op
+(Genoa: ``Strategy.sends_back``) gets blocks always: plain tensors would keep on the device
+what it sent back.
 
 Note [Gradients summed inside a region]: autograd adds a tensor's gradient contributions one
 by one, in the order their nodes run. Asked for one gradient per leaf, the inner graph would
@@ -92,11 +99,21 @@ _Tensor = torch.Tensor
 PROBES = 1
 
 
-def saves_blocks(mgr, limited: bool) -> bool:
+#: under a budget, a call with gradients whose needs take at most this share of the manager's
+#: share keeps what it saves plain while nothing pages (Note [Saved while nothing pages])
+PLAIN_SHARE = 0.5
+
+
+def saves_blocks(mgr, limited: bool, needs: int) -> bool:
     """Whether a call with gradients makes blocks of what it saves (``limited``: the manager
-    pages under a limit, the call is not on the host), or keeps them plain while nothing
-    pages (Note [Saved while nothing pages])."""
-    return limited and (mgr.settings.budget_value is not None or mgr.paged or mgr.strategy.sends_back)
+    pages under a limit, the call is not on the host; ``needs``: the bytes the call needs
+    resident at once, its backward's included), or keeps them plain while nothing pages
+    (Note [Saved while nothing pages])."""
+    if not limited or mgr.paged or mgr.strategy.sends_back:
+        return limited
+    if mgr.settings.budget_value is None:
+        return False
+    return needs > PLAIN_SHARE * (mgr.limit - mgr.accounting.elsewhere_bytes)
 
 
 def probe_second_order(region) -> bool:
