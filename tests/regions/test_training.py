@@ -163,6 +163,41 @@ def test_a_budget_the_step_fits_keeps_what_regions_save_plain_and_the_device_wit
         assert stats["evictions"] > 0 and all(node.training.paged for node in nodes)
 
 
+def test_a_budget_below_what_a_plain_graph_holds_is_refused_until_its_backward():
+    # A graph kept plain under a budget it fits in holds its activations outside the manager
+    # until its backward: a budget set below them meanwhile is refused, as any budget below
+    # what the device holds outside the manager, and nothing changes (Note [Saved while
+    # nothing pages]); after the backward the same budget is taken.
+    with plain_torch():
+        x = torch.randn(512, 16)
+        plain_model = stack().to(tm.torch_device)
+        plain_losses = train_steps(plain_model, x.to(tm.torch_device), steps=4)
+    tm.strategy = "flow"
+    model = stack()
+    mx = torchTensorRef.manage(x.cpu())
+    train_steps(stack(), mx, steps=2)  # (the step's peak with no budget, on a copy)
+    tm.budget = budget(2 * tm.stats()["peak_device_bytes"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(4):
+        opt.zero_grad(set_to_none=True)
+        loss = model(mx).square().mean()
+        nodes = link_nodes(loss)
+        if step == 3:
+            assert nodes and not any(node.training.paged for node in nodes)
+            before = (tm.budget, tm.stats()["evictions"])
+            lower = tm.outside_bytes() // 2
+            with pytest.raises(torchTensorRef.BudgetBelowFloorError, match="outside the manager"):
+                tm.budget = lower
+            assert (tm.budget, tm.stats()["evictions"]) == before
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    assert_identical(plain_losses, losses)
+    tm.budget = lower  # (the activations are gone)
+    assert tm.budget == lower and tm.stats()["device_bytes"] <= lower
+
+
 def llama_steps(model, ids, clip=False, checkpointing=False):
     """Five AdamW steps of a Llama; the losses and the last loss."""
     if checkpointing:

@@ -42,7 +42,9 @@ room for its inside and its backward) take at most ``PLAIN_SHARE`` of the manage
 a budget the step fits in pays what no budget pays. Its activations were allocated in the
 room the call kept for its inside, and once it returns the device is read again, so that
 they count as outside bytes against the budget until the backward frees them (a later
-reading finds them gone); any eviction reads the device first. A larger call, whose plain
+reading finds them gone); any eviction reads the device first. Until then a budget set
+below them is refused, as any budget below what the device holds outside the manager
+(``BudgetBelowFloorError``). A larger call, whose plain
 activations could leave too little room for the ops between it and its backward, makes
 blocks of them, which those ops may evict. A strategy that sends blocks back after every op
 (Genoa: ``Strategy.sends_back``) gets blocks always: plain tensors would keep on the device
