@@ -16,7 +16,7 @@ Note [Region groups]), and in groups with room for the next op's blocks while ea
 (``ahead=1``: what a pager whose copies overlap compute needs). A decode step is the ops of one token: with
 regions, one op per region plus ``generate()``'s own ops.
 
-    python benchmarks/regions_flow.py [--fraction 0.5] [--layers 4]
+    python benchmarks/regions_flow.py [--fraction 0.5] [--layers 4] [--regions-only]
 """
 
 from __future__ import annotations
@@ -86,12 +86,13 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fraction", type=float, default=0.5, help="budget as a fraction of the weights")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--regions-only", action="store_true", help="leave out the per-op run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = common.llama(layers=args.layers, hidden=256, intermediate=512, vocab=1000, heads=4, kv_heads=4,
                          positions=96)
     result = {}
-    for regions in (True, False):
+    for regions in (True,) if args.regions_only else (True, False):
         label = "regions" if regions else "per op"
         result[label] = run(model, args.fraction, regions)
         print(f"Flow at {args.fraction:.0%} of the weights, {label}:")

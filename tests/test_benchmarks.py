@@ -22,8 +22,8 @@ pytest.importorskip("accelerate")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, optimizer_step, overhead,  # noqa: E402
-                        overshoot_plugin, plots, region_anatomy, region_calls, region_instructions, run_all,
-                        small_ops, train_budget, train_instructions, train_parts, transfer)
+                        overshoot_plugin, plots, region_anatomy, region_calls, region_instructions, regions_flow,
+                        run_all, small_ops, train_budget, train_instructions, train_parts, transfer)
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -455,6 +455,16 @@ def test_region_calls_times_region_calls_alone_within_the_budget(fresh_manager, 
         saved = json.load(f)
     assert saved["command"].startswith("python benchmarks/region_calls.py --layers 8")
     assert saved["result"]["rows"]["Flow, 50%"]["calls"] == 8
+
+
+def test_regions_flow_compares_flow_with_the_offline_reference_in_groups(fresh_manager):
+    # (16 layers at half the weights: a layer's tensors an eighth of the budget, a group)
+    result = regions_flow.main(["--layers", "16", "--fraction", "0.5", "--regions-only"])
+    assert list(result) == ["regions"]
+    last = result["regions"][-1]
+    assert last["plan"] and last["groups"] > 0
+    assert last["to_group_reference"] <= 1.10
+    assert last["to_overlap_reference"] <= last["to_group_reference"] <= last["to_reference"]
 
 
 def test_region_calls_reports_the_copies_of_region_groups(fresh_manager):
