@@ -457,8 +457,12 @@ def test_region_calls_times_region_calls_alone_within_the_budget(fresh_manager, 
     assert saved["result"]["rows"]["Flow, 50%"]["calls"] == 8
 
 
-def test_regions_flow_compares_flow_with_the_offline_reference_in_groups(fresh_manager):
-    # (16 layers at half the weights: a layer's tensors an eighth of the budget, a group)
+def test_regions_flow_compares_flow_with_the_offline_reference_in_groups(fresh_manager, monkeypatch):
+    # (16 layers at half the weights: a layer's tensors an eighth of the budget, a group; the
+    # figure of docs/benchmarks/group-reference-2026-12-06.md, which counts every allocation
+    # at its size: with the allocator's rounding Flow keeps room for its slack, which the
+    # reference does not, and moves more, as that file says)
+    monkeypatch.setattr(torchTensorRef.tensorsManager, "sim_rounding", False)
     result = regions_flow.main(["--layers", "16", "--fraction", "0.5", "--regions-only"])
     assert list(result) == ["regions"]
     last = result["regions"][-1]
