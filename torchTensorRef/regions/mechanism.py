@@ -284,7 +284,9 @@ class Region:
             if not self.strict and type(e) is OutOfBudgetError:
                 raise NotARegion("larger than the budget") from e
             raise
-        needs = self._needs(sum([b.nbytes for b in ctx.blocks]), ctx.estimate, plan.key) if plan.grad else 0
+        # (only a budget weighs a call's needs against its share: Note [Saved while nothing pages])
+        weigh = plan.grad and mgr.settings.budget_value is not None
+        needs = self._needs(sum([b.nbytes for b in ctx.blocks]), ctx.estimate, plan.key) if weigh else 0
         training = Training(self, plan.key, self.device_views and getattr(mgr.backend, "strict", False),
                             saves_blocks(mgr, plan.paged, needs), ctx.estimate) if plan.grad else None
         meter = Measure({b.dev_key for b in ctx.blocks}, mgr.alloc_bytes, mgr.backend.dev_bytes) if plan.meter else None
@@ -458,8 +460,7 @@ class Region:
             collect_plain(out, given, found, set())
         stored = []
         seen: set = set()
-        objects = call.arg_objects + call.held_objects
-        for obj in objects:
+        for obj in call.arg_objects + call.held_objects:
             collect_object(obj, given, stored, seen, before, OBJECT_DEPTH, [OBJECT_VALUES])
         on_modules = stores.stored(call) if call.stores else ()
         compute = mgr.backend.compute
@@ -488,7 +489,8 @@ class Region:
             if linked:
                 # (the node's outputs are these same TensorRefs, now with its grad_fn)
                 training.link([p for p, _r in linked], [r for _p, r in linked])
-        if plain_out or mgr.accounting.readings != readings or training is not None and not training.paged:
+        if plain_out or mgr.accounting.readings != readings or (
+                training is not None and not training.paged and mgr.settings.budget_value is not None):
             # A reading of the device in ``make_room`` counted the new tensors, allocated and
             # not yet blocks, as outside the manager; kept, that reading made the next calls
             # look larger than the budget (a decoder layer ran op by op): read it again (and
