@@ -1,6 +1,7 @@
 """What Flow learns when module calls are regions: ``generate()`` calls of different prompt lengths.
 
-A random-weight Llama of ``--layers`` (4 by default) (hidden 256, the ``small`` size of ``small_ops.py``) on
+A random-weight Llama of ``--layers`` (4 by default) of hidden ``--width`` (256 by default, the
+``small`` size of ``small_ops.py``; its MLP twice as wide) on
 ``"sim"`` under Flow at ``--fraction`` of its weights runs greedy ``generate()`` six times,
 each with a different prompt length (8, 11, 5, 9, 13, 7 tokens) and number of new tokens
 (16, 12, 20, 16, 9, 14), as real serving does, with module regions on and then off (a fresh
@@ -16,7 +17,12 @@ Note [Region groups]), and in groups with room for the next op's blocks while ea
 (``ahead=1``: what a pager whose copies overlap compute needs). A decode step is the ops of one token: with
 regions, one op per region plus ``generate()``'s own ops.
 
-    python benchmarks/regions_flow.py [--fraction 0.5] [--layers 4] [--regions-only]
+Where the device counts allocations as CUDA's allocator does (``tensorsManager.sim_rounding``),
+the manager keeps room for the allocator's slack beside what it holds (Note [Room for the
+allocator's slack]); the group reference is then also computed within the share less that
+margin (``to_margin_reference``): what a pager of groups keeping the same margin could move.
+
+    python benchmarks/regions_flow.py [--fraction 0.5] [--layers 4] [--width 256] [--regions-only]
 """
 
 from __future__ import annotations
@@ -68,13 +74,16 @@ def run(model, fraction: float, regions: bool) -> list:
             moved = s["bytes_to_device"] + s["bytes_to_host"]
             row = dict(prompt=n, tokens=TOKENS[i], ops=s["ops"], period=flow.period, plan=flow.plan is not None,
                        mib_moved=moved / common.MIB, evictions=s["evictions"], to_reference=None,
-                       to_group_reference=None, to_overlap_reference=None, groups=0)
+                       to_group_reference=None, to_overlap_reference=None, to_margin_reference=None, groups=0,
+                       share=share, slack=tm.accounting.slack)
             if last:
                 row["to_reference"] = to_reference(trace, share, moved)
                 row["groups"] = len(trace.groups)
                 if regions:
                     row["to_group_reference"] = to_reference(trace, share, moved, trace.groups)
                     row["to_overlap_reference"] = to_reference(trace, share, moved, trace.groups, ahead=1)
+                    if 0 < row["slack"] < share:
+                        row["to_margin_reference"] = to_reference(trace, share - row["slack"], moved, trace.groups)
             rows.append(row)
         tm.budget = None
         return rows
@@ -86,11 +95,14 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fraction", type=float, default=0.5, help="budget as a fraction of the weights")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--width", type=int, default=256, help="hidden size (a multiple of 64)")
     parser.add_argument("--regions-only", action="store_true", help="leave out the per-op run")
     args = parser.parse_args(argv)
+    if args.width < 64 or args.width % 64:
+        parser.error(f"--width must be a positive multiple of 64 (got {args.width})")
     torch.set_num_threads(1)
-    model = common.llama(layers=args.layers, hidden=256, intermediate=512, vocab=1000, heads=4, kv_heads=4,
-                         positions=96)
+    model = common.llama(layers=args.layers, hidden=args.width, intermediate=2 * args.width, vocab=1000,
+                         heads=args.width // 64, kv_heads=args.width // 64, positions=96)
     result = {}
     for regions in (True,) if args.regions_only else (True, False):
         label = "regions" if regions else "per op"
@@ -101,6 +113,10 @@ def main(argv=None) -> dict:
             if r["to_group_reference"] is not None:
                 ratio += f", in groups {r['to_group_reference']:.3f}, and copying a call ahead " \
                          f"{r['to_overlap_reference']:.3f}"
+            if r["to_margin_reference"] is not None:
+                ratio += f"; in groups within the share less the slack margin " \
+                         f"({r['slack'] / common.MIB:.1f} of {r['share'] / common.MIB:.1f} MiB) " \
+                         f"{r['to_margin_reference']:.3f}"
             print(f"  prompt {r['prompt']:2d}, {r['tokens']:2d} new: ops {r['ops']:6d}  period {r['period']}  "
                   f"plan {r['plan']}  "
                   f"MiB moved {r['mib_moved']:6.1f}  evictions {r['evictions']}{ratio}")

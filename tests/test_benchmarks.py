@@ -471,6 +471,22 @@ def test_regions_flow_compares_flow_with_the_offline_reference_in_groups(fresh_m
     assert last["to_overlap_reference"] <= last["to_group_reference"] <= last["to_reference"]
 
 
+def test_regions_flow_compares_with_the_reference_keeping_the_slack_margin(fresh_manager, monkeypatch):
+    # (with the allocator's rounding the manager keeps room for its slack: at 4 layers of 256
+    # at half the weights, a sixth of the share, which the group reference without that
+    # margin does not keep; within the share less the margin Flow moves what it moves)
+    monkeypatch.setattr(torchTensorRef.tensorsManager, "sim_rounding", True)
+    last = regions_flow.main(["--layers", "4", "--width", "256", "--fraction", "0.5", "--regions-only"])["regions"][-1]
+    assert 0 < last["slack"] < last["share"]
+    assert last["to_margin_reference"] <= 1.10
+    assert last["to_margin_reference"] <= last["to_group_reference"]
+
+
+def test_regions_flow_refuses_a_width_its_heads_cannot_split():
+    with pytest.raises(SystemExit):
+        regions_flow.main(["--width", "100"])
+
+
 def test_region_calls_reports_the_copies_of_region_groups(fresh_manager):
     argv = ["--layers", "32", "--width", "32", "--repeats", "3", "--prefetch-evicts"]
     grouped = region_calls.main(argv)["rows"]
