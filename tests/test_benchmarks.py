@@ -21,7 +21,7 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import (common, cuda_peak, gpu_throughput, op_paths, optimizer_step, overhead,  # noqa: E402
+from benchmarks import (common, cuda_peak, cuda_timeline, gpu_throughput, op_paths, optimizer_step, overhead,  # noqa: E402
                         overshoot_plugin, plots, region_anatomy, region_calls, region_instructions, regions_flow,
                         run_all, small_ops, train_budget, train_instructions, train_parts, transfer)
 
@@ -485,6 +485,42 @@ def test_regions_flow_compares_with_the_reference_keeping_the_slack_margin(fresh
 def test_regions_flow_refuses_a_width_its_heads_cannot_split():
     with pytest.raises(SystemExit):
         regions_flow.main(["--width", "100"])
+
+
+def test_cuda_timeline_tells_the_device_s_busy_times_their_overlap_and_the_host_s_waits():
+    E, ms = cuda_timeline.Event, 1_000_000
+    assert cuda_timeline.classify("Memcpy HtoD (Pinned -> Device)", True) == "to_device"
+    assert cuda_timeline.classify("Memcpy DtoH (Device -> Pageable)", True) == "to_host"
+    assert cuda_timeline.classify("Memcpy DtoD (Device -> Device)", True) == "copy"
+    assert cuda_timeline.classify("Memset (Device)", True) == "fill"
+    assert cuda_timeline.classify("ampere_bf16_s16816gemm", True) == "kernel"
+    assert cuda_timeline.classify("cudaStreamSynchronize", False) == "runtime"
+    assert cuda_timeline.classify("cuMemAlloc_v2", False) == "runtime"
+    assert cuda_timeline.classify("aten::mm", False) == "other"
+    events = [E("kernel", "gemm", 0, 10 * ms), E("kernel", "gemm", 5 * ms, 20 * ms),
+              E("to_device", "Memcpy HtoD (Pinned -> Device)", 15 * ms, 25 * ms),
+              E("to_host", "Memcpy DtoH (Device -> Pageable)", 30 * ms, 40 * ms),
+              E("runtime", "cudaStreamSynchronize", 41 * ms, 44 * ms),
+              E("runtime", "cudaStreamSynchronize", 45 * ms, 48 * ms),
+              E("runtime", "cudaLaunchKernel", 0, 1 * ms), E("other", "aten::mm", 0, 2 * ms)]
+    r = cuda_timeline.summarize(events, 50 * ms, calls=1)
+    assert r["kernels_ms"] == 20 and r["to_device_ms"] == 10 and r["to_host_ms"] == 10
+    assert r["copies_under_kernels_ms"] == 5  # (15-20: the copy in beside the second kernel)
+    assert r["idle_ms"] == 15  # (25-30 and 40-50)
+    assert r["pageable_copies"] == 1 and r["copies_to_device"] == 1
+    assert r["host_waits"] == {"cudaStreamSynchronize": {"count": 2, "ms": 6}}
+    assert list(r["runtime_top"]) == ["cudaStreamSynchronize", "cudaLaunchKernel"]
+    halves = cuda_timeline.summarize(events, 50 * ms, calls=2)
+    assert halves["kernels_ms"] == 10 and halves["host_waits"]["cudaStreamSynchronize"] == {"count": 1, "ms": 3}
+
+
+def test_cuda_timeline_runs_its_rows_on_sim(fresh_manager):
+    result = cuda_timeline.main(["--device", "sim", "--size", "tiny", "--workloads", "train", "--calls", "1"])
+    assert [r["row"] for r in result["rows"]] == ["resident", "flow, no budget", "flow 50%"]
+    budgeted = result["rows"][-1]
+    assert budgeted["budget"] is not None and budgeted["counters"]["evictions"] > 0
+    for r in result["rows"]:
+        assert r["wall_ms"] > 0 and r["kernels_ms"] == 0 and r["idle_ms"] == r["wall_ms"]  # (no device activity)
 
 
 def test_region_calls_reports_the_copies_of_region_groups(fresh_manager):
