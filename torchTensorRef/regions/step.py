@@ -118,15 +118,21 @@ class BackwardStep:
     """A region call's backward as one step (a context manager): ``refs`` (the blocks its
     saved tensors are on, the incoming gradients) resident and pinned while it runs, with
     room for what it allocates: measured on its first run with the call's shapes (``key``),
-    which keeps all the room the budget leaves (with no budget, twice the blocks' bytes and
-    the forward's room, ``inside``): what a backward's formulas allocate is not bounded by
-    what the forward did."""
+    which under a budget runs op by op where what it saved are blocks (Note [A first backward
+    runs op by op]), and else keeps all the room the budget leaves (with no budget, twice the
+    blocks' bytes and the forward's room, ``inside``): what a backward's formulas allocate is
+    not bounded by what the forward did."""
 
-    def __init__(self, region, refs, key, inside: int):
+    def __init__(self, region, refs, key, inside: int, saved_blocks: bool = False):
         self.region, self.refs, self.key, self.inside = region, refs, key, inside
         self.measuring = None
         self.held = 0
         self.seen = None  # (bytes of its blocks, peak inside) of a backward with shapes at least these
+        #: what it saved are blocks: unmeasured under a budget, its inner graph runs on
+        #: TensorRefs, op by op (Note [A first backward runs op by op])
+        self.saved_blocks = saved_blocks
+        self.by_op = False
+        self.paged = False
 
     def __enter__(self):
         mgr = _mgr
@@ -137,6 +143,9 @@ class BackwardStep:
             backend = mgr.backend
             self.device = None if backend.passthrough else backend.declared
             limited = mgr.limit is not None and not backend.passthrough
+            if (limited and self.saved_blocks and mgr.settings.budget_value is not None
+                    and measured(self.region.backward_peaks, self.key) is None):
+                return self._by_op(blocks)
             ctx.estimate = self._room(blocks) if limited else 0
             # (unmeasured, its room is all the budget leaves: not kept from other threads)
             self.step = Step(ctx, limited, keep=self.seen is not None)
@@ -159,6 +168,26 @@ class BackwardStep:
             if limited and self.seen is None:
                 # (the blocks' storages once resident: views of them are not new bytes)
                 self.measuring = Measure({b.dev_key for b in blocks}, mgr.alloc_bytes, backend.dev_bytes)
+        return self
+
+    def _by_op(self, blocks):
+        """Note [A first backward runs op by op]: unmeasured, what a backward's formulas
+        allocate inside is not known, and autograd would run them on plain tensors the manager
+        cannot evict: kept all the room the budget leaves, they could still take more (a
+        generic ``silu`` backward keeps six temporaries alive at once). So under a budget its
+        inner graph runs once on TensorRefs: its saved tensors unpacked as views of their
+        blocks, each op paged within the budget, its peak measured for the calls after it.
+        It is one op with no blocks of its own; its evictions are not the budget paging."""
+        mgr = _mgr
+        size = mgr.backend.block_bytes
+        self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
+        largest_held[0] = max(largest_held[0], self.held)
+        self.by_op, self.paged = True, mgr.paged
+        self.ctx = RegionContext(self.region.backward_spec, [], [], (), {}, False)
+        self.ctx.estimate = 0
+        self.step = Step(self.ctx, False)
+        self.step.begin()
+        self.measuring = Measure({b.id for b in blocks}, mgr.alloc_bytes)
         return self
 
     def _room(self, blocks) -> int:
@@ -203,9 +232,15 @@ class BackwardStep:
     def __exit__(self, *exc):
         if exc[0] is not None:
             self.step.abort()
+            if self.by_op:
+                _mgr.paged = self.paged
             return False
         inside = self.ctx.estimate
-        if self.step.limited and self.measuring is not None:
+        if self.by_op:
+            self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
+            _mgr.paged = self.paged
+            inside = None  # (each op counted its own)
+        elif self.step.limited and self.measuring is not None:
             self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
             inside = self.measuring.counted_peak  # (what it took, kept room or not)
         self.step.end(inside)

@@ -15,9 +15,10 @@ call that needs gradients builds its own graph inside and links it to the Tensor
    once the call returned), stay allocated outside the manager;
 3. that node's backward is one more step of the pager: the blocks the saved tensors are on
    and the incoming gradients are made resident as one working set (with room for what the
-   backward allocates, measured on its first run, like a forward's), the inner graph runs
-   on their plain views, and the gradients it gives for the leaves become TensorRefs, which
-   autograd accumulates into the parameters' ``.grad`` as it would any other.
+   backward allocates, measured on its first run, op by op under a budget: Note [A first
+   backward runs op by op] in ``step.py``), the inner graph runs on their plain views, and
+   the gradients it gives for the leaves become TensorRefs, which autograd accumulates into
+   the parameters' ``.grad`` as it would any other.
 
 The inner graph is freed once the node ran, unless the backward keeps its graph (Note
 [Keeping the inner graph]); a kept one goes when autograd frees the node's saved tensors: a
@@ -236,6 +237,7 @@ class Training:
         self.leaves = []  # their plain leaves
         self.leaf_edges = []
         self.by_storage = {}  # storage key of a working-set block -> a TensorRef of it
+        self.by_op = False  # its backward runs on TensorRefs (Note [A first backward runs op by op])
         self.saved = []  # Saved, in the order the call saved them
         self.out_edges = []
         self.outputs = ()  # the node's outputs (TensorRefs)
@@ -284,6 +286,8 @@ class Training:
                     f"at version {ref._version}; expected version {version} instead"))
         if saved.plain is not None:
             plain = saved.plain  # (unpacked during the call itself: a double backward inside it)
+        elif self.by_op:
+            return saved.ref.as_strided(*saved.geometry)  # (Note [A first backward runs op by op] in step.py)
         else:
             size, stride, offset = saved.geometry
             plain = compute_view(saved.ref).as_strided(size, stride, offset)
@@ -390,11 +394,12 @@ class Training:
         refs = [s.ref for s in self.saved if s.ref is not None]
         refs += [g for _e, g in given if isinstance(g, TensorRef)]
         keep = backwards.keep_graph()
-        with BackwardStep(region, refs, self.key, self.inside) as step:
-            sim = self.sim
+        with BackwardStep(region, refs, self.key, self.inside, self.paged) as step:
+            sim = self.sim and not step.by_op
+            self.by_op = step.by_op
 
             def plain(g):
-                if not isinstance(g, TensorRef):
+                if step.by_op or not isinstance(g, TensorRef):
                     return g
                 v = compute_view(g)
                 return SimTensor(v) if sim else v
@@ -406,12 +411,13 @@ class Training:
             parts = [[] if len(reads) > 1 else None for reads in self.reads]
             hooks = [node.register_hook(functools.partial(_record, parts[i], j))
                      for i, reads in enumerate(self.reads) if len(reads) > 1 for node, j in reads]
-            previous = context.enter_plain(step.device)
+            previous = None if step.by_op else context.enter_plain(step.device)
             try:
                 with mode, step.meter():
                     out = torch.autograd.grad(edges, self.leaves, plain_grads, retain_graph=keep, allow_unused=True)
             finally:
-                context.exit_plain(previous)
+                if not step.by_op:
+                    context.exit_plain(previous)
                 for h in hooks:
                     h.remove()
             plain_grads = None
