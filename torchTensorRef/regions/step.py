@@ -179,9 +179,7 @@ class BackwardStep:
         blocks, each op paged within the budget, its peak measured for the calls after it.
         It is one op with no blocks of its own; its evictions are not the budget paging."""
         mgr = _mgr
-        size = mgr.backend.block_bytes
-        self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
-        largest_held[0] = max(largest_held[0], self.held)
+        self._hold(blocks)
         self.by_op, self.paged = True, mgr.paged
         self.ctx = RegionContext(self.region.backward_spec, [], [], (), {}, False)
         self.ctx.estimate = 0
@@ -190,13 +188,18 @@ class BackwardStep:
         self.measuring = Measure({b.id for b in blocks}, mgr.alloc_bytes)
         return self
 
+    def _hold(self, blocks) -> None:
+        """``held``: the bytes of its blocks, as the budget counts them."""
+        size = _mgr.backend.block_bytes
+        self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
+        if self.held > largest_held[0]:
+            largest_held[0] = self.held  # (Note [Refused before a backward runs])
+
     def _room(self, blocks) -> int:
         """The room kept for what the backward allocates inside."""
         mgr = _mgr
         size = mgr.backend.block_bytes
-        self.held = sum(size(b.nbytes) for b in blocks if not b.host_only)
-        if self.held > largest_held[0]:
-            largest_held[0] = self.held  # (Note [Refused before a backward runs])
+        self._hold(blocks)
         seen = self.seen = measured(self.region.backward_peaks, self.key)
         # (asked of the device: a reading from before the forward's end may count tensors
         # freed since, and the room would then be more than the op's check allows; counted
@@ -230,18 +233,15 @@ class BackwardStep:
             return tuple(None if g is None else wrap(g) for g in grads)
 
     def __exit__(self, *exc):
+        if self.by_op:
+            _mgr.paged = self.paged  # (what its ops evicted measured it)
         if exc[0] is not None:
             self.step.abort()
-            if self.by_op:
-                _mgr.paged = self.paged
             return False
         inside = self.ctx.estimate
-        if self.by_op:
+        if self.measuring is not None and (self.by_op or self.step.limited):
             self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
-            _mgr.paged = self.paged
-            inside = None  # (each op counted its own)
-        elif self.step.limited and self.measuring is not None:
-            self.region.backward_peaks[self.key] = (self.held, self.measuring.peak)
-            inside = self.measuring.counted_peak  # (what it took, kept room or not)
+            # (what it took, kept room or not; op by op, each op counted its own)
+            inside = None if self.by_op else self.measuring.counted_peak
         self.step.end(inside)
         return False
