@@ -388,3 +388,59 @@ def copy_rates(cuda_device, timed, nbytes: int, repeats: int = 5) -> dict:
             out[key] = nbytes / (min(ms) / 1e3)
         del host, dev
         return out
+
+
+#: the libraries ``host_profile`` files a function's own time under, by a folder in its path
+_LIBRARIES = (("/torch/", "torch (Python)"), ("/transformers/", "transformers"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _area(path: str, name: str, root: str = _ROOT) -> str:
+    """The area of a profiled function: the folder of the project it is in
+    (``torchTensorRef/regions``; the simulated device's, ``torchTensorRef/memory/sim``, which
+    a GPU does not run, apart; ``benchmarks``), a library, or, for a function written in C,
+    whether it is torch's own (its kernels' launches, its copies, its C++ bookkeeping) or
+    Python's."""
+    if path == "~":
+        return "torch C calls" if "torch." in name or "TensorBase" in name else "Python built-ins"
+    if path.startswith(root + os.sep):
+        folder = os.path.dirname(os.path.relpath(path, root)).replace(os.sep, "/")
+        if folder.startswith("torchTensorRef") or folder == "benchmarks":
+            return folder
+    path = path.replace(os.sep, "/")
+    for part, label in _LIBRARIES:
+        if part in path:
+            return label
+    return "other Python"
+
+
+def host_profile(run: Callable[[], object], repeats: int, per: int, top: int,
+                 sync: Callable[[], None] = lambda: None) -> dict:
+    """``run`` ``repeats`` times under ``cProfile``: where the host's time goes, per ``per``
+    units of work (``repeats`` for a call, the number of region calls for a region call).
+
+    ``functions``: the ``top`` functions by time of their own, as ``(function, calls, own µs,
+    inclusive µs)`` per unit; ``areas``: the own time per unit, in µs, of each area
+    (:func:`_area`: the package's folders, torch's Python, transformers, torch's C calls ...),
+    largest first. The profiler's own cost per function call is included: compare areas and
+    rows within one profile, not with unprofiled times."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    sync()
+    profiler.enable()
+    for _ in range(repeats):
+        run()
+    sync()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    root = _ROOT
+    rows, areas = [], {}
+    for (path, line, name), (_cc, ncalls, own, inclusive, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        where = f"{os.path.relpath(path, root) if path.startswith(root) else os.path.basename(path)}:{line}({name})"
+        rows.append((where, ncalls / per, own / per * 1e6, inclusive / per * 1e6))
+        area = _area(path, name)
+        areas[area] = areas.get(area, 0.0) + own / per * 1e6
+    rows.sort(key=lambda r: -r[2])
+    return {"functions": rows[:top], "areas": dict(sorted(areas.items(), key=lambda kv: -kv[1]))}

@@ -25,10 +25,16 @@ the profiler saw, per call (ms):
 
 ``--trace DIR`` also writes each row's profile as a Chrome trace (``DIR/<row>.json``). The
 manager's counters (bytes moved, fetches on demand, prefetches, host waits it counted) are
-printed beside each managed row.
+printed beside each managed row. ``--host-profile N`` then runs each row's calls once more
+under ``cProfile`` and gives where the host's own time went per call: by area (each of the
+package's layers, torch's Python, transformers, torch's C calls: its kernels' launches and
+copies) and the ``N`` functions with the most (the profiler's cost per function call
+included: compare rows of one run, not with the wall times). Where the device is idle, this
+says what the host did instead.
 
     PYTHONPATH=. python benchmarks/cuda_timeline.py [--size small] [--fractions 0.5] [--calls 2]
-                                                    [--workloads generate train] [--trace DIR] [--json out.json]
+                                                    [--workloads generate train] [--trace DIR]
+                                                    [--host-profile 15] [--json out.json]
     PYTHONPATH=. python benchmarks/cuda_timeline.py --device sim --size tiny   # the harness, no GPU
 
 On ``"sim"`` there is no device activity: every device figure reads 0 and the wall times are
@@ -189,6 +195,14 @@ def recorded(dev: Device, call: Callable[[], object], calls: int, trace: Optiona
     return summarize(from_profiler(prof), wall, calls)
 
 
+def host_profiled(dev: Device, call: Callable[[], object], out: dict, args) -> dict:
+    """``out`` with, under ``--host-profile``, where the host's time went in ``--calls`` more
+    calls (``host``: ``common.host_profile`` per call)."""
+    if args.host_profile:
+        out["host"] = common.host_profile(call, args.calls, args.calls, args.host_profile, dev.sync)
+    return out
+
+
 def rows_of(args) -> List[Tuple[str, Optional[float]]]:
     """(label, budget fraction): plain torch resident, managed with no budget, then each fraction."""
     return ([("resident", None), (f"{args.strategy}, no budget", None)]
@@ -213,7 +227,8 @@ def run_row(dev: Device, plain, ids: torch.Tensor, size: dict, label: str, fract
             model.train(workload == "train")
             call = caller(model, ids.to(dev.name), workload, size["tokens"])
             common.warm_up(call, 2, 2)
-            return {"row": label, "workload": workload, **recorded(dev, call, args.calls, trace)}
+            return {"row": label, "workload": workload,
+                    **host_profiled(dev, call, recorded(dev, call, args.calls, trace), args)}
     model = common.managed_copy(plain, dev.name, args.strategy)
     budget = None if fraction is None else outside + int(fraction * common.param_bytes(plain))
     tm.budget = budget
@@ -227,7 +242,7 @@ def run_row(dev: Device, plain, ids: torch.Tensor, size: dict, label: str, fract
         stats = tm.stats()
         out["counters"] = {k: stats[k] / args.calls for k in COUNTERS}
         out["settled"] = tm.strategy.settled
-        return {"row": label, "workload": workload, "budget": budget, **out}
+        return {"row": label, "workload": workload, "budget": budget, **host_profiled(dev, call, out, args)}
     finally:
         tm.budget = None
         model = call = None  # (its blocks go before the next row's)
@@ -250,6 +265,12 @@ def print_row(r: dict) -> None:
               f"{c['fetches']:.0f} fetches ({c['bytes_on_demand'] / common.MIB:.1f} MiB on demand), "
               f"{c['prefetch_hits']:.0f} of {c['prefetches']:.0f} prefetches used, {c['evictions']:.0f} evictions, "
               f"{c['host_syncs']:.0f} host waits counted, {c['ops']:.0f} ops; settled {r['settled']}")
+    host = r.get("host")
+    if host:
+        areas = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in host["areas"].items() if v >= 50)
+        print(f"    host, own ms per call (profiled): {areas}")
+        for where, ncalls, own, inclusive in host["functions"]:
+            print(f"      {ncalls:8.1f} calls {own / 1e3:7.2f} own {inclusive / 1e3:8.2f} incl.  {where}")
 
 
 def main(argv=None) -> dict:
@@ -261,12 +282,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--calls", type=int, default=2, help="recorded calls per row")
     parser.add_argument("--trace", metavar="DIR", help="write each row's Chrome trace into DIR")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also profile each row's calls and print the host's own time by area and "
+                             "the N functions with the most")
     parser.add_argument("--json", help="write the results (with device, torch, date, command) to this file")
     args = parser.parse_args(argv)
     if args.device != "sim" and not args.device.startswith("cuda"):
         parser.error(f'--device must be "cuda", "cuda:N" or "sim" (got: {args.device!r})')
-    if args.calls < 1 or any(not 0 < f for f in args.fractions):
-        parser.error("--calls must be at least 1 and every fraction above 0")
+    if args.calls < 1 or args.host_profile < 0 or any(not 0 < f for f in args.fractions):
+        parser.error("--calls must be at least 1, --host-profile at least 0 and every fraction above 0")
     command = common.command_line(SCRIPT, argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         message = "cuda_timeline needs CUDA: torch.cuda.is_available() is False (try --device sim --size tiny)"

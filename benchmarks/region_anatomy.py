@@ -36,10 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
-import io
 import os
-import pstats
 import sys
 import time
 from typing import Optional
@@ -56,7 +53,6 @@ from benchmarks.common import tm  # noqa: E402
 from torchTensorRef.memory import residency, room  # noqa: E402
 from torchTensorRef.regions import mechanism, op, scan, step  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: (label, owner, attribute): the steps timed, outermost first; an owner's attribute is
 #: replaced by a timed wrapper for the run and given back after
@@ -203,28 +199,8 @@ def anatomy(layers: int, width: int, forwards: int, fraction, device: str = comm
         "equal": all(torch.equal(common.as_plain(o), work.expected) for o in outs),
     }
     if profile:
-        result["profile"] = profiled(work.run, forwards, calls, profile, sync)
+        result["profile"] = common.host_profile(work.run, forwards, calls, profile, sync)["functions"]
     return result
-
-
-def profiled(run, forwards: int, calls: int, top: int, sync) -> list:
-    """``run`` ``forwards`` times under ``cProfile``: the ``top`` functions by time of their
-    own, as ``(function, calls per region call, own µs per region call, inclusive µs per
-    region call)`` (the profiler's own cost per function call included)."""
-    profiler = cProfile.Profile()
-    sync()
-    profiler.enable()
-    for _ in range(forwards):
-        run()
-    sync()
-    profiler.disable()
-    stats = pstats.Stats(profiler, stream=io.StringIO())
-    rows = []
-    for (path, line, name), (_cc, ncalls, own, inclusive, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-        where = f"{os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)}:{line}({name})"
-        rows.append((where, ncalls / calls, own / calls * 1e6, inclusive / calls * 1e6))
-    rows.sort(key=lambda r: -r[2])
-    return rows[:top]
 
 
 def table(result: dict) -> str:

@@ -515,12 +515,43 @@ def test_cuda_timeline_tells_the_device_s_busy_times_their_overlap_and_the_host_
 
 
 def test_cuda_timeline_runs_its_rows_on_sim(fresh_manager):
-    result = cuda_timeline.main(["--device", "sim", "--size", "tiny", "--workloads", "train", "--calls", "1"])
+    result = cuda_timeline.main(["--device", "sim", "--size", "tiny", "--workloads", "train", "--calls", "1",
+                                 "--host-profile", "3"])
     assert [r["row"] for r in result["rows"]] == ["resident", "flow, no budget", "flow 50%"]
     budgeted = result["rows"][-1]
     assert budgeted["budget"] is not None and budgeted["counters"]["evictions"] > 0
     for r in result["rows"]:
         assert r["wall_ms"] > 0 and r["kernels_ms"] == 0 and r["idle_ms"] == r["wall_ms"]  # (no device activity)
+        assert len(r["host"]["functions"]) == 3 and r["host"]["areas"]["torch C calls"] > 0
+    # (the backward's kernels are torch's C calls; paging is the manager's own Python, which
+    # plain torch on the emulated device runs none of)
+    resident = result["rows"][0]["host"]["areas"]
+    assert budgeted["host"]["areas"]["torchTensorRef/memory"] > 10 * resident.get("torchTensorRef/memory", 0)
+    assert budgeted["host"]["areas"]["torchTensorRef/strategies"] > resident.get("torchTensorRef/strategies", 0)
+
+
+def test_a_host_profile_files_each_function_s_own_time_under_its_area():
+    root = os.path.join(os.sep, "repo")
+    area = common._area
+    assert area(os.path.join(root, "torchTensorRef", "regions", "op.py"), "new", root) == "torchTensorRef/regions"
+    assert area(os.path.join(root, "torchTensorRef", "memory", "sim", "tensor.py"), "f", root) \
+        == "torchTensorRef/memory/sim"  # (the emulator, which a GPU does not run, apart)
+    assert area(os.path.join(root, "torchTensorRef", "cli.py"), "main", root) == "torchTensorRef"
+    assert area(os.path.join(root, "benchmarks", "common.py"), "f", root) == "benchmarks"
+    assert area(os.path.join(root, "tests", "test_x.py"), "f", root) == "other Python"
+    assert area("/venv/site-packages/torch/nn/modules/module.py", "_call_impl", root) == "torch (Python)"
+    assert area("/venv/site-packages/transformers/models/llama/modeling_llama.py", "f", root) == "transformers"
+    assert area("~", "<built-in method torch._C._nn.linear>", root) == "torch C calls"
+    assert area("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>", root) == "torch C calls"
+    assert area("~", "<built-in method builtins.isinstance>", root) == "Python built-ins"
+    model = torch.nn.Linear(4, 4)
+    profile = common.host_profile(lambda: [common.param_bytes(model) for _ in range(3)], repeats=4, per=2, top=50)
+    rows = {where: (calls, own, inclusive) for where, calls, own, inclusive in profile["functions"]}
+    (mine,) = [k for k in rows if k.startswith("benchmarks/common.py:") and k.endswith("(param_bytes)")]
+    assert rows[mine][0] == 6  # (3 a run, 4 runs, per 2)
+    assert rows[mine][2] >= rows[mine][1] > 0
+    assert profile["areas"]["benchmarks"] >= rows[mine][1]
+    assert list(profile["areas"].values()) == sorted(profile["areas"].values(), reverse=True)
 
 
 def test_region_calls_reports_the_copies_of_region_groups(fresh_manager):
