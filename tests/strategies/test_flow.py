@@ -86,6 +86,25 @@ def test_evicts_the_block_used_farthest_in_the_future(fresh_manager):
     assert _misses_per_two_rounds(Strategy())[0] == 6  # the base class evicts by recency
 
 
+@sim_only  # (the emulated workspaces are "sim"'s; on CUDA the test above is this one)
+def test_ranks_small_blocks_against_its_share_not_the_workspaces_beside_it(fresh_manager):
+    """On a GPU the budget also holds cuBLAS's workspaces, tens of MiB: a 1 KiB block with
+    2 KiB of the budget to share is no "tiny block beside the budget", kept resident as a
+    norm's weight would be. Ranked against the whole budget, every block of the cycle tied as
+    "evict last", and Flow kept one of the three resident and missed the other two each
+    round (four misses in two rounds on the H200, as here before), where the farthest next
+    use misses every other access."""
+    previous = tm.sim_workspace
+    tm.sim_workspace = "33MiB"  # (an H100's, per thread: this one's and the backward's)
+    try:
+        tm.outside_bytes()  # (the workspaces made, as CUDA's first product makes them)
+        assert tm.stats()["outside_bytes"] >= 66 * 2**20
+        assert _misses_per_two_rounds(Flow(lookahead=0)) == (3, 3)
+    finally:
+        tm.budget = None
+        tm.sim_workspace = previous
+
+
 def test_falls_back_to_recency_when_the_sequence_changes(flow):
     a, b, c = (torch.zeros(256) for _ in range(3))
     tm.budget = budget(2 * KIB)

@@ -231,7 +231,7 @@ def test_victims_replayed_from_the_plan_are_the_ones_ranking_chooses(fresh_manag
         block = again(self, role, protect, n, worse_than, clean_only)
         if block is not None:
             # what ranking would take now: the first that may go, from the farthest
-            learning, limit = self.learning, self.manager.limit or 0
+            learning, share = self.learning, self.share()
             best = None
             for priority, bid, candidate in reversed(rank(self, n)):
                 if (self.manager.resident_block(bid) is candidate and not candidate.pins
@@ -239,7 +239,7 @@ def test_victims_replayed_from_the_plan_are_the_ones_ranking_chooses(fresh_manag
                     best = priority
                     break
             mine = flow_order._rank(block, n, learning.plan.next_use(block.id, n, learning.births,
-                                                                       flow_order.DEAD), limit)
+                                                                       flow_order.DEAD), share)
             replays.append(n)
             if best is None or mine != best:
                 worse.append((n, mine, best))

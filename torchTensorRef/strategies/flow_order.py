@@ -25,11 +25,13 @@ UNKNOWN = 1 << 60
 #: hundreds of such vectors per call; a training step's activations are larger and keep
 #: their rank. (Measured: docs/benchmarks/README.md, "Flow's choices, as measured".)
 _TINY_BYTES = 16 * 1024
-#: a block smaller than ``_TINY_BYTES`` and than this fraction of the budget, that the
-#: program uses again, is evicted last too: each of its moves costs a copy's fixed cost for
-#: almost no room (a bias, a norm's weight). Under a budget of only tiny blocks (small
-#: models) they keep Belady's rank. (Measured: docs/benchmarks/README.md, "Flow's choices,
-#: as measured".)
+#: a block smaller than ``_TINY_BYTES`` and than this fraction of the manager's share of
+#: the budget, that the program uses again, is evicted last too: each of its moves costs a
+#: copy's fixed cost for almost no room (a bias, a norm's weight). Under a budget of only
+#: tiny blocks (small models) they keep Belady's rank. The share, not the budget: on a GPU
+#: the budget also holds what the device keeps beside the manager (cuBLAS's workspaces, tens
+#: of MiB), which is no room for blocks. (Measured: docs/benchmarks/README.md, "Flow's
+#: choices, as measured".)
 _SMALL_SHARE = 256
 #: periods a victim chosen by ranking is taken again at its offset before the blocks are
 #: ranked there anew (Note [Victims replayed from the plan]); each ranking that chooses it
@@ -72,13 +74,13 @@ MOST_REPLAYS = 32
 # guess costs bytes, never a value.
 
 
-def _rank(block, n: int, nxt: Optional[int], limit: int) -> int:
+def _rank(block, n: int, nxt: Optional[int], share: int) -> int:
     """``Order.priority`` of ``block`` at op ``n``, its next use predicted at ``nxt`` (``None``:
-    unknown), under a budget of ``limit`` bytes."""
+    unknown), the manager's blocks having ``share`` bytes of the budget (``Order.share``)."""
     if nxt is None:
         return UNKNOWN - block.last_use  # recency: least recently used first
     if nxt != DEAD:
-        if block.nbytes < _TINY_BYTES and block.nbytes * _SMALL_SHARE < limit:
+        if block.nbytes < _TINY_BYTES and block.nbytes * _SMALL_SHARE < share:
             return n + 1  # needed again, and tiny beside the budget: evicted last (see _SMALL_SHARE)
         if not block.clean:
             return n + (nxt - n) // 2  # (Note [Dirty blocks cost two copies])
@@ -122,10 +124,16 @@ class Order:
         self._chosen = {}
         self._asked = (-1, 0)
 
+    def share(self) -> int:
+        """Bytes of the budget the manager's blocks may take: its limit less what the device
+        holds beside them, as last read (0 with no limit)."""
+        m = self.manager
+        limit = m.limit if m is not None else None
+        return 0 if limit is None else max(limit - m.accounting.elsewhere_bytes, 0)
+
     def priority(self, block, n: int) -> int:
         """How good a victim ``block`` is at op ``n``: the higher, the sooner it goes."""
-        limit = (self.manager.limit or 0) if self.manager is not None else 0
-        return _rank(block, n, self.learning.predict(block.id, n), limit)
+        return _rank(block, n, self.learning.predict(block.id, n), self.share())
 
     def push(self, block, n: int) -> None:
         """Rank ``block`` at op ``n`` in the heap (its earlier entry goes stale)."""
@@ -166,8 +174,8 @@ class Order:
         # (``priority`` for each block, its calls unrolled: this ranks every resident block)
         learning = self.learning
         next_use, births = learning.plan.next_use, learning.births
-        limit = self.manager.limit or 0
-        ranked = [(_rank(block, n, next_use(block.id, n, births, DEAD), limit), block.id, block)
+        share = self.share()
+        ranked = [(_rank(block, n, next_use(block.id, n, births, DEAD), share), block.id, block)
                   for block in self.manager.resident_blocks()]
         ranked.sort(key=_first)
         self._ranking = (n, ranked)
@@ -217,7 +225,7 @@ class Order:
             return None
         if worse_than is not None:
             nxt = learning.plan.next_use(bid, n, learning.births, DEAD)
-            if _rank(block, n, nxt, self.manager.limit or 0) <= worse_than:
+            if _rank(block, n, nxt, self.share()) <= worse_than:
                 return None
         return block
 
