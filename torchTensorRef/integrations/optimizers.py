@@ -105,7 +105,7 @@ def parts(opt: torch.optim.Optimizer):
     # each is resident whole. Until the budget pages, half: nothing is kept or prefetched
     # for later, and each part is an op's host work. Op by op only each list op's tensors
     # are resident at once, and half the share means fewer ops)
-    room = (limit - _mgr.accounting.elsewhere_bytes) // (8 if _views_allowed() and _mgr.paged else 2)
+    room = _mgr.accounting.share() // (8 if _views_allowed() and _mgr.paged else 2)
     groups = [g["params"] for g in opt.param_groups]
     sizes = [[_param_bytes(opt, p) for p in ps] for ps in groups]
     if sum(map(sum, sizes)) <= room:

@@ -132,6 +132,16 @@ class Accounting:
         """Bytes counted against the budget now (the last reading of what is elsewhere)."""
         return self.resident + self.elsewhere_bytes
 
+    def share(self) -> Optional[int]:
+        """Bytes of the budget the manager may use: the limit less what the device holds
+        beside its blocks, as last read, not counting the room kept for the plain tensors of
+        its own steps running now (``reserved``); ``None``: no limit. What is "small" or
+        "large" beside the budget is weighed against this, which is steady from op to op: on
+        a GPU the limit also holds cuBLAS's workspaces, tens of MiB that are no room for
+        blocks."""
+        limit = self.limit
+        return None if limit is None else max(limit - self.elsewhere_bytes + self.reserved, 0)
+
     def on_device(self) -> int:
         """Bytes the device's memory holds now: those of ``in_use`` and the buffers copies
         still use (what must fit in the device, not in the budget)."""

@@ -185,9 +185,10 @@ class Groups:
     # -- bringing it in ------------------------------------------------------------------------
 
     def _small(self, nbytes: int) -> bool:
-        """Whether a group of ``nbytes`` is small beside the budget (``SHARE``)."""
-        limit = self.m.accounting.limit
-        return limit is not None and nbytes <= SHARE * limit
+        """Whether a group of ``nbytes`` is small beside the manager's share of the budget
+        (``SHARE``; ``Accounting.share``)."""
+        share = self.m.accounting.share()
+        return share is not None and nbytes <= SHARE * share
 
     def movable(self, group: Group, protect: Optional[Collection[int]]) -> bool:
         """Whether ``group`` comes in as one: without gradients, intact, small beside the

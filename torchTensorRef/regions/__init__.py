@@ -274,7 +274,7 @@ def _too_large(info: _ModuleInfo) -> bool:
     """The size rule, under a budget: whether the module's tensors take more than ``fraction``
     of the manager's share of it, or, until the budget pages with gradients off, more than
     the whole share (Note [Regions until the budget pages])."""
-    share = _mgr.limit - _mgr.accounting.elsewhere_bytes
+    share = _mgr.accounting.share()
     sized = _mgr.paged or torch.is_grad_enabled()
     return _tensor_bytes(info) > (fraction if sized else 1.0) * share
 

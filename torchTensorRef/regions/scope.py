@@ -218,7 +218,7 @@ class Scope:
             # (weighed by the most any of its calls took: calls of every size then go one way,
             # and Flow's period with them)
             most = max(reserve, max(peak for _held, peak in self.peaks.values()))
-            large = most > MOST_OF_SHARE * (mgr.limit - mgr.accounting.elsewhere_bytes)
+            large = most > MOST_OF_SHARE * mgr.accounting.share()
         if large:
             self.peaks.setdefault(key, (0, reserve))  # (the later calls go op by op too)
         if large or any(b.host_only for b in blocks):

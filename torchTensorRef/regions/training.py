@@ -116,7 +116,7 @@ def saves_blocks(mgr, limited: bool, needs: int) -> bool:
         return limited
     if mgr.settings.budget_value is None:
         return False
-    return needs > PLAIN_SHARE * (mgr.limit - mgr.accounting.elsewhere_bytes)
+    return needs > PLAIN_SHARE * mgr.accounting.share()
 
 
 def probe_second_order(region) -> bool:

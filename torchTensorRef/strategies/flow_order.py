@@ -127,9 +127,8 @@ class Order:
     def share(self) -> int:
         """Bytes of the budget the manager's blocks may take: its limit less what the device
         holds beside them, as last read (0 with no limit)."""
-        m = self.manager
-        limit = m.limit if m is not None else None
-        return 0 if limit is None else max(limit - m.accounting.elsewhere_bytes, 0)
+        share = self.manager.accounting.share() if self.manager is not None else None
+        return share or 0
 
     def priority(self, block, n: int) -> int:
         """How good a victim ``block`` is at op ``n``: the higher, the sooner it goes."""
