@@ -41,6 +41,18 @@ class Net(nn.Module):
 
 
 
+def returned_marker(init_file: str, rank: int) -> str:
+    """The file ``returned`` writes once ``rank``'s worker has returned."""
+    return f"{init_file}.returned{rank}"
+
+
+def returned(rank: int, fn, world: int, init_file: str, *args) -> None:
+    """``fn(rank, world, init_file, *args)``, then a mark that it returned: its checks all
+    passed, and whatever kills the process from here on is its exit's."""
+    fn(rank, world, init_file, *args)
+    open(returned_marker(init_file, rank), "w").close()
+
+
 def teardown() -> None:
     """Leave the process group with every rank at the same point: a rank leaving while its
     peer's gloo threads still talk to it can abort in gloo's teardown (plain torch too)."""

@@ -33,22 +33,36 @@ fsdp2_on_sim = pytest.mark.skipif(
            '(test_fsdp2_on_cuda_is_refused_before_it_shards)')
 
 
+#: runs of the ranks, the first included, where each time a rank was killed by a signal
+#: after it had returned (gloo's threads aborting the interpreter at exit, plain torch too:
+#: seen once in a loaded suite run); an error, or a signal before that, fails at once, and
+#: a run again must pass whole
+RUNS = 3
+
+
 def spawn(fn, *args, world: int = 2):
     """Run ``fn(rank, world, init_file, *args)`` in ``world`` processes; fail on error or hang."""
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix="ttr-dist-")
-    init_file = os.path.join(folder, "init")
-    context = mp.spawn(fn, args=(world, init_file, *args), nprocs=world, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world} ranks did not finish in {DEADLINE_S} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
+    for run in range(RUNS):
+        folder = tempfile.mkdtemp(prefix="ttr-dist-")
+        init_file = os.path.join(folder, "init")
+        context = mp.spawn(workers.returned, args=(fn, world, init_file, *args), nprocs=world, join=False)
+        deadline = time.monotonic() + DEADLINE_S
+        try:
+            while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the {world} ranks did not finish in {DEADLINE_S} s")
+            return
+        except mp.ProcessExitedException as e:
+            # (the other ranks are terminated at once: only the signalled one's mark is known)
+            returned = os.path.exists(workers.returned_marker(init_file, e.error_index))
+            if not (returned and e.signal_name) or run == RUNS - 1:
+                raise
+        finally:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
 
 
 @pytest.fixture(autouse=True)
