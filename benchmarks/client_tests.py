@@ -108,7 +108,9 @@ def main(argv=None) -> int:
     ran.add_argument("variant", choices=VARIANTS)
     ran.add_argument("outcomes", help="the file each test's outcome is written to")
     ran.add_argument("--tests", required=True, help="the test file or folder, in the library's checkout")
-    ran.add_argument("--budget", default="256KiB", help="the sim variant's budget (default 256KiB)")
+    ran.add_argument("--budget", default="256KiB",
+                     help="the sim variant's budget, on top of what the device holds outside the manager "
+                          "(default 256KiB)")
     compared = sub.add_parser("compare", help="the tests that pass in BASE and not in OTHER")
     compared.add_argument("base")
     compared.add_argument("other")

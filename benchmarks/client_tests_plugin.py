@@ -26,11 +26,14 @@ OUTCOMES = os.environ.get("TORCHTENSORREF_CLIENT_OUTCOMES")
 if VARIANT != "plain":
     import torchTensorRef
     from torchTensorRef import tensorsManager
+    from torchTensorRef.core.sizes import parse_size
 
     if VARIANT == "sim":
         tensorsManager.device = "sim"
         tensorsManager.strategy = "flow"
-        tensorsManager.budget = os.environ.get("TORCHTENSORREF_CLIENT_BUDGET", "256KiB")
+        # (on top of what the device holds beside the manager: emulated workspaces, say)
+        tensorsManager.budget = tensorsManager.outside_bytes() + parse_size(
+            os.environ.get("TORCHTENSORREF_CLIENT_BUDGET", "256KiB"), none=False)
 
 _seen: dict = {}
 #: whether this process is one of xdist's workers (asked of pytest's configuration: a

@@ -118,7 +118,7 @@ def record(model, kind: str, ids, strategy: str, budget, pairs: int = 0):
     managed = common.managed_copy(model, "sim", strategy)
     entry = predict_run.proxy_entry_ns()
     inputs = torchTensorRef.manage(ids.clone())
-    tm.budget = budget
+    tm.budget = None if budget is None else tm.outside_bytes() + budget  # (the share given: ``budget``)
     recorded, timed, runs, runs_untimed = steps_of(kind)
     if kind == "decode":
         run = functools.partial(common.generate, managed, inputs, TOKENS)

@@ -59,8 +59,8 @@ def run(model, fraction: float, regions: bool) -> list:
     torchTensorRef.regions.enabled = torchTensorRef.regions.under_budget = regions
     try:
         managed = common.managed_copy(model, "sim", "flow").eval()
-        tm.budget = int(fraction * common.param_bytes(model))
-        share = tm.budget - tm.outside_bytes()
+        share = int(fraction * common.param_bytes(model))
+        tm.budget = tm.outside_bytes() + share  # (the budget covers what is outside the manager too)
         flow = tm.strategy
         rows = []
         for i, n in enumerate(PROMPTS):

@@ -94,8 +94,10 @@ def managed_run(plain: torch.nn.Module, ids: torch.Tensor, workload: str, strate
     """Warm up, record one steady-state step (call), and compare with the offline reference."""
     pbytes = common.param_bytes(plain)
     model = common.managed_copy(plain, "sim", strategy)
+    # (the budget covers what the device holds beside the manager too, as on a GPU: the
+    # fraction is of the share left to it, which the reference gets as its capacity)
     budget = int(pbytes * fraction)
-    tm.budget = budget
+    tm.budget = tm.outside_bytes() + budget
     mids = torchTensorRef.manage(ids.clone())
     try:
         if workload == "train":

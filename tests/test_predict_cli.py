@@ -86,8 +86,8 @@ def test_inference_is_predicted_beside_all_resident_and_cpu_offload(script, tmp_
 
 def test_training_steps_on_the_optimizer(script, tmp_path, capsys):
     out = tmp_path / "p.json"
-    code = cli.main(["predict", "--gpu", "t4", "--strategy", "genoa", "--budget", "256KiB", "--step-on", "optimizer",
-                     "--steps", "2", "--half", "--json", str(out), script(TRAIN)])
+    code = cli.main(["predict", "--gpu", "t4", "--strategy", "genoa", "--budget", str(budget("256KiB")),
+                     "--step-on", "optimizer", "--steps", "2", "--half", "--json", str(out), script(TRAIN)])
     assert code == 0
     stdout, _ = capsys.readouterr()
     assert "training" in stdout and "as 16-bit" in stdout

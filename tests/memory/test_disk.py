@@ -143,7 +143,7 @@ from torchTensorRef import tensorsManager as tm
 
 tm.device = "sim"
 tm.offload_dir = sys.argv[1]
-tm.budget = "5MiB"
+tm.budget = tm.outside_bytes() + 5 * 2**20  # (beside emulated workspaces too)
 tm.host_budget = "5MiB"
 torch.manual_seed(0)
 xs = [torch.randn(512, 1024) for _ in range(6)]  # 2 MiB each: past both budgets, spilled

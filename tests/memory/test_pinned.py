@@ -257,7 +257,7 @@ def test_pinned_blocks_alive_at_exit_leave_without_errors():
     script = (
         "import torch, torchTensorRef\n"
         "tm = torchTensorRef.tensorsManager\n"
-        "tm.device = 'sim'; tm.strategy = 'flow'; tm.budget = '3MiB'\n"
+        "tm.device = 'sim'; tm.strategy = 'flow'; tm.budget = tm.outside_bytes() + 3 * 2**20\n"
         "a = [torch.ones(256 * 1024) for _ in range(4)]\n"
         "for _ in range(4):\n"
         "    for t in a: t.add_(1)\n"
