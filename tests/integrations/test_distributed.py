@@ -300,6 +300,29 @@ def test_discard_drops_the_device_copy_without_writing_it_back():
     tm.unpin(t)
 
 
+def test_ddp_s_broadcast_buckets_fit_the_managers_share_beside_the_workspaces():
+    # DDP broadcasts a module's state at construction in buckets of ``buffer_size`` bytes,
+    # flattened and copied back (about twice a bucket resident): a quarter of the manager's
+    # share. Of the raw budget, which on a GPU also holds cuBLAS's workspaces, a bucket could
+    # be larger than all the room the manager has.
+    from torchTensorRef import tensorsManager as tm
+    from torchTensorRef.integrations.distributed import broadcast_coalesced_wrapper
+
+    if tm.device != "sim":
+        pytest.skip("the workspaces emulated on the simulated device")
+    previous = tm.sim_workspace
+    tm.sim_workspace = "1MiB"
+    try:
+        tensors = [torch.ones(64)]
+        tm.budget = tm.outside_bytes() + 64 * 1024
+        asked = []
+        broadcast_coalesced_wrapper(lambda *a, **k: asked.append(a[2]), None, (None, tensors, 2**30, 0), {})
+        assert asked == [tm.accounting.share() // 4] and 64 * 1024 // 4 - 4096 < asked[0] <= 64 * 1024 // 4
+    finally:
+        tm.budget = None
+        tm.sim_workspace = previous
+
+
 @fsdp2_on_sim
 def test_fsdp2_with_cpu_offload_is_refused_before_it_shards():
     spawn(workers.fsdp_refused_worker, "sim")

@@ -88,11 +88,11 @@ def broadcast_coalesced_wrapper(wrapped, instance, args, kwargs):
     """Broadcast TensorRefs in buckets that fit the budget (flatten and copy back need ~2x)."""
     from ..memory.manager import tensorsManager
 
-    limit = tensorsManager.limit
+    share = tensorsManager.accounting.share()  # (not the budget: what is outside it is no room)
     names = ("process_group", "tensors", "buffer_size", "src")
     bound = dict(zip(names, args), **kwargs)
-    if limit is not None and "buffer_size" in bound and _has_refs(bound.get("tensors", ())):
-        bound["buffer_size"] = max(min(int(bound["buffer_size"]), limit // 4), 1)
+    if share is not None and "buffer_size" in bound and _has_refs(bound.get("tensors", ())):
+        bound["buffer_size"] = max(min(int(bound["buffer_size"]), share // 4), 1)
         args = tuple(bound.pop(n) for n in names[:len(args)])
         kwargs = bound
     return wrapped(*args, **kwargs)
