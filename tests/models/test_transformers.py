@@ -55,6 +55,23 @@ def mistral_config():
         **SPECIAL)
 
 
+def mixtral_config():
+    # A mixture of experts: its experts' weights stacked in one parameter per projection,
+    # tokens routed by a count of integers (``histc``) and ``grouped_mm`` in training,
+    # ``batched_mm`` (each token's experts gathered) in decoding, as on CUDA.
+    return transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=8,
+        num_experts_per_tok=2, **SPECIAL)
+
+
+def qwen3_moe_config():
+    return transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts=8,
+        num_experts_per_tok=2, **SPECIAL)
+
+
 def bert_config():
     return transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
@@ -109,6 +126,9 @@ CASES = {
     "gpt2": Case("gpt2", _auto("AutoModelForCausalLM", gpt2_config), _causal_inputs, hf_forward, _generate),
     "llama": Case("llama", _auto("AutoModelForCausalLM", llama_config), _causal_inputs, hf_forward, _generate),
     "mistral": Case("mistral", _auto("AutoModelForCausalLM", mistral_config), _causal_inputs, hf_forward, _generate),
+    "mixtral": Case("mixtral", _auto("AutoModelForCausalLM", mixtral_config), _causal_inputs, hf_forward, _generate),
+    "qwen3_moe": Case("qwen3_moe", _auto("AutoModelForCausalLM", qwen3_moe_config), _causal_inputs, hf_forward,
+                      _generate),
     "bert": Case("bert", _auto("AutoModelForMaskedLM", bert_config), _bert_inputs, hf_forward),
     "t5": Case("t5", _auto("AutoModelForSeq2SeqLM", t5_config), _t5_inputs, hf_forward, _generate),
     "vit": Case("vit", _auto("AutoModelForImageClassification", vit_config), _vit_inputs, hf_forward),

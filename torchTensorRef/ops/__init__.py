@@ -13,3 +13,4 @@ from . import collectives  # noqa: F401,E402  (registers torch.distributed's c10
 from . import split_handlers  # noqa: F401,E402  (registers embedding, elementwise ops and views larger than the budget)
 from . import split_products  # noqa: F401,E402  (registers matrix products and convolutions larger than the budget)
 from . import split_losses  # noqa: F401,E402  (registers nll_loss larger than the budget)
+from . import device_kernels  # noqa: F401,E402  (registers the ops "sim" runs as composites: histc of integers)

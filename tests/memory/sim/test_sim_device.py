@@ -462,6 +462,35 @@ def test_sim_rnn_matches_the_cpu_forward_and_backward(kind, bias, layers, bidire
         assert torch.allclose(g.target, e, rtol=1e-5, atol=1e-6), f"{i}: {(g.target - e).abs().max()}"
 
 
+# -- ops CUDA's kernels take for more dtypes than the CPU's --------------------------------------
+# Defect: transformers' mixture-of-experts layers count the tokens routed to each expert with
+# ``torch.histc`` of an integer tensor on any device but the CPU; the CPU's kernel takes
+# floating point only, so every such model failed on "sim", plain torch included, where it
+# runs on CUDA (Note [Kernels CUDA has for more dtypes]).
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+@pytest.mark.parametrize("bins, low, high, expected", [
+    (4, 0, 3, [2, 1, 1, 3]),  # (an expert's id per bin: 5 and -1 are outside and not counted)
+    (3, 0, 0, [3, 2, 4]),  # (the limits from the values: -1 and 5, a bin of two ids each)
+    (2, 1, 2, [1, 1]),
+], ids=["experts", "extremes", "one range"])
+def test_a_histogram_of_integers_counts_as_cuda_s_kernel_does(paging, dtype, bins, low, high, expected):
+    values = [0, 0, 1, 3, 3, 3, 2, 5, -1]
+    if dtype is torch.uint8:
+        values, low, high, expected = [v + 1 for v in values], low + 1, high + 1, expected
+    plain, managed = run_both(lambda: torch.histc(torch.tensor(values, dtype=dtype), bins=bins, min=low, max=high))
+    assert plain.device == managed.device == SIM and plain.dtype == managed.dtype == dtype
+    assert plain.cpu().tolist() == managed.cpu().tolist() == expected
+
+
+def test_a_histogram_of_integers_on_the_cpu_is_still_refused_as_plain_cpu_torch_refuses_it():
+    with pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
+        torch.histc(torch.tensor([1, 2], device="cpu"), bins=3)  # (a TensorRef of the host)
+    with torchTensorRef.disabled(), pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
+        torch.histc(torch.tensor([1, 2]), bins=3)
+
+
 # -- the backend module ------------------------------------------------------------------------
 # Defect: torch.sim.is_available() said True, so code looking for the machine's accelerator
 # (torch.accelerator, DataLoader's pin_memory) saw a GPU where there is none.

@@ -1,10 +1,19 @@
-"""Kernels the simulated device needs that the CPU lacks: the fused RNN cells.
+"""Kernels the simulated device needs that the CPU lacks: the fused RNN cells, and a
+histogram of integers.
 
 PyTorch's LSTM and GRU run on a non-CPU device through fused cell ops
 (``_thnn_fused_lstm_cell``, ``_thnn_fused_gru_cell``) that only CUDA implements. The
 simulated device computes with CPU kernels, so these are their CPU kernels, written from
 the cells' equations with the CUDA kernels' conventions (the gate order, and a workspace of
 the activated gates that backward reuses). Registered once, when ``"sim"`` is registered.
+
+Note [Kernels CUDA has for more dtypes]: an op the CPU runs for some dtypes only, where
+CUDA's kernel takes more, made code written for an accelerator fail on "sim" where it runs
+on CUDA: transformers' mixture-of-experts layers count the tokens routed to each expert with
+``torch.histc`` of an integer tensor on any device but the CPU, and the CPU's ``histc``
+takes floating point only. Such an op is not given a CPU kernel (plain CPU torch must keep
+refusing it); the device runs it as a composite of ops the CPU has (``emulation``), on
+plain device tensors (``SimTensor``'s dispatch) and on TensorRefs alike (``ops/device_kernels.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +36,40 @@ def register() -> None:
         if hasattr(torch.ops.aten, name):
             lib.impl(name, fn, "CPU")
     _library = lib
+
+
+def histc_of_integers(input: Tensor, bins: int = 100, min: float = 0, max: float = 0) -> Tensor:
+    """``torch.histc`` of an integer tensor as CUDA's kernel computes it: the limits taken as
+    the input's type (its extremes where they are equal, widened by one each way where those
+    are too), elements outside them not counted, and an element's bin found in integer
+    arithmetic, ``(value - low) * bins // (high - low)``, the top limit in the last bin; the
+    counts in the input's dtype."""
+    if bins <= 0:
+        raise RuntimeError(f"bins must be > 0, but got {bins} for histc")
+    values = input.reshape(-1).to(torch.int64)
+    low, high = int(min), int(max)
+    if low == high and values.numel():
+        low, high = int(values.min()), int(values.max())
+    if low == high:
+        low, high = low - 1, high + 1
+    if low > high:
+        raise RuntimeError("max must be larger than min")
+    inside = values[(values >= low) & (values <= high)]
+    index = ((inside - low) * bins).div(high - low, rounding_mode="floor").clamp(max=bins - 1)
+    return torch.bincount(index, minlength=bins).to(input.dtype)
+
+
+def emulation(func, args: tuple):
+    """The composite that runs ``func`` on the device where the CPU's kernel refuses what
+    CUDA's takes (Note [Kernels CUDA has for more dtypes]), or ``None``."""
+    if func is _HISTC and args and not args[0].is_floating_point() and args[0].device.type != "cpu":
+        return histc_of_integers  # (not of a host tensor: the CPU's kernel refuses it in plain torch)
+    return None
+
+
+_HISTC = torch.ops.aten.histc.default
+#: the ops ``emulation`` may answer for (a set, to ask once per op)
+EMULATED = frozenset({_HISTC})
 
 
 def _gates(input_gates: Tensor, hidden_gates: Tensor, input_bias: Optional[Tensor],

@@ -17,6 +17,7 @@ from torch._ops import OpOverload
 from ...core import raw
 from ...core.tensor_ref import TensorRef
 from .backward_errors import failed_result, in_backward, keep_for_backward
+from .kernels import EMULATED, emulation
 from .pool import ALLOCATED
 
 NAME = "sim"
@@ -95,6 +96,10 @@ class SimTensor(torch.Tensor):
             # the plain device tensor it is (unwrapped here, it would be a plain CPU one).
             return NotImplemented
         kwargs = kwargs or {}
+        if func in EMULATED:
+            composite = emulation(func, args)
+            if composite is not None:
+                return composite(*args, **kwargs)  # (Note [Kernels CUDA has for more dtypes] in kernels.py)
         target = kwargs.get("device")
         on_host = target is not None and torch.device(target).type == "cpu"
         try:
