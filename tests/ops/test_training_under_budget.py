@@ -111,6 +111,58 @@ def test_an_embedding_that_fits_reads_its_rows_alone_with_no_gradient_to_record(
     assert moved < table / 4 if not grad else moved >= table
 
 
+def test_rows_of_a_stacked_weight_larger_than_the_budget_are_read_alone(tight):
+    # A mixture-of-experts layer decoding by ``batched_mm`` gathers the experts it routes
+    # tokens to from a parameter stacking every expert's weight (``w[expert_ids]``): under a
+    # budget below the stack, the experts named come to the device alone. (Its backward, a
+    # gradient as large as the stack, is not split: docs/compatibility.md.)
+    experts, rows, cols = 16, 64, 32  # (a 128 KiB stack, above the 64 KiB of room)
+    w, pw = _pair(experts, rows, cols)
+    with plain_torch():
+        expected = pw[torch.tensor([5, 1, 5, 7], dtype=torch.int32)].cpu()
+    ids = torch.tensor([5, 1, 5, 7], dtype=torch.int32)
+    _tighten(tight, 64 * 1024)
+    out = w[ids]
+    assert torch.equal(_plain(out), expected)
+    assert tight.stats()["bytes_to_device"] < 4 * rows * cols * 4  # (three experts, not sixteen)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_rows_of_a_stacked_weight_that_fits_are_read_alone_with_no_gradient_to_record(tight, grad):
+    # Note [Rows of a table], for ``index``: a stack of ``ROWS_MIN_TABLE`` bytes fits the
+    # budget, but the two experts a token is routed to are all the op needs.
+    experts, cols = 16, 64
+    rows = split_handlers.ROWS_MIN_TABLE // (experts * cols * 4)
+    w, pw = _pair(experts, rows, cols)
+    w.requires_grad_(grad)
+    with plain_torch():
+        expected = pw[torch.tensor([9, 2])].detach().cpu()
+    stack = experts * rows * cols * 4
+    _tighten(tight, 2 * stack)
+    tight.move_to_host(w)  # (as a stack evicted to make room for other layers)
+    with torch.no_grad() if not grad else contextlib.nullcontext():
+        out = w[torch.tensor([9, 2])]
+    assert torch.equal(_plain(out), expected)
+    moved = tight.stats()["bytes_to_device"]
+    assert (moved < stack / 4 if not grad else moved >= stack), moved
+
+
+@pytest.mark.parametrize("ids", [[-1, 2], [3, 8]], ids=["from the end", "out of bounds"])
+def test_rows_of_a_stacked_weight_named_from_the_end_or_out_of_bounds_are_as_plain_torch(tight, ids):
+    w, pw = _pair(8, 64, 32)
+    with plain_torch():
+        try:
+            expected = pw[torch.tensor(ids)].cpu()
+        except IndexError as e:
+            expected = e
+    _tighten(tight, 4 * 64 * 1024)  # (the stack fits: it comes in whole, as plain torch reads it)
+    if isinstance(expected, IndexError):
+        with pytest.raises(IndexError):
+            w[torch.tensor(ids)]
+    else:
+        assert torch.equal(_plain(w[torch.tensor(ids)]), expected)
+
+
 @pytest.mark.parametrize("which", ["weight_t", "rows"])
 def test_mm_in_tiles_equals_one_call(tight, which):
     w, pw = _pair(ROWS, DIM)

@@ -11,6 +11,8 @@ refuse it for the budget (``split.when_refused``); ``embedding`` also reads rows
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..core import raw
@@ -43,7 +45,11 @@ def _host_values(ref) -> torch.Tensor:
 
 def _remapped(indices):
     """(the distinct rows the indices name, the indices renumbered into them, as a piece)."""
-    values = _host_values(indices)
+    return _renumbered(_host_values(indices))
+
+
+def _renumbered(values: torch.Tensor):
+    """``_remapped`` of indices read on the host (``values``)."""
     rows, inverse = torch.unique(values, sorted=True, return_inverse=True)
     return rows, gathered_piece(inverse.to(values.dtype).reshape(values.shape))
 
@@ -81,8 +87,13 @@ def _rows_alone(weight: TensorRef, indices) -> bool:
     Whether an op reads its rows alone hangs on its sizes, not on where the table is at the
     time, so that a loop's ops stay the same from step to step (Flow's period). The table's
     device copy, if any, stays (an output layer may share it)."""
-    row = weight.shape[1] * weight.element_size()
-    return reads_rows_alone(weight) and indices.numel() * row <= ROWS_FRACTION * block_of(weight).nbytes
+    return reads_rows_alone(weight) and indices.numel() * _row_bytes(weight) <= ROWS_FRACTION * block_of(weight).nbytes
+
+
+def _row_bytes(t) -> int:
+    """Bytes of one row of ``t`` (one index of its leading dimension), from its shape: ``t[0]``
+    would be an op, bringing ``t`` in."""
+    return math.prod(t.shape[1:]) * t.element_size()
 
 
 @implements(aten.embedding.default)
@@ -123,6 +134,37 @@ def embedding_dense_backward(func, args, kwargs, spec: OpSpec, left: int):
     out = host_result((num_weights, grad.shape[-1]), grad.dtype, zero=True)
     host_view(out).index_copy_(0, rows, to_host(part))
     return out
+
+
+@implements(aten.index.Tensor)
+def index(func, args, kwargs, spec: OpSpec):
+    """``t[i]`` of a tensor's leading dimension by one tensor of integers, the rows named read
+    alone as an embedding's are (Note [Rows of a table]), when ``t`` does not fit or they are
+    a small part of it with no gradient to record: a mixture-of-experts layer decoding a
+    token gathers the weights of the experts it routes the token to, from a parameter that
+    stacks every expert's (transformers' ``batched_mm`` experts)."""
+    self = args[0]
+    indices = args[1] if len(args) > 1 else None
+    if (kwargs or not isinstance(self, TensorRef) or self.dim() < 2 or not isinstance(indices, (list, tuple))
+            or len(indices) != 1 or not isinstance(indices[0], torch.Tensor)
+            or indices[0].dtype not in (torch.int64, torch.int32)):  # (a mask's result is as large as its count)
+        return default(func, args, kwargs, spec)
+    left = fits(spec, args, kwargs)
+    if left is None and not _rows_alone(self, indices[0]):
+        return default(func, args, kwargs, spec)
+    values = _host_values(indices[0])
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= self.shape[0]):
+        return default(func, args, kwargs, spec)  # (from the end, or out of bounds: plain torch's own answer)
+    rows, local = _renumbered(values)
+    if left is not None:  # (the tensor does not fit: it leaves the device)
+        settle([self])
+        need = rows.numel() * _row_bytes(self) + block_of(local).nbytes + estimate_output_bytes(spec, args, kwargs)
+        if need > left:
+            raise refuse(spec.name, need, left)
+    with mgr.lock:
+        mgr.sync_host(block_of(self))  # (settled: nothing to copy; else its device copy stays)
+        table = host_view(self).detach().index_select(0, rows)
+    return run_generic(func, [gathered_piece(table), [local]], {}, spec)
 
 
 # -- elementwise ops a training step runs on whole parameters -------------------------------
