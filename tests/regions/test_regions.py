@@ -15,6 +15,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import TensorRef, regions, tensorsManager as tm
 from torchTensorRef.core.tensor_ref import block_of
+from torchTensorRef.ops import split_handlers
 from conftest import TEST_DEVICE
 from paired import assert_identical, budget, device_type, plain_torch, to_plain
 
@@ -786,6 +787,37 @@ def test_decoding_under_a_budget_reads_the_embedding_rows_not_the_table():
     tm.reset_stats()
     assert_identical(plain, decode(model, torchTensorRef.manage(ids.cpu())))
     assert block_of(table).fetches == 0 and not block_of(table).resident
+    assert tm.stats()["peak_device_bytes"] <= tm.budget
+
+
+def test_decoding_a_mixture_of_experts_under_a_budget_reads_the_experts_it_routes_to():
+    # Note [Regions that read rows]: a decoding token gathers its two experts' weights from a
+    # parameter stacking sixteen (4 MiB, transformers' batched_mm). As regions (eight layers,
+    # each an eighth of the weights, at half of them) the layers brought every expert in for
+    # nearly every token, 4 to 7 times a stack a call; the layers whose measured call read rows
+    # run op by op, and their gathers read the two experts alone. (The prompt's forward,
+    # grouped_mm, reads each stack whole.)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=16, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    with plain_torch():
+        ids = torch.tensor([[1, 5, 9, 3, 7]])
+        plain = decode(transformers.MixtralForCausalLM(config).eval().to(tm.torch_device), ids.to(tm.torch_device))
+    tm.strategy = "flow"
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    stacks = [block_of(layer.mlp.experts.gate_up_proj) for layer in model.model.layers]
+    assert all(b.nbytes >= split_handlers.ROWS_MIN_TABLE for b in stacks)
+    tm.budget = budget(weight_bytes(model) // 2)
+    for _ in range(2):  # (regions measure their calls, and learn which read rows)
+        assert_identical(plain, decode(model, torchTensorRef.manage(ids.cpu())))
+    before = [b.fetches for b in stacks]
+    tm.reset_stats()
+    assert_identical(plain, decode(model, torchTensorRef.manage(ids.cpu())))
+    # each stack whole for the two prompt forwards (generate's and decode's logits), not for the 5 tokens
+    whole = [b.fetches - n for b, n in zip(stacks, before)]
+    assert all(n <= 2 for n in whole), whole
     assert tm.stats()["peak_device_bytes"] <= tm.budget
 
 

@@ -136,6 +136,13 @@ def embedding_dense_backward(func, args, kwargs, spec: OpSpec, left: int):
     return out
 
 
+#: how many ``index`` calls read their rows alone by choice, the tensor fitting: a region
+#: whose measured call made one runs op by op from then on, while the budget pages, so that
+#: its ``index`` reads the rows alone again (Note [Regions that read rows] in
+#: ``regions/__init__.py``)
+rows_by_choice = [0]
+
+
 @implements(aten.index.Tensor)
 def index(func, args, kwargs, spec: OpSpec):
     """``t[i]`` of a tensor's leading dimension by one tensor of integers, the rows named read
@@ -156,7 +163,9 @@ def index(func, args, kwargs, spec: OpSpec):
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= self.shape[0]):
         return default(func, args, kwargs, spec)  # (from the end, or out of bounds: plain torch's own answer)
     rows, local = _renumbered(values)
-    if left is not None:  # (the tensor does not fit: it leaves the device)
+    if left is None:
+        rows_by_choice[0] += 1
+    else:  # (the tensor does not fit: it leaves the device)
         settle([self])
         need = rows.numel() * _row_bytes(self) + block_of(local).nbytes + estimate_output_bytes(spec, args, kwargs)
         if need > left:

@@ -97,6 +97,19 @@ _OP_BY_OP_WRAPPERS = frozenset(("DistributedDataParallel", "FullyShardedDataPara
 _ROW_READERS = (torch.nn.Embedding,)
 
 
+# Note [Regions that read rows]: inside a region its ops run on plain views of its working set,
+# made resident whole; op by op, ``index`` of a large tensor by a few rows (a mixture of
+# experts gathering the weights of the experts a token is routed to from a parameter stacking
+# every expert's) reads those rows alone from the host copy, with no gradient to record (Note
+# [Rows of a table] in ``ops/split_handlers.py``). With its layers as regions, decoding a
+# mixture of experts brought every expert of a layer in for each token, to use two. A region
+# whose measured call (op by op) read rows so (``split_handlers.rows_by_choice`` moved) is
+# marked (``reads_rows``),
+# and its calls with gradients off run op by op while the budget pages: the module's own
+# submodules are considered in turn, so that the layer's attention stays a region and its
+# experts' gathers read rows.
+
+
 class _Wrapped(threading.local):
     depth = 0  # calls of _OP_BY_OP_WRAPPERS in progress on this thread
 
@@ -330,6 +343,8 @@ def _call(self, forced, args, kwargs):
             return _original_call(self, *args, **kwargs)
         if isinstance(self, _ROW_READERS) and reads_rows_alone(self.weight):
             return _original_call(self, *args, **kwargs)  # (its op reads its rows alone: Note [Rows of a table])
+        if paged and info.region.reads_rows and not torch.is_grad_enabled():
+            return _original_call(self, *args, **kwargs)  # (Note [Regions that read rows])
         ops = info.region.ops
         if ops is not None and ops < min_ops and not (
                 paged and _mgr.settings.budget_value is not None and info.slots and not torch.is_grad_enabled()):

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from ..core.op_specs import spec_of
 from ..core.tensor_ref import TensorRef, block_of
 from ..memory.sim.tensor import SimTensor
+from ..ops.split_handlers import rows_by_choice
 
 _Tensor = torch.Tensor
 
@@ -177,6 +178,7 @@ class Measure(TorchDispatchMode):
         self.now = self.counted_now = 0
         self.peak = self.counted_peak = 0
         self.ops = 0
+        self.rows = rows_by_choice[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
@@ -195,6 +197,11 @@ class Measure(TorchDispatchMode):
                 if isinstance(o, _Tensor):
                     self.follow(o)
         return out
+
+    def read_rows(self) -> bool:
+        """Whether an ``index`` op read rows of a tensor alone since it began (Note [Regions
+        that read rows] in ``__init__.py``)."""
+        return rows_by_choice[0] != self.rows
 
     def _writes(self, writes, args, kwargs) -> None:
         """The blocks of the TensorRefs an op writes in place (``writes``: its ``OpSpec.write_args``)."""

@@ -125,14 +125,12 @@ class Region:
         self.strict = strict
         self.measure = measure
         self.inside = Inside()
-        #: ops of the last measured call (a call of few ops is cheaper op by op)
-        self.ops = None
+        self.ops = None  # ops of the last measured call (a call of few ops is cheaper op by op)
         #: whether a backward of its calls asked for gradients of the gradients (``None``: no
         #: backward seen yet; Note [Gradients of gradients] in ``training.py``)
         self.second_order = None
         self.probes = 0  # calls with gradients run op by op to see their backward
-        #: a call changed its module's own state (Note [Stores on modules]): op by op from now on
-        self.mutates = False
+        self.mutates = False  # a call changed its module's own state (Note [Stores on modules]): op by op since
         #: a measured call read TensorRefs its scan did not find (Note [Tensors no scan finds]
         #: in ``scan.py``): its calls with gradients run op by op from now on
         self.unseen = False
@@ -141,6 +139,7 @@ class Region:
         self.writes: set = set()
         #: its module's tensors as one group, under a budget (Note [Region groups] in memory/groups.py)
         self.grouping = Grouping()
+        self.reads_rows = False  # a measured call read rows alone (Note [Regions that read rows] in __init__.py)
 
     @property
     def name(self) -> str:
@@ -358,6 +357,7 @@ class Region:
             stores.running.call = running
             state.depth -= 1
             self._note_stores(call)
+        self.reads_rows = self.reads_rows or meter.read_rows()
         if grad:
             watch_backward(self, out)
         if meter.wrote:
