@@ -21,9 +21,9 @@ pytest.importorskip("accelerate")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import (common, cuda_peak, cuda_timeline, gpu_throughput, op_paths, optimizer_step, overhead,  # noqa: E402
-                        overshoot_plugin, plots, region_anatomy, region_calls, region_instructions, regions_flow,
-                        run_all, small_ops, train_budget, train_instructions, train_parts, transfer)
+from benchmarks import (common, cuda_peak, cuda_timeline, gpu_throughput, moe_decode, op_paths, optimizer_step,  # noqa: E402
+                        overhead, overshoot_plugin, plots, region_anatomy, region_calls, region_instructions,
+                        regions_flow, run_all, small_ops, train_budget, train_instructions, train_parts, transfer)
 
 METADATA = ("device", "torch", "date", "command")
 
@@ -455,6 +455,18 @@ def test_region_calls_times_region_calls_alone_within_the_budget(fresh_manager, 
         saved = json.load(f)
     assert saved["command"].startswith("python benchmarks/region_calls.py --layers 8")
     assert saved["result"]["rows"]["Flow, 50%"]["calls"] == 8
+
+
+def test_moe_decode_reads_the_experts_a_token_uses_against_every_expert(fresh_manager, tmp_path):
+    # (4 layers at half the weights: a layer's experts a region, whose gathers read rows once
+    # it runs op by op; every expert moves when the stacks are read whole)
+    path = tmp_path / "moe.json"
+    result = moe_decode.main(["--layers", "4", "--tokens", "4", "--fractions", "0.5", "--json", str(path)])
+    r = result["rows"]["0.5"]
+    assert r["rows"]["equal"] and r["whole"]["equal"]
+    assert r["rows"]["peak_to_budget"] <= 1 and r["whole"]["peak_to_budget"] <= 1
+    assert r["whole"]["mib_to_device"] > 2 * r["rows"]["mib_to_device"]
+    assert set(METADATA) <= set(json.loads(path.read_text()))
 
 
 def test_regions_flow_compares_flow_with_the_offline_reference_in_groups(fresh_manager, monkeypatch):
