@@ -13,6 +13,7 @@ steady call, after ``--warmup``), the ratio of the two, the manager's ops per ca
 against the budget and whether the tokens equal plain torch's on the device.
 
     python benchmarks/moe_decode.py [--layers 8] [--fractions 0.25,0.5,1.0] [--device sim] [--json out.json]
+    python benchmarks/moe_decode.py --device cuda --dtype bfloat16 --expert-width 512   (on a GPU)
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from benchmarks.common import tm  # noqa: E402
 from torchTensorRef.ops import split_handlers  # noqa: E402
 
 
-def mixtral(layers: int, hidden: int, experts: int, width: int, vocab: int = 256):
-    """A plain Mixtral with random weights (seeded)."""
+def mixtral(layers: int, hidden: int, experts: int, width: int, dtype: torch.dtype = torch.float32, vocab: int = 256):
+    """A plain Mixtral with random weights (seeded), in ``dtype``."""
     import transformers
 
     common.quiet_transformers()
@@ -44,7 +45,7 @@ def mixtral(layers: int, hidden: int, experts: int, width: int, vocab: int = 256
         num_experts_per_tok=2, **common.SPECIAL)
     with torchTensorRef.disabled():
         torch.manual_seed(0)
-        return transformers.MixtralForCausalLM(config).eval()
+        return transformers.MixtralForCausalLM(config).to(dtype).eval()
 
 
 def row(model, ids, expected, device: str, fraction: float, tokens: int, warmup: int, rows_alone: bool) -> dict:
@@ -80,10 +81,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--fractions", default="0.25,0.5,1.0")
     parser.add_argument("--device", default="sim")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the weights' (a stack is read by rows from 4 MiB: bfloat16 wants --expert-width 512)")
     parser.add_argument("--json", help="write the results (with device, torch, date, command) to this file")
     args = parser.parse_args(argv)
     fractions = [float(f) for f in args.fractions.split(",")]
-    model = mixtral(args.layers, args.hidden, args.experts, args.expert_width)
+    model = mixtral(args.layers, args.hidden, args.experts, args.expert_width, getattr(torch, args.dtype))
     ids = common.plain_inputs(1, 256, 1, 8)
     plain_device = common.plain_device(args.device)
     with torchTensorRef.disabled(device=plain_device):
@@ -99,8 +102,8 @@ def main(argv=None) -> dict:
     tm.strategy, tm.device = "flow", "cpu"
     print(f"Mixtral of {args.layers} layers of hidden {args.hidden}, {args.experts} experts of width "
           f"{args.expert_width} (a stack of {stack.numel() * stack.element_size() / common.MIB:.1f} MiB a layer), "
-          f"{weights / common.MIB:.1f} MiB of weights; greedy generate() of {args.tokens} tokens after 8, batch 1, "
-          f"Flow, device {args.device}, torch {torch.__version__}")
+          f"{weights / common.MIB:.1f} MiB of {args.dtype} weights; greedy generate() of {args.tokens} tokens after 8, "
+          f"batch 1, Flow, device {args.device}, torch {torch.__version__}")
     print(f"  {'budget':>7} {'MiB/call, experts used':>23} {'MiB/call, every expert':>23} {'ratio':>6} "
           f"{'ops':>11} {'peak/budget':>11}  equal")
     for fraction, r in rows.items():
@@ -108,7 +111,7 @@ def main(argv=None) -> dict:
         print(f"  {fraction:7.0%} {used['mib_to_device']:23.1f} {whole['mib_to_device']:23.1f} "
               f"{whole['mib_to_device'] / used['mib_to_device']:6.2f} {used['ops']:5d}/{whole['ops']:<5d} "
               f"{max(used['peak_to_budget'], whole['peak_to_budget']):11.3f}  {used['equal'] and whole['equal']}")
-    result = {"layers": args.layers, "hidden": args.hidden, "experts": args.experts,
+    result = {"layers": args.layers, "hidden": args.hidden, "experts": args.experts, "dtype": args.dtype,
               "expert_width": args.expert_width, "tokens": args.tokens, "weights": weights,
               "rows": {str(f): r for f, r in rows.items()}}
     if args.json:
