@@ -149,17 +149,24 @@ def index(func, args, kwargs, spec: OpSpec):
     alone as an embedding's are (Note [Rows of a table]), when ``t`` does not fit or they are
     a small part of it with no gradient to record: a mixture-of-experts layer decoding a
     token gathers the weights of the experts it routes the token to, from a parameter that
-    stacks every expert's (transformers' ``batched_mm`` experts)."""
+    stacks every expert's (transformers' ``batched_mm`` experts). An index that fits and is
+    not read by rows pays nothing here: the dispatcher's paths run it first."""
     self = args[0]
     indices = args[1] if len(args) > 1 else None
     if (kwargs or not isinstance(self, TensorRef) or self.dim() < 2 or not isinstance(indices, (list, tuple))
             or len(indices) != 1 or not isinstance(indices[0], torch.Tensor)
             or indices[0].dtype not in (torch.int64, torch.int32)):  # (a mask's result is as large as its count)
         return default(func, args, kwargs, spec)
-    left = fits(spec, args, kwargs)
-    if left is None and not _rows_alone(self, indices[0]):
-        return default(func, args, kwargs, spec)
-    values = _host_values(indices[0])
+    if _rows_alone(self, indices[0]):
+        return _index_rows(func, args, kwargs, spec, fits(spec, args, kwargs))
+    return _index_when_refused(func, args, kwargs, spec)
+
+
+def _index_rows(func, args, kwargs, spec: OpSpec, left):
+    """``index`` by the rows it names, with ``left`` bytes of room where the tensor does not
+    fit (``None``: it fits, and is read by rows by choice)."""
+    self, (indices,) = args[0], args[1]
+    values = _host_values(indices)
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= self.shape[0]):
         return default(func, args, kwargs, spec)  # (from the end, or out of bounds: plain torch's own answer)
     rows, local = _renumbered(values)
@@ -174,6 +181,9 @@ def index(func, args, kwargs, spec: OpSpec):
         mgr.sync_host(block_of(self))  # (settled: nothing to copy; else its device copy stays)
         table = host_view(self).detach().index_select(0, rows)
     return run_generic(func, [gathered_piece(table), [local]], {}, spec)
+
+
+_index_when_refused = when_refused(_index_rows)
 
 
 # -- elementwise ops a training step runs on whole parameters -------------------------------

@@ -104,10 +104,9 @@ _ROW_READERS = (torch.nn.Embedding,)
 # [Rows of a table] in ``ops/split_handlers.py``). With its layers as regions, decoding a
 # mixture of experts brought every expert of a layer in for each token, to use two. A region
 # whose measured call (op by op) read rows so (``split_handlers.rows_by_choice`` moved) is
-# marked (``reads_rows``),
-# and its calls with gradients off run op by op while the budget pages: the module's own
-# submodules are considered in turn, so that the layer's attention stays a region and its
-# experts' gathers read rows.
+# marked (``reads_rows``), and its calls with gradients off run op by op while the budget
+# pages: the module's own submodules are considered in turn, so that the layer's attention
+# stays a region and its experts' gathers read rows.
 
 
 class _Wrapped(threading.local):
