@@ -26,6 +26,8 @@ class Moves:
             limit = m.accounting.limit
             if limit is not None and size + m.accounting.elsewhere_bytes > limit:
                 outside = m.device_room.read_outside()  # (a reading of the device, not a stale one)
+                if size + outside > limit and m.device_room.collect_garbage():
+                    outside = m.accounting.elsewhere_bytes
                 if size + outside > limit:
                     raise OutOfBudgetError("toGPU", size + outside, limit, outside=outside)
             m.device_room.make(size, (block.id,), "toGPU")

@@ -160,6 +160,8 @@ class OpProtocol:
         need += missing
         if need + acct.elsewhere_bytes > limit:
             outside = m.device_room.read_outside()  # (a reading of the device, not a stale one)
+            if need + outside > limit and m.device_room.collect_garbage():
+                outside = acct.elsewhere_bytes
             if need + outside > limit:
                 raise OutOfBudgetError(ctx.name, need + outside, limit, outside=outside,
                                        detail=_MIDWAY if _in_backward() != -1 else "")

@@ -1,6 +1,21 @@
 """Room on the device: what it holds beside the manager, making room within the budget, and
 allocating with a recovery from out-of-memory errors.
 
+Note [Garbage holding device memory]: device tensors that only reference cycles hold (an
+exception's frames, a closure that refers to its module, tensors an autograd node's hook
+refers back to) stay allocated until Python's cycle collector runs, whenever its counts of
+allocations say. The device counts them (``memory_allocated`` on CUDA, ``"sim"`` likewise),
+so a reading counts them as outside the manager, and an op that fits beside what the program
+holds would be refused. So before refusing for room the manager collects cycles, applies the
+deaths of the TensorRefs that freed, and reads the device again (``Room.collect_garbage``).
+A full collection takes tens to hundreds of milliseconds where the heap is large, and a
+refusal is not rare where it is caught (an op refused whole runs in pieces, a region refused
+runs op by op, on every call): so it collects only where the device holds more outside the
+manager than at the budget's setting or the last collection (what was outside then, the
+budget was set over or a collection could not free), and after a collection that freed no
+device bytes the next waits for ``COLLECT_BACKOFF`` room checks, twice as many after each
+such collection (up to ``COLLECT_BACKOFF_MAX``).
+
 An out-of-memory error from an allocation (a real one on CUDA, the capacity check on
 ``"sim"``) evicts every unpinned block the current op does not use, returns cached memory
 to the driver and tries once more; a second failure raises ``DeviceOutOfMemoryError``.
@@ -8,6 +23,7 @@ to the driver and tries once more; a second failure raises ``DeviceOutOfMemoryEr
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Collection, Optional
 
 import torch
@@ -20,6 +36,10 @@ from .streams import Pending
 
 #: substrings of the errors libraries raise when their own device allocations fail
 _OOM_MARKERS = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED")
+#: room checks after a collection that freed no device bytes before the next (Note
+#: [Garbage holding device memory]); doubled after each, up to the most
+COLLECT_BACKOFF = 256
+COLLECT_BACKOFF_MAX = 1 << 20
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -59,6 +79,12 @@ class Room:
 
     def __init__(self, manager) -> None:
         self.m = manager
+        #: ``Accounting.checks`` before which no garbage is collected, the wait after the
+        #: last collection, and the bytes outside the manager then (Note [Garbage holding
+        #: device memory])
+        self.collect_after = 0
+        self.backoff = 0
+        self.outside_seen = 0
 
     # -- readings of the device (Note [Budget on CUDA] in ``accounting.py``) ------------------
 
@@ -82,6 +108,35 @@ class Room:
         self.m.accounting.forget_ended()
         self.used_bytes()
         return self.m.accounting.elsewhere_bytes
+
+    def collect_garbage(self, always: bool = False) -> bool:
+        """Before refusing for room: collect reference cycles and read the device again, where
+        the device holds more outside the manager than when last asked and no recent
+        collection came up empty (or ``always``); whether it ran (Note [Garbage holding
+        device memory]). The caller holds the manager's lock."""
+        m = self.m
+        acct = m.accounting
+        if acct.checks < self.collect_after and not always:
+            return False
+        m.drain()  # (deaths already queued: what follows measures the collection's)
+        before = self.used_bytes()
+        if acct.elsewhere_bytes - acct.reserved <= self.outside_seen and not always:
+            return False
+        gc.collect()
+        m.drain()  # (the TensorRefs the collection freed give their blocks back)
+        freed = before - self.used_bytes()
+        self.backoff = 0 if freed > 0 else min(max(2 * self.backoff, COLLECT_BACKOFF), COLLECT_BACKOFF_MAX)
+        self.collect_after = acct.checks + self.backoff
+        self.outside_seen = acct.elsewhere_bytes - acct.reserved
+        m.statistics.counters["garbage_collections"] += 1
+        return True
+
+    def collect_again(self) -> None:
+        """A budget was set (over what the device holds outside the manager now, as last
+        read): collect before a refusal once more is outside."""
+        acct = self.m.accounting
+        self.collect_after = self.backoff = 0
+        self.outside_seen = acct.elsewhere_bytes - acct.reserved
 
     def warm_up(self) -> int:
         """Have the device make the workspaces of this thread and of the backward (once:
@@ -173,6 +228,8 @@ class Room:
                 continue
             if used + nbytes <= limit:
                 return  # (the room fits without the slack's margin: given up)
+            if self.collect_garbage():
+                continue
             raise OutOfBudgetError(
                 op_name, used + nbytes, limit,
                 f"{format_size(m.books.pinned_bytes())} is pinned and the rest is in use by this op",

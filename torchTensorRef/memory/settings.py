@@ -194,12 +194,15 @@ class Settings:
                 if m.unresolved:
                     m.resolve_device()
                 outside = m.device_room.warm_up()  # (what libraries keep allocated, known before it is checked)
+                if outside and outside >= nbytes and m.device_room.collect_garbage(always=True):
+                    outside = m.device_room.read_outside()  # (a program's dropped model in a cycle)
                 if outside and outside >= nbytes:
                     raise BudgetBelowFloorError(nbytes, outside, str(backend.declared))
             old = (self.budget_value, m.accounting.limit, m.paged)
             self.budget_value = nbytes
             m.accounting.limit = self.limit_for(nbytes)
             m.pressured = m.paged = False  # (room made below sets both: the budget does not fit what is resident)
+            m.device_room.collect_again()
             try:
                 m.device_room.make(0, (), "tensorsManager.budget")
             except OutOfBudgetError:

@@ -18,7 +18,7 @@ STAT_KEYS = (
     "bytes_to_device", "bytes_to_host", "fetches", "writebacks", "evictions",
     "prefetches", "prefetch_hits", "prefetch_misses", "prefetches_unused", "prefetches_dropped",
     "host_syncs", "bytes_from_disk", "bytes_to_disk", "bytes_on_demand", "bytes_prefetched",
-    "bytes_prefetched_ahead", "copies_to_device",
+    "bytes_prefetched_ahead", "copies_to_device", "garbage_collections",
 )
 
 
@@ -46,7 +46,9 @@ class Statistics:
         needed them), ``bytes_prefetched`` (brought in by prefetches), ``bytes_prefetched_ahead``
         (of those, the bytes an op read that an earlier op's prefetch brought: the copy could
         overlap that op's work), ``copies_to_device`` (copies made to the device: a group's
-        members take one, Note [Region groups]), ``host_syncs``, ``budget``, ``device``, ``strategy``,
+        members take one, Note [Region groups]), ``host_syncs``, ``garbage_collections`` (reference
+        cycles collected before refusing an op for room: Note [Garbage holding device memory]),
+        ``budget``, ``device``, ``strategy``,
         ``tensors`` (live TensorRefs), ``tensors_on_device``, ``blocks``,
         ``blocks_on_device``, ``host_bytes`` (host copies of paged blocks, CPU tensors
         not counted), ``peak_host_bytes``, ``host_budget``, ``bytes_from_disk``,
