@@ -32,9 +32,10 @@ is refused there, as plain torch refuses it.
 Note [Saved while nothing pages]: with no budget the manager's limit is the device's
 capacity, and until that has made it evict (``tensorsManager.paged``) nothing is paged: a
 call's saved activations then stay plain tensors, kept by the inner graph as plain torch keeps
-them, and its leaves keep their bytes, with no saved-tensor hooks (``Training.paged`` false, as
-in pass-through). Making each activation a block after the call and a view of it again in
-backward took more host time than the call's kernels on a small model
+them, and its leaves keep their bytes; its saved-tensor hooks only watch the leaves (Note
+[Saved leaves are watched] in ``saved.py``; ``Training.paged`` false, as in pass-through).
+Making each activation a block after the call and a view of it again in backward took more
+host time than the call's kernels on a small model
 (``benchmarks/train_parts.py``). A graph made so holds device bytes outside the manager until
 its backward frees them, which the device's readings count as outside bytes, as they count a
 program's plain tensors; a call made once the manager has evicted makes blocks of them again.
@@ -93,6 +94,7 @@ from ..memory.sim import backward_errors
 from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
 from .step import BackwardStep
+from .saved import Saved, SavedLeaf, changed
 from .scan import output_tensors
 
 _Tensor = torch.Tensor
@@ -195,19 +197,6 @@ def foreign_hooks() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
 
 
-class Saved:
-    """A tensor the call saved for backward: a view of a working-set block (``ref`` and the
-    geometry) or an activation (``plain`` until the call returned, then ``ref``)."""
-
-    __slots__ = ("ref", "plain", "geometry", "watch")
-
-    def __init__(self, ref, plain, geometry):
-        self.ref = ref
-        self.plain = plain
-        self.geometry = geometry
-        self.watch = ()  # (TensorRef, its version): changed in place before backward, refused
-
-
 class Training:
     """One call's inner graph: its leaves, its saved tensors, and the backward over them.
 
@@ -257,7 +246,15 @@ class Training:
         return given
 
     def hooks(self):
-        return saved_tensors_hooks(self._pack, self._unpack) if self.paged else contextlib.nullcontext()
+        # (with nothing paged, only the leaves are watched: Note [Saved leaves are watched])
+        return saved_tensors_hooks(self._pack if self.paged else self._pack_leaf, self._unpack)
+
+    def _pack_leaf(self, t):
+        cls = t.__class__
+        if cls is TensorRef:
+            return t
+        ref = self.by_storage.get((t.data_ if cls is SimTensor else t).untyped_storage()._cdata)
+        return t if ref is None else SavedLeaf(t, ref)
 
     def _pack(self, t):
         if isinstance(t, TensorRef):
@@ -276,14 +273,17 @@ class Training:
         return saved
 
     def _unpack(self, saved):
-        if not isinstance(saved, Saved):
+        cls = saved.__class__
+        if cls is not Saved and cls is not SavedLeaf:
             return saved
-        for ref, version in saved.watch:
-            if ref._version != version:
-                return self._failed(RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an "
-                    f"inplace operation: a tensor the region {self.region.name!r} saved for backward is "
-                    f"at version {ref._version}; expected version {version} instead"))
+        written = changed(saved.watch)
+        if written is not None:
+            return self._failed(RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a tensor the region {self.region.name!r} saved for backward is "
+                f"at version {written[0]._version}; expected version {written[1]} instead"))
+        if cls is SavedLeaf:
+            return saved.leaf
         if saved.plain is not None:
             plain = saved.plain  # (unpacked during the call itself: a double backward inside it)
         elif self.by_op:
