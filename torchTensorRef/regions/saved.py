@@ -3,16 +3,22 @@
 
 Note [Saved leaves are watched]: a tensor the program changes in place between the forward
 that saved it and the backward is refused there, as plain torch refuses it (its version
-moved). Inside a region autograd saves the call's plain leaf, whose version counter is not
-its TensorRef's: a parameter written op by op after the call (``weight.mul_(0.5)`` under
-``no_grad`` before ``backward()``) moved the TensorRef's and not the leaf's, and the backward
-ran on the written bytes, silently (found by ``tests/regions/test_programs.py``'s programs
-drawn at random, with no budget). So a saved leaf is kept with its TensorRef's version at the
-save, under a budget as a ``Saved`` view of its block, with none as ``SavedLeaf`` (the leaf
-itself: nothing pages), and unpacking either checks it.
+moved). Inside a region autograd saves the call's plain leaves (or views of them), whose
+version counters are not their TensorRefs': a parameter written op by op after the call
+(``weight.mul_(0.5)`` under ``no_grad`` before ``backward()``) moved its TensorRef's and not
+its leaf's, and the backward ran on the written bytes, silently (found by
+``tests/regions/test_programs.py``'s programs drawn at random, with no budget). Under a budget
+that pages, the saved-tensor hooks keep a saved view of a block as a ``Saved`` with its
+TensorRef's version, checked when it is unpacked. With nothing paged there are no hooks (a
+Python call for every tensor saved, where a step with nothing to move should cost what plain
+torch's costs): the leaves are what is saved, and before the inner graph runs, a leaf whose TensorRef was
+written since the call has its own version moved too (``sync_versions``), so that autograd's
+check refuses it where it saved the leaf or a view of it, and only there, as in plain torch.
 """
 
 from __future__ import annotations
+
+from torch.autograd.graph import increment_version
 
 
 class Saved:
@@ -28,19 +34,11 @@ class Saved:
         self.watch = ()  # (TensorRef, its version): changed in place before backward, refused
 
 
-class SavedLeaf:
-    """A leaf the call saved while nothing pages: itself, and its TensorRef's version then."""
-
-    __slots__ = ("leaf", "watch")
-
-    def __init__(self, leaf, ref):
-        self.leaf = leaf
-        self.watch = ((ref, ref._version),)
-
-
-def changed(watch):
-    """The first ``(TensorRef, version)`` of ``watch`` whose TensorRef was written since, or ``None``."""
-    for ref, version in watch:
-        if ref._version != version:
-            return ref, version
-    return None
+def sync_versions(refs, leaves, versions) -> None:
+    """Move the version of each leaf whose TensorRef was written since ``versions`` were read
+    (and read them again): autograd then refuses a backward that saved it."""
+    for i, ref in enumerate(refs):
+        version = ref._version
+        if version != versions[i]:
+            increment_version(leaves[i])
+            versions[i] = version

@@ -32,8 +32,8 @@ is refused there, as plain torch refuses it.
 Note [Saved while nothing pages]: with no budget the manager's limit is the device's
 capacity, and until that has made it evict (``tensorsManager.paged``) nothing is paged: a
 call's saved activations then stay plain tensors, kept by the inner graph as plain torch keeps
-them, and its leaves keep their bytes; its saved-tensor hooks only watch the leaves (Note
-[Saved leaves are watched] in ``saved.py``; ``Training.paged`` false, as in pass-through).
+them, and its leaves keep their bytes, with no saved-tensor hooks (``Training.paged`` false, as
+in pass-through; Note [Saved leaves are watched] in ``saved.py``).
 Making each activation a block after the call and a view of it again in backward took more
 host time than the call's kernels on a small model
 (``benchmarks/train_parts.py``). A graph made so holds device bytes outside the manager until
@@ -94,7 +94,7 @@ from ..memory.sim import backward_errors
 from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
 from .step import BackwardStep
-from .saved import Saved, SavedLeaf, changed
+from .saved import Saved, sync_versions
 from .scan import output_tensors
 
 _Tensor = torch.Tensor
@@ -228,6 +228,7 @@ class Training:
         self.by_storage = {}  # storage key of a working-set block -> a TensorRef of it
         self.by_op = False  # its backward runs on TensorRefs (Note [A first backward runs op by op])
         self.saved = []  # Saved, in the order the call saved them
+        self.versions = []  # with nothing paged, its refs' versions as the leaves last saw them
         self.out_edges = []
         self.outputs = ()  # the node's outputs (TensorRefs)
         self.grad_bytes = ()  # bytes of the gradients its backward is given, one per output
@@ -246,15 +247,7 @@ class Training:
         return given
 
     def hooks(self):
-        # (with nothing paged, only the leaves are watched: Note [Saved leaves are watched])
-        return saved_tensors_hooks(self._pack if self.paged else self._pack_leaf, self._unpack)
-
-    def _pack_leaf(self, t):
-        cls = t.__class__
-        if cls is TensorRef:
-            return t
-        ref = self.by_storage.get((t.data_ if cls is SimTensor else t).untyped_storage()._cdata)
-        return t if ref is None else SavedLeaf(t, ref)
+        return saved_tensors_hooks(self._pack, self._unpack) if self.paged else contextlib.nullcontext()
 
     def _pack(self, t):
         if isinstance(t, TensorRef):
@@ -273,17 +266,14 @@ class Training:
         return saved
 
     def _unpack(self, saved):
-        cls = saved.__class__
-        if cls is not Saved and cls is not SavedLeaf:
+        if saved.__class__ is not Saved:
             return saved
-        written = changed(saved.watch)
-        if written is not None:
-            return self._failed(RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a tensor the region {self.region.name!r} saved for backward is "
-                f"at version {written[0]._version}; expected version {written[1]} instead"))
-        if cls is SavedLeaf:
-            return saved.leaf
+        for ref, version in saved.watch:
+            if ref._version != version:
+                return self._failed(RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: a tensor the region {self.region.name!r} saved for backward is "
+                    f"at version {ref._version}; expected version {version} instead"))
         if saved.plain is not None:
             plain = saved.plain  # (unpacked during the call itself: a double backward inside it)
         elif self.by_op:
@@ -314,7 +304,10 @@ class Training:
         # gradients, their accumulators kept by the graph, emptied leaves or not)
         self.leaf_edges = [get_gradient_edge(leaf) for leaf in self.leaves] if self._walked() else []
         if not self.paged:
-            return  # (nothing is evicted: a leaf's bytes are its block's for good)
+            # (nothing is evicted: a leaf's bytes are its block's for good; Note [Saved leaves
+            # are watched])
+            self.versions = [ref._version for ref in self.refs]
+            return
         for leaf in self.leaves:
             if leaf.__class__ is SimTensor:
                 leaf.data_ = leaf.data_.new_empty(0)
@@ -391,6 +384,8 @@ class Training:
         given = [(e, g) for e, g in zip(self.out_edges, grads) if g is not None]
         if not given:
             return (None,) * self.slots
+        if not self.paged:
+            sync_versions(self.refs, self.leaves, self.versions)
         refs = [s.ref for s in self.saved if s.ref is not None]
         refs += [g for _e, g in given if isinstance(g, TensorRef)]
         keep = backwards.keep_graph()
