@@ -11,7 +11,9 @@ each attribute is) must be plain torch's, and an error must be the same error: w
 region cannot keep plain torch's semantics the call runs op by op, nothing is silently
 different (Note [Stores on modules] in regions/stores.py).
 
-``TORCHTENSORREF_PROGRAM_EXAMPLES`` sets how many programs (a fixed set: the same on every run).
+``TORCHTENSORREF_PROGRAM_EXAMPLES`` sets how many programs (a fixed set: the same on every run);
+``TORCHTENSORREF_PROPERTY_EXAMPLES=N`` draws N at random instead, as for ``tests/test_properties.py``
+(a search; ``--hypothesis-seed`` replays one).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from paired import budget, plain_torch
 
 WIDTH = 16
 LAYERS = 3
+_SEARCH = int(os.environ.get("TORCHTENSORREF_PROPERTY_EXAMPLES", "0"))
 PROGRAMS = settings(
-    max_examples=int(os.environ.get("TORCHTENSORREF_PROGRAM_EXAMPLES", "30")),
-    derandomize=True,
+    max_examples=_SEARCH or int(os.environ.get("TORCHTENSORREF_PROGRAM_EXAMPLES", "30")),
+    derandomize=not _SEARCH,
+    print_blob=bool(_SEARCH),
     database=None,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
