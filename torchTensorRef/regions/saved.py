@@ -14,6 +14,11 @@ Python call for every tensor saved, where a step with nothing to move should cos
 torch's costs): the leaves are what is saved, and before the inner graph runs, a leaf whose TensorRef was
 written since the call has its own version moved too (``sync_versions``), so that autograd's
 check refuses it where it saved the leaf or a view of it, and only there, as in plain torch.
+A write inside the call itself, after the save (``weight.mul_(0.5)`` under ``no_grad`` at the
+end of the forward), moves the leaf's version and not the TensorRef's: with nothing paged
+autograd's check sees it; a ``Saved`` view of a block remembers the version of the tensor
+autograd saved until the call returns, and is refused where it moved (found by the same
+programs under Genoa, whose saved tensors are always blocks).
 """
 
 from __future__ import annotations
@@ -25,13 +30,23 @@ class Saved:
     """A tensor the call saved for backward: a view of a working-set block (``ref`` and the
     geometry) or an activation (``plain`` until the call returned, then ``ref``)."""
 
-    __slots__ = ("ref", "plain", "geometry", "watch")
+    __slots__ = ("ref", "plain", "geometry", "watch", "seen", "written")
 
     def __init__(self, ref, plain, geometry):
         self.ref = ref
         self.plain = plain
         self.geometry = geometry
         self.watch = ()  # (TensorRef, its version): changed in place before backward, refused
+        #: a view of a block: the tensor autograd saved and its version, while the call runs
+        self.seen = None
+        #: that tensor was written in place later in the call: refused too
+        self.written = False
+
+    def saw_the_call_end(self) -> None:
+        """The call returned: whether it wrote the saved view after saving it, remembered."""
+        if self.seen is not None:
+            t, version = self.seen
+            self.written, self.seen = t._version != version, None
 
 
 def sync_versions(refs, leaves, versions) -> None:

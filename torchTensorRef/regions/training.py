@@ -259,7 +259,7 @@ class Training:
         ref = self.by_storage.get(plain.untyped_storage()._cdata)
         if ref is not None:
             saved = Saved(ref, None, geometry)
-            saved.watch = ((ref, ref._version),)
+            saved.watch, saved.seen = ((ref, ref._version),), (t, t._version)
         else:
             saved = Saved(None, plain.detach(), geometry)
         self.saved.append(saved)
@@ -268,6 +268,10 @@ class Training:
     def _unpack(self, saved):
         if saved.__class__ is not Saved:
             return saved
+        if saved.written:
+            return self._failed(RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"the region {self.region.name!r} wrote a tensor it saved for backward later in its call"))
         for ref, version in saved.watch:
             if ref._version != version:
                 return self._failed(RuntimeError(
@@ -291,6 +295,7 @@ class Training:
         """The call returned: each activation becomes a TensorRef (``wrap``), watched with
         the output sharing its bytes, and the leaves let go of their bytes."""
         for s in self.saved:
+            s.saw_the_call_end()
             if s.plain is not None:
                 plain = s.plain
                 s.ref = wrap(plain)
