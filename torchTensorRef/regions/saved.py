@@ -11,9 +11,10 @@ its leaf's, and the backward ran on the written bytes, silently (found by
 that pages, the saved-tensor hooks keep a saved view of a block as a ``Saved`` with its
 TensorRef's version, checked when it is unpacked. With nothing paged there are no hooks (a
 Python call for every tensor saved, where a step with nothing to move should cost what plain
-torch's costs): the leaves are what is saved, and before the inner graph runs, a leaf whose TensorRef was
-written since the call has its own version moved too (``sync_versions``), so that autograd's
-check refuses it where it saved the leaf or a view of it, and only there, as in plain torch.
+torch's costs): the leaves are what is saved, and before the inner graph runs, a leaf whose
+TensorRef was written since the call has its own version moved too (``sync_versions``), so
+that autograd's check refuses it where it saved the leaf or a view of it, and only there, as
+in plain torch.
 A write inside the call itself, after the save (``weight.mul_(0.5)`` under ``no_grad`` at the
 end of the forward), moves the leaf's version and not the TensorRef's: with nothing paged
 autograd's check sees it; a ``Saved`` view of a block remembers the version of the tensor
