@@ -1,11 +1,14 @@
 """Property-based module programs under regions, managed against plain torch on the device.
 
-Each example draws a module whose forward is a random list of steps (Linears, tensors stored
-on ``self``, parameters aliased and re-assigned, buffers written in place or replaced,
-parameters written in place, an error midway) and a list of calls (with or without
-gradients, failing or not, with a submodule replaced, a hook registered or every block
-evicted between them), under either strategy at a random budget or none, with the module a
-region. After every call and after ``evict_all()``, the outputs, the gradients and every
+Each example draws a module whose forward is a random list of steps (Linears, a norm, batch
+norm, dropout, attention over the batch, an embedding, a weight used outside its module,
+activations written in place, tensors stored on ``self``, parameters aliased and
+re-assigned, buffers written in place or replaced, parameters written in place, an error
+midway) and a list of calls (with or without gradients, failing or not, with a submodule
+replaced, weights tied, a hook registered, an optimizer step, a layer frozen, the mode
+switched, a state dict loaded, gradients accumulated or every block evicted between them),
+under either strategy at a random budget or none, with the module a region. After every
+call and after ``evict_all()``, the outputs, the gradients, the optimizer's state and every
 tensor the modules hold (their values, whether each is a TensorRef, and which parameter
 each attribute is) must be plain torch's, and an error must be the same error: where a
 region cannot keep plain torch's semantics the call runs op by op, nothing is silently
@@ -53,8 +56,16 @@ STEP = st.one_of(
     st.tuples(st.just("replace_buffer"), st.just(0)),
     st.tuples(st.just("param_in_place"), layer),
     st.tuples(st.just("raise"), st.just(0)),
+    st.tuples(st.just("norm"), st.just(0)),
+    st.tuples(st.just("batch_norm"), st.just(0)),
+    st.tuples(st.just("dropout"), st.just(0)),
+    st.tuples(st.just("attention"), st.just(0)),
+    st.tuples(st.just("embedding"), st.just(0)),
+    st.tuples(st.just("transposed"), layer),
+    st.tuples(st.just("relu_in_place"), st.just(0)),
 )
-CALL = st.tuples(st.booleans(), st.booleans(), st.sampled_from([None, None, None, "replace", "hook", "evict"]), layer)
+BETWEEN = [None, None, None, "replace", "hook", "evict", "tie", "step", "freeze", "mode", "load", "accumulate"]
+CALL = st.tuples(st.booleans(), st.booleans(), st.sampled_from(BETWEEN), layer)
 
 
 class Program(torch.nn.Module):
@@ -64,6 +75,9 @@ class Program(torch.nn.Module):
         super().__init__()
         self.steps = steps
         self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.bn = torch.nn.BatchNorm1d(WIDTH)
+        self.emb = torch.nn.Embedding(WIDTH, WIDTH)
         self.register_buffer("count", torch.zeros(WIDTH))
         self.fail = False
 
@@ -93,6 +107,20 @@ class Program(torch.nn.Module):
                     self.layers[i].weight.mul_(0.5)
             elif kind == "raise" and self.fail:
                 raise ValueError("midway")
+            elif kind == "norm":
+                x = self.norm(x)
+            elif kind == "batch_norm":
+                x = self.bn(x)
+            elif kind == "dropout":
+                x = torch.nn.functional.dropout(x, 0.5, self.training)
+            elif kind == "attention":
+                x = (x @ x.transpose(0, 1)).softmax(-1) @ x
+            elif kind == "embedding":
+                x = x + self.emb(x.argmax(-1))
+            elif kind == "transposed":
+                x = x @ self.layers[i].weight.t()
+            elif kind == "relu_in_place":
+                x = torch.relu_(x * 1)
         return x
 
 
@@ -135,6 +163,7 @@ def run(steps, calls, managed: bool, setting) -> list:
 def _calls(module, x, calls, seen, managed):
     hooked = []
     handles = []
+    optimizer = None
     try:
         for n, (grad, fail, between, which) in enumerate(calls):
             if between == "replace":
@@ -145,8 +174,20 @@ def _calls(module, x, calls, seen, managed):
                     lambda _m, _i, out: hooked.append(out.detach().cpu().clone())))
             elif between == "evict" and managed:
                 tm.evict_all()
+            elif between == "tie":
+                module.layers[which].weight = module.layers[(which + 1) % LAYERS].weight
+            elif between == "step":
+                optimizer = optimizer or torch.optim.AdamW(module.parameters(), lr=0.1)
+                optimizer.step()
+            elif between == "freeze":
+                module.layers[which].requires_grad_(False)
+            elif between == "mode":
+                module.train(not module.training)
+            elif between == "load":
+                module.load_state_dict({k: v + 1 for k, v in module.state_dict().items()})
             module.fail = fail
-            module.zero_grad(set_to_none=True)
+            if between != "accumulate":
+                module.zero_grad(set_to_none=True)
             try:
                 with torch.set_grad_enabled(grad):
                     out = module(x)
@@ -156,7 +197,9 @@ def _calls(module, x, calls, seen, managed):
             except (ValueError, RuntimeError) as e:
                 result = type(e).__name__
             grads = [(name, p.grad.cpu().clone()) for name, p in module.named_parameters() if p.grad is not None]
-            seen.append((result, grads, snapshot(module), list(hooked)))
+            state = [t.cpu().clone() for group in (optimizer.state.values() if optimizer else ())
+                     for t in group.values()]
+            seen.append((result, grads, snapshot(module), list(hooked), state))
             if managed:
                 tm.evict_all()
             seen.append(snapshot(module))
@@ -208,6 +251,17 @@ def test_a_weight_written_later_in_the_call_that_saved_it_is_refused(setting):
     # the write inside the call did not move: the backward ran on the written weight.
     steps = [("linear", 0), ("linear", 0), ("param_in_place", 0)]
     calls = [(True, False, None, 0), (True, False, None, 0), (True, False, None, 0)]
+    check(steps, calls, setting)
+
+
+@pytest.mark.parametrize("setting", [("genoa", None), ("flow", None)])
+def test_a_parameter_stored_after_its_slot_was_tied_is_the_tied_parameter(setting):
+    # Found the same way: ``self.alias = self.layers[0].weight`` registers a parameter, then
+    # ``layers[0].weight`` is tied to ``layers[1].weight``. The alias slot held the old weight,
+    # so the view the call stored was not given for it: it became a new Parameter on the tied
+    # weight's bytes, which an optimizer would have updated twice.
+    steps = [("alias_param", 0)]
+    calls = [(False, False, None, 0), (False, False, None, 0), (False, False, "tie", 0)]
     check(steps, calls, setting)
 
 

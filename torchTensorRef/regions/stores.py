@@ -166,7 +166,9 @@ def wrap_stored(entries, wrap) -> None:
         if value is _TupleMark:
             tuples.append((container, key))
         elif isinstance(value, _Parameter):
-            ref = wrap(value.detach())
+            # (a view the call was given is its TensorRef, the Parameter itself: ``self.alias
+            # = self.lin.weight`` where the slot the view was given for holds another one)
+            ref = wrap(value) if id(value) in wrap.given else wrap(value.detach())
             container[key] = ref if isinstance(ref, _Parameter) else _Parameter(ref, value.requires_grad)
         else:
             container[key] = wrap(value)
