@@ -2,11 +2,13 @@
 
 Each example draws a module whose forward is a random list of steps (Linears, a norm, batch
 norm, dropout, attention over the batch, an embedding, a weight used outside its module,
-activations written in place, tensors stored on ``self``, parameters aliased and
+activations written in place, a checkpointed block, a parameter made in the call, a branch
+on a value, reshapes, a detach, tensors stored on ``self``, parameters aliased and
 re-assigned, buffers written in place or replaced, parameters written in place, an error
 midway) and a list of calls (with or without gradients, failing or not, with a submodule
 replaced, weights tied, a hook registered, an optimizer step, a layer frozen, the mode
-switched, a state dict loaded, gradients accumulated or every block evicted between them),
+switched, a state dict loaded, gradients accumulated or every block evicted between them; or
+called twice in one graph, or its backward run twice),
 under either strategy at a random budget or none, with the module a region. After every
 call and after ``evict_all()``, the outputs, the gradients, the optimizer's state and every
 tensor the modules hold (their values, whether each is a TensorRef, and which parameter
@@ -25,6 +27,7 @@ import os
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -63,8 +66,14 @@ STEP = st.one_of(
     st.tuples(st.just("embedding"), st.just(0)),
     st.tuples(st.just("transposed"), layer),
     st.tuples(st.just("relu_in_place"), st.just(0)),
+    st.tuples(st.just("checkpoint"), layer),
+    st.tuples(st.just("new_parameter"), st.just(0)),
+    st.tuples(st.just("branch_on_value"), st.just(0)),
+    st.tuples(st.just("reshape"), st.just(0)),
+    st.tuples(st.just("detach"), st.just(0)),
 )
-BETWEEN = [None, None, None, "replace", "hook", "evict", "tie", "step", "freeze", "mode", "load", "accumulate"]
+BETWEEN = [None, None, None, "replace", "hook", "evict", "tie", "step", "freeze", "mode", "load", "accumulate",
+           "twice", "retain"]
 CALL = st.tuples(st.booleans(), st.booleans(), st.sampled_from(BETWEEN), layer)
 
 
@@ -121,7 +130,22 @@ class Program(torch.nn.Module):
                 x = x @ self.layers[i].weight.t()
             elif kind == "relu_in_place":
                 x = torch.relu_(x * 1)
+            elif kind == "checkpoint":
+                x = torch.utils.checkpoint.checkpoint(self.block, x, i, use_reentrant=False)
+            elif kind == "new_parameter":
+                self.extra = torch.nn.Parameter(x.detach().mean(0))
+                x = x + self.extra
+            elif kind == "branch_on_value":
+                x = x * 2 if x.sum().item() > 0 else x - 1
+            elif kind == "reshape":
+                x = x.reshape(2, -1).flip(0).reshape(-1, WIDTH)
+            elif kind == "detach":
+                x = x.detach()
         return x
+
+    def block(self, x, i):
+        """What a ``checkpoint`` step recomputes in the backward: random bits included."""
+        return torch.nn.functional.dropout(torch.relu(self.layers[i](x)), 0.5, self.training)
 
 
 def snapshot(module) -> dict:
@@ -188,14 +212,26 @@ def _calls(module, x, calls, seen, managed):
             module.fail = fail
             if between != "accumulate":
                 module.zero_grad(set_to_none=True)
+            backward = False
             try:
                 with torch.set_grad_enabled(grad):
                     out = module(x)
+                    if between == "twice":  # (two calls in one graph)
+                        out = out + module(x)
                     if grad and out.requires_grad:
-                        out.square().mean().backward()
+                        backward = True
+                        loss = out.square().mean()
+                        loss.backward(retain_graph=between == "retain")
+                        if between == "retain":  # (the same graph's backward again)
+                            loss.backward()
                 result = out.detach().cpu().clone()
             except (ValueError, RuntimeError) as e:
                 result = type(e).__name__
+                if backward:
+                    # Which gradients a backward that raised leaves is the order autograd ran
+                    # its nodes in, and a region is one node (docs/compatibility.md): none
+                    # are compared, nor carried into the next call.
+                    module.zero_grad(set_to_none=True)
             grads = [(name, p.grad.cpu().clone()) for name, p in module.named_parameters() if p.grad is not None]
             state = [t.cpu().clone() for group in (optimizer.state.values() if optimizer else ())
                      for t in group.values()]
