@@ -64,8 +64,8 @@ contribution apart, recorded by hooks on the reading nodes in the order the inne
 them, which is plain torch's: autograd adds them to the rest as plain torch would. The graph
 is walked only where the call was given an argument that needs gradients (a walk of a whole
 model's graph in Python costs a visible share of a training step): a parameter read
-several times inside and also outside the region, a weight tied across its edge, still gets
-the sum.
+several times inside and also outside the region (a weight tied across its edge, or a
+region called twice in one graph) still gets the sum.
 
 Note [Gradients of gradients]: the node's backward runs the inner graph without recording
 a graph of its own (its plain leaves are not the TensorRefs autograd differentiates), so a

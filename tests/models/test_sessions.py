@@ -1,0 +1,188 @@
+"""Property-based sessions of real models: what a user does over time, managed against plain torch.
+
+Each example builds a small Hugging Face causal LM (GPT-2 or Llama, random weights) twice from
+one seed, plain torch on the device and managed under a strategy and a budget, then draws a
+session: training steps (AdamW or SGD, gradients accumulated over two batches or not,
+clipped or not), ``generate()`` with prompts and new-token counts of varying lengths (greedy
+or sampling), forwards without gradients of varying lengths, the budget changed, every block
+evicted, a decoder layer frozen (as an adapter's user freezes the base), gradient
+checkpointing switched on or off, and a state dict loaded. After every step the logits, the
+losses, the tokens, the gradients, the optimizer's state and every parameter and buffer must
+be plain torch's, bit for bit, and the manager's peak within the budget.
+
+A fixed set of sessions runs by default; ``TORCHTENSORREF_PROPERTY_EXAMPLES=N`` draws N at
+random instead (a search; ``--hypothesis-seed`` replays one).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchTensorRef import tensorsManager as tm
+from paired import plain_torch
+
+from . import harness
+from .harness import Case, hf_forward
+
+transformers = pytest.importorskip("transformers")
+
+_SEARCH = int(os.environ.get("TORCHTENSORREF_PROPERTY_EXAMPLES", "0"))
+SESSIONS = settings(
+    max_examples=_SEARCH or 6,
+    derandomize=not _SEARCH,
+    print_blob=bool(_SEARCH),
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+VOCAB = 64
+LAYERS = 2
+SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _config(name: str):
+    if name == "gpt2":
+        return transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=LAYERS, n_head=2,
+                                       **SPECIAL)
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=64, **SPECIAL)
+
+
+STEP = st.one_of(
+    st.tuples(st.just("train"), st.sampled_from(["adamw", "sgd"]), st.booleans(), st.booleans()),
+    st.tuples(st.just("generate"), st.integers(1, 2), st.integers(1, 10), st.integers(1, 8), st.booleans()),
+    st.tuples(st.just("forward"), st.integers(1, 12)),
+    st.tuples(st.just("budget"), st.sampled_from([None, 0.3, 0.5, 1.0, 2.0])),
+    st.tuples(st.just("evict")),
+    st.tuples(st.just("freeze"), st.integers(0, LAYERS - 1)),
+    st.tuples(st.just("checkpointing"), st.booleans()),
+    st.tuples(st.just("load")),
+)
+
+
+def _checkpointing(model, on: bool) -> None:
+    """Gradient checkpointing on (non-reentrant) or off, by transformers' current name."""
+    name = "activation_checkpointing" if hasattr(model, "activation_checkpointing_enable") else (
+        "gradient_checkpointing")
+    if on:
+        getattr(model, f"{name}_enable")(**{f"{name}_kwargs": {"use_reentrant": False}})
+    else:
+        getattr(model, f"{name}_disable")()
+
+
+class Session:
+    """One model, managed and plain, and what the session has made of it so far."""
+
+    def __init__(self, name: str, strategy: str, fraction):
+        tm.strategy = strategy
+        case = Case(name, lambda: transformers.AutoModelForCausalLM.from_config(_config(name)), dict, hf_forward)
+        harness.BUDGET_FRACTION, previous = (fraction or 1.0), harness.BUDGET_FRACTION
+        try:
+            self.pair = harness.build_pair(case)
+        finally:
+            harness.BUDGET_FRACTION = previous
+        if fraction is None:
+            tm.budget = None
+        self.weights = harness.param_bytes(self.pair.plain)
+        self.optimizers = {}
+        self.seed = 10
+
+    def both(self, fn):
+        """``fn(model)`` on the managed model, then on the plain one (same RNG state)."""
+        self.seed += 1
+        torch.manual_seed(self.seed)
+        managed = fn(self.pair.managed, False)
+        with plain_torch():
+            torch.manual_seed(self.seed)
+            plain = fn(self.pair.plain, True)
+        return managed, plain
+
+    def ids(self, batch: int, length: int):
+        return self.both(lambda _m, _p: torch.randint(3, VOCAB, (batch, length)))
+
+    def step(self, kind, *p) -> None:
+        pair = self.pair
+        if kind == "train":
+            self.train(*p)
+        elif kind == "generate":
+            batch, prompt, new, sample = p
+            ids_m, ids_p = self.ids(batch, prompt)
+            options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=sample, top_k=10)
+            for m in (pair.managed, pair.plain):
+                m.eval()
+            tokens = self.both(lambda m, plain: m.generate(ids_p if plain else ids_m, **options))
+            harness.compare(*tokens, "generated tokens")
+        elif kind == "forward":
+            ids_m, ids_p = self.ids(1, p[0])
+            with torch.no_grad():
+                logits = self.both(lambda m, plain: m(ids_p if plain else ids_m).logits)
+            harness.compare(*logits, "logits without gradients")
+        elif kind == "budget":
+            tm.budget = None if p[0] is None else tm.outside_bytes() + int(p[0] * self.weights)
+            tm.reset_stats()
+        elif kind == "evict":
+            tm.evict_all()
+        elif kind == "freeze":
+            self.both(lambda m, _p: m.model.layers[p[0]].requires_grad_(False) if hasattr(m, "model")
+                      else m.transformer.h[p[0]].requires_grad_(False))
+        elif kind == "checkpointing":
+            self.both(lambda m, _p: _checkpointing(m, p[0]))
+        elif kind == "load":
+            self.both(lambda m, _p: m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()}))
+        harness.compare_state(pair, f"after {kind}")
+        if tm.budget is not None:
+            pair.check_peak(kind)
+
+    def train(self, optimizer: str, accumulate: bool, clip: bool) -> None:
+        pair = self.pair
+        if optimizer not in self.optimizers:
+            make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if optimizer == "adamw" else (
+                lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+            self.optimizers[optimizer] = self.both(lambda m, _p: make(m.parameters()))
+        for m in (pair.managed, pair.plain):
+            m.train()
+        for _ in range(2 if accumulate else 1):
+            ids_m, ids_p = self.ids(2, 6)
+            out = self.both(lambda m, plain: m(ids_p if plain else ids_m, labels=ids_p if plain else ids_m))
+            harness.compare(out[0].logits, out[1].logits, "training logits")
+            harness.compare(out[0].loss, out[1].loss, "training loss")
+            out[0].loss.backward()
+            with plain_torch():
+                out[1].loss.backward()
+            out = None
+        harness.compare_grads(pair)
+        opt_m, opt_p = self.optimizers[optimizer]
+        if clip:
+            norms = self.both(lambda m, _p: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+            harness.compare(*norms, "gradient norm")
+        opt_m.step()
+        opt_m.zero_grad()
+        with plain_torch():
+            opt_p.step()
+            opt_p.zero_grad()
+        for state_m, state_p in zip(opt_m.state.values(), opt_p.state.values()):
+            for key in state_p:
+                if isinstance(state_p[key], torch.Tensor) and state_p[key].dim():
+                    harness.compare(state_m[key], state_p[key], f"optimizer state {key}")
+
+
+@SESSIONS
+@given(name=st.sampled_from(["gpt2", "llama"]), strategy=st.sampled_from(["genoa", "flow"]),
+       fraction=st.sampled_from([None, 0.3, 0.5, 1.0]), steps=st.lists(STEP, min_size=1, max_size=6))
+def test_model_sessions_match_plain_torch(name, strategy, fraction, steps):
+    session = Session(name, strategy, fraction)
+    try:
+        for step in steps:
+            session.step(*step)
+    finally:
+        session = None
+        tm.budget = None
+        gc.collect()
