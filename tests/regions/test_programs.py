@@ -5,16 +5,16 @@ norm, dropout, attention over the batch, an embedding, a weight used outside its
 activations written in place, a checkpointed block, a parameter made in the call, a branch
 on a value, reshapes, a detach, tensors stored on ``self``, parameters aliased and
 re-assigned, buffers written in place or replaced, parameters written in place, an error
-midway) and a list of calls (with or without gradients, failing or not, with a submodule
-replaced, weights tied, a hook registered, an optimizer step, a layer frozen, the mode
-switched, a state dict loaded, gradients accumulated or every block evicted between them; or
-called twice in one graph, or its backward run twice),
-under either strategy at a random budget or none, with the module a region. After every
-call and after ``evict_all()``, the outputs, the gradients, the optimizer's state and every
-tensor the modules hold (their values, whether each is a TensorRef, and which parameter
-each attribute is) must be plain torch's, and an error must be the same error: where a
-region cannot keep plain torch's semantics the call runs op by op, nothing is silently
-different (Note [Stores on modules] in regions/stores.py).
+midway) and a list of calls (with or without gradients, failing or not, called twice in one
+graph or its backward run twice; with a submodule replaced, weights tied, a hook
+registered, an optimizer step, a layer frozen, the mode switched, a state dict loaded,
+gradients accumulated or every block evicted between them), under either strategy at a
+random budget or none, with the module a region (or, one time in four, regions off: the
+per-op path alone). After every call and after ``evict_all()``, the outputs, the gradients,
+the optimizer's state and every tensor the modules hold (their values, whether each is a
+TensorRef, and which parameter each attribute is) must be plain torch's, and an error must
+be the same error: where a region cannot keep plain torch's semantics the call runs op by
+op, nothing is silently different (Note [Stores on modules] in regions/stores.py).
 
 ``TORCHTENSORREF_PROGRAM_EXAMPLES`` sets how many programs (a fixed set: the same on every run);
 ``TORCHTENSORREF_PROPERTY_EXAMPLES=N`` draws N at random instead, as for ``tests/test_properties.py``
@@ -279,9 +279,10 @@ def assert_same(plain, managed, where="") -> None:
 
 @PROGRAMS
 @given(steps=st.lists(STEP, min_size=1, max_size=8), calls=st.lists(CALL, min_size=1, max_size=6),
-       setting=st.tuples(st.sampled_from(["genoa", "flow"]), st.sampled_from([None, 3 * 1024, 8 * 1024, 64 * 1024])))
-def test_module_programs_under_regions_match_plain_torch(steps, calls, setting):
-    check(steps, calls, setting)
+       setting=st.tuples(st.sampled_from(["genoa", "flow"]), st.sampled_from([None, 3 * 1024, 8 * 1024, 64 * 1024])),
+       by_op=st.sampled_from([False, False, False, True]))
+def test_module_programs_under_regions_match_plain_torch(steps, calls, setting, by_op):
+    check(steps, calls, setting, by_op)
 
 
 @pytest.mark.parametrize("setting", [("flow", None), ("genoa", None), ("flow", 8 * 1024)])
@@ -317,10 +318,11 @@ def test_a_parameter_stored_after_its_slot_was_tied_is_the_tied_parameter(settin
     check(steps, calls, setting)
 
 
-def check(steps, calls, setting):
-    """The program run on plain torch and managed, the same after every call."""
+def check(steps, calls, setting, by_op=False):
+    """The program run on plain torch and managed, the same after every call (``by_op``:
+    with regions off, the per-op path alone)."""
     previous = regions.enabled, regions.min_ops, regions.under_budget
-    regions.enabled, regions.min_ops, regions.under_budget = True, 0, True
+    regions.enabled, regions.min_ops, regions.under_budget = not by_op, 0, True
     try:
         plain = run(steps, calls, False, setting)
         managed = run(steps, calls, True, setting)
