@@ -1,14 +1,15 @@
 """Property-based sessions of real models: what a user does over time, managed against plain torch.
 
-Each example builds a small Hugging Face causal LM (GPT-2 or Llama, random weights) twice from
-one seed, plain torch on the device and managed under a strategy and a budget, then draws a
-session: training steps (AdamW or SGD, gradients accumulated over two batches or not,
-clipped or not), ``generate()`` with prompts and new-token counts of varying lengths (greedy
-or sampling), forwards without gradients of varying lengths, the budget changed, every block
-evicted, a decoder layer frozen (as an adapter's user freezes the base), gradient
-checkpointing switched on or off, and a state dict loaded. After every step the logits, the
-losses, the tokens, the gradients, the optimizer's state and every parameter and buffer must
-be plain torch's, bit for bit, and the manager's peak within the budget.
+Each example builds a small Hugging Face causal LM (GPT-2, Llama with its embedding tied to
+its head or not, or a Mixtral; random weights) twice from one seed, plain torch on the
+device and managed under a strategy and a budget, then draws a session: training steps
+(AdamW or SGD, gradients accumulated over two batches or not, clipped or not),
+``generate()`` with prompts and new-token counts of varying lengths (greedy or sampling),
+forwards without gradients of varying lengths, the budget changed, every block evicted, a
+decoder layer frozen (as an adapter's user freezes the base), gradient checkpointing
+switched on or off, and a state dict loaded. After every step the logits, the losses, the
+tokens, the gradients, the optimizer's state and every parameter and buffer must be plain
+torch's, bit for bit, and the manager's peak within the budget.
 
 A fixed set of sessions runs by default; ``TORCHTENSORREF_PROPERTY_EXAMPLES=N`` draws N at
 random instead (a search; ``--hypothesis-seed`` replays one).
@@ -51,9 +52,13 @@ def _config(name: str):
     if name == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=LAYERS, n_head=2,
                                        **SPECIAL)
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                    num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=64, **SPECIAL)
+    shapes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **SPECIAL)
+    if name == "mixtral":  # (experts stacked in one parameter, tokens routed by count)
+        # (a third layer: a projection's stacked experts, in one op, fit 30% of the weights)
+        return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                          **dict(shapes, num_hidden_layers=LAYERS + 1))
+    return transformers.LlamaConfig(tie_word_embeddings=name == "llama_tied", **shapes)
 
 
 STEP = st.one_of(
@@ -175,7 +180,7 @@ class Session:
 
 
 @SESSIONS
-@given(name=st.sampled_from(["gpt2", "llama"]), strategy=st.sampled_from(["genoa", "flow"]),
+@given(name=st.sampled_from(["gpt2", "llama", "llama_tied", "mixtral"]), strategy=st.sampled_from(["genoa", "flow"]),
        fraction=st.sampled_from([None, 0.3, 0.5, 1.0]), steps=st.lists(STEP, min_size=1, max_size=6))
 def test_model_sessions_match_plain_torch(name, strategy, fraction, steps):
     session = Session(name, strategy, fraction)
