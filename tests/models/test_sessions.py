@@ -7,9 +7,10 @@ device and managed under a strategy and a budget, then draws a session: training
 ``generate()`` with prompts and new-token counts of varying lengths (greedy or sampling),
 forwards without gradients of varying lengths, the budget changed, every block evicted, a
 decoder layer frozen (as an adapter's user freezes the base), gradient checkpointing
-switched on or off, and a state dict loaded. After every step the logits, the losses, the
-tokens, the gradients, the optimizer's state and every parameter and buffer must be plain
-torch's, bit for bit, and the manager's peak within the budget.
+switched on or off, a state dict loaded, and a host budget set (host copies beyond it go to
+the disk tier) or lifted. After every step the logits, the losses, the tokens, the
+gradients, the optimizer's state and every parameter and buffer must be plain torch's, bit
+for bit, and the manager's peak within the budget.
 
 A fixed set of sessions runs by default; ``TORCHTENSORREF_PROPERTY_EXAMPLES=N`` draws N at
 random instead (a search; ``--hypothesis-seed`` replays one).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 
 import pytest
 import torch
@@ -70,6 +72,7 @@ STEP = st.one_of(
     st.tuples(st.just("freeze"), st.integers(0, LAYERS - 1)),
     st.tuples(st.just("checkpointing"), st.booleans()),
     st.tuples(st.just("load")),
+    st.tuples(st.just("disk"), st.sampled_from([None, 0.5, 2.0])),
 )
 
 
@@ -99,6 +102,7 @@ class Session:
         self.weights = harness.param_bytes(self.pair.plain)
         self.optimizers = {}
         self.seed = 10
+        self.folder = None  # (the disk tier's, once a host budget is set)
 
     def both(self, fn):
         """``fn(model)`` on the managed model, then on the plain one (same RNG state)."""
@@ -142,9 +146,30 @@ class Session:
             self.both(lambda m, _p: _checkpointing(m, p[0]))
         elif kind == "load":
             self.both(lambda m, _p: m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()}))
+        elif kind == "disk":
+            self.host_budget(p[0])
         harness.compare_state(pair, f"after {kind}")
         if tm.budget is not None:
             pair.check_peak(kind)
+
+    def host_budget(self, fraction) -> None:
+        """Host copies beyond ``fraction`` of the weights (above what cannot leave host
+        memory) go to the disk tier; ``None``: no host budget."""
+        if fraction is None:
+            tm.host_budget = None
+            return
+        if self.folder is None:
+            self.folder = tempfile.TemporaryDirectory()
+            tm.offload_dir = self.folder.name
+        gc.collect()
+        held = sum(b.nbytes for b in tm.host_tier.hosted.values() if b.host_shared or b.external)
+        tm.host_budget = held + int(fraction * self.weights)
+
+    def close(self) -> None:
+        tm.budget = tm.host_budget = None
+        if self.folder is not None:
+            tm.offload_dir = None
+            self.folder.cleanup()
 
     def train(self, optimizer: str, accumulate: bool, clip: bool) -> None:
         pair = self.pair
@@ -188,6 +213,6 @@ def test_model_sessions_match_plain_torch(name, strategy, fraction, steps):
         for step in steps:
             session.step(*step)
     finally:
+        session.close()
         session = None
-        tm.budget = None
         gc.collect()

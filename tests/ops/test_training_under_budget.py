@@ -127,6 +127,24 @@ def test_rows_of_a_stacked_weight_larger_than_the_budget_are_read_alone(tight):
     assert tight.stats()["bytes_to_device"] < 4 * rows * cols * 4  # (three experts, not sixteen)
 
 
+def test_rows_of_a_stacked_weight_whose_result_does_not_fit_are_gathered_on_the_host(tight):
+    # A batch of tokens each gathering its experts: the rows named and the result (a copy of
+    # an expert per token) are more than the room, which the stack itself exceeds. The
+    # gather runs on the host into a result held there; the product that reads it next runs
+    # in batch groups.
+    experts, rows, cols = 16, 64, 32  # (a 128 KiB stack; 8 KiB an expert)
+    w, pw = _pair(experts, rows, cols)
+    x, px = _pair(8, 1, rows, seed=1)
+    ids = [5, 1, 5, 7, 2, 3, 9, 11]  # (seven experts, 56 KiB, and a 64 KiB result)
+    with plain_torch():
+        gathered = pw[torch.tensor(ids)]
+        expected, expected_product = gathered.cpu(), torch.bmm(px, gathered).cpu()
+    _tighten(tight, 64 * 1024)
+    out = w[torch.tensor(ids)]
+    assert torch.equal(_plain(out), expected)
+    assert torch.equal(_plain(torch.bmm(x, out)), expected_product)
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 def test_rows_of_a_stacked_weight_that_fits_are_read_alone_with_no_gradient_to_record(tight, grad):
     # Note [Rows of a table], for ``index``: a stack of ``ROWS_MIN_TABLE`` bytes fits the

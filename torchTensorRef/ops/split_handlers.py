@@ -176,7 +176,7 @@ def _index_rows(func, args, kwargs, spec: OpSpec, left):
         settle([self])
         need = rows.numel() * _row_bytes(self) + block_of(local).nbytes + estimate_output_bytes(spec, args, kwargs)
         if need > left:
-            raise refuse(spec.name, need, left)
+            return _gathered_on_host(self, values)
     with mgr.lock:
         mgr.sync_host(block_of(self))  # (settled: nothing to copy; else its device copy stays)
         table = host_view(self).detach().index_select(0, rows)
@@ -184,6 +184,19 @@ def _index_rows(func, args, kwargs, spec: OpSpec, left):
 
 
 _index_when_refused = when_refused(_index_rows)
+
+
+def _gathered_on_host(t: TensorRef, values: torch.Tensor) -> TensorRef:
+    """``t[values]`` gathered from ``t``'s host copy into a result whose only copy is on the
+    host, where the rows and the result do not fit the device's room together (a batch of
+    tokens each gathering its experts): a gather copies bytes, the same bits wherever it
+    runs, and the next op brings the result in as it brings any tensor in (or in pieces)."""
+    out = host_result(tuple(values.shape) + tuple(t.shape[1:]), t.dtype)
+    with mgr.lock:
+        mgr.sync_host(block_of(t))
+        flat = host_view(out).view(-1, *t.shape[1:])
+        torch.index_select(host_view(t).detach(), 0, values.reshape(-1), out=flat)
+    return out
 
 
 # -- elementwise ops a training step runs on whole parameters -------------------------------
