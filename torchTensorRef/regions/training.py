@@ -31,22 +31,21 @@ is refused there, as plain torch refuses it.
 
 Note [Saved while nothing pages]: with no budget the manager's limit is the device's
 capacity, and until that has made it evict (``tensorsManager.paged``) nothing is paged: a
-call's saved activations then stay plain tensors, kept by the inner graph as plain torch keeps
-them, and its leaves keep their bytes, with no saved-tensor hooks (``Training.paged`` false, as
-in pass-through; Note [Saved leaves are watched] in ``saved.py``).
-Making each activation a block after the call and a view of it again in backward took more
-host time than the call's kernels on a small model
-(``benchmarks/train_parts.py``). A graph made so holds device bytes outside the manager until
-its backward frees them, which the device's readings count as outside bytes, as they count a
-program's plain tensors; a call made once the manager has evicted makes blocks of them again.
-Under a budget the same holds for a call whose needs (``Region._needs``: its working set, the
-room for its inside and its backward) take at most ``PLAIN_SHARE`` of the manager's share:
-a budget the step fits in pays what no budget pays. Its activations were allocated in the
-room the call kept for its inside, and once it returns the device is read again, so that
-they count as outside bytes against the budget until the backward frees them (a later
-reading finds them gone); any eviction reads the device first. Until then a budget set
-below them is refused, as any budget below what the device holds outside the manager
-(``BudgetBelowFloorError``). A larger call, whose plain
+call's saved activations then stay plain tensors, kept by the inner graph as plain torch
+keeps them, and its leaves keep their bytes, with no saved-tensor hooks (``Training.paged``
+false, as in pass-through; Note [Saved leaves are watched] in ``saved.py``). Making each
+activation a block after the call and a view of it again in backward took more host time
+than the call's kernels on a small model (``benchmarks/train_parts.py``). A graph made so
+holds device bytes outside the manager until its backward frees them, which the device's
+readings count as outside bytes, as they count a program's plain tensors; a call made once
+the manager has evicted makes blocks of them again. Under a budget the same holds for a call
+whose needs (``Region._needs``: its working set, the room for its inside and its backward)
+take at most ``PLAIN_SHARE`` of the manager's share: a budget the step fits in pays what no
+budget pays. Its activations were allocated in the room the call kept for its inside, and
+once it returns the device is read again, so that they count as outside bytes against the
+budget until the backward frees them (a later reading finds them gone); any eviction reads
+the device first. Until then a budget set below them is refused, as any budget below what
+the device holds outside the manager (``BudgetBelowFloorError``). A larger call, whose plain
 activations could leave too little room for the ops between it and its backward, makes
 blocks of them, which those ops may evict. A strategy that sends blocks back after every op
 (Genoa: ``Strategy.sends_back``) gets blocks always: plain tensors would keep on the device
@@ -124,12 +123,9 @@ def saves_blocks(mgr, limited: bool, needs: int) -> bool:
 def probe_second_order(region) -> bool:
     """Whether this call of ``region``, which needs gradients, runs op by op to see whether
     its backward asks for gradients of the gradients (Note [Gradients of gradients])."""
-    if region.second_order is not None:
-        return False
-    if region.probes >= PROBES:
+    if region.second_order is None and region.probes >= PROBES:
         region.second_order = False  # (no backward came: calls with gradients, none taken)
-        return False
-    return True
+    return region.second_order is None
 
 
 def watch_backward(region, out) -> None:
@@ -492,6 +488,9 @@ class _Link(torch.autograd.Function):
     @staticmethod
     def forward(ctx, training: Training, *refs):
         ctx.training = training
+        # (an output the loss does not read, a value stored on a module, gets no gradient:
+        # made zeros, its graph would give its leaves zero gradients, plain torch none)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(refs[0])  # (freed with the graph: Training._release_if_freed)
         return training.outputs
 
