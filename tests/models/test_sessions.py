@@ -72,7 +72,7 @@ STEP = st.one_of(
     st.tuples(st.just("freeze"), st.integers(0, LAYERS - 1)),
     st.tuples(st.just("checkpointing"), st.booleans()),
     st.tuples(st.just("load")),
-    st.tuples(st.just("disk"), st.sampled_from([None, 0.5, 2.0])),
+    st.tuples(st.just("disk"), st.sampled_from([None, 1.0, 2.0])),
 )
 
 

@@ -131,6 +131,36 @@ def test_optimizer_steps(budgeted, optimizer, options):
     _same(params, pparams)
 
 
+def test_optimizer_step_under_a_host_budget_alone_runs_in_slices(fresh_manager, tmp_path):
+    # No device budget, a host budget below the step's lists, Genoa (which sends every
+    # tensor back to the host after its op): the tensors are read back from disk into host
+    # copies, so the step (whole, on plain tensors, or its list ops) goes in parts that fit
+    # the host budget too (all four lists at once were refused: "reading a tensor back from
+    # disk needs ... of host memory").
+    (params, grads), (pparams, pgrads) = _lists(2)
+    with plain_torch():
+        pparams = [torch.nn.Parameter(p) for p in pparams]
+        for p, g in zip(pparams, pgrads):
+            p.grad = g
+        popt = torch.optim.AdamW(pparams, lr=0.1, foreach=True)
+        for _ in range(2):
+            popt.step()
+    fresh_manager.strategy = "genoa"
+    params = [torch.nn.Parameter(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt = torch.optim.AdamW(params, lr=0.1, foreach=True)
+    fresh_manager.offload_dir = tmp_path
+    fresh_manager.host_budget = 2 * N * SIZE * 4  # (the lists are four times the weights)
+    try:
+        for _ in range(2):
+            opt.step()
+        assert fresh_manager.stats()["bytes_to_disk"] > 0
+        _same(params, pparams)
+    finally:
+        fresh_manager.host_budget = None
+
+
 def test_fits_whole_runs_as_one_op(fresh_manager):
     (xs, ys), _ = _lists(2)
     fresh_manager.budget = budget(2 * N * SIZE * 4)

@@ -106,6 +106,9 @@ def parts(opt: torch.optim.Optimizer):
     # for later, and each part is an op's host work. Op by op only each list op's tensors
     # are resident at once, and half the share means fewer ops)
     room = _mgr.accounting.share() // (8 if _views_allowed() and _mgr.paged else 2)
+    host = _mgr.host_tier.op_room()
+    if host is not None:  # (a part's tensors are read from disk into host copies first)
+        room = min(room, host)
     groups = [g["params"] for g in opt.param_groups]
     sizes = [[_param_bytes(opt, p) for p in ps] for ps in groups]
     if sum(map(sum, sizes)) <= room:
@@ -137,12 +140,21 @@ def step_wrapper(wrapped, instance, args, kwargs):
     if _mgr.backend.passthrough or _mgr.settings.budget_value is None:
         # (nothing to page: whole; what ``_left`` holds stays after a step on plain tensors,
         # so a state name the step added makes the next step op by op)
-        out = _on_plain_tensors(opt, wrapped, args, kwargs) if steady else wrapped(*args, **kwargs)
+        whole = steady and _fits_host_budget(opt)
+        out = _on_plain_tensors(opt, wrapped, args, kwargs) if whole else wrapped(*args, **kwargs)
     else:
         out = _in_parts(opt, wrapped, args, kwargs, steady)
     if not steady:
         _left[opt] = _shape(opt)  # (a step op by op may have made state)
     return out
+
+
+def _fits_host_budget(opt: torch.optim.Optimizer) -> bool:
+    """Whether the step's tensors fit the host budget together: on plain tensors, as one
+    op, they are all read into host copies first; else it runs op by op, its list ops in
+    slices that fit."""
+    room = _mgr.host_tier.op_room()
+    return room is None or sum(_param_bytes(opt, p) for g in opt.param_groups for p in g["params"]) <= room
 
 
 def _views_allowed() -> bool:

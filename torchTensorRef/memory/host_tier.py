@@ -208,6 +208,15 @@ class HostTier:
 
     # -- what strategies use ----------------------------------------------------------------
 
+    def op_room(self) -> Optional[int]:
+        """Host bytes one op's tensors may hold under the host budget: the budget less the
+        host copies no op can move (shared with the program's tensors, CPU tensors); ``None``
+        when unlimited."""
+        limit = self.limit
+        if limit is None:
+            return None
+        return max(limit - sum(b.nbytes for b in self.hosted.values() if b.external or b.host_shared), 0)
+
     def room(self) -> Optional[int]:
         """Host bytes that still fit under the host budget now; ``None`` when unlimited."""
         limit = self.limit

@@ -19,6 +19,7 @@ import torch
 from ..core import raw
 from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements
+from ..memory.manager import tensorsManager as mgr
 from . import chunks, split
 from .dispatch import run_generic, run_unhandled
 from .host_arguments import to_host
@@ -143,6 +144,9 @@ def run_in_slices(func, args, kwargs, spec: OpSpec):
     if spec.host_args:  # (per-position scalars: read on the host, sliced there)
         args, kwargs = to_host(spec, args, kwargs)
     limit = split.room()
+    host = mgr.host_tier.op_room()
+    if host is not None:  # (a slice's tensors are read into host copies first, from disk)
+        limit = host if limit is None else min(limit, host)
     layout = _layouts.get(func)
     if layout is None:
         layout = _layouts[func] = _Layout(func)
