@@ -209,3 +209,39 @@ def test_a_parameter_s_alias_is_given_again_until_its_copy_or_attributes_change(
         with torch.no_grad():
             plain = plain_layer(plain_x)
     assert_identical(plain, out)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_a_region_larger_than_the_host_budget_runs_op_by_op(fresh_manager, tmp_path, grad):
+    # Genoa, no device budget, a host budget of half the weights (the disk tier below it):
+    # as one op the call's working set, every weight read from disk into host copies at
+    # once, raised HostBudgetError; op by op, each op's tensors fit.
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+
+    with plain_torch():
+        plain, px = model().to(TEST_DEVICE), torch.ones(2, 64, device=TEST_DEVICE)
+        expected = plain(px)
+        if grad:
+            expected.sum().backward()
+    managed = regions.region(model())
+    weights = sum(p.nbytes for p in managed.parameters())
+    fresh_manager.strategy = "genoa"
+    fresh_manager.offload_dir = tmp_path
+    fresh_manager.host_budget = weights // 2
+    try:
+        for _ in range(3):
+            managed.zero_grad()
+            with torch.set_grad_enabled(grad):
+                out = managed(torch.ones(2, 64))
+                if grad:
+                    out.sum().backward()
+            assert_identical(expected, out)
+        for p, q in zip(managed.parameters(), plain.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if grad:
+                assert_identical(q.grad, p.grad)
+        assert fresh_manager.stats()["bytes_to_disk"] > 0
+    finally:
+        fresh_manager.host_budget = None

@@ -153,8 +153,8 @@ def _fits_host_budget(opt: torch.optim.Optimizer) -> bool:
     """Whether the step's tensors fit the host budget together: on plain tensors, as one
     op, they are all read into host copies first; else it runs op by op, its list ops in
     slices that fit."""
-    room = _mgr.host_tier.op_room()
-    return room is None or sum(_param_bytes(opt, p) for g in opt.param_groups for p in g["params"]) <= room
+    host = _mgr.host_tier
+    return host.limit is None or host.holds(sum(_param_bytes(opt, p) for g in opt.param_groups for p in g["params"]))
 
 
 def _views_allowed() -> bool:

@@ -217,6 +217,11 @@ class HostTier:
             return None
         return max(limit - sum(b.nbytes for b in self.hosted.values() if b.external or b.host_shared), 0)
 
+    def holds(self, nbytes: int) -> bool:
+        """Whether one op's tensors of ``nbytes`` fit the host budget together (``op_room``)."""
+        room = self.op_room()
+        return room is None or nbytes <= room
+
     def room(self) -> Optional[int]:
         """Host bytes that still fit under the host budget now; ``None`` when unlimited."""
         limit = self.limit

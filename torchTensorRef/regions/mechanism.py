@@ -17,22 +17,21 @@ aten op (``memory/op_protocol.py``):
    module in training mode: batch norm's kernels update the running statistics without
    moving their counters, or an inference tensor, made under ``torch.inference_mode()``,
    which has no counter, or a tensor of its module its measured call wrote: Note
-   [Unversioned writes]) is marked written; each
-   output, and each new tensor the call stored in an object it was given, becomes a
-   TensorRef (a view of an input joins its block, anything else is a new resident block),
-   room being made for the new ones first;
+   [Unversioned writes]) is marked written; each output, and each new tensor the call stored
+   in an object it was given, becomes a TensorRef (a view of an input joins its block,
+   anything else is a new resident block), room being made for the new ones first;
 4. the swapped slots get their TensorRefs back, the blocks are unpinned and ``finish``
    lets the strategy react, as after any op.
 
 What the call allocates inside (its intermediates and outputs) is measured the first time
 the region runs with given argument shapes under a budget: that call runs op by op (so it
-keeps the budget, as any code does) under a dispatch mode that follows the live bytes of
-the blocks and storages its ops create, to their peak. Later calls with the same shapes, or
-no larger ones (``inside.measured``), run as regions and make room for that peak, scaled by
-the growth of the tensors held in objects (a cache that grows each step), and measure again
-when those have doubled (larger calls: Note [Calls larger than measured] in ``inside.py``);
-a working set whose peak does not fit beside it runs op by op. The manager's peak counts
-the working set plus the room kept for the inside.
+keeps the budget, as any code does) under a dispatch mode that follows the live bytes of the
+blocks and storages its ops create, to their peak. Later calls with the same shapes, or no
+larger ones (``inside.measured``), run as regions and make room for that peak, scaled by the
+growth of the tensors held in objects (a cache that grows each step), and measure again when
+those have doubled (larger calls: Note [Calls larger than measured] in ``inside.py``); a
+working set whose peak does not fit beside it runs op by op. The manager's peak counts the
+working set plus the room kept for the inside.
 
 Autograd cannot see through a region (the call runs on plain views, not on the TensorRefs
 autograd tracks): a call that needs gradients builds its own graph inside, linked to the
@@ -44,12 +43,11 @@ moves the version counter of the alias ``.data`` made, not the tensor's. A modul
 mode (in training mode its buffers count as written anyway) that wrote its buffer so lost
 the write under a budget: the block was taken as unchanged, and its eviction dropped the
 device copy. A region's first call with given shapes runs op by op, measured, where each
-aten op's schema says which of its arguments it writes in place: the blocks of the
-module's tensors it wrote there (``Measure.wrote``) count as written at every later call of
-the region (``Region.writes``). A module that starts writing a tensor so only after its
-measured calls is not seen, nor is a kernel writing through a raw pointer. (In-place list
-ops move the counters of what they write: Note [Versions of list writes] in
-``core/op_specs.py``.)
+aten op's schema says which of its arguments it writes in place: the blocks of the module's
+tensors it wrote there (``Measure.wrote``) count as written at every later call of the
+region (``Region.writes``). A module that starts writing a tensor so only after its measured
+calls is not seen, nor is a kernel writing through a raw pointer. (In-place list ops move
+the counters of what they write: Note [Versions of list writes] in ``core/op_specs.py``.)
 """
 
 from __future__ import annotations
@@ -276,6 +274,8 @@ class Region:
         """The call as one step of the pager (Note [Region steps] in ``step.py``)."""
         mgr = _mgr
         ctx = plan.ctx
+        if mgr.host_tier.limit is not None and not mgr.host_tier.holds(sum([b.nbytes for b in ctx.blocks])):
+            raise NotARegion("larger than the host budget")  # (its blocks come through host copies)
         step = Step(ctx, plan.limited)
         try:
             step.begin(plan.on_host)
