@@ -72,6 +72,7 @@ from . import stores
 from .step import Plan, Step
 from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, needs_grad,
                    scan_call, select_object_slots)
+from .saved import move_versions
 from .training import Training, foreign_hooks, probe_second_order, saves_blocks, watch_backward
 
 class _State(threading.local):
@@ -116,25 +117,20 @@ class Region:
     def __init__(self, name: str, device_views: bool = True, strict: bool = False, measure: bool = True):
         self.spec = RegionSpec(name)
         self.backward_spec = RegionSpec(name + " backward")
-        #: shapes -> (bytes of the backward's blocks, peak bytes it allocated inside), measured
-        #: on its first run
+        #: shapes -> (bytes of its backward's blocks, peak bytes allocated inside), on its first run
         self.backward_peaks: dict = {}
         self.device_views = device_views
         self.strict = strict
         self.measure = measure
         self.inside = Inside()
         self.ops = None  # ops of the last measured call (a call of few ops is cheaper op by op)
-        #: whether a backward of its calls asked for gradients of the gradients (``None``: no
-        #: backward seen yet; Note [Gradients of gradients] in ``training.py``)
+        #: whether a backward of its calls recorded a graph (Note [Gradients of gradients]
+        #: in ``training.py``; ``None``: no backward seen yet)
         self.second_order = None
         self.probes = 0  # calls with gradients run op by op to see their backward
         self.mutates = False  # a call changed its module's own state (Note [Stores on modules]): op by op since
-        #: a measured call read TensorRefs its scan did not find (Note [Tensors no scan finds]
-        #: in ``scan.py``): its calls with gradients run op by op from now on
-        self.unseen = False
-        #: ids of the blocks of its module's tensors that a measured call wrote in place: its
-        #: calls count them as written (Note [Unversioned writes])
-        self.writes: set = set()
+        self.unseen = False  # a measured call read TensorRefs its scan missed: op by op with gradients (scan.py)
+        self.writes: set = set()  # blocks of its tensors a measured call wrote (Note [Unversioned writes])
         #: its module's tensors as one group, under a budget (Note [Region groups] in memory/groups.py)
         self.grouping = Grouping()
         self.reads_rows = False  # a measured call read rows alone (Note [Regions that read rows] in __init__.py)
@@ -419,12 +415,14 @@ class Region:
         gives its TensorRef the new bytes, as plain torch's tensor has them; the region runs
         op by op from then on (Note [Stores on modules])."""
         views = call.views
-        given, written, changed = {}, [], None
+        given, written, changed, moved = {}, [], None, []
         writes = self.writes
         for ref, view, address, version in views.values():
             given[id(view)] = ref
             if version is None or view._version != version or writes and block_of(ref).id in writes:
                 written.append(block_of(ref))
+                if version is not None and view._version != version:
+                    moved.append((ref, view, version))  # (its TensorRef's version moves too)
             now = view.data_ if view.__class__ is SimTensor else view
             if now.data_ptr() != address or now.shape != ref.shape:
                 changed = changed or []
@@ -436,6 +434,7 @@ class Region:
         for ref in call.kernel_written:
             if id(ref) in views:
                 written.append(block_of(ref))
+        move_versions(moved)
         return given, written
 
     def _finish_outputs(self, mgr, ctx, call: Call, out, on_host: bool, training=None):

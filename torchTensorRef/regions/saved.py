@@ -19,7 +19,10 @@ A write inside the call itself, after the save (``weight.mul_(0.5)`` under ``no_
 end of the forward), moves the leaf's version and not the TensorRef's: with nothing paged
 autograd's check sees it; a ``Saved`` view of a block remembers the version of the tensor
 autograd saved until the call returns, and is refused where it moved (found by the same
-programs under Genoa, whose saved tensors are always blocks).
+programs under Genoa, whose saved tensors are always blocks). And a tensor saved before the
+call, the TensorRef itself (op by op, or an earlier call of the region in the same graph),
+sees the call's writes: the TensorRef's version moves as its view's moved
+(``move_versions``), as plain torch's moves with each write.
 """
 
 from __future__ import annotations
@@ -58,3 +61,19 @@ def sync_versions(refs, leaves, versions) -> None:
         if version != versions[i]:
             increment_version(leaves[i])
             versions[i] = version
+
+
+def move_versions(written) -> None:
+    """Move the version of each TensorRef by as much as its view's moved while a call ran
+    (``(ref, view, version before)``): a tensor autograd saved before the call, the TensorRef
+    itself, is then refused in backward as plain torch refuses a tensor written since."""
+    moved: dict = {}
+    for ref, view, version in written:
+        if version is not None:
+            delta = view._version - version
+            if delta:
+                moved.setdefault(delta, []).append(ref)
+    for delta, refs in moved.items():
+        for _ in range(delta):
+            increment_version(refs)
+

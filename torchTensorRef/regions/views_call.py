@@ -25,6 +25,7 @@ from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import blocks_of_list
 from .mechanism import state
 from .op import RegionContext, RegionSpec, Wrapper
+from .saved import move_versions
 from .step import Step
 
 
@@ -109,16 +110,4 @@ def _written(blocks, refs, views, versions, read: range = range(0)) -> None:
                 if b.host_only:
                     mgr.host_written(b)
         mgr.mark_written(on_device)
-    moved: dict = {}
-    for ref, view, version in zip(refs, views, versions):
-        if version is not None:
-            delta = view._version - version
-            if delta:
-                same = moved.get(delta)
-                if same is None:
-                    moved[delta] = [ref]
-                else:
-                    same.append(ref)
-    for delta, moved_refs in moved.items():
-        for _ in range(delta):
-            torch.autograd.graph.increment_version(moved_refs)
+    move_versions(zip(refs, views, versions))
