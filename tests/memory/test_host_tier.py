@@ -10,7 +10,7 @@ import torch
 import torchTensorRef
 from paired import budget, plain_torch, values
 from torchTensorRef import DiskError, HostBudgetError, tensorsManager
-from torchTensorRef.core.tensor_ref import block_of
+from torchTensorRef.core.tensor_ref import block_of, host_view
 
 N = 64 * 64 * 4  # bytes of one weight
 
@@ -163,6 +163,31 @@ def test_offload_dir_holds_the_spill_file_until_its_tensors_leave_it(tmp_path):
     tm.synchronize()
     assert not first[0].exists()
     assert u.sum().item() == 2 * 4096.0
+
+
+def test_a_host_copy_held_while_its_spill_runs_keeps_what_is_written_into_it(tmp_path):
+    # Found by the model sessions: a Mixtral's stacked experts scaled in chunks under a host
+    # budget. The result's host copy was being spilled when the chunks' pieces came to alias
+    # it (held outside the manager: Note [External bytes]) and were written into it; the
+    # spill then ended and dropped that host copy, keeping the bytes read before the writes.
+    tm = tensorsManager
+    tm.strategy = "genoa"
+    tm.offload_dir = tmp_path
+    a = torch.full((64, 64), 1.0)
+    tm.evict_all()
+    block = block_of(a)
+    with tm.lock:
+        tm.host_tier.leave_host(block)  # (a spill starts)
+    assert block.spilling is not None
+    block.spilling.pending.wait_host()  # (its bytes are on disk: the writes below come after)
+    tm.mark_external(block)
+    try:
+        with torchTensorRef.disabled():
+            host_view(a).fill_(5.0)  # (as a piece's result lands there)
+    finally:
+        tm.unmark_external(block)
+    tm.host_tier.retire_spills(wait=True)
+    assert torch.equal(_host(a), _full((64, 64), 5.0))
 
 
 def test_a_full_disk_raises_and_keeps_the_host_copy(monkeypatch, tmp_path):

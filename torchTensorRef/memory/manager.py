@@ -376,6 +376,8 @@ class TensorsManager:
         bytes]): it leaves the device and its host copy is made current (waited for: ``wait``)."""
         with self.lock:
             self.books.mark_external(block)
+            if block.spilling is not None:
+                block.spilling.stale = True  # (its holders may write the bytes the spill reads: they stay)
             self.residency.evict(block)
             if wait or not block.host_valid:
                 self.residency.sync_host(block)
