@@ -7,15 +7,15 @@ on a value, reshapes, a detach, a Linear under ``no_grad``, tensors stored on ``
 parameters aliased and re-assigned, buffers written in place or replaced, parameters written
 in place, an error midway) and a list of calls (with or without gradients, failing or not,
 called twice in one graph or its backward run twice; with a submodule replaced, weights
-tied, a hook or a pre-hook registered, a parametrization registered, an optimizer step, a
-layer frozen, the mode switched, a state dict loaded, gradients accumulated or every block
-evicted between them), under either strategy at a random budget or none, with the module a
-region (or, one time in four, regions off: the per-op path alone). After every call and
-after ``evict_all()``, the outputs, the gradients, the optimizer's state and every tensor
-the modules hold (their values, whether each is a TensorRef, and which parameter each
-attribute is) must be plain torch's, and an error must be the same error: where a region
-cannot keep plain torch's semantics the call runs op by op, nothing is silently different
-(Note [Stores on modules] in regions/stores.py).
+tied, a hook or a pre-hook registered, an optimizer step, a layer frozen, the mode switched,
+a state dict loaded, gradients accumulated or every block evicted between them), under
+either strategy at a random budget or none, with the module a region (or, one time in four,
+regions off: the per-op path alone). After every call and after ``evict_all()``, the
+outputs, the gradients, the optimizer's state and every tensor the modules hold (their
+values, whether each is a TensorRef, and which parameter each attribute is) must be plain
+torch's, and an error must be the same error: where a region cannot keep plain torch's
+semantics the call runs op by op, nothing is silently different (Note [Stores on modules] in
+regions/stores.py).
 
 ``TORCHTENSORREF_PROGRAM_EXAMPLES`` sets how many programs (a fixed set: the same on every run);
 ``TORCHTENSORREF_PROPERTY_EXAMPLES=N`` draws N at random instead, as for ``tests/test_properties.py``
@@ -29,7 +29,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.utils.parametrize
 import torch.utils.checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -91,13 +90,6 @@ STEP = st.one_of(
 BETWEEN = [None, None, None, "replace", "hook", "evict", "tie", "step", "freeze", "mode", "load", "accumulate",
            "twice", "retain", "pre_hook"]
 CALL = st.tuples(st.booleans(), st.booleans(), st.sampled_from(BETWEEN), layer)
-
-
-class Halved(torch.nn.Module):
-    """A parametrization: the weight read is half the one stored."""
-
-    def forward(self, w):
-        return w * 0.5
 
 
 class Program(torch.nn.Module):
@@ -237,8 +229,6 @@ def _calls(module, x, calls, seen, managed):
                     module.layers[which].requires_grad_(False)
                 elif between == "mode":
                     module.train(not module.training)
-                elif between == "parametrize":  # (the weight is computed from ``original`` at each read)
-                    torch.nn.utils.parametrize.register_parametrization(module.layers[which], "weight", Halved())
                 elif between == "pre_hook":
                     handles.append(module.layers[which].register_forward_pre_hook(lambda _m, args: (args[0] * 2,)))
                 elif between == "load":
