@@ -190,6 +190,35 @@ def test_a_host_copy_held_while_its_spill_runs_keeps_what_is_written_into_it(tmp
     assert torch.equal(_host(a), _full((64, 64), 5.0))
 
 
+def test_a_host_copy_read_back_from_disk_then_written_by_its_holders_is_not_lost(tmp_path):
+    # Found by the model sessions: a Mixtral's stacked experts scaled in chunks under a host
+    # budget. The result's host copy had been spilled and read back (its disk copy kept, as
+    # it held the same bytes) when the chunks' pieces came to alias it and wrote into it; the
+    # host budget then dropped that host copy, as the disk one seemed current, and the result
+    # read back what the spill had written before the chunks ran.
+    tm = tensorsManager
+    tm.strategy = "genoa"
+    tm.offload_dir = tmp_path
+    a = torch.full((64, 64), 1.0)
+    tm.evict_all()
+    block = block_of(a)
+    with tm.lock:
+        tm.host_tier.leave_host(block)
+    tm.host_tier.retire_spills(wait=True)
+    assert block.host is None and block.disk is not None
+    tm.mark_external(block)  # (reads it back: its holders see its bytes)
+    try:
+        with torchTensorRef.disabled():
+            host_view(a).fill_(5.0)  # (as a piece's result lands there)
+    finally:
+        tm.unmark_external(block)
+    tm.host_budget = held() + 0  # (its host copy goes: to disk again, or dropped if disk held it)
+    tm.synchronize()
+    tm.host_budget = None
+    assert block.host is None
+    assert torch.equal(_host(a), _full((64, 64), 5.0))
+
+
 def test_a_full_disk_raises_and_keeps_the_host_copy(monkeypatch, tmp_path):
     tm = tensorsManager
     tm.offload_dir = tmp_path  # a new spill file, not yet opened

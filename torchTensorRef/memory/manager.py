@@ -376,11 +376,11 @@ class TensorsManager:
         bytes]): it leaves the device and its host copy is made current (waited for: ``wait``)."""
         with self.lock:
             self.books.mark_external(block)
-            if block.spilling is not None:
-                block.spilling.stale = True  # (its holders may write the bytes the spill reads: they stay)
             self.residency.evict(block)
             if wait or not block.host_valid:
-                self.residency.sync_host(block)
+                self.residency.sync_host(block)  # (read back from disk where it is there only)
+            # (its holders may write the host bytes: a disk copy, written or being written, is stale)
+            self.host_tier.disk_stale(block)
 
     def unmark_external(self, block: Block) -> None:
         """Undo one ``mark_external`` (counters only: it may run from a weakref callback)."""
