@@ -245,3 +245,39 @@ def test_a_region_larger_than_the_host_budget_runs_op_by_op(fresh_manager, tmp_p
         assert fresh_manager.stats()["bytes_to_disk"] > 0
     finally:
         fresh_manager.host_budget = None
+
+
+def test_a_region_whose_backward_is_larger_than_the_host_budget_runs_it_op_by_op(fresh_manager, tmp_path):
+    # Found by the model sessions: a Llama under Genoa, no device budget, a host budget of its
+    # weights. Its call's tensors fit that budget; its backward's, the weights and what the
+    # call saved, did not, and as one op it raised HostBudgetError reading them from disk.
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())])
+
+    with plain_torch():
+        plain = model().to(TEST_DEVICE)
+        torch.manual_seed(1)
+        px = torch.randn(32, 64).to(TEST_DEVICE)
+        expected = plain(px)
+        expected.sum().backward()
+    managed = regions.region(model())
+    torch.manual_seed(1)
+    x = torch.randn(32, 64)
+    weights = sum(p.nbytes for p in managed.parameters())
+    fresh_manager.strategy = "genoa"
+    fresh_manager.offload_dir = tmp_path
+    fresh_manager.host_budget = weights + x.nbytes + 1024  # (the call's tensors, not the backward's)
+    try:
+        for _ in range(3):
+            managed.zero_grad()
+            with fresh_manager.recording(regions=True) as trace:
+                out = managed(x)
+                out.sum().backward()
+            assert_identical(expected, out)
+            for p, q in zip(managed.parameters(), plain.parameters()):
+                assert_identical(q.grad, p.grad)
+        names = [name for _i, name, *_ in trace.ops]
+        assert names.count("region Sequential") == 1 and names.count("aten.threshold_backward.default") == 4
+    finally:
+        fresh_manager.host_budget = None

@@ -146,6 +146,8 @@ class BackwardStep:
             if (limited and self.saved_blocks and mgr.settings.budget_value is not None
                     and measured(self.region.backward_peaks, self.key) is None):
                 return self._by_op(blocks)
+            if self.saved_blocks and not mgr.host_tier.holds(sum([b.nbytes for b in blocks])):
+                return self._by_op(blocks)  # (its blocks come through host copies, as a call's: mechanism.py)
             ctx.estimate = self._room(blocks) if limited else 0
             # (unmeasured, its room is all the budget leaves: not kept from other threads)
             self.step = Step(ctx, limited, keep=self.seen is not None)
