@@ -9,6 +9,7 @@ are evicted between ops.
 from __future__ import annotations
 
 import contextlib  # noqa: F401
+import gc
 import itertools
 import os
 
@@ -167,6 +168,23 @@ def plain_torch():
     finally:
         if before is not None:
             give_room(outside() - before)
+
+
+#: the garbage collector's thresholds where a random search draws collecting often: TensorRefs
+#: in reference cycles then die at any point of an op, not only where a long run collects
+COLLECT_OFTEN = (5, 2, 2)
+
+
+@contextlib.contextmanager
+def collecting(often: bool):
+    """Python's garbage collector at every few allocations (``often``), else as it was."""
+    before = gc.get_threshold()
+    if often:
+        gc.set_threshold(*COLLECT_OFTEN)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def give_room(nbytes: int) -> None:

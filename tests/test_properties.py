@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.strategies import NAMES
-from paired import budget, plain_torch
+from paired import budget, collecting, plain_torch
 
 MAX_POOL = 10
 MAX_DIM = 4
@@ -531,6 +531,11 @@ def working_set(trace) -> int:
 @PROGRAMS
 @given(data=st.data())
 def test_programs_match_plain_torch(strategy, data):
+    with collecting(data.draw(st.booleans(), label="collect often")):
+        _programs_match_plain_torch(strategy, data)
+
+
+def _programs_match_plain_torch(strategy, data):
     tm = tensorsManager
     tm.strategy = strategy
     tm.budget = None

@@ -22,7 +22,6 @@ random instead (a search; ``--hypothesis-seed`` replays one).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import tempfile
@@ -33,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchTensorRef import tensorsManager as tm
-from paired import plain_torch
+from paired import collecting, plain_torch
 
 from . import harness
 from .harness import Case, hf_forward
@@ -52,8 +51,6 @@ SESSIONS = settings(
 
 VOCAB = 64
 LAYERS = 2
-#: the garbage collector's thresholds in the sessions drawn to collect often
-COLLECT_OFTEN = (5, 2, 2)
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
@@ -292,24 +289,12 @@ class Session:
                     harness.compare(state_m[key], state_p[key], f"optimizer state {key}")
 
 
-@contextlib.contextmanager
-def _collecting(often: bool):
-    """Python's garbage collector at every few allocations (``often``), else as it was."""
-    before = gc.get_threshold()
-    if often:
-        gc.set_threshold(*COLLECT_OFTEN)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
-
-
 @SESSIONS
 @given(name=st.sampled_from(list(FAMILIES)), strategy=st.sampled_from(["genoa", "flow"]),
        fraction=st.sampled_from([None, 0.3, 0.5, 1.0]), steps=st.lists(STEP, min_size=1, max_size=6),
        collect_often=st.booleans())
 def test_model_sessions_match_plain_torch(name, strategy, fraction, steps, collect_often):
-    with _collecting(collect_often):
+    with collecting(collect_often):
         session = Session(name, strategy, fraction)
         try:
             for step in steps:

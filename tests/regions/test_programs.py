@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchTensorRef import TensorRef, regions, tensorsManager as tm
-from paired import budget, plain_torch
+from paired import budget, collecting, plain_torch
 
 WIDTH = 16
 LAYERS = 3
@@ -306,9 +306,10 @@ def assert_same(plain, managed, where="") -> None:
 @PROGRAMS
 @given(steps=st.lists(STEP, min_size=1, max_size=8), calls=st.lists(CALL, min_size=1, max_size=6),
        setting=st.tuples(st.sampled_from(["genoa", "flow"]), st.sampled_from([None, 3 * 1024, 8 * 1024, 64 * 1024])),
-       by_op=st.sampled_from([False, False, False, True]))
-def test_module_programs_under_regions_match_plain_torch(steps, calls, setting, by_op):
-    check(steps, calls, setting, by_op)
+       by_op=st.sampled_from([False, False, False, True]), collect_often=st.booleans())
+def test_module_programs_under_regions_match_plain_torch(steps, calls, setting, by_op, collect_often):
+    with collecting(collect_often):
+        check(steps, calls, setting, by_op)
 
 
 @pytest.mark.parametrize("setting", [("flow", None), ("genoa", None), ("flow", 8 * 1024)])
