@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
 
 import pytest
 import torch
 
 import torchTensorRef
-from torchTensorRef import OutOfBudgetError, TensorRef, strategies
+from torchTensorRef import HostBudgetError, OutOfBudgetError, TensorRef, strategies
 from torchTensorRef.core.tensor_ref import block_of
 from torchTensorRef.ops import split_handlers
 from paired import budget, device_type, plain_torch
@@ -143,6 +144,38 @@ def test_rows_of_a_stacked_weight_whose_result_does_not_fit_are_gathered_on_the_
     out = w[torch.tensor(ids)]
     assert torch.equal(_plain(out), expected)
     assert torch.equal(_plain(torch.bmm(x, out)), expected_product)
+
+
+@pytest.mark.parametrize("room", [32, 64], ids=["short", "enough"])  # (KiB beside the stack)
+def test_a_gather_on_the_host_keeps_its_result_under_a_host_budget(tight, monkeypatch, tmp_path, room):
+    # The gather's result, made before its stack was read back from disk, was the host
+    # tier's victim when that read made room (a strategy may pick any host copy no op
+    # holds): its host copy went, and the gather wrote into nothing ("has no host copy").
+    # Held while written, it stays: the stack and the result fit the host budget together,
+    # or the op is refused saying so.
+    experts, rows, cols = 16, 64, 32  # (a 128 KiB stack; a 64 KiB result)
+    w, pw = _pair(experts, rows, cols)
+    ids = torch.tensor([5, 1, 5, 7, 2, 3, 9, 11])
+    with plain_torch():
+        expected = pw[ids.to(pw.device)].cpu()
+    _tighten(tight, 64 * 1024)
+    monkeypatch.setattr(tight.strategy, "choose_host_victim",
+                        lambda candidates, _index: max(candidates, key=lambda b: b.id, default=None))
+    tight.offload_dir = tmp_path
+    tight.evict_all()
+    gc.collect()
+    held = sum(b.nbytes for b in tight.host_tier.hosted.values() if b.host_shared or b.external)
+    tight.host_budget = held
+    tight.synchronize()  # (the stack is on disk only)
+    tight.host_budget = held + (128 + room) * 1024 + 1024  # (and the indices)
+    try:
+        out = w[ids]
+    except HostBudgetError:
+        assert room < 64, "the stack and the result fit the host budget together"
+    else:
+        assert torch.equal(_plain(out), expected)
+    finally:
+        tight.host_budget = None
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])

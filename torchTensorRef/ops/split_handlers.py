@@ -132,7 +132,8 @@ def embedding_dense_backward(func, args, kwargs, spec: OpSpec, left: int):
     local_padding = int(hits[0, 0]) if padding_idx >= 0 and hits.numel() else -1
     part = run_generic(func, [grad, local, rows.numel(), local_padding, scale], {}, spec)
     out = host_result((num_weights, grad.shape[-1]), grad.dtype, zero=True)
-    host_view(out).index_copy_(0, rows, to_host(part))
+    with held_on_host([out]):  # (reading the part back must not make room by dropping it)
+        host_view(out).index_copy_(0, rows, to_host(part))
     return out
 
 
@@ -192,7 +193,7 @@ def _gathered_on_host(t: TensorRef, values: torch.Tensor) -> TensorRef:
     tokens each gathering its experts): a gather copies bytes, the same bits wherever it
     runs, and the next op brings the result in as it brings any tensor in (or in pieces)."""
     out = host_result(tuple(values.shape) + tuple(t.shape[1:]), t.dtype)
-    with mgr.lock:
+    with held_on_host([out]), mgr.lock:  # (reading ``t`` back must not make room by dropping it)
         mgr.sync_host(block_of(t))
         flat = host_view(out).view(-1, *t.shape[1:])
         torch.index_select(host_view(t).detach(), 0, values.reshape(-1), out=flat)

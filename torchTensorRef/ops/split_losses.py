@@ -21,7 +21,7 @@ import torch
 
 from ..core.op_specs import OpSpec, implements
 from ..core.tensor_ref import TensorRef, host_view
-from .pieces import gathered_piece, host_result, settle, to_host
+from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
 from .split import default, op_bytes, refuse, when_refused
 
 aten = torch.ops.aten
@@ -70,5 +70,6 @@ def nll_loss_backward(func, args, kwargs, spec: OpSpec, left: int):
     part = to_host(default(func, (grad_output, column, local, None, reduction, ignore_index, total_weight), {}, spec))
     out = host_result(tuple(inputs.shape), inputs.dtype, zero=True)
     rows = keep.nonzero().squeeze(1)
-    host_view(out)[rows, t[rows]] = part[rows, 0]
+    with held_on_host([out]):  # (its host copy stays while the host writes it)
+        host_view(out)[rows, t[rows]] = part[rows, 0]
     return out
