@@ -187,6 +187,18 @@ def collecting(often: bool):
         gc.set_threshold(*before)
 
 
+def evict_newest(strategy) -> None:
+    """``strategy`` evicts the newest block it may, from the device and from host memory: a
+    choice a strategy is free to make, and the one least like the usual least recently used
+    (what an op, or a handler, made last and still writes is the first candidate)."""
+    def device(protect):
+        blocks = [b for b in tensorsManager.resident_blocks() if not b.pins and b.id not in protect]
+        return max(blocks, key=lambda b: b.id, default=None)
+
+    strategy.choose_victim = device
+    strategy.choose_host_victim = lambda candidates, _index: max(candidates, key=lambda b: b.id, default=None)
+
+
 def give_room(nbytes: int) -> None:
     """Raise the budget by ``nbytes`` the test's own device tensors took outside the manager
     (on "sim" without a budget: its capacity, the limit then)."""

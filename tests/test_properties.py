@@ -6,7 +6,8 @@ with no budget (to measure the largest op's working set) and once under a tiny b
 smaller than that, which forces eviction. After each replay every tensor of the pool, its
 geometry, its device, its aliasing, its grad and every value read on the way must be
 bit-identical to plain torch, and an op that fails in plain torch must fail the same way
-managed.
+managed. Some programs run with the strategy evicting the newest block it may and the
+garbage collector at every few allocations (``paired.evict_newest``, ``paired.collecting``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 import torchTensorRef
 from torchTensorRef import tensorsManager
 from torchTensorRef.strategies import NAMES
-from paired import budget, collecting, plain_torch
+from paired import budget, collecting, evict_newest, plain_torch
 
 MAX_POOL = 10
 MAX_DIM = 4
@@ -538,6 +539,8 @@ def test_programs_match_plain_torch(strategy, data):
 def _programs_match_plain_torch(strategy, data):
     tm = tensorsManager
     tm.strategy = strategy
+    if data.draw(st.booleans(), label="evict the newest"):
+        evict_newest(tm.strategy)
     tm.budget = None
     steps, plain, plain_log = draw_program(data)
 

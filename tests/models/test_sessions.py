@@ -11,7 +11,9 @@ gradients of varying lengths, the budget changed, every block evicted, a layer f
 adapter's user freezes the base), gradient checkpointing switched on or off, a state dict
 loaded, and a host budget set (host copies beyond it go to the disk tier) or lifted. Some
 sessions run with Python's garbage collector at every few allocations, so that TensorRefs in
-reference cycles die at any point of an op, not only where a long run happens to collect.
+reference cycles die at any point of an op, not only where a long run happens to collect;
+some with a strategy that evicts the newest block it may (from the device and from host
+memory), a choice every strategy is free to make.
 After every step the logits, the losses, the tokens, the gradients, the optimizer's state
 and every parameter and buffer must be plain torch's, bit for bit, and the manager's peak
 within the budget.
@@ -32,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchTensorRef import tensorsManager as tm
-from paired import collecting, plain_torch
+from paired import collecting, evict_newest, plain_torch
 
 from . import harness
 from .harness import Case, hf_forward
@@ -172,8 +174,10 @@ def _checkpointing(model, on: bool) -> None:
 class Session:
     """One model, managed and plain, and what the session has made of it so far."""
 
-    def __init__(self, name: str, strategy: str, fraction):
+    def __init__(self, name: str, strategy: str, fraction, victims: str = "strategy"):
         tm.strategy = strategy
+        if victims == "newest":
+            evict_newest(tm.strategy)
         auto, self.inputs, self.generates = FAMILIES[name]
         case = Case(name, lambda: getattr(transformers, auto).from_config(_config(name)), dict, hf_forward)
         harness.BUDGET_FRACTION, previous = (fraction or 1.0), harness.BUDGET_FRACTION
@@ -292,10 +296,10 @@ class Session:
 @SESSIONS
 @given(name=st.sampled_from(list(FAMILIES)), strategy=st.sampled_from(["genoa", "flow"]),
        fraction=st.sampled_from([None, 0.3, 0.5, 1.0]), steps=st.lists(STEP, min_size=1, max_size=6),
-       collect_often=st.booleans())
-def test_model_sessions_match_plain_torch(name, strategy, fraction, steps, collect_often):
+       collect_often=st.booleans(), victims=st.sampled_from(["strategy", "newest"]))
+def test_model_sessions_match_plain_torch(name, strategy, fraction, steps, collect_often, victims):
     with collecting(collect_often):
-        session = Session(name, strategy, fraction)
+        session = Session(name, strategy, fraction, victims)
         try:
             for step in steps:
                 session.step(*step)

@@ -10,7 +10,9 @@ called twice in one graph or its backward run twice; with a submodule replaced, 
 tied, a hook or a pre-hook registered, an optimizer step, a layer frozen, the mode switched,
 a state dict loaded, gradients accumulated or every block evicted between them), under
 either strategy at a random budget or none, with the module a region (or, one time in four,
-regions off: the per-op path alone). After every call and after ``evict_all()``, the
+regions off: the per-op path alone), some with the strategy evicting the newest block it may
+and the garbage collector at every few allocations (``paired.evict_newest``,
+``paired.collecting``). After every call and after ``evict_all()``, the
 outputs, the gradients, the optimizer's state and every tensor the modules hold (their
 values, whether each is a TensorRef, and which parameter each attribute is) must be plain
 torch's, and an error must be the same error: where a region cannot keep plain torch's
@@ -34,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchTensorRef import TensorRef, regions, tensorsManager as tm
-from paired import budget, collecting, plain_torch
+from paired import budget, collecting, evict_newest, plain_torch
 
 WIDTH = 16
 LAYERS = 3
@@ -193,8 +195,10 @@ def run(steps, calls, managed: bool, setting) -> list:
     if managed:
         module, x = Program(steps), torch.randn(4, WIDTH)
         regions.region(module)
-        strategy, nbytes = setting
+        strategy, nbytes, *victims = setting
         tm.strategy = strategy
+        if victims == ["newest"]:
+            evict_newest(tm.strategy)
         # (where the device rounds every allocation up, CUDA's way, room for the sixteen of a
         # batch norm's backward at least)
         tm.budget = None if nbytes is None else budget(max(nbytes, 16 * tm.block_bytes(1)))
@@ -305,7 +309,8 @@ def assert_same(plain, managed, where="") -> None:
 
 @PROGRAMS
 @given(steps=st.lists(STEP, min_size=1, max_size=8), calls=st.lists(CALL, min_size=1, max_size=6),
-       setting=st.tuples(st.sampled_from(["genoa", "flow"]), st.sampled_from([None, 3 * 1024, 8 * 1024, 64 * 1024])),
+       setting=st.tuples(st.sampled_from(["genoa", "flow"]), st.sampled_from([None, 3 * 1024, 8 * 1024, 64 * 1024]),
+                         st.sampled_from(["strategy", "newest"])),
        by_op=st.sampled_from([False, False, False, True]), collect_often=st.booleans())
 def test_module_programs_under_regions_match_plain_torch(steps, calls, setting, by_op, collect_often):
     with collecting(collect_often):
