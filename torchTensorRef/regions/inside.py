@@ -5,15 +5,15 @@ Note [Calls larger than measured]: serving sends ``generate()`` calls of every p
 length, and each step of the longest one yet is larger than any call measured (training
 on batches padded to their longest sequence alike). Measured op by op, every such call
 would cost the per-op path and break the period Flow learned (a layer's one op becomes its
-seventy). A call within ``inside.GROWTH`` (in elements) of a measured call of the same
-structure, needing gradients alike, runs as a region instead: room is made
-for that call's peak grown as the square of the growth (attention's scores grow with the
-square of a prompt) and as the objects' tensors grew, the call reads the objects' tensors
-the measured one read, and a dispatch mode on its plain tensors (no op of the manager)
-measures its peak, recorded for its shapes. A peak above the room made is reported as
-``worst_overshoot_bytes``, as any excess over the budget. With gradients, its backward's
-first run keeps the room a first run does (Note [Regions with gradients] in
-``training.py``).
+seventy). A call within ``inside.GROWTH`` (in elements, dimension by dimension: ``growth``)
+of a measured call of the same structure, needing gradients alike, runs as a region
+instead: room is made for that call's peak grown as the square of the growth (attention's
+scores grow with the square of a prompt) and as the objects' tensors grew, the call reads
+the objects' tensors the measured one read, and a dispatch mode on its plain tensors (no
+op of the manager) measures its peak, recorded for its shapes. A peak above the room made
+is reported as ``worst_overshoot_bytes``, as any excess over the budget. With gradients,
+its backward's first run keeps the room a first run does (Note [Regions with gradients]
+in ``training.py``).
 """
 
 from __future__ import annotations
@@ -64,18 +64,25 @@ GROWTH = 2.0
 def growth(shapes, other):
     """How many times larger ``shapes`` are than ``other`` (in elements, the most of any
     argument, at least 1), where both have the same structure (kinds and ranks alike);
-    ``None`` where they differ."""
+    ``None`` where they differ.
+
+    Counted dimension by dimension: an argument is as large as the one measured grown to
+    hold it in every dimension (a batch of two prompts of 3 after one of 6 grows 2x, not
+    1x): what a call allocates follows its dimensions, not its count of elements (attention's
+    scores, batch x heads x length x length, outgrow the tokens)."""
     if len(shapes) != len(other):
         return None
     times = 1.0
     for (size, kind), (was, was_kind) in zip(shapes, other):
         if kind != was_kind or len(size) != len(was):
             return None
-        n, m = numel(size), numel(was)
-        if n > m:
-            if m == 0:
-                return None
-            times = max(times, n / m)
+        grown = 1.0
+        for n, m in zip(size, was):
+            if n > m:
+                if m == 0:
+                    return None
+                grown *= n / m
+        times = max(times, grown)
     return times
 
 
