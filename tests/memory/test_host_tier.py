@@ -219,6 +219,30 @@ def test_a_host_copy_read_back_from_disk_then_written_by_its_holders_is_not_lost
     assert torch.equal(_host(a), _full((64, 64), 5.0))
 
 
+def test_a_host_copy_held_to_be_read_keeps_its_disk_copy_and_stays(tmp_path):
+    # An op's pieces that only read a block hold its host copy as any holder does, but the
+    # disk copy still holds its bytes: it stays, and the host copy is not written to disk
+    # again. Flow dropped such a host copy to make room for a read ahead (a disk copy held
+    # its bytes), and the next chunk found none ("has no host copy").
+    tm = tensorsManager
+    tm.strategy = "flow"
+    tm.offload_dir = tmp_path
+    a = torch.full((64, 64), 3.0)
+    tm.evict_all()
+    block = block_of(a)
+    with tm.lock:
+        tm.host_tier.leave_host(block)
+    tm.host_tier.retire_spills(wait=True)
+    tm.mark_external(block, writes=False)  # (read back from disk)
+    try:
+        assert block.host is not None and block.disk is not None
+        assert not tm.drop_host_copy(block) and block.host is not None
+    finally:
+        tm.unmark_external(block)
+    assert tm.drop_host_copy(block) and block.host is None  # (free to drop again)
+    assert torch.equal(_host(a), _full((64, 64), 3.0))
+
+
 def test_a_full_disk_raises_and_keeps_the_host_copy(monkeypatch, tmp_path):
     tm = tensorsManager
     tm.offload_dir = tmp_path  # a new spill file, not yet opened

@@ -231,8 +231,9 @@ class HostTier:
         """Drop ``block``'s host copy if that is free (a stale copy, or one a disk copy holds);
         whether it did. For strategies that make room for a read-ahead."""
         with self.m.lock:
-            if block.host is None or block.spilling is not None or (block.host_valid and block.disk is None):
-                return False
+            if (block.host is None or block.spilling is not None or block.external
+                    or (block.host_valid and block.disk is None)):
+                return False  # (held outside the manager: Note [External bytes])
             if block.host_pending is not None:
                 if not block.host_pending.done():
                     return False

@@ -150,10 +150,9 @@ class TensorsManager:
     def fault_injector(self) -> Optional[Callable[[Fault], object]]:
         """Test hook: a callable(fault) called before every op and every device allocation.
 
-        ``fault`` is a :class:`~torchTensorRef.memory.room.Fault` (``kind`` "op", "fetch",
-        "prefetch", "writeback" or "create"); raising ``torch.OutOfMemoryError`` from it
-        simulates the device running out of memory there. ``None`` to stop; anything else
-        that cannot be called raises ``TypeError`` and changes nothing.
+        ``fault`` is a :class:`~torchTensorRef.memory.room.Fault` (``kind`` "op", "fetch", "prefetch",
+        "writeback" or "create"); raising ``torch.OutOfMemoryError`` from it simulates the device running
+        out of memory there. ``None`` to stop; anything else not callable raises ``TypeError``, changing nothing.
         """
         return self._fault_injector
 
@@ -371,16 +370,18 @@ class TensorsManager:
         """A new TensorRef on the device, within the budget (the device's ``empty`` kernels)."""
         return self.residency.new_device_tensor(size, stride, dtype, memory_format)
 
-    def mark_external(self, block: Block, wait: bool = True) -> None:
-        """One more holder of ``block``'s host bytes outside the manager (Note [External
-        bytes]): it leaves the device and its host copy is made current (waited for: ``wait``)."""
+    def mark_external(self, block: Block, wait: bool = True, writes: bool = True) -> None:
+        """One more holder of ``block``'s host bytes outside the manager (Note [External bytes]):
+        off the device, its host copy current (waited for: ``wait``), its disk copy stale if it ``writes``."""
         with self.lock:
             self.books.mark_external(block)
+            if block.spilling is not None:
+                block.spilling.stale = True  # (the host copy stays: its holders view it)
             self.residency.evict(block)
             if wait or not block.host_valid:
                 self.residency.sync_host(block)  # (read back from disk where it is there only)
-            # (its holders may write the host bytes: a disk copy, written or being written, is stale)
-            self.host_tier.disk_stale(block)
+            if writes:
+                self.host_tier.disk_stale(block)
 
     def unmark_external(self, block: Block) -> None:
         """Undo one ``mark_external`` (counters only: it may run from a weakref callback)."""

@@ -279,7 +279,7 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broad
     partial: List = []
     retry = may_retry(spec)
     smallest = plan.aligns[-1]
-    with held_on_host(plan.big + (outs or []), wait=False):
+    with held_on_host(plan.big + (outs or []), wait=False, read={id(t) for t in plan.big} - written):
         start = 0
         while start < units:
             stop = min(start + chunk, units) if cuts is None else cuts(start, chunk)

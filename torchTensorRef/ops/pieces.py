@@ -26,7 +26,7 @@ PyTorch's pinned allocator does not see used).
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -54,23 +54,30 @@ def settle(refs: Sequence[TensorRef], wait: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def held_on_host(refs: Sequence[TensorRef], wait: bool = True):
+def held_on_host(refs: Sequence[TensorRef], wait: bool = True, read: Collection[int] = ()):
     """Settle ``refs`` and keep their host copies where they are while pieces alias them
     (without ``wait``, their write-backs may still run: only pieces read them, on the device).
+    ``read``: the ids of those of ``refs`` that the pieces only read.
 
     Their blocks are external meanwhile (Note [External bytes] in ``core/blocks.py``): no
     device copy of them is kept between the pieces' ops, and their host copies are never
-    re-homed. Without it a strategy could move a host copy into pinned memory to prefetch
-    it, and the pieces' writes (or the results copied in) would land in the old copy.
+    re-homed or dropped. Without it a strategy could move a host copy into pinned memory to
+    prefetch it, or drop one a disk copy holds, and the pieces' writes (or the results
+    copied in) would land in the old copy. A block written has no disk copy then; one only
+    read keeps it (the host tier need not write it again).
     """
     settle(refs, wait)
-    blocks = [b for b in {id(block_of(r)): block_of(r) for r in refs}.values() if not b.host_only]
-    for block in blocks:
-        mgr.mark_external(block, wait)
+    written: dict = {}  # block id -> (block, whether a piece of it is written)
+    for r in refs:
+        b = block_of(r)
+        if not b.host_only:
+            written[id(b)] = (b, id(r) not in read or written.get(id(b), (b, False))[1])
+    for block, writes in written.values():
+        mgr.mark_external(block, wait, writes)
     try:
         yield
     finally:
-        for block in blocks:
+        for block, _writes in written.values():
             mgr.unmark_external(block)
 
 
