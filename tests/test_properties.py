@@ -16,6 +16,7 @@ import gc
 import math
 import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 import torchTensorRef
 from torchTensorRef import tensorsManager
+from torchTensorRef.core.tensor_ref import block_of
 from torchTensorRef.strategies import NAMES
 from paired import budget, collecting, evict_newest, plain_torch
 
@@ -550,6 +552,9 @@ def _programs_match_plain_torch(strategy, data):
     assert log == plain_log
     assert_same_pool(plain, managed)
     largest = max([working_set(trace)] + [tm.block_bytes(m.proxyInfo.nbytes) for m in managed if m is not None])
+    # (host copies shared with numpy arrays stay in host memory: Note [External bytes])
+    exported = {id(block_of(managed[s[1]])): block_of(managed[s[1]]).nbytes for s in steps
+                if s[0] == "export" and managed[s[1]] is not None}
     del managed
 
     floor = data.draw(st.sampled_from([0, 512, 1024, 2048, 4096]), label="budget")
@@ -559,9 +564,20 @@ def _programs_match_plain_torch(strategy, data):
     gc.collect()
     tm.budget = budget(room)
     tm.reset_stats()
-    managed, log = replay(steps)
-    assert log == plain_log
-    assert_same_pool(plain, managed)
+    # and some under a host budget just above one op's tensors: host copies beyond it go to disk
+    on_disk = data.draw(st.booleans(), label="host budget")
+    with tempfile.TemporaryDirectory() as folder:
+        if on_disk:
+            tm.offload_dir = folder
+            held = sum(b.nbytes for b in tm.host_tier.hosted.values() if b.host_shared or b.external)
+            tm.host_budget = held + sum(exported.values()) + 2 * largest
+        try:
+            managed, log = replay(steps)
+            assert log == plain_log
+            assert_same_pool(plain, managed)
+        finally:
+            tm.host_budget = None
+            tm.offload_dir = None
     assert tm.stats()["peak_device_bytes"] <= room
 
 

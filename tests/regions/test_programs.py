@@ -10,14 +10,14 @@ called twice in one graph or its backward run twice; with a submodule replaced, 
 tied, a hook or a pre-hook registered, an optimizer step, a layer frozen, the mode switched,
 a state dict loaded, gradients accumulated or every block evicted between them), under
 either strategy at a random budget or none, with the module a region (or, one time in four,
-regions off: the per-op path alone), some with the strategy evicting the newest block it may
-and the garbage collector at every few allocations (``paired.evict_newest``,
-``paired.collecting``). After every call and after ``evict_all()``, the
-outputs, the gradients, the optimizer's state and every tensor the modules hold (their
-values, whether each is a TensorRef, and which parameter each attribute is) must be plain
-torch's, and an error must be the same error: where a region cannot keep plain torch's
-semantics the call runs op by op, nothing is silently different (Note [Stores on modules] in
-regions/stores.py).
+regions off: the per-op path alone), some with the strategy evicting the newest block it may,
+the garbage collector at every few allocations (``paired.evict_newest``,
+``paired.collecting``) or a host budget of a few KiB (host copies beyond it on disk). After
+every call and after ``evict_all()``, the outputs, the gradients, the optimizer's state and
+every tensor the modules hold (their values, whether each is a TensorRef, and which
+parameter each attribute is) must be plain torch's, and an error must be the same error:
+where a region cannot keep plain torch's semantics the call runs op by op, nothing is
+silently different (Note [Stores on modules] in regions/stores.py).
 
 ``TORCHTENSORREF_PROGRAM_EXAMPLES`` sets how many programs (a fixed set: the same on every run);
 ``TORCHTENSORREF_PROPERTY_EXAMPLES=N`` draws N at random instead, as for ``tests/test_properties.py``
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -195,10 +197,14 @@ def run(steps, calls, managed: bool, setting) -> list:
     if managed:
         module, x = Program(steps), torch.randn(4, WIDTH)
         regions.region(module)
-        strategy, nbytes, *victims = setting
+        strategy, nbytes, *more = setting
+        victims, host = (more + [None, None])[:2]
         tm.strategy = strategy
-        if victims == ["newest"]:
+        if victims == "newest":
             evict_newest(tm.strategy)
+        if host is not None:  # (host copies beyond it go to disk)
+            tm.offload_dir = tempfile.mkdtemp(prefix="programs-")
+            tm.host_budget = sum(b.nbytes for b in tm.host_tier.hosted.values() if b.host_shared or b.external) + host
         # (where the device rounds every allocation up, CUDA's way, room for the sixteen of a
         # batch norm's backward at least)
         tm.budget = None if nbytes is None else budget(max(nbytes, 16 * tm.block_bytes(1)))
@@ -310,7 +316,7 @@ def assert_same(plain, managed, where="") -> None:
 @PROGRAMS
 @given(steps=st.lists(STEP, min_size=1, max_size=8), calls=st.lists(CALL, min_size=1, max_size=6),
        setting=st.tuples(st.sampled_from(["genoa", "flow"]), st.sampled_from([None, 3 * 1024, 8 * 1024, 64 * 1024]),
-                         st.sampled_from(["strategy", "newest"])),
+                         st.sampled_from(["strategy", "newest"]), st.sampled_from([None, None, 8 * 1024, 16 * 1024])),
        by_op=st.sampled_from([False, False, False, True]), collect_often=st.booleans())
 def test_module_programs_under_regions_match_plain_torch(steps, calls, setting, by_op, collect_often):
     with collecting(collect_often):
@@ -382,7 +388,11 @@ def check(steps, calls, setting, by_op=False):
         managed = run(steps, calls, True, setting)
     finally:
         regions.enabled, regions.min_ops, regions.under_budget = previous
-        tm.budget = None
+        folder = tm.offload_dir if tm.host_budget is not None else None
+        tm.budget = tm.host_budget = None
+        if folder is not None:
+            tm.offload_dir = None
+            shutil.rmtree(folder, ignore_errors=True)
     # plain torch's tensors on the device are not TensorRefs; every managed one must be
     for entry in plain:
         for state in ([entry] if isinstance(entry, dict) else [entry[2]]):
