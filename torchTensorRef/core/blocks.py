@@ -27,13 +27,15 @@ for the accelerator are the program's *default-device* tensors, made without a d
 
 Note [External bytes]: a block is *external* when its host copy is memory that code outside
 torchTensorRef reads and writes directly: a numpy array from ``x.numpy()`` (while the array
-lives) or given to ``torch.from_numpy`` (for good). Such writes are invisible to the
-manager, so an external block is
-never kept on the accelerator between ops, whatever pins, prefetches or ``toGPU()`` ask
-(it is written back and dropped after each op, and fetched afresh by the next one), and
-its host copy is never re-homed. A block made by ``TensorRef(t)`` from a plain tensor
-shares ``t``'s bytes (``host_shared``): its host copy is never re-homed either, and it is
-written back synchronously, since ``t``'s holder may read it at any time.
+lives) or given to ``torch.from_numpy`` (for good), or an op's pieces while it runs in them
+(Note [Pieces] in ``ops/pieces.py``). Such writes are invisible to the manager, so an
+external block is never kept on the accelerator between ops, whatever pins, prefetches or
+``toGPU()`` ask (it is written back and dropped after each op, and fetched afresh by the
+next one), and its host copy is never re-homed, dropped or spilled to disk; a disk copy it
+had is stale from then on, unless its holders only read (an op's pieces of a tensor it does
+not write). A block made by ``TensorRef(t)`` from a plain tensor shares ``t``'s bytes
+(``host_shared``): its host copy is never re-homed either, and it is written back
+synchronously, since ``t``'s holder may read it at any time.
 
 Note [Residence]: a block's state is one value, ``Block.residence`` (a ``Residence``),
 read off its copies; the manager changes it only through the block's transitions, each
