@@ -377,6 +377,16 @@ def test_a_weight_a_call_writes_is_refused_in_the_backward_of_an_earlier_call(se
     check(steps, [(True, False, "twice", 0)], setting)
 
 
+@pytest.mark.parametrize("setting", [("genoa", None), ("flow", None), ("flow", 8 * 1024)])
+def test_a_weight_a_call_writes_before_reading_it_passes_its_backward(setting):
+    # Found the same way: a call writes the weight under no_grad, then reads it; plain torch
+    # saves the written weight and its backward runs. The region's saved view of the weight
+    # watched its TensorRef's version from before the call, which the call's write moved as
+    # the call returned: the backward of the second call (the first one a region) was refused.
+    steps = [("param_in_place", 0), ("norm", 0), ("linear", 0)]
+    check(steps, [(True, False, None, 0), (True, False, None, 0), (True, False, None, 0)], setting)
+
+
 def check(steps, calls, setting, by_op=False):
     """The program run on plain torch and managed, the same after every call (``by_op``:
     with regions off, the per-op path alone)."""

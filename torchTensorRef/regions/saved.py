@@ -19,7 +19,9 @@ A write inside the call itself, after the save (``weight.mul_(0.5)`` under ``no_
 end of the forward), moves the leaf's version and not the TensorRef's: with nothing paged
 autograd's check sees it; a ``Saved`` view of a block remembers the version of the tensor
 autograd saved until the call returns, and is refused where it moved (found by the same
-programs under Genoa, whose saved tensors are always blocks). And a tensor saved before the
+programs under Genoa, whose saved tensors are always blocks); from then on it watches its
+TensorRef's version as the call left it (a write before the save, which plain torch passes,
+moved it as the call returned). And a tensor saved before the
 call, the TensorRef itself (op by op, or an earlier call of the region in the same graph),
 sees the call's writes: the TensorRef's version moves as its view's moved
 (``move_versions``), as plain torch's moves with each write.
@@ -47,10 +49,14 @@ class Saved:
         self.written = False
 
     def saw_the_call_end(self) -> None:
-        """The call returned: whether it wrote the saved view after saving it, remembered."""
+        """The call returned: whether it wrote the saved view after saving it, remembered;
+        and the version its TensorRef has now watched from here on (the call's writes before
+        the save, which plain torch's check passes, moved it as the call returned:
+        ``move_versions``)."""
         if self.seen is not None:
             t, version = self.seen
             self.written, self.seen = t._version != version, None
+            self.watch = tuple((ref, ref._version) for ref, _version in self.watch)
 
 
 def sync_versions(refs, leaves, versions) -> None:
