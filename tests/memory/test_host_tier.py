@@ -222,8 +222,8 @@ def test_a_host_copy_read_back_from_disk_then_written_by_its_holders_is_not_lost
 def test_a_host_copy_held_to_be_read_keeps_its_disk_copy_and_stays(tmp_path):
     # An op's pieces that only read a block hold its host copy as any holder does, but the
     # disk copy still holds its bytes: it stays, and the host copy is not written to disk
-    # again. Flow dropped such a host copy to make room for a read ahead (a disk copy held
-    # its bytes), and the next chunk found none ("has no host copy").
+    # again. Held, the host copy stays too, even where a strategy asks to drop it to make
+    # room for a read ahead (the disk copy holds its bytes): the pieces view it.
     tm = tensorsManager
     tm.strategy = "flow"
     tm.offload_dir = tmp_path
