@@ -387,6 +387,16 @@ def test_a_weight_a_call_writes_before_reading_it_passes_its_backward(setting):
     check(steps, [(True, False, None, 0), (True, False, None, 0), (True, False, None, 0)], setting)
 
 
+def test_a_backward_retained_past_a_write_to_a_weight_it_does_not_need_runs_again():
+    # Found the same way: the Linear, a region of its own, is called, its weight written
+    # under no_grad, and the loss's backward run twice (retain_graph=True the first time).
+    # Plain torch runs both (the weight's gradient does not read the weight). The region's
+    # node had saved the weight to learn whether autograd freed its graph; the write failed
+    # that check, which read as freed, and the second backward was refused.
+    steps = [("linear", 0), ("param_in_place", 0), ("new_parameter", 0)]
+    check(steps, [(False, False, None, 0), (True, False, None, 0), (True, False, "retain", 0)], ("genoa", None))
+
+
 def check(steps, calls, setting, by_op=False):
     """The program run on plain torch and managed, the same after every call (``by_op``:
     with regions off, the per-op path alone)."""

@@ -87,7 +87,7 @@ import threading
 import torch
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
-from ..core import context
+from ..core import context, raw
 from ..core.tensor_ref import TensorRef, compute_view, block_of
 from ..memory.sim import backward_errors
 from ..memory.sim.allocation import PlainMode
@@ -151,13 +151,12 @@ class Backwards:
     tensors it saved as the backward goes, as plain torch's backward frees each node's: every
     activation stays allocated (under a budget, paged as a block) until the whole backward
     ends. So the inner graph is retained only where the backward running it keeps its own
-    graph: ``torch.autograd.backward``
-    and ``grad`` (which ``Tensor.backward`` calls) are wrapped (``integrations/backward.py``)
-    and say here, for as long as they run, whether they keep it (``retain_graph``, which
-    defaults to ``create_graph``). The engine may run the node on another thread than the
-    caller's (a device's), and calls on several threads may overlap: the inner graph is
-    freed only while every backward in flight frees its own, and kept where none is known
-    (an engine started without the wrapped functions).
+    graph: ``torch.autograd.backward`` and ``grad`` (which ``Tensor.backward`` calls) are
+    wrapped (``integrations/backward.py``) and say here, as long as they run, whether they
+    keep it (``retain_graph``, which defaults to ``create_graph``). The engine may run the
+    node on another thread than the caller's (a device's), and calls on several threads may
+    overlap: the inner graph is freed only while every backward in flight frees its own, and
+    kept where none is known (an engine started without the wrapped functions).
     """
 
     def __init__(self) -> None:
@@ -216,9 +215,7 @@ class Training:
         self.inside = inside
         self.refs = []  # the TensorRefs given as leaves, in order
         self.reads = []  # per leaf: the inner graph's (node, input) pairs that read it, where several do
-        # the node's inputs: each leaf's TensorRef once per read (Note [Gradients summed
-        # inside a region])
-        self.slots = 0
+        self.slots = 0  # node inputs: each leaf's TensorRef once per read (Note [Gradients summed inside a region])
         self.leaves = []  # their plain leaves
         self.leaf_edges = []
         self.by_storage = {}  # storage key of a working-set block -> a TensorRef of it
@@ -485,13 +482,16 @@ def _reads(leaf_edges, out_edges) -> list:
 class _Link(torch.autograd.Function):
     """The autograd node standing for a region call's inner graph."""
 
+    #: saved by each node: whether autograd freed its graph (not an input, written since maybe)
+    freed = raw.empty(0)
+
     @staticmethod
     def forward(ctx, training: Training, *refs):
         ctx.training = training
         # (an output the loss does not read, a value stored on a module, gets no gradient:
         # made zeros, its graph would give its leaves zero gradients, plain torch none)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(refs[0])  # (freed with the graph: Training._release_if_freed)
+        ctx.save_for_backward(_Link.freed)  # (Training._release_if_freed)
         return training.outputs
 
     @staticmethod
