@@ -45,6 +45,32 @@ def _chain(ws, x):
     return x
 
 
+def _spilled(tmp_path, strategy: str, value: float, wait: bool = True):
+    """A TensorRef of ``value``s and its block, its host copy leaving for disk (``wait``: gone)."""
+    tm = tensorsManager
+    tm.strategy = strategy
+    tm.offload_dir = tmp_path
+    a = torch.full((64, 64), value)
+    tm.evict_all()
+    block = block_of(a)
+    with tm.lock:
+        tm.host_tier.leave_host(block)
+    if wait:
+        tm.host_tier.retire_spills(wait=True)
+    return a, block
+
+
+def _written_while_held(a, value: float) -> None:
+    """``a``'s host copy held outside the manager and filled there, as a piece's result lands."""
+    block = block_of(a)
+    tensorsManager.mark_external(block)
+    try:
+        with torchTensorRef.disabled():
+            host_view(a).fill_(value)
+    finally:
+        tensorsManager.unmark_external(block)
+
+
 @pytest.mark.parametrize("strategy", ["flow", "genoa"])
 def test_host_copies_past_the_host_budget_go_to_disk_and_values_match(strategy):
     tm = tensorsManager
@@ -170,23 +196,11 @@ def test_a_host_copy_held_while_its_spill_runs_keeps_what_is_written_into_it(tmp
     # budget. The result's host copy was being spilled when the chunks' pieces came to alias
     # it (held outside the manager: Note [External bytes]) and were written into it; the
     # spill then ended and dropped that host copy, keeping the bytes read before the writes.
-    tm = tensorsManager
-    tm.strategy = "genoa"
-    tm.offload_dir = tmp_path
-    a = torch.full((64, 64), 1.0)
-    tm.evict_all()
-    block = block_of(a)
-    with tm.lock:
-        tm.host_tier.leave_host(block)  # (a spill starts)
+    a, block = _spilled(tmp_path, "genoa", 1.0, wait=False)
     assert block.spilling is not None
     block.spilling.pending.wait_host()  # (its bytes are on disk: the writes below come after)
-    tm.mark_external(block)
-    try:
-        with torchTensorRef.disabled():
-            host_view(a).fill_(5.0)  # (as a piece's result lands there)
-    finally:
-        tm.unmark_external(block)
-    tm.host_tier.retire_spills(wait=True)
+    _written_while_held(a, 5.0)
+    tensorsManager.host_tier.retire_spills(wait=True)
     assert torch.equal(_host(a), _full((64, 64), 5.0))
 
 
@@ -197,21 +211,9 @@ def test_a_host_copy_read_back_from_disk_then_written_by_its_holders_is_not_lost
     # host budget then dropped that host copy, as the disk one seemed current, and the result
     # read back what the spill had written before the chunks ran.
     tm = tensorsManager
-    tm.strategy = "genoa"
-    tm.offload_dir = tmp_path
-    a = torch.full((64, 64), 1.0)
-    tm.evict_all()
-    block = block_of(a)
-    with tm.lock:
-        tm.host_tier.leave_host(block)
-    tm.host_tier.retire_spills(wait=True)
+    a, block = _spilled(tmp_path, "genoa", 1.0)
     assert block.host is None and block.disk is not None
-    tm.mark_external(block)  # (reads it back: its holders see its bytes)
-    try:
-        with torchTensorRef.disabled():
-            host_view(a).fill_(5.0)  # (as a piece's result lands there)
-    finally:
-        tm.unmark_external(block)
+    _written_while_held(a, 5.0)  # (read back first: its holders see its bytes)
     tm.host_budget = held() + 0  # (its host copy goes: to disk again, or dropped if disk held it)
     tm.synchronize()
     tm.host_budget = None
@@ -225,14 +227,7 @@ def test_a_host_copy_held_to_be_read_keeps_its_disk_copy_and_stays(tmp_path):
     # again. Held, the host copy stays too, even where a strategy asks to drop it to make
     # room for a read ahead (the disk copy holds its bytes): the pieces view it.
     tm = tensorsManager
-    tm.strategy = "flow"
-    tm.offload_dir = tmp_path
-    a = torch.full((64, 64), 3.0)
-    tm.evict_all()
-    block = block_of(a)
-    with tm.lock:
-        tm.host_tier.leave_host(block)
-    tm.host_tier.retire_spills(wait=True)
+    a, block = _spilled(tmp_path, "flow", 3.0)
     tm.mark_external(block, writes=False)  # (read back from disk)
     try:
         assert block.host is not None and block.disk is not None
