@@ -1,11 +1,11 @@
 """Matrix products and convolutions larger than the budget, in tiles of their output (Note
 [Pieces] in ``pieces.py``, and ``split.py``): ``mm`` and ``addmm`` by columns (or rows),
 ``bmm`` and ``baddbmm`` by groups of batch elements and, within an element, by rows (or
-columns), a convolution by groups of its output channels. Every output element is one dot
-product over the same inputs as in one call: the same bits where the library picks its
-kernel alike for every shape (the CPU's, which "sim" runs); within rounding on CUDA, whose
-libraries choose by shape (``docs/concepts.md``).
-"""
+columns), ``_grouped_mm`` by groups of experts, a convolution by groups of its output
+channels. Every output element is one dot product over the same inputs as in one call:
+equal within rounding, not always bit for bit, since the BLAS chooses its kernel and how it
+blocks the inner dimension by the shape it is given (on the CPU as on CUDA:
+``docs/concepts.md``)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _columns(plain: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 
 #: tile widths: each output element is one dot product whatever the tile, so any width
-#: gives the bits of one call; wide tiles are cheaper
+#: does; wide tiles are cheaper
 _TILE_ALIGNS = (64, 8, 1)
 
 
@@ -186,6 +186,99 @@ def _part(t: TensorRef, at: int, tile, count: int, kept: dict):
     piece = gathered_piece(in_order(host_view(t).detach()[index]))
     kept[at] = (key, piece)
     return piece
+
+
+# -- grouped products (a mixture of experts' experts, all in one call) ----------------------
+
+#: tile widths of a grouped product's weight gradient: its kernel wants rows of a multiple
+#: of 16 bytes
+_GROUPED_ALIGNS = (64, 16)
+
+
+@implements(aten._grouped_mm.default)
+@when_refused
+def grouped_mm(func, args, kwargs, spec: OpSpec, left: int):
+    """Every expert's product in one call (``_grouped_mm`` with ``offs``, the cumulative end
+    of each expert's rows: transformers' experts) when it does not fit, in groups of whole
+    experts: each group's rows and weights, its offsets counted from its first row. The
+    forward (and input gradient) ``(rows, in) @ (experts, in, out)``, one expert larger than
+    the room in tiles of its rows; the weight gradient ``(in, rows) @ (rows, out)`` giving
+    ``(experts, in, out)``, one expert larger than the room in tiles of its columns. Each
+    output element is one dot product over the same values, as in one call; rows after the
+    last expert's, which the kernel does not compute, are zero."""
+    a, b = args[:2]
+    rest = dict(zip(("offs", "bias", "out_dtype"), args[2:]), **kwargs)
+    offs = rest.pop("offs", None)
+    if (rest.get("bias") is not None or set(rest) - {"bias", "out_dtype"}
+            or not all(isinstance(t, TensorRef) for t in (a, b, offs))
+            or a.dim() != 2 or b.dim() not in (2, 3) or offs.dim() != 1):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    weights_grad = b.dim() == 2
+    out_dtype = rest.get("out_dtype") or a.dtype
+    settle([a, b, offs])
+    whole_a, whole_b, whole_offs = (host_view(t).detach() for t in (a, b, offs))
+    ends = whole_offs.tolist()
+    out = host_result((len(ends), a.shape[0], b.shape[1]) if weights_grad else (a.shape[0], b.shape[2]),
+                      out_dtype, zero=True)
+    options = {"out_dtype": rest["out_dtype"]} if "out_dtype" in rest else {}
+    with held_on_host([out]):
+        out_host = host_view(out)
+        for first, stop, rows, columns in _expert_tiles(a, b, offs, ends, out_dtype, left, spec.name):
+            parts = [whole_a[:, rows] if weights_grad else whole_a[rows],
+                     whole_b[rows, columns] if weights_grad else whole_b[first:stop]]
+            parts = [gathered_piece(in_order(p)) for p in parts]
+            parts.append(gathered_piece((whole_offs[first:stop] - rows.start).clamp_(0, rows.stop - rows.start)))
+            result = run_generic(func, parts, options, spec)
+            (out_host[first:stop, :, columns] if weights_grad else out_host[rows]).copy_(to_host(result))
+            del parts, result
+    return out
+
+
+def _expert_tiles(a, b, offs, ends, out_dtype, left: int, name: str):
+    """(first expert, stop, rows, columns) of each call of ``grouped_mm``: consecutive
+    experts while their pieces fit ``left``; one expert larger than that in tiles of its
+    rows (the forward) or of its result's columns (the weight gradient, a sum over rows)."""
+    weights_grad = b.dim() == 2
+    ka, kb = a.element_size(), b.element_size()
+    ko = torch.empty((), dtype=out_dtype).element_size()
+    inner, width = a.shape[1 - weights_grad], b.shape[-1]
+    offs_bytes = block_bytes(offs.element_size())
+
+    def sizes(experts: int, rows: int):
+        """(bytes per row, bytes per column, bytes fixed) of the pieces of ``experts``."""
+        if weights_grad:
+            return (inner * ka, rows * kb), (rows * kb, experts * inner * ko), experts * inner * width * ko
+        return (inner * ka, width * ko), (), experts * inner * width * kb
+
+    def need(experts: int, rows: int) -> int:
+        per_row, _per_column, fixed = sizes(experts, rows)
+        return sum(block_bytes(rows * p) for p in per_row) + block_bytes(fixed) + block_bytes(experts * offs_bytes)
+
+    tiles, first, whole = [], 0, slice(None)
+    starts = [0] + ends[:-1]
+    while first < len(ends):
+        stop, count = first + 1, ends[first] - starts[first]
+        if count == 0:  # (an expert given no rows computes nothing: its result stays zero)
+            pass
+        elif need(1, count) > left:  # one expert larger than the room
+            per_row, per_column, _ = sizes(1, count)
+            if weights_grad:
+                step = chunk_elements(sum(per_column), block_bytes(count * inner * ka) + offs_bytes, left, width,
+                                      name, _GROUPED_ALIGNS, per_column)
+                tiles += [(first, stop, slice(starts[first], ends[first]), slice(c, c + step))
+                          for c in range(0, width, step)]
+            else:
+                step = chunk_elements(sum(per_row), block_bytes(inner * width * kb) + offs_bytes, left, count,
+                                      name, _TILE_ALIGNS, per_row)
+                tiles += [(first, stop, slice(r, min(r + step, ends[first])), whole)
+                          for r in range(starts[first], ends[first], step)]
+        else:
+            while stop < len(ends) and need(stop + 1 - first, ends[stop] - starts[first]) <= left:
+                stop += 1
+            if ends[stop - 1] > starts[first]:  # (experts given no rows compute nothing)
+                tiles.append((first, stop, slice(starts[first], ends[stop - 1]), whole))
+        first = stop
+    return tiles
 
 
 # -- convolutions -----------------------------------------------------------------------------
