@@ -106,6 +106,55 @@ def test_a_batch_of_shorter_prompts_keeps_its_calls_within_the_budget():
     assert stats["worst_overshoot_bytes"] == 0 and stats["peak_device_bytes"] <= tm.budget
 
 
+class Cube(torch.nn.Module):
+    """A layer whose call allocates as the cube of its rows: more than the square the room
+    made for a larger call grows by."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h[:, None, None, :] * h[None, :, None, :] * h[None, None, :, :]).sum((1, 2)) * 1e-3 + x
+
+
+@pytest.mark.parametrize("strategy", ["genoa", "flow"])
+def test_a_call_that_outgrows_the_room_made_for_it_evicts_to_stay_within_the_budget(strategy, monkeypatch):
+    # Note [Calls larger than measured]: rows 4 then 8, the second call's room was made for
+    # 4x the first's peak and it took 8x; under Flow, which kept the other layers' weights,
+    # the device went 30 KiB past the budget. Its ops now make room before they run.
+    monkeypatch.setattr(regions, "min_ops", 0)
+
+    def run(layers, x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    def cubes():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList([Cube() for _ in range(12)]).eval()
+
+    xs = [torch.randn(n, 32, generator=torch.Generator().manual_seed(n)) for n in (4, 8)]
+    with plain_torch(), torch.no_grad():
+        plain = cubes().to(tm.torch_device)
+        expected = [run(plain, x.to(tm.torch_device)) for x in xs]
+        del plain
+    gc.collect()
+    tm.strategy = strategy
+    layers = cubes()
+    tm.budget = budget(90 * 1024)  # (the weights, 50 KiB, and the larger call's inside, 72 KiB, do not fit)
+    tm.reset_stats()
+    with torch.no_grad():
+        got = [run(layers, torchTensorRef.manage(xs[0].clone()))]
+        with tm.recording(regions=True) as trace:
+            got.append(run(layers, torchTensorRef.manage(xs[1].clone())))
+    assert_identical(expected, got)
+    assert sum(name == "region Cube" for _i, name, *_ in trace.ops) == 12  # (each call one region)
+    stats = tm.stats()
+    assert stats["worst_overshoot_bytes"] == 0 and stats["peak_device_bytes"] <= tm.budget, stats
+
+
 def test_a_call_beyond_the_growth_limit_is_measured_op_by_op():
     from torchTensorRef.regions import inside
 

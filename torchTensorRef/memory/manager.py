@@ -421,10 +421,10 @@ class TensorsManager:
         """Device bytes allocated outside the manager, asked of the device now (the caller holds ``lock``)."""
         return self.device_room.read_outside()
 
-    def make_room(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int = 0) -> None:
+    def make_room(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int = 0, inside: int = 0):
         """Evict (the strategy's choice) until ``nbytes`` more fit in the budget; ``allocated``
         of them are allocated already, to become blocks (``Room.make``)."""
-        self.device_room.make(nbytes, protect, op_name, allocated)
+        self.device_room.make(nbytes, protect, op_name, allocated, inside)
 
     def record_top(self, top: int) -> None:
         """A step kept ``top`` bytes in use at once (a region's working set and its room): its peak and overshoot."""

@@ -164,9 +164,10 @@ class Room:
 
     # -- making room ------------------------------------------------------------------------
 
-    def make(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int = 0) -> None:
+    def make(self, nbytes: int, protect: Collection[int], op_name: str, allocated: int = 0, inside: int = 0) -> None:
         """Evict (strategy's choice) until ``nbytes`` more fit in the budget; ``allocated`` of
-        them are already allocated, to become blocks (a region's outputs): not outside too.
+        them are already allocated, to become blocks (a region's outputs): not outside too;
+        nor ``inside``, what a running region's kernels hold in the room kept for them.
         Room is made for the allocator's ``slack`` too (Note [Room for the allocator's slack])."""
         m = self.m
         acct = m.accounting
@@ -188,7 +189,7 @@ class Room:
         if (acct.resident + acct.elsewhere_bytes + nbytes + margin <= limit
                 and (not acct.elsewhere or acct.checks % READ_EVERY)):
             return  # the common case: without asking the device (CUDA) what else it holds
-        self._evict_for(nbytes, protect, op_name, allocated, limit, margin)
+        self._evict_for(nbytes, protect, op_name, allocated + inside, limit, margin)
 
     def settle(self, protect: Collection[int]) -> None:
         """An allocation came with slack: evict what ``protect`` does not name until the room

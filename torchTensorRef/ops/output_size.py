@@ -198,7 +198,7 @@ _OUTGREW: set = set()
 _measured: Dict[Hashable, tuple] = {}
 
 
-class _AllRoom(int):
+class AllRoom(int):
     """An estimate that is all the room the budget leaves: the op's results are sized by its run."""
 
     __slots__ = ()
@@ -229,11 +229,11 @@ def _measured_bytes(spec: OpSpec, args, kwargs):
     return None if sizes is None else _device_bytes(sizes)
 
 
-def _all_room(args, kwargs) -> _AllRoom:
+def _all_room(args, kwargs) -> AllRoom:
     """All the room the budget leaves beside the op's own blocks (none with no budget)."""
     mgr = _mgr
     if mgr.settings.budget_value is None or mgr.limit is None or mgr.backend.passthrough:
-        return _AllRoom(0)
+        return AllRoom(0)
     size = mgr.backend.block_bytes
     own = {}
     for v in list(args) + list(kwargs.values()):
@@ -246,7 +246,7 @@ def _all_room(args, kwargs) -> _AllRoom:
     # it, so that the op's check does not round it past the budget)
     with mgr.lock:  # (a loop on plain tensors sizes its ops outside it)
         left = mgr.limit - mgr.read_outside() - sum(own.values())
-        return _AllRoom(largest_within(mgr.accounting.within(left), size))
+        return AllRoom(largest_within(mgr.accounting.within(left), size))
 
 
 def results_seen(ctx) -> None:
@@ -254,7 +254,7 @@ def results_seen(ctx) -> None:
     results kept where they were known only now, or came out larger than estimated."""
     estimate = ctx.estimate
     fid = id(ctx.spec.func)
-    if estimate.__class__ is _AllRoom:
+    if estimate.__class__ is AllRoom:
         _UNKNOWN_AHEAD.add(fid)  # (no kernel could size it, and it ran)
     elif fid not in _UNKNOWN_AHEAD:
         total = 0

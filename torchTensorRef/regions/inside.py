@@ -10,8 +10,11 @@ of a measured call of the same structure, needing gradients alike, runs as a reg
 instead: room is made for that call's peak grown as the square of the growth (attention's
 scores grow with the square of a prompt) and as the objects' tensors grew, the call reads
 the objects' tensors the measured one read, and a dispatch mode on its plain tensors (no
-op of the manager) measures its peak, recorded for its shapes. A peak above the room made
-is reported as ``worst_overshoot_bytes``, as any excess over the budget. With gradients,
+op of the manager) measures its peak, recorded for its shapes. An estimate can fall short
+(a call allocating as the cube of its arguments): before each op whose results would take
+the call past its room, the mode asks for more, and blocks outside the call are evicted
+for it as for an op of the manager; where none is left to evict, the excess is reported as
+``worst_overshoot_bytes``, as any excess over the budget. With gradients,
 its backward's first run keeps the room a first run does (Note [Regions with gradients]
 in ``training.py``).
 """
@@ -28,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 from ..core.op_specs import spec_of
 from ..core.tensor_ref import TensorRef, block_of
 from ..memory.sim.tensor import SimTensor
+from ..ops.output_size import AllRoom, estimate_output_bytes
 from ..ops.split_handlers import rows_by_choice
 
 _Tensor = torch.Tensor
@@ -172,10 +176,17 @@ class Measure(TorchDispatchMode):
     ``peak`` with each counted as ``block_bytes`` counts it, the room it may take (the
     device's allocator rounds sizes up and may give a large one more:
     ``TensorsManager.alloc_bytes``), and ``counted_peak`` with each as the device counts it
-    (``dev_bytes`` of its storage)."""
+    (``dev_bytes`` of its storage).
 
-    def __init__(self, known, block_bytes, dev_bytes=None):
+    With ``grow`` (a call larger than measured, run in ``room`` made from an estimate: Note
+    [Calls larger than measured]), an op whose results would take the call past its room
+    first asks ``grow(extra bytes, bytes held now, room)`` for more, as an op of the
+    manager makes room before its kernel; where it is given, the room grows."""
+
+    def __init__(self, known, block_bytes, dev_bytes=None, grow=None, room: int = 0):
         super().__init__()
+        self.grow = grow
+        self.room = room
         self.block_bytes = block_bytes
         self.dev_bytes = dev_bytes
         self.known = known  # ids of the blocks that are not the call's: its inputs'
@@ -193,9 +204,11 @@ class Measure(TorchDispatchMode):
             if isinstance(a, TensorRef):
                 self.read.add(block_of(a).id)
         if isinstance(func, OpOverload):  # (an operator of a higher order has no schema)
-            writes = spec_of(func).write_args
-            if writes:
-                self._writes(writes, args, kwargs)
+            spec = spec_of(func)
+            if spec.write_args:
+                self._writes(spec.write_args, args, kwargs)
+            if self.grow is not None and spec.allocates:
+                self._room_for(spec, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if isinstance(out, _Tensor):
             self.follow(out)
@@ -204,6 +217,14 @@ class Measure(TorchDispatchMode):
                 if isinstance(o, _Tensor):
                     self.follow(o)
         return out
+
+    def _room_for(self, spec, args, kwargs) -> None:
+        """More room before an op whose results would outgrow the call's (results sized only
+        by their run, ``AllRoom``, are counted once made, as the peak)."""
+        need = estimate_output_bytes(spec, args, kwargs)
+        extra = self.now + need - self.room
+        if extra > 0 and not isinstance(need, AllRoom) and self.grow(extra, self.counted_now, self.room):
+            self.room += extra
 
     def read_rows(self) -> bool:
         """Whether an ``index`` op read rows of a tensor alone since it began (Note [Regions

@@ -284,7 +284,8 @@ class Region:
         needs = self._needs(sum([b.nbytes for b in ctx.blocks]), ctx.estimate, plan.key) if weigh else 0
         training = Training(self, plan.key, self.device_views and getattr(mgr.backend, "strict", False),
                             saves_blocks(mgr, plan.paged, needs), ctx.estimate) if plan.grad else None
-        meter = Measure({b.dev_key for b in ctx.blocks}, mgr.alloc_bytes, mgr.backend.dev_bytes) if plan.meter else None
+        meter = Measure({b.dev_key for b in ctx.blocks}, mgr.alloc_bytes, mgr.backend.dev_bytes,
+                        step.grow if plan.limited else None, ctx.estimate) if plan.meter else None
         try:
             out = self._run(mgr, call, fn, args, kwargs, plan.on_host, training, meter)
         except BaseException:
@@ -316,7 +317,7 @@ class Region:
             inside = None
         elif meter is not None:
             self.inside.record(key, call.held, meter.peak)
-            inside = max(plan.ctx.estimate, meter.counted_peak)
+            inside = max(meter.room, meter.counted_peak)
         else:
             inside = plan.ctx.estimate
         if near is not None and near[0] != key:

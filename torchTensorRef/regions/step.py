@@ -60,7 +60,8 @@ class Step:
         self.ctx = ctx
         self.limited = limited
         self.keep = keep and limited
-        self.base = 0  # bytes in use once its blocks are resident
+        self.base = 0  # bytes in use once its blocks are resident (less those evicted for it since)
+        self.top = 0  # the most in use at once before its room last grew (``grow``)
 
     def begin(self, on_host: bool = False) -> None:
         """Its blocks resident and pinned (their host copies current where it runs on the host).
@@ -81,6 +82,26 @@ class Step:
             if self.keep and self.ctx.estimate:
                 mgr.accounting.keep(self.ctx.estimate)
 
+    def grow(self, extra: int, held: int, room: int) -> bool:
+        """``extra`` bytes more of room for the running step, which holds ``held`` of the
+        ``room`` kept for it (a call larger than measured outgrew its estimate: Note [Calls
+        larger than measured] in ``inside.py``): blocks outside it evicted; whether it was
+        made (where not, the call goes on, and its excess shows as ``worst_overshoot_bytes``)."""
+        mgr = _mgr
+        with mgr.lock:
+            acct = mgr.accounting
+            self.top = max(self.top, self.base + room)
+            resident = acct.resident
+            try:
+                mgr.make_room(extra, {b.id for b in self.ctx.blocks}, self.ctx.name, inside=held)
+            except OutOfBudgetError:
+                return False
+            finally:
+                self.base -= resident - acct.resident
+            if self.keep:
+                acct.keep(extra)
+            return True
+
     def _unpin(self) -> None:
         for b in self.ctx.blocks:
             b.pins -= 1
@@ -94,7 +115,8 @@ class Step:
             mgr.accounting.give_back()
             self._unpin()
             if inside is not None and self.limited:
-                mgr.record_top(self.base + inside)  # (the working set and the room kept for the inside)
+                # (the working set and the room kept for the inside)
+                mgr.record_top(max(self.top, self.base + inside))
             mgr.finish(ctx)
             if mgr.trace is not None:
                 ctx.record_inside(mgr.trace, inside or 0)
