@@ -739,17 +739,21 @@ def test_a_gated_activation_of_half_a_projection_larger_than_the_budget_equals_o
     assert torch.equal(_plain(x.grad), px.grad.cpu())
 
 
-@pytest.mark.parametrize("case", ["conv2d", "bias-stride-padding", "channels-last", "conv1d"])
+@pytest.mark.parametrize("case", ["conv2d", "bias-stride-padding", "channels-last", "conv1d", "grouped",
+                                  "depthwise", "depthwise-channels-last"])
 def test_a_convolution_larger_than_the_budget_in_groups_of_channels_equals_one_call(tight, case):
-    # a UNet's convolutions at 256 KiB (diffusers' own tests) were refused
+    # a UNet's convolutions at 256 KiB (diffusers' own tests) were refused; grouped ones
+    # (a ConvNeXt's depthwise, peft's tests of a grouped Conv2d) too
     conv = torch.nn.functional.conv1d if case == "conv1d" else torch.nn.functional.conv2d
-    shape, filters = ((2, 32, 128), (96, 32, 3)) if case == "conv1d" else ((2, 32, 16, 16), (96, 32, 3, 3))
+    groups = {"grouped": 4, "depthwise": 32, "depthwise-channels-last": 32}.get(case, 1)
+    shape, filters = ((2, 32, 128), (96, 32, 3)) if case == "conv1d" else ((2, 32, 16, 16), (96, 32 // groups, 3, 3))
     x, px = _pair(*shape)
     w, pw = _pair(*filters, seed=1)
     b, pb = _pair(96, seed=2)
-    if case == "channels-last":
+    if case.endswith("channels-last"):
         x, px, w, pw = (t.to(memory_format=torch.channels_last) for t in (x, px, w, pw))
     kwargs = {"stride": 2, "padding": 1} if case == "bias-stride-padding" else {"padding": 1}
+    kwargs["groups"] = groups
     bias = case != "conv2d"
     with plain_torch():
         expected = conv(px, pw, pb if bias else None, **kwargs)

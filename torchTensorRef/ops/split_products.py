@@ -286,40 +286,53 @@ def _expert_tiles(a, b, offs, ends, out_dtype, left: int, name: str):
 @implements(aten.convolution.default)
 @when_refused
 def convolution(func, args, kwargs, spec: OpSpec, left: int):
-    """A convolution (not transposed, one group) in groups of its output channels when it
-    does not fit: its input whole, each group's rows of the weight and the bias, the output
-    filled channel by channel. Each output channel is computed from the same input by its
-    own filter, as in one call (on the CPU, groups of any size gave one call's bits for
-    every shape, dtype and layout tried; its batch elements cut apart did not)."""
+    """A convolution (not transposed) in groups of its output channels when it does not
+    fit: with one group, its input whole, each group's rows of the weight and the bias;
+    with several (a depthwise one), in runs of whole groups, each with its own channels of
+    the input, as a convolution of that many groups. The output is filled channel by
+    channel. Each output channel is computed from the same input by its own filter, as in
+    one call (on the CPU, groups of any size gave one call's bits for every shape, dtype and
+    layout tried; its batch elements cut apart did not)."""
     if kwargs or len(args) != 9:
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args
     refs = [t for t in (x, weight, bias) if t is not None]
-    if transposed or groups != 1 or not all(isinstance(t, TensorRef) for t in refs):
+    if transposed or not all(isinstance(t, TensorRef) for t in refs):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     shaped = raw.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     filters = raw.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device="meta")
     meta = func(shaped, filters, None, *args[3:])  # (plain torch's checks, result shape and layout)
     channels = weight.shape[0]
-    pieces = [weight.numel() // channels * weight.element_size(), meta.numel() // channels * meta.element_size()]
-    pieces += [bias.element_size()] if bias is not None else []
-    step = chunk_elements(sum(pieces), refs_bytes([x]), left, channels, spec.name, _TILE_ALIGNS, pieces)
-    settle([t for t in (weight, bias) if t is not None])
+    units = channels if groups == 1 else groups  # (what a piece takes whole: a channel, or a group)
+    per = channels // units  # output channels of a unit
+    pieces = [per * t.numel() // channels * t.element_size() for t in (weight, meta)]  # (its filters, its output)
+    pieces += [per * bias.element_size()] if bias is not None else []
+    pieces += [x.numel() // groups * x.element_size()] if groups > 1 else []  # (a group's own input)
+    step = chunk_elements(sum(pieces), refs_bytes([x]) if groups == 1 else 0, left, units, spec.name,
+                          _TILE_ALIGNS if groups == 1 else (1,), pieces)
+    settle(refs if groups > 1 else [t for t in (weight, bias) if t is not None])
+    inputs = x.shape[1] // groups  # input channels of a group
 
-    def channels_of(start: int):
-        part = [gathered_piece(in_order(host_view(t).detach()[start:start + step])) if t is not None else None
+    def units_of(start: int):
+        stop = min(start + step, units)
+        rows = slice(start * per, stop * per)
+        part = [gathered_piece(in_order(host_view(t).detach()[rows])) if t is not None else None
                 for t in (weight, bias)]
-        return run_generic(func, [x, *part, *args[3:]], {}, spec)
+        if groups == 1:
+            return run_generic(func, [x, *part, *args[3:]], {}, spec), rows
+        given = gathered_piece(in_order(host_view(x).detach()[:, start * inputs:stop * inputs]))
+        return run_generic(func, [given, *part, *args[3:8], stop - start], {}, spec), rows
 
-    result = channels_of(0)
+    result, rows = units_of(0)
     # (laid out as the device's kernel lays out its result: channels last or not)
     layout = raw.empty(meta.shape, device="meta", memory_format=memory_format_of(result)).stride()
     out = host_result(meta.shape, meta.dtype, stride=layout)
     with held_on_host([out]):
         out_host = host_view(out)
-        for start in range(0, channels, step):
-            result = result if start == 0 else channels_of(start)
-            out_host[:, start:start + step].copy_(to_host(result))
+        for start in range(0, units, step):
+            if start:
+                result, rows = units_of(start)
+            out_host[:, rows].copy_(to_host(result))
             del result
     return out
 
