@@ -357,12 +357,26 @@ def test_a_cat_along_an_inner_dimension_in_rows_equals_one_call(tight, dim):
     assert torch.equal(_plain(got), expected)
 
 
-def test_a_cat_along_its_outer_dimension_larger_than_the_budget_is_refused(tight):
-    top, _ = _pair(ROWS // 2, DIM)
-    bottom, _ = _pair(ROWS // 2, DIM, seed=1)
+@pytest.mark.parametrize("case", ["rows", "batch-of-one", "mixed-dtypes", "channels-last"])
+def test_a_cat_along_its_outer_dimension_larger_than_the_budget_equals_one_call(tight, case):
+    # outputs gathered batch by batch (``torch.cat(outputs)``) larger than the budget were refused
+    shape = {"batch-of-one": (1, 1, ROWS, DIM // 2), "channels-last": (2, 16, 16, 16)}.get(case, (ROWS // 2, DIM))
+    dim = 2 if case == "batch-of-one" else 0  # (along a dimension that only ones precede)
+    top, ptop = _pair(*shape)
+    bottom, pbottom = _pair(*shape, seed=1)
+    empty, pempty = _pair(0)  # (a 1-d empty tensor, which cat passes by)
+    if case == "mixed-dtypes":  # (promoted as one call promotes)
+        bottom, pbottom = bottom.half(), pbottom.half()
+    if case == "channels-last":  # (the result laid out as one call lays it out)
+        top, ptop, bottom, pbottom = (t.to(memory_format=torch.channels_last) for t in (top, ptop, bottom, pbottom))
+    with plain_torch():
+        expected = torch.cat([ptop, pempty, pbottom, ptop], dim=dim)
     _tighten(tight)
-    with pytest.raises(OutOfBudgetError, match="cat"):
-        torch.cat([top, bottom])
+    got = torch.cat([top, empty, bottom, top], dim=dim)
+    assert isinstance(got, TensorRef)
+    assert (got.shape, got.stride(), got.dtype) == (expected.shape, expected.stride(), expected.dtype)
+    assert torch.equal(_plain(got), expected.cpu())
+    assert torch.equal(_plain(got * 2), expected.cpu() * 2)  # (a host result, brought in by the next op)
 
 
 def test_transposed_tensors_in_chunks_equal_one_call(tight):

@@ -9,7 +9,8 @@ run as several kernels on *pieces* of their tensors, each piece small enough:
   element as one call does, Note [Cuts of host kernels] in ``vector_loops.py``);
 - elementwise ops that broadcast (``torch.outer``, a bias added to every row), and ``cat``
   along an inner dimension: ranges of the result's outer dimensions, each tensor as long
-  there cut alike, the others given whole;
+  there cut alike, the others given whole; ``cat`` along its outermost dimension, by
+  copies of its tensors' host copies into a result made in host memory;
 - reductions (``_foreach_norm``, ``_foreach_max``): one result per chunk, then combined
   (max and min exactly; a 2-norm as the norm of the chunks' norms: equal up to rounding,
   not bit for bit, since one kernel sums in another order);

@@ -276,18 +276,35 @@ def rounded(func, args, kwargs, spec: OpSpec, left: int):
 @implements(aten.cat.default)
 @when_refused
 def cat(func, args, kwargs, spec: OpSpec, left: int):
-    """``cat`` along an inner dimension when its tensors do not fit together: ranges of the
+    """``cat`` when its tensors do not fit together: along an inner dimension, ranges of the
     result's outer dimension, each tensor cut alike (two halves of an embedding joined side
-    by side); along its outermost dimension it is refused."""
+    by side); along its outermost one (outputs gathered batch by batch), in host memory."""
     tensors = args[0] if args else kwargs.get("tensors", ())
     shaped = [t for t in tensors if t.dim() != 1 or t.numel()]  # (1-d empty tensors: skipped by cat)
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if not shaped or not -shaped[0].dim() <= dim < shaped[0].dim():
+    if not shaped or not -shaped[0].dim() <= dim < shaped[0].dim() or not all(
+            isinstance(t, TensorRef) for t in tensors):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     dim %= shaped[0].dim()
-    if all(n == 1 for n in shaped[0].shape[:dim]):
-        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)  # (its pieces' results are not ranges)
+    if all(n == 1 for n in shaped[0].shape[:dim]):  # (its pieces' results would not be ranges)
+        return _cat_on_host(func, tensors, dim)
     return run_chunked(func, args, kwargs, spec, left, broadcast=True)
+
+
+def _cat_on_host(func, tensors, dim: int) -> TensorRef:
+    """``cat`` as copies of its tensors' host copies into their ranges of a result made in
+    host memory (in the layout and dtype plain torch's gives it): the same values as one
+    call, and no room on the device, which the next op brings it to as any tensor."""
+    meta = func([raw.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors], dim)
+    out = host_result(meta.shape, meta.dtype, stride=meta.stride())
+    with held_on_host([out, *tensors], read={id(t) for t in tensors}):
+        out_host = host_view(out)
+        at = 0
+        for t in tensors:
+            if t.dim() == meta.dim() and t.shape[dim]:
+                out_host.narrow(dim, at, t.shape[dim]).copy_(host_view(t).detach())
+                at += t.shape[dim]
+    return out
 
 
 #: what ``_to_copy`` may be asked besides a dtype and stay a same-device elementwise conversion
