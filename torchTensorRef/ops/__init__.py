@@ -11,6 +11,7 @@ from . import host_arguments  # noqa: F401,E402  (registers _pack_padded_sequenc
 from . import metadata_only  # noqa: F401,E402  (registers empty_like, new_zeros ...)
 from . import collectives  # noqa: F401,E402  (registers torch.distributed's c10d ops)
 from . import split_handlers  # noqa: F401,E402  (registers embedding, elementwise ops and views larger than the budget)
+from . import split_on_host  # noqa: F401,E402  (registers pad, slice and select backward larger than the budget)
 from . import split_products  # noqa: F401,E402  (registers matrix products and convolutions larger than the budget)
 from . import split_losses  # noqa: F401,E402  (registers nll_loss larger than the budget)
 from . import device_kernels  # noqa: F401,E402  (registers the ops "sim" runs as composites: histc of integers)

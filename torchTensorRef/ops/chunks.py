@@ -19,7 +19,8 @@ from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec
 from ..core.tensor_ref import TensorRef, block_of
 from .dispatch import run_generic
-from .pieces import alias_piece, dense, held_on_host, host_result, land, landing, write_back
+from .pieces import (alias_piece, dense, gathered_piece, held_on_host, host_result, land, landing, to_host,
+                     write_back)
 from .split import ALIGN, MIN_ALIGN, block_bytes, chunk_elements, may_retry, op_bytes, refs_bytes, refuse
 
 
@@ -37,6 +38,14 @@ def tensors_of(values):
                     yield e
 
 
+class _Gathered(NamedTuple):
+    """A cut tensor's pieces gathered on the host: its positions at its dims ``at`` to
+    ``at + merged - 1``, taken as one."""
+
+    at: int
+    merged: int
+
+
 class _Cut(NamedTuple):
     """How ``run_chunked`` cuts an op: along ``units`` positions of its result, ``chunk`` of
     them at a time. Each tensor of ``cut`` (by ``id``) is cut into pieces: ``cut[id]`` is
@@ -45,8 +54,10 @@ class _Cut(NamedTuple):
     with no ``window``, one range of its bytes (``per`` elements a position); with a window
     ``(strides, span)``, the range from its first position's first element to the last's
     ``span``-th, seen with those strides (a view whose positions are not dense: the bytes
-    between them come too). The other tensors are given whole to every chunk. A new result
-    holds ``out_per_unit`` elements a position."""
+    between them come too); with a ``_Gathered`` window, its positions' elements copied
+    together on the host (``per`` a position: interleaved with others over many bytes).
+    The other tensors are given whole to every chunk. A new result holds ``out_per_unit``
+    elements a position."""
 
     cut: dict
     big: list
@@ -115,13 +126,15 @@ def by_positions(tensors) -> bool:
 def _window(t: torch.Tensor, at: int, merged: int):
     """``(step, span)`` of the positions of ``t`` at its dims ``at`` to ``at + merged - 1``:
     each position's first element ``step`` elements after the previous one's, its elements
-    within ``span`` of it; ``None`` where the positions are not one step apart or overlap."""
+    within ``span`` of it; ``None`` where the positions are not one step apart. Positions may
+    interleave (``span`` > ``step``: a transposed view broadcast by ``repeat_interleave``):
+    a piece then brings the bytes of the positions it overlaps, only read."""
     dims = [i for i in range(at, at + merged) if t.shape[i] != 1]
     if not dims or t.numel() == 0 or any(t.stride(a) != t.stride(b) * t.shape[b] for a, b in zip(dims, dims[1:])):
         return None
     step = t.stride(dims[-1])
     span = 1 + sum((n - 1) * st for n, st in zip(t.shape[at + merged:], t.stride()[at + merged:]))
-    return (step, span) if span <= step else None
+    return step, span
 
 
 def _broadcast_plan(func, args, kwargs, spec: OpSpec, left: int, tensors) -> _Cut:
@@ -162,7 +175,7 @@ def _broadcast_plan(func, args, kwargs, spec: OpSpec, left: int, tensors) -> _Cu
     for t in tensors:
         at = cut_at.get(id(t))
         if at is not None:
-            how = _cut_of(t, at, end - d, written_blocks)
+            how = _cut_of(t, at, end - d, written_blocks, left)
             if how is None:
                 raise refuse(name, op_bytes(spec, args, kwargs), left)
             cut[id(t)] = how
@@ -173,7 +186,12 @@ def _broadcast_plan(func, args, kwargs, spec: OpSpec, left: int, tensors) -> _Cu
                   False, out_meta)
 
 
-def _cut_of(t: torch.Tensor, at: int, merged: int, written_blocks: set):
+#: a window of interleaved positions (each piece brings all it spans) takes at most this
+#: fraction of the room left; wider, its pieces are gathered on the host
+_SPAN_SHARE = 4
+
+
+def _cut_of(t: torch.Tensor, at: int, merged: int, written_blocks: set, left: int):
     """How ``t`` is cut along its dims ``at`` to ``at + merged - 1`` (an entry of
     ``_Cut.cut``), or ``None`` where its positions are not ranges or windows of its bytes."""
     if t.is_conj() or t.is_neg():
@@ -185,10 +203,12 @@ def _cut_of(t: torch.Tensor, at: int, merged: int, written_blocks: set):
         return (_numel(inner), lead, tail, None)
     window = _window(t, at, merged)
     # (only read: a window's write-back would write the bytes between its positions too,
-    # which another piece of its block may write)
+    # which another piece of its block may write or have written)
     if window is None or block_of(t).id in written_blocks:
         return None
     step, span = window
+    if span > step and span * t.element_size() > left // _SPAN_SHARE:
+        return (_numel(inner), lead, tail, _Gathered(at, merged))
     strides = (0,) * at + (step,) + (0,) * (merged - 1) + tuple(t.stride()[at + merged:])
     return (step, lead, tail, (strides, span))
 
@@ -213,6 +233,9 @@ def _sized(spec, args, kwargs, left, tensors, cut, units, aligns, shape, out_per
     seen: set = set()
     refs_bytes(big, seen)
     fixed = refs_bytes([t for t in tensors if block_of(t).id not in seen])
+    # (a window of interleaved positions holds the bytes the last position spans past its step)
+    fixed += sum(t.element_size() * max(cut[id(t)][3][1] - cut[id(t)][0], 0) for t in big
+                 if cut[id(t)][3] and not isinstance(cut[id(t)][3], _Gathered))
     # (bytes a position of each piece holds: one piece per block cut)
     pieces = [t.element_size() * cut[id(t)][0] for t in {id(block_of(t)): t for t in big}.values()]
     if out_meta is not None:
@@ -242,6 +265,11 @@ def _piece_of(v, plan: _Cut, start: int, stop: int, written: set, pieces: dict):
             if window is None:
                 piece = alias_piece(v, start * per, stop * per)
                 piece = piece.view(*lead, stop - start, *tail) if lead or tail else piece
+            elif isinstance(window, _Gathered):
+                # (read by the host: its write-back, which pieces wait for on the device, ends first)
+                whole = to_host(v).flatten(window.at, window.at + window.merged - 1)
+                part = whole.narrow(window.at, start, stop - start).contiguous()
+                piece = gathered_piece(part.view(*lead, stop - start, *tail))
             else:
                 strides, span = window
                 piece = alias_piece(v, start * per, (stop - 1) * per + span, (lead + (stop - start,) + tail, strides))
@@ -265,6 +293,9 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broad
     chunks may end (``vector_loops.cutter``: ``cuts(start, most)``, 0 where none fits; ``None``:
     nowhere, the op is refused); without it any chunk will do.
     """
+    layout = None
+    if broadcast:
+        args, layout = _in_result_order(func, args, kwargs, spec)
     plan = _plan(func, args, kwargs, spec, left, row, broadcast)
     chunk, units, per = plan.chunk, plan.units, plan.out_per_unit
     cuts = None if cutter is None else cutter(units * per, per)
@@ -272,10 +303,7 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broad
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     written = {id(b) for b in _written(spec, args, kwargs)}
     packet = func.overloadpacket.__name__
-    outs = None
-    if plan.out_meta is not None:
-        # (laid out as the big tensors, as plain torch lays out an elementwise op's result)
-        outs = [host_result(plan.shape, d, stride=plan.out_stride, pinned=True) for d in plan.out_meta]
+    outs = _new_results(plan, layout)
     partial: List = []
     retry = may_retry(spec)
     smallest = plan.aligns[-1]
@@ -311,6 +339,43 @@ def run_chunked(func, args, kwargs, spec: OpSpec, left: int, row: int = 1, broad
     if outs is None:
         return _in_place_result(spec, args, kwargs)
     return _shape_results(func, outs)
+
+
+def _new_results(plan: _Cut, layout) -> Optional[list]:
+    """The op's new results, in host memory: laid out as ``layout`` (``_in_result_order``)
+    or as the big tensors, as plain torch lays out an elementwise op's result."""
+    if plan.out_meta is None:
+        return None
+    shape, stride = layout or (plan.shape, plan.out_stride)
+    return [host_result(shape, d, stride=stride, pinned=True) for d in plan.out_meta]
+
+
+def _in_result_order(func, args, kwargs, spec: OpSpec):
+    """``(args, layout)``: for a new result that plain torch lays out dense but not
+    contiguous (its operands permuted alike: heads and positions of a scan swapped), the
+    tensor arguments seen in the result's order of dimensions, where it is contiguous and
+    is cut as any, and its ``(shape, stride)``, which the pieces' results land in by ranges
+    of its bytes; else ``args`` as they are and ``None``."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if (not spec.allocates or spec.write_args or not tensors
+            or any(isinstance(v, (list, tuple, torch.Tensor)) for v in kwargs.values())
+            or any(isinstance(a, (list, tuple)) for a in args)
+            or not all(isinstance(t, TensorRef) for t in tensors)):
+        return args, None
+    out = _flat_results(func(*[_meta(a, whole=True) for a in args], **kwargs))
+    if len(out) != 1 or out[0].is_contiguous() or not dense(out[0]):
+        return args, None
+    rank = out[0].dim()
+    order = sorted(range(rank), key=lambda i: -out[0].stride(i))  # (stable: ones keep their place)
+    if not out[0].permute(order).is_contiguous() or any(t.dim() > rank for t in tensors):
+        return args, None
+
+    def seen(a):
+        if not isinstance(a, TensorRef) or not a.dim():
+            return a
+        return a.view((1,) * (rank - a.dim()) + tuple(a.shape)).permute(order)
+
+    return [seen(a) for a in args], (tuple(out[0].shape), out[0].stride())
 
 
 def _written(spec, args, kwargs):

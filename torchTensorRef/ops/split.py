@@ -9,8 +9,10 @@ run as several kernels on *pieces* of their tensors, each piece small enough:
   element as one call does, Note [Cuts of host kernels] in ``vector_loops.py``);
 - elementwise ops that broadcast (``torch.outer``, a bias added to every row), and ``cat``
   along an inner dimension: ranges of the result's outer dimensions, each tensor as long
-  there cut alike, the others given whole; ``cat`` along its outermost dimension, by
-  copies of its tensors' host copies into a result made in host memory;
+  there cut alike, the others given whole, in the order of dimensions of the result's
+  layout (pieces of views whose positions interleave gathered on the host);
+- ``cat`` along its outermost dimension, a constant pad, the backward of a slice or a
+  select: by copies of host copies into a result made in host memory (``split_on_host.py``);
 - reductions (``_foreach_norm``, ``_foreach_max``): one result per chunk, then combined
   (max and min exactly; a 2-norm as the norm of the chunks' norms: equal up to rounding,
   not bit for bit, since one kernel sums in another order);
@@ -32,7 +34,7 @@ The handlers of those ops are in ``split_handlers.py``; elementwise ops and list
 run in chunks by ``chunks.run_chunked`` (from ``foreach.py`` for the list ops).
 
 What cannot be split (a matrix product whose two operands are both too large, a
-reduction of other kinds, a view whose positions overlap in its bytes) raises ``OutOfBudgetError`` naming
+reduction of other kinds) raises ``OutOfBudgetError`` naming
 the op and the smallest budget that works.
 """
 

@@ -25,6 +25,7 @@ from .output_size import estimate_output_bytes
 from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
 from . import vector_loops
 from .chunks import by_positions, run_chunked, tensors_of
+from .split_on_host import cat_on_host
 from .split_products import in_order, memory_format_of
 from .split import block_bytes, chunk_elements, default, fits, op_bytes, refs_bytes, refuse, room, when_refused
 
@@ -287,24 +288,8 @@ def cat(func, args, kwargs, spec: OpSpec, left: int):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     dim %= shaped[0].dim()
     if all(n == 1 for n in shaped[0].shape[:dim]):  # (its pieces' results would not be ranges)
-        return _cat_on_host(func, tensors, dim)
+        return cat_on_host(func, tensors, dim)
     return run_chunked(func, args, kwargs, spec, left, broadcast=True)
-
-
-def _cat_on_host(func, tensors, dim: int) -> TensorRef:
-    """``cat`` as copies of its tensors' host copies into their ranges of a result made in
-    host memory (in the layout and dtype plain torch's gives it): the same values as one
-    call, and no room on the device, which the next op brings it to as any tensor."""
-    meta = func([raw.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors], dim)
-    out = host_result(meta.shape, meta.dtype, stride=meta.stride())
-    with held_on_host([out, *tensors], read={id(t) for t in tensors}):
-        out_host = host_view(out)
-        at = 0
-        for t in tensors:
-            if t.dim() == meta.dim() and t.shape[dim]:
-                out_host.narrow(dim, at, t.shape[dim]).copy_(host_view(t).detach())
-                at += t.shape[dim]
-    return out
 
 
 #: what ``_to_copy`` may be asked besides a dtype and stay a same-device elementwise conversion
