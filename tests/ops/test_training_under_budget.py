@@ -491,6 +491,20 @@ def test_an_elementwise_result_laid_out_as_a_permuted_operand_equals_one_call(ti
     assert torch.equal(_plain(base), pbase.cpu())
 
 
+def test_a_corner_of_each_matrix_of_a_large_tensor_in_pieces_equals_one_call(tight):
+    # (MiniMax's linear attention multiplies a corner of each head's decay matrix: a piece
+    # was sized at the step between its positions, a whole matrix, not at the bytes it
+    # spans, and the op was refused)
+    big, pbig = _pair(2, ROWS // 2, DIM)  # (each matrix 64 KiB, more than the room)
+    small, psmall = _pair(2, 6, 6, seed=1)
+    with plain_torch():
+        expected = (psmall * pbig[:, :6, :6]).cpu()
+    _tighten(tight)
+    got = small * big[:, :6, :6]
+    assert torch.equal(_plain(got), expected)
+    assert torch.equal(_plain(big), pbig.cpu())
+
+
 def test_foreach_position_larger_than_budget_in_chunks(tight):
     (a, b), (pa, pb) = zip(_pair(ROWS, DIM), _pair(ROWS, DIM, seed=1))
     small, psmall = _pair(16)

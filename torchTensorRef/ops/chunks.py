@@ -233,17 +233,26 @@ def _sized(spec, args, kwargs, left, tensors, cut, units, aligns, shape, out_per
     seen: set = set()
     refs_bytes(big, seen)
     fixed = refs_bytes([t for t in tensors if block_of(t).id not in seen])
-    # (a window of interleaved positions holds the bytes the last position spans past its step)
-    fixed += sum(t.element_size() * max(cut[id(t)][3][1] - cut[id(t)][0], 0) for t in big
-                 if cut[id(t)][3] and not isinstance(cut[id(t)][3], _Gathered))
     # (bytes a position of each piece holds: one piece per block cut)
-    pieces = [t.element_size() * cut[id(t)][0] for t in {id(block_of(t)): t for t in big}.values()]
+    pieces = [_piece_size(t, cut[id(t)]) for t in {id(block_of(t)): t for t in big}.values()]
     if out_meta is not None:
-        pieces += [d.itemsize * out_per_unit for d in out_meta]
+        pieces += [(d.itemsize * out_per_unit, 0) for d in out_meta]
     if reduction:
         fixed += block_bytes(8)  # each chunk's result (one value)
-    chunk = chunk_elements(sum(pieces), fixed, left, units, spec.name, aligns=aligns, pieces=pieces)
+    chunk = chunk_elements(sum(size for size, _extra in pieces), fixed, left, units, spec.name, aligns=aligns,
+                           pieces=pieces)
     return _Cut(cut, big, units, chunk, aligns, shape, out_per_unit, out_stride, reduction, out_meta)
+
+
+def _piece_size(t: torch.Tensor, how):
+    """``(bytes per position, extra bytes)`` of ``t``'s pieces (``chunk_elements``'s
+    ``pieces``): a window of ``n`` positions holds ``(n - 1) * step + span`` elements, less
+    than ``n`` steps where its positions leave bytes between them, more where they interleave."""
+    per, _lead, _tail, window = how
+    size = t.element_size()
+    if window is None or isinstance(window, _Gathered):
+        return size * per, 0
+    return size * per, size * (window[1] - per)
 
 
 def check_chunkable(func, args, kwargs, spec: OpSpec, left: int) -> None:

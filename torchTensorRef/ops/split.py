@@ -159,15 +159,18 @@ def chunk_elements(per_element: int, fixed: int, left: int, numel: int, name: st
                    aligns=(ALIGN, MIN_ALIGN), pieces: Sequence[int] = ()) -> int:
     """Elements per chunk so that ``fixed`` and a chunk's pieces fit in ``left``, a multiple
     of the first of ``aligns`` that fits (or all ``numel``). ``pieces``: the bytes per
-    element of each piece a chunk allocates on its own (default: one of ``per_element``);
-    each is counted as the device's allocator rounds it (:func:`block_bytes`)."""
-    sizes = tuple(pieces) or (per_element,)
+    element of each piece a chunk allocates on its own (default: one of ``per_element``),
+    or ``(bytes per element, extra bytes)`` for a piece of ``n`` elements that holds
+    ``n * size + extra`` (a window of a view's positions: from its first position to what
+    its last spans); each is counted as the device's allocator rounds it (:func:`block_bytes`)."""
+    sizes = [p if isinstance(p, tuple) else (p, 0) for p in pieces] or [(per_element, 0)]
+    extra = sum(e for _size, e in sizes)
 
     def need(n: int) -> int:
-        return fixed + sum(block_bytes(n * size) for size in sizes)
+        return fixed + sum(block_bytes(max(n * size + e, 0)) for size, e in sizes)
 
     for align in aligns:
-        n = min(numel, (left - fixed) // max(per_element, 1))
+        n = min(numel, (left - fixed - extra) // max(per_element, 1))
         if n < numel:
             n = n // align * align
         while n > 0 and need(n) > left:  # (the rounding of the pieces' sizes)
