@@ -12,22 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from ..core import raw
 from ..core.op_specs import OpSpec, implements
 from ..core.tensor_ref import TensorRef, host_view
 from .pieces import held_on_host, host_result
+from .result_bounds import to_meta
 from .split import op_bytes, refuse, when_refused
 
 aten = torch.ops.aten
 
 
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    return raw.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
 def cat_on_host(func, tensors, dim: int) -> TensorRef:
     """``cat`` of ``tensors`` (TensorRefs) along ``dim``, which only ones precede."""
-    meta = func([_meta(t) for t in tensors], dim)
+    meta = func(to_meta(list(tensors)), dim)
     out = host_result(meta.shape, meta.dtype, stride=meta.stride())
     with held_on_host([out, *tensors], read={id(t) for t in tensors}):
         out_host = host_view(out)
@@ -41,7 +37,7 @@ def cat_on_host(func, tensors, dim: int) -> TensorRef:
 
 def _placed(meta: torch.Tensor, value, part: TensorRef, place) -> TensorRef:
     """A result laid out as ``meta``, filled with ``value``, and ``part``'s values copied
-    into ``place(result's host view)`` (``None``: nowhere)."""
+    in: ``place(result's host view, part's)`` gives where, and which of them."""
     out = host_result(meta.shape, meta.dtype, stride=meta.stride())
     with held_on_host([out, part], read={id(part)}):
         out_host = host_view(out)
@@ -70,7 +66,7 @@ def pad(func, args, kwargs, spec: OpSpec, left: int):
             out = out.narrow(dim, max(low, 0), kept.shape[dim])
         return out, kept
 
-    return _placed(func(_meta(x), pads, value), value, x, place)
+    return _placed(func(to_meta(x), pads, value), value, x, place)
 
 
 def _arguments(func, args, kwargs) -> list:
@@ -93,4 +89,4 @@ def part_backward(func, args, kwargs, spec: OpSpec, left: int):
         part = lambda out: out.select(dim, where[0])  # noqa: E731
     else:
         part = lambda out: aten.slice.Tensor(out, dim, *where)  # noqa: E731
-    return _placed(func(_meta(grad), sizes, dim, *where), 0, grad, lambda out, values: (part(out), values))
+    return _placed(func(to_meta(grad), sizes, dim, *where), 0, grad, lambda out, values: (part(out), values))
