@@ -192,7 +192,7 @@ class Measure(TorchDispatchMode):
         self.known = known  # ids of the blocks that are not the call's: its inputs'
         self.read: set = set()  # ids of the blocks the ops were given
         self.wrote: set = set()  # ids of the blocks the ops wrote in place (Note [Unversioned writes] in mechanism.py)
-        self.live: dict = {}  # storage key -> [bytes, tensors alive, bytes counted]
+        self.live: dict = {}  # block id or storage key -> [bytes, its followers alive, bytes counted]
         self.now = self.counted_now = 0
         self.peak = self.counted_peak = 0
         self.ops = 0
@@ -240,31 +240,35 @@ class Measure(TorchDispatchMode):
                     self.wrote.add(block_of(t).id)
 
     def follow(self, t) -> None:
-        """Count ``t``'s bytes (its block's, or its storage's) until it dies."""
+        """Count ``t``'s bytes (its block's, or its storage's) until they are freed: its
+        block's when the last TensorRef followed dies, its storage's when the storage dies."""
         if isinstance(t, TensorRef):
             block = block_of(t)
-            key, nbytes, counted = block.id, block.nbytes, block.dev_bytes
+            key, nbytes, counted, owner = block.id, block.nbytes, block.dev_bytes, t
         else:
             if t.__class__ is SimTensor:
                 t = t.data_
             if t.layout is not torch.strided or t.is_meta or t.is_nested:
                 return
-            key, nbytes, counted = t.untyped_storage()._cdata, None, 0
+            # (followed to its own death, not its tensor's: a storage's address is its key, and
+            # one a tensor let go of with ``set_`` is free for the next allocation while that
+            # tensor lives, which would then be counted as long as the tensor)
+            owner = t.untyped_storage()
+            key, nbytes, counted = owner._cdata, None, 0
         if key in self.known:
             return
         if nbytes is None:
-            storage = t.untyped_storage()
-            nbytes = storage.nbytes()
+            nbytes = owner.nbytes()
             if self.dev_bytes is not None:
-                counted = self.dev_bytes(storage)
+                counted = self.dev_bytes(owner)
         nbytes = self.block_bytes(nbytes)
         counted = counted or nbytes
         entry = self.live.get(key)
-        if entry is None:
+        new = entry is None
+        if new:
             entry = self.live[key] = [0, 0, 0]
         if nbytes > entry[0]:
-            # (new, or grown: a storage resized in place, or one at the address of an empty
-            # storage a tracked tensor let go of with ``set_``, the tensor still alive)
+            # (new, or grown: a storage resized in place)
             self.now += nbytes - entry[0]
             self.counted_now += counted - entry[2]
             entry[0], entry[2] = nbytes, counted
@@ -272,10 +276,14 @@ class Measure(TorchDispatchMode):
                 self.peak = self.now
             if self.counted_now > self.counted_peak:
                 self.counted_peak = self.counted_now
-        entry[1] += 1
-        weakref.finalize(t, self._died, key)
+        if new or owner is t:  # (a storage once; each TensorRef of a block)
+            entry[1] += 1
+            # (the measure held weakly: a storage the program keeps, a cache's, must not keep
+            # the measure, nor what it references, alive)
+            weakref.finalize(owner, _died, weakref.ref(self), key)
 
-    def _died(self, key) -> None:
+    def died(self, key) -> None:
+        """A follower of ``key`` died: its bytes are freed with the last."""
         entry = self.live.get(key)
         if entry is not None:
             entry[1] -= 1
@@ -283,3 +291,9 @@ class Measure(TorchDispatchMode):
                 del self.live[key]
                 self.now -= entry[0]
                 self.counted_now -= entry[2]
+
+
+def _died(measure: "weakref.ref[Measure]", key) -> None:
+    m = measure()
+    if m is not None:
+        m.died(key)
