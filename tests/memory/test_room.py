@@ -10,6 +10,7 @@ import torch
 import torchTensorRef
 from torchTensorRef import OutOfBudgetError, tensorsManager
 from torchTensorRef.memory import room
+from torchTensorRef.memory.accounting import READ_EVERY
 
 from paired import assert_identical, budget, plain_torch
 
@@ -87,3 +88,24 @@ def test_a_budget_over_what_only_cycles_hold_outside_is_accepted(no_automatic_co
     tm.budget = floor + 16 * KiB
     assert tm.budget == floor + 16 * KiB
     assert tm.outside_bytes() == floor
+
+
+def test_the_device_is_read_at_the_same_ops_of_a_program_whatever_ran_before():
+    # The device is read every so many checks even where the count fits; counted from the
+    # budget set, a program under a budget reads it, and so decides, at the same ops
+    # whatever the process ran before (the serving tests' Flow periods depended on it).
+    tm = tensorsManager
+
+    def readings(earlier_ops: int) -> int:
+        tm.budget = None
+        x = torch.ones(16)
+        for _ in range(earlier_ops):
+            x = x + 1
+        tm.budget = budget(64 * KiB)
+        before = tm.accounting.readings
+        y = torch.ones(16)
+        for _ in range(3 * READ_EVERY // 2):
+            y = y * 1
+        return tm.accounting.readings - before
+
+    assert [readings(n) for n in (0, READ_EVERY // 2, 1)] == [readings(0)] * 3

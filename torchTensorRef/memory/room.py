@@ -133,9 +133,10 @@ class Room:
 
     def collect_again(self) -> None:
         """A budget was set (over what the device holds outside the manager now, as last
-        read): collect before a refusal once more is outside."""
+        read): collect before a refusal once more is outside. The checks count from here, so
+        the device is read at the same ops of a program under a budget whatever ran before."""
         acct = self.m.accounting
-        self.collect_after = self.backoff = 0
+        acct.checks = self.collect_after = self.backoff = 0
         self.outside_seen = acct.elsewhere_bytes - acct.reserved
 
     def warm_up(self) -> int:
