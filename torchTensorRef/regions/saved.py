@@ -29,7 +29,10 @@ sees the call's writes: the TensorRef's version moves as its view's moved
 
 from __future__ import annotations
 
-from torch.autograd.graph import increment_version
+import functools
+import weakref
+
+from torch.autograd.graph import increment_version, saved_tensors_hooks
 
 
 class Saved:
@@ -83,3 +86,24 @@ def move_versions(written) -> None:
         for _ in range(delta):
             increment_version(refs)
 
+
+def saved_hooks(call) -> saved_tensors_hooks:
+    """The saved-tensor hooks of a region call that pages (its ``_pack`` and ``_unpack``).
+
+    The call is held weakly: autograd keeps the hooks in the inner graph's nodes, which the
+    call holds, and the collector does not see that reference, so bound methods would make a
+    cycle never freed (a forward whose graph is dropped without a backward leaked its
+    activations). While its backward may run, the outer graph's node holds the call."""
+    ref = weakref.ref(call)
+    return saved_tensors_hooks(functools.partial(_pack, ref), functools.partial(_unpack, ref))
+
+
+def _pack(call, t):
+    return call()._pack(t)  # (the call is running: alive)
+
+
+def _unpack(call, saved):
+    training = call()
+    if training is None:  # (not expected: the node whose backward runs holds the call)
+        raise RuntimeError("a region call's saved tensor was unpacked after the call was freed")
+    return training._unpack(saved)

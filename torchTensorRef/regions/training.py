@@ -85,7 +85,7 @@ import functools
 import threading
 
 import torch
-from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+from torch.autograd.graph import get_gradient_edge
 
 from ..core import context, raw
 from ..core.tensor_ref import TensorRef, compute_view, block_of
@@ -93,7 +93,7 @@ from ..memory.sim import backward_errors
 from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
 from .step import BackwardStep
-from .saved import Saved, sync_versions
+from .saved import Saved, saved_hooks, sync_versions
 from .scan import output_tensors
 
 _Tensor = torch.Tensor
@@ -240,7 +240,7 @@ class Training:
         return given
 
     def hooks(self):
-        return saved_tensors_hooks(self._pack, self._unpack) if self.paged else contextlib.nullcontext()
+        return saved_hooks(self) if self.paged else contextlib.nullcontext()
 
     def _pack(self, t):
         if isinstance(t, TensorRef):
