@@ -23,6 +23,7 @@ training, so for a training step only its forward copy volume is reported.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -97,6 +98,9 @@ def managed_run(plain: torch.nn.Module, ids: torch.Tensor, workload: str, strate
     # (the budget covers what the device holds beside the manager too, as on a GPU: the
     # fraction is of the share left to it, which the reference gets as its capacity)
     budget = int(pbytes * fraction)
+    # (garbage an earlier run left in reference cycles would read as outside now and free
+    # its room to the manager once collected, past the fraction asked for)
+    gc.collect()
     tm.budget = tm.outside_bytes() + budget
     mids = torchTensorRef.manage(ids.clone())
     try:
