@@ -554,6 +554,32 @@ def test_a_forward_whose_graph_is_dropped_without_a_backward_leaves_nothing_behi
     assert (after["tensors"], after["outside_bytes"]) == (before["tensors"], before["outside_bytes"])
 
 
+def test_a_llama_evaluated_with_gradients_on_holds_no_more_after_each_forward():
+    # What a user meets: a validation loop with gradients on (no ``torch.no_grad()``) under
+    # Flow at half the weights kept every forward's region calls alive (the cycle above):
+    # host bytes and TensorRefs grew with each forward, and the losses still matched.
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with plain_torch():
+        torch.manual_seed(0)
+        plain_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(tm.torch_device)
+        expected = plain_model(ids.to(tm.torch_device), labels=ids.to(tm.torch_device)).loss.detach()
+        del plain_model
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    tm.strategy = "flow"
+    tm.budget = budget(weight_bytes(model) // 2)
+    mids = torchTensorRef.manage(ids)
+    held = []
+    for _ in range(6):
+        loss = model(mids, labels=mids).loss
+        assert_identical(expected, loss.detach())
+        del loss
+        gc.collect()
+        stats = tm.stats()
+        held.append((stats["tensors"], stats["host_bytes"], stats["outside_bytes"]))
+    assert held[3:] == [held[2]] * 3  # (the first calls of each shape run op by op, measured)
+
+
 class Squash(torch.nn.Module):
     """Its last op (sigmoid) saves its result: the call's output."""
 
