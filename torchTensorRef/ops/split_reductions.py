@@ -1,0 +1,62 @@
+"""Reductions larger than the budget (``split.py``): ``sum`` along dimensions, in slices of
+the outermost dimension it keeps.
+
+A slice of a kept dimension holds whole reductions: each value of the result is the sum of
+the same elements, by the same kernel, as in one call, and the slices' results are copied
+into their places in a result made in host memory. A kernel may order a sum's additions by
+the shape it is given (how it shares one reduction between threads), so a slice's sums may
+round apart from one call's in the last bits, as a CUDA kernel's do between shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.op_specs import OpSpec, implements
+from ..core.tensor_ref import TensorRef, host_view
+from .dispatch import run_generic
+from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
+from .result_bounds import to_meta
+from .split import chunk_elements, op_bytes, refuse, when_refused
+from .split_products import in_order
+
+aten = torch.ops.aten
+
+
+def _kept_dimension(x: torch.Tensor, dims, keepdim: bool):
+    """(the outermost dimension of ``x`` the sum keeps that is longer than one, its place
+    in the result), or ``None`` where there is none (a whole-tensor sum)."""
+    reduced = {d % x.dim() for d in dims} if dims else set(range(x.dim()))
+    for d in range(x.dim()):
+        if d not in reduced and x.shape[d] > 1:
+            return d, d if keepdim else d - sum(1 for r in reduced if r < d)
+    return None
+
+
+@implements(aten.sum.dim_IntList)
+@when_refused
+def sum_along(func, args, kwargs, spec: OpSpec, left: int):
+    """``sum`` along dimensions (a scan's ``(C * B).sum(-1)``) of a tensor that does not
+    fit, in slices of the outermost dimension it keeps."""
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    kept = _kept_dimension(x, dims, keepdim) if isinstance(x, TensorRef) and x.dim() else None
+    if kept is None:
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    at, out_at = kept
+    meta = func(to_meta(x), *args[1:], **kwargs)  # (the result as one call lays it out)
+    count = x.shape[at]
+    pieces = (x.numel() // count * x.element_size(), meta.numel() // count * meta.element_size())
+    step = chunk_elements(sum(pieces), 0, left, count, spec.name, (1,), pieces)
+    settle([x])
+    out = host_result(meta.shape, meta.dtype, stride=meta.stride())
+    with held_on_host([out]):
+        whole, out_host = host_view(x).detach(), host_view(out)
+        for start in range(0, count, step):
+            n = min(step, count - start)
+            part = gathered_piece(in_order(whole.narrow(at, start, n)))
+            result = run_generic(func, [part, *args[1:]], kwargs, spec)
+            out_host.narrow(out_at, start, n).copy_(to_host(result))
+            del part, result
+    return out
