@@ -925,6 +925,38 @@ def test_a_sum_along_dimensions_larger_than_the_budget_in_slices_of_a_dimension_
     assert tight.stats()["peak_device_bytes"] < x.numel() * 4
 
 
+@pytest.mark.parametrize("dim,case", [(-2, "contiguous"), (-1, "transposed"), (1, "contiguous"), (0, "float64")])
+def test_a_cumsum_larger_than_the_budget_in_slices_of_another_dimension(tight, dim, case):
+    # a Mamba-2 scan's segment sums at its default chunk (a cumsum over an L x L mask per
+    # head and chunk) was refused under a small budget (Falcon-H1, Nemotron-H)
+    x, px = _pair(1, 6, 8, 16, 32)
+    if case == "transposed":
+        x, px = x.transpose(2, 3), px.transpose(2, 3)
+    kwargs = {"dtype": torch.float64} if case == "float64" else {}
+    with plain_torch():
+        expected = px.cumsum(dim, **kwargs)
+    _tighten(tight)
+    got = x.cumsum(dim, **kwargs)
+    assert (got.shape, got.dtype, got.stride()) == (expected.shape, expected.dtype, expected.stride())
+    _assert_product_pieces_equal(got, expected.cpu(), inner=x.shape[dim])
+    assert tight.stats()["peak_device_bytes"] < x.numel() * 4
+
+
+@pytest.mark.parametrize("dims,case", [((-1,), "contiguous"), ((1, 3), "transposed"), ((0, 1), "contiguous")])
+def test_a_flip_larger_than_the_budget_in_slices_of_a_dimension_it_keeps(tight, dims, case):
+    # a scan run backwards over a sequence larger than a small budget (Nemotron-H) was refused
+    x, px = _pair(1, 6, 8, 16, 32)
+    if case == "transposed":
+        x, px = x.transpose(2, 3), px.transpose(2, 3)
+    with plain_torch():
+        expected = px.flip(dims)
+    _tighten(tight)
+    got = x.flip(dims)
+    assert (got.shape, got.stride()) == (expected.shape, expected.stride())
+    assert torch.equal(_plain(got), expected.cpu())  # (copies)
+    assert tight.stats()["peak_device_bytes"] < x.numel() * 4
+
+
 def test_a_sum_of_a_whole_tensor_larger_than_the_budget_is_refused_with_what_it_needs(tight):
     x, _px = _pair(1, 6, 8, 16, 32)
     _tighten(tight)

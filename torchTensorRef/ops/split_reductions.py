@@ -1,11 +1,11 @@
-"""Reductions larger than the budget (``split.py``): ``sum`` along dimensions, in slices of
-the outermost dimension it keeps.
+"""Sums larger than the budget (``split.py``): ``sum`` along dimensions and ``cumsum``, in
+slices of the outermost dimension they keep; ``flip`` the same way.
 
-A slice of a kept dimension holds whole reductions: each value of the result is the sum of
-the same elements, by the same kernel, as in one call, and the slices' results are copied
-into their places in a result made in host memory. A kernel may order a sum's additions by
-the shape it is given (how it shares one reduction between threads), so a slice's sums may
-round apart from one call's in the last bits, as a CUDA kernel's do between shapes.
+A slice of a kept dimension holds whole sums: each value of the result is the sum of the
+same elements, by the same kernel, as in one call, and the slices' results are copied into
+their places in a result made in host memory. A kernel may order a sum's additions by the
+shape it is given (how it shares one sum between threads), so a slice's sums may round
+apart from one call's in the last bits, as a CUDA kernel's do between shapes.
 """
 
 from __future__ import annotations
@@ -38,9 +38,33 @@ def _kept_dimension(x: torch.Tensor, dims, keepdim: bool):
 def sum_along(func, args, kwargs, spec: OpSpec, left: int):
     """``sum`` along dimensions (a scan's ``(C * B).sum(-1)``) of a tensor that does not
     fit, in slices of the outermost dimension it keeps."""
-    x = args[0]
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    return _in_slices(func, args, kwargs, spec, left, dims, keepdim)
+
+
+@implements(aten.cumsum.default)
+@when_refused
+def cumsum_along(func, args, kwargs, spec: OpSpec, left: int):
+    """``cumsum`` along a dimension (a scan's segment sums) of a tensor that does not fit,
+    in slices of its outermost other dimension."""
+    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    return _in_slices(func, args, kwargs, spec, left, [dim], True)
+
+
+@implements(aten.flip.default)
+@when_refused
+def flip_along(func, args, kwargs, spec: OpSpec, left: int):
+    """``flip`` (a scan run backwards) of a tensor that does not fit, in slices of its
+    outermost dimension not flipped (copies: the same bits)."""
+    dims = args[1] if len(args) > 1 else kwargs["dims"]
+    return _in_slices(func, args, kwargs, spec, left, dims, True)
+
+
+def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool):
+    """``func`` along ``dims`` of its first argument, in slices of the outermost dimension
+    it keeps, each slice's result copied into its place in a result in host memory."""
+    x = args[0]
     kept = _kept_dimension(x, dims, keepdim) if isinstance(x, TensorRef) and x.dim() else None
     if kept is None:
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
