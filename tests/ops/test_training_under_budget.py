@@ -349,6 +349,35 @@ def test_exact_elementwise_ops_larger_than_the_budget_in_pieces_equal_one_call(t
     assert torch.equal(_plain(got), expected)
 
 
+@pytest.mark.parametrize("case", ["masked_fill", "masked_fill_", "where", "add", "transposed"])
+def test_a_mask_given_whole_beside_scores_larger_than_the_budget_per_head_equals_one_call(tight, case):
+    # (a hybrid model's chunked scan masks scores of shape (1, heads, 1, L, L) with an (L, L)
+    # mask: one head's scores, the mask and one head's result did not fit, and the mask
+    # varies along the rows where the cut by heads stops: refused)
+    scores, pscores = _pair(1, 2, 1, ROWS // 4, ROWS // 4)
+    bias, pbias = _pair(ROWS // 4, ROWS // 4, seed=1)
+    with plain_torch():
+        pmask = torch.ones(ROWS // 4, ROWS // 4, dtype=torch.bool).tril()
+    mask = torchTensorRef.manage(pmask.cpu())
+    ops = {"masked_fill": lambda s, m, b: s.masked_fill(m, float("-inf")),
+           "masked_fill_": lambda s, m, b: s.masked_fill_(~m, -1e4),
+           "where": lambda s, m, b: torch.where(m, s, b),
+           "add": lambda s, m, b: s + b,
+           # (a scan's product of a transposed view and a contiguous tensor: its result is
+           # laid out as the view, each row of positions a window of the other's bytes)
+           "transposed": lambda s, m, b: s.transpose(1, 3) * s.transpose(1, 3).contiguous()}
+    with plain_torch():
+        expected = ops[case](pscores, pmask, pbias)
+        layout = (expected.shape, expected.stride(), expected.dtype)
+        expected = expected.cpu()
+    _tighten(tight)
+    got = ops[case](scores, mask, bias)
+    assert isinstance(got, TensorRef) and (got.shape, got.stride(), got.dtype) == layout
+    assert torch.equal(_plain(got), expected)
+    if case == "masked_fill_":
+        assert got is scores
+
+
 @pytest.mark.parametrize("dim", [1, -1])
 def test_a_cat_along_an_inner_dimension_in_rows_equals_one_call(tight, dim):
     # (SD3's sin-cos embedding joins two halves side by side: refused at a budget below it)
@@ -1066,16 +1095,21 @@ def test_halves_of_a_chunked_tensor_in_rows_equal_one_call(tight, case):
     assert torch.equal(_plain(proj), pproj.cpu())  # (only read)
 
 
-def test_a_half_of_a_chunked_tensor_written_in_place_is_refused(tight):
-    # (a piece of a half brings the other half's bytes too; written back, they would
-    # overwrite what another piece of the tensor wrote)
-    proj, _ = _pair(2, ROWS // 4, 2 * DIM)
-    other, _ = _pair(2, ROWS // 4, DIM, seed=1)
+def test_a_half_of_a_chunked_tensor_written_in_place_runs_row_by_row(tight):
+    # (a window of a half brings the other half's bytes too; written back, they would
+    # overwrite what another piece of the tensor wrote: it was refused; each row of a half
+    # is a range of its bytes, which the op runs on index by index, the other half intact)
+    proj, pproj = _pair(2, ROWS // 4, 2 * DIM)
+    other, pother = _pair(2, ROWS // 4, DIM, seed=1)
+    with plain_torch():
+        pfirst, _ = pproj.chunk(2, -1)
+        pfirst.mul_(pother)
+        expected = pproj.cpu()
     _tighten(tight)
     first, second = proj.chunk(2, -1)
-    with pytest.raises(OutOfBudgetError, match="mul"):
-        first.mul_(other)
-    with pytest.raises(OutOfBudgetError, match="add"):
+    assert first.mul_(other) is first
+    assert torch.equal(_plain(proj), expected)
+    with pytest.raises(OutOfBudgetError, match="add"):  # (an ``out=`` op is not split)
         torch.add(first, other, out=second)
 
 

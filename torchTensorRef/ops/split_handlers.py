@@ -22,6 +22,7 @@ from ..core.tensor_ref import TensorRef, block_of, host_copy, host_view
 from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
+from .result_bounds import to_meta
 from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
 from . import vector_loops
 from .chunks import by_positions, run_chunked, tensors_of
@@ -228,9 +229,53 @@ EXACT = [
 def pointwise(func, args, kwargs, spec: OpSpec, left: int):
     """An elementwise op in chunks when its tensors do not fit together: ranges of their
     elements where they have one shape (0-d scalars aside), else ranges of the result's
-    outer dimension (``torch.outer(a, b)`` as ``a[:, None] * b``)."""
+    outer dimension (``torch.outer(a, b)`` as ``a[:, None] * b``), or each index of that
+    dimension in turn where one of its positions does not fit (``_each_outer_index``)."""
+    return _elementwise(func, args, kwargs, spec, left)
+
+
+def _elementwise(func, args, kwargs, spec: OpSpec, left: int):
     tensors = list(tensors_of(list(args) + list(kwargs.values())))
-    return run_chunked(func, args, kwargs, spec, left, broadcast=by_positions(tensors))
+    if not by_positions(tensors):
+        return run_chunked(func, args, kwargs, spec, left)
+    try:
+        return run_chunked(func, args, kwargs, spec, left, broadcast=True)
+    except OutOfBudgetError:
+        return _each_outer_index(func, args, kwargs, spec, left)
+
+
+def _each_outer_index(func, args, kwargs, spec: OpSpec, left: int):
+    """A broadcasting elementwise op whose positions along the dimensions it is cut in do
+    not fit one by one: the scores of one head, beside an attention mask given whole (it
+    broadcasts along the heads) that varies along the rows the cut stops at. The op runs
+    for each index of the result's outermost dimension longer than one (in the order of its
+    bytes), each cut in turn (``_elementwise``: there the mask is cut with the scores'
+    rows), its result copied into its place in a result in host memory laid out as one
+    call's (the same elements by the same kernel: the same bits)."""
+    meta = func(*to_meta(list(args)), **{k: to_meta(v) for k, v in kwargs.items()})
+    longer = [i for i, n in enumerate(meta.shape) if n > 1] if isinstance(meta, torch.Tensor) else []
+    if not longer:
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    d = max(longer, key=meta.stride)
+    count, rank = meta.shape[d], meta.dim()
+
+    def at(v, i):
+        """``v``'s part at index ``i`` of the result's dimension ``d`` (all of it where it broadcasts there)."""
+        if isinstance(v, TensorRef) and v.dim() >= rank - d and v.shape[d - rank] == count:
+            return v.narrow(d - rank, i, 1)
+        return v
+
+    written = [a for a in args[:1] if spec.write_args and isinstance(a, TensorRef)]
+    out = None if written else host_result(meta.shape, meta.dtype, stride=meta.stride())
+    with held_on_host([out] if out is not None else []):
+        whole = host_view(out) if out is not None else None
+        for i in range(count):
+            result = _elementwise(func, [at(a, i) for a in args], {k: at(v, i) for k, v in kwargs.items()}, spec,
+                                  left)
+            if whole is not None:
+                whole.narrow(d, i, 1).copy_(to_host(result))
+            del result
+    return written[0] if written else out
 
 
 def _overloads(names):
