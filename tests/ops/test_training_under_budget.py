@@ -986,6 +986,24 @@ def test_a_flip_larger_than_the_budget_in_slices_of_a_dimension_it_keeps(tight, 
     assert tight.stats()["peak_device_bytes"] < x.numel() * 4
 
 
+@pytest.mark.parametrize("op", ["cumsum", "sum", "flip"])
+def test_a_sum_whose_slices_of_the_outer_kept_dimension_do_not_fit_is_cut_along_the_next(tight, op):
+    # (a Falcon-H1's segment sums, (1, heads, 1, L, L) along -2 at a quarter of its weights:
+    # one head's L x L and its result did not fit, and the cumsum was refused)
+    x, px = _pair(1, 2, 1, ROWS // 8, DIM * 2)
+    ops = {"cumsum": lambda t: t.cumsum(-2), "sum": lambda t: t.sum(-2), "flip": lambda t: t.flip(-2)}
+    with plain_torch():
+        expected = ops[op](px)
+    _tighten(tight)
+    got = ops[op](x)
+    assert (got.shape, got.dtype, got.stride()) == (expected.shape, expected.dtype, expected.stride())
+    if op == "flip":
+        assert torch.equal(_plain(got), expected.cpu())
+    else:
+        _assert_product_pieces_equal(got, expected.cpu(), inner=ROWS // 8)
+    assert tight.stats()["peak_device_bytes"] < x.numel() * 4
+
+
 def test_a_sum_of_a_whole_tensor_larger_than_the_budget_is_refused_with_what_it_needs(tight):
     x, _px = _pair(1, 6, 8, 16, 32)
     _tighten(tight)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements
 from ..core.tensor_ref import TensorRef, host_view
 from .dispatch import run_generic
@@ -63,7 +64,9 @@ def flip_along(func, args, kwargs, spec: OpSpec, left: int):
 
 def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool):
     """``func`` along ``dims`` of its first argument, in slices of the outermost dimension
-    it keeps, each slice's result copied into its place in a result in host memory."""
+    it keeps, each slice's result copied into its place in a result in host memory; where
+    one slice does not fit (one head's segment sums), each is cut along the next dimension
+    kept, in turn."""
     x = args[0]
     kept = _kept_dimension(x, dims, keepdim) if isinstance(x, TensorRef) and x.dim() else None
     if kept is None:
@@ -72,12 +75,20 @@ def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool)
     meta = func(to_meta(x), *args[1:], **kwargs)  # (the result as one call lays it out)
     count = x.shape[at]
     pieces = (x.numel() // count * x.element_size(), meta.numel() // count * meta.element_size())
-    step = chunk_elements(sum(pieces), 0, left, count, spec.name, (1,), pieces)
+    try:
+        step = chunk_elements(sum(pieces), 0, left, count, spec.name, (1,), pieces)
+    except OutOfBudgetError:
+        step = 0
     settle([x])
     out = host_result(meta.shape, meta.dtype, stride=meta.stride())
     with held_on_host([out]):
-        whole, out_host = host_view(x).detach(), host_view(out)
-        for start in range(0, count, step):
+        out_host = host_view(out)
+        for i in range(count if not step else 0):
+            result = _in_slices(func, [x.narrow(at, i, 1), *args[1:]], kwargs, spec, left, dims, keepdim)
+            out_host.narrow(out_at, i, 1).copy_(to_host(result))
+            del result
+        whole = host_view(x).detach()
+        for start in range(0, count if step else 0, step or 1):
             n = min(step, count - start)
             part = gathered_piece(in_order(whole.narrow(at, start, n)))
             result = run_generic(func, [part, *args[1:]], kwargs, spec)
