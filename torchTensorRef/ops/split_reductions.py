@@ -16,7 +16,7 @@ from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements
 from ..core.tensor_ref import TensorRef, host_view
 from .dispatch import run_generic
-from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
+from .pieces import gathered_piece, held_on_host, host_result, index_by_index, settle, to_host
 from .result_bounds import to_meta
 from .split import chunk_elements, op_bytes, refuse, when_refused
 from .split_products import in_order
@@ -79,16 +79,15 @@ def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool)
         step = chunk_elements(sum(pieces), 0, left, count, spec.name, (1,), pieces)
     except OutOfBudgetError:
         step = 0
-    settle([x])
     out = host_result(meta.shape, meta.dtype, stride=meta.stride())
+    if not step:
+        index_by_index(out, out_at, count, lambda i: _in_slices(
+            func, [x.narrow(at, i, 1), *args[1:]], kwargs, spec, left, dims, keepdim))
+        return out
+    settle([x])
     with held_on_host([out]):
-        out_host = host_view(out)
-        for i in range(count if not step else 0):
-            result = _in_slices(func, [x.narrow(at, i, 1), *args[1:]], kwargs, spec, left, dims, keepdim)
-            out_host.narrow(out_at, i, 1).copy_(to_host(result))
-            del result
-        whole = host_view(x).detach()
-        for start in range(0, count if step else 0, step or 1):
+        whole, out_host = host_view(x).detach(), host_view(out)
+        for start in range(0, count, step):
             n = min(step, count - start)
             part = gathered_piece(in_order(whole.narrow(at, start, n)))
             result = run_generic(func, [part, *args[1:]], kwargs, spec)
