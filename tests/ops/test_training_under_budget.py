@@ -1004,6 +1004,46 @@ def test_a_sum_whose_slices_of_the_outer_kept_dimension_do_not_fit_is_cut_along_
     assert tight.stats()["peak_device_bytes"] < x.numel() * 4
 
 
+@pytest.mark.parametrize("case", ["lower-unit", "upper-right", "shared-matrix"])
+def test_a_batched_triangular_solve_larger_than_the_budget_in_groups_of_its_matrices(tight, case):
+    # (a gated delta rule solves each head's chunk, (1, heads, 1, C, C) against (1, heads, 1,
+    # C, 2C): 1.3 MiB at a budget of 632 KiB was refused)
+    heads, c = 8, 32
+    a, pa = _pair(1, heads if case != "shared-matrix" else 1, 1, c, c)
+    b, pb = _pair(1, heads, 1, c, 2 * c, seed=1)
+    a = a + torch.eye(c) * c  # (well conditioned: the solve's values stay of the inputs' size)
+    with plain_torch():
+        pa = pa + torch.eye(c) * c
+    kwargs = {"lower-unit": dict(upper=False, unitriangular=True), "upper-right": dict(upper=True, left=False),
+              "shared-matrix": dict(upper=False)}[case]
+    if case == "upper-right":
+        b, pb = b.transpose(-1, -2), pb.transpose(-1, -2)
+    with plain_torch():
+        expected = torch.linalg.solve_triangular(pa, pb, **kwargs)
+        layout = (expected.shape, expected.stride())
+    _tighten(tight, room=40 * 1024)
+    got = torch.linalg.solve_triangular(a, b, **kwargs)
+    assert isinstance(got, TensorRef) and (got.shape, got.stride()) == layout
+    # (each matrix solved alone, as in one call; a batched kernel may block one otherwise)
+    _assert_product_pieces_equal(got, expected.cpu(), inner=c)
+    assert tight.stats()["peak_device_bytes"] < (a.numel() + b.numel()) * 4
+
+
+@pytest.mark.parametrize("op", ["tril", "triu", "tril-1", "triu+1"])
+def test_the_triangle_of_each_matrix_of_a_batch_larger_than_the_budget_in_slices(tight, op):
+    # (a gated delta rule masks each head's chunk, (1, heads, 1, C, C): refused at a budget
+    # below the batch)
+    x, px = _pair(1, 8, 1, 64, 64)
+    name, diagonal = op[:4], int(op[4:] or 0)
+    with plain_torch():
+        expected = getattr(torch, name)(px, diagonal)
+    _tighten(tight)
+    got = getattr(torch, name)(x, diagonal)
+    assert (got.shape, got.stride()) == (expected.shape, expected.stride())
+    assert torch.equal(_plain(got), expected.cpu())  # (copies and zeros)
+    assert tight.stats()["peak_device_bytes"] < x.numel() * 4
+
+
 def test_a_sum_of_a_whole_tensor_larger_than_the_budget_is_refused_with_what_it_needs(tight):
     x, _px = _pair(1, 6, 8, 16, 32)
     _tighten(tight)
@@ -1111,6 +1151,23 @@ def test_halves_of_a_chunked_tensor_in_rows_equal_one_call(tight, case):
     assert isinstance(got, TensorRef) and (got.shape, got.stride()) == layout
     assert torch.equal(_plain(got), expected)
     assert torch.equal(_plain(proj), pproj.cpu())  # (only read)
+
+
+@pytest.mark.parametrize("op", ["copy_", "mul_"])
+def test_transposed_heads_written_in_place_larger_than_the_budget_equal_one_call(tight, op):
+    # (a linear attention writes its state's heads through a transposed view, each head a
+    # dense range of the buffer's bytes: refused, as a window written back might have
+    # overwritten another piece's bytes)
+    buf, pbuf = _pair(1, 8, 64, 64)
+    src, psrc = _pair(1, 8, 64, 64, seed=1)
+    run = {"copy_": lambda b, s: b.transpose(-1, -2).copy_(s),
+           "mul_": lambda b, s: b.transpose(-1, -2).mul_(s)}[op]
+    with plain_torch():
+        run(pbuf, psrc)
+        expected = pbuf.cpu()
+    _tighten(tight)
+    run(buf, src)
+    assert torch.equal(_plain(buf), expected)
 
 
 def test_a_half_of_a_chunked_tensor_written_in_place_runs_row_by_row(tight):

@@ -149,7 +149,7 @@ def _broadcast_plan(func, args, kwargs, spec: OpSpec, left: int, tensors) -> _Cu
         raise refuse(name, op_bytes(spec, args, kwargs), left)
     shape = tuple(out[0].shape)
     d = next((i for i, n in enumerate(shape) if n > 1), None)
-    if d is None or not out[0].is_contiguous():
+    if d is None or spec.allocates and not out[0].is_contiguous():  # (a new result lands in ranges)
         raise refuse(name, op_bytes(spec, args, kwargs), left)
     # Cut along dims d, d + 1, ... while each tensor keeps its part: a cut one has the
     # result's sizes there (its positions are then one range of its bytes, contiguous), a
@@ -203,8 +203,9 @@ def _cut_of(t: torch.Tensor, at: int, merged: int, written_blocks: set, left: in
         return (_numel(inner), lead, tail, None)
     window = _window(t, at, merged)
     # (only read: a window's write-back would write the bytes between its positions too,
-    # which another piece of its block may write or have written)
-    if window is None or block_of(t).id in written_blocks:
+    # which another piece of its block may write or have written; but for positions that
+    # tile their bytes, each dense and one after the other: a transposed head of a cache)
+    if window is None or block_of(t).id in written_blocks and window != (_numel(inner), _numel(inner)):
         return None
     step, span = window
     if span > step and span * t.element_size() > left // _SPAN_SHARE:

@@ -1,11 +1,11 @@
 """Matrix products and convolutions larger than the budget, in tiles of their output (Note
 [Pieces] in ``pieces.py``, and ``split.py``): ``mm`` and ``addmm`` by columns (or rows),
 ``bmm`` and ``baddbmm`` by groups of batch elements and, within an element, by rows (or
-columns), ``_grouped_mm`` by groups of experts, a convolution by groups of its output
-channels. Every output element is one dot product over the same inputs as in one call:
-equal within rounding, not always bit for bit, since the BLAS chooses its kernel and how it
-blocks the inner dimension by the shape it is given (on the CPU as on CUDA:
-``docs/concepts.md``)."""
+columns), ``_grouped_mm`` by groups of experts, a batched triangular solve by groups of
+its matrices, a convolution by groups of its output channels. Every output element is one
+dot product over the same inputs as in one call: equal within rounding, not always bit for
+bit, since the BLAS chooses its kernel and how it blocks the inner dimension by the shape
+it is given (on the CPU as on CUDA: ``docs/concepts.md``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..core.op_specs import OpSpec, implements, spec_of
 from ..core.tensor_ref import TensorRef, block_of, host_view
 from .dispatch import run_generic
 from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
+from .result_bounds import to_meta
 from .split import block_bytes, chunk_elements, default, op_bytes, refs_bytes, refuse, when_refused
 
 aten = torch.ops.aten
@@ -279,6 +280,43 @@ def _expert_tiles(a, b, offs, ends, out_dtype, left: int, name: str):
                 tiles.append((first, stop, slice(starts[first], ends[stop - 1]), whole))
         first = stop
     return tiles
+
+
+# -- triangular solves (a gated delta rule's chunks) ----------------------------------------
+
+@implements(aten.linalg_solve_triangular.default)
+@when_refused
+def solve_triangular(func, args, kwargs, spec: OpSpec, left: int):
+    """A batched triangular solve when it does not fit: in groups of the outermost batch
+    dimension of its result longer than one (an operand broadcast along it given whole),
+    each matrix solved by itself as in one call, the groups' results copied into their
+    places in a result in host memory."""
+    operands = args[:2]
+    if len(args) != 2 or not all(isinstance(t, TensorRef) for t in operands):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    meta = func(*to_meta(list(operands)), **kwargs)
+    rank = meta.dim()
+    d = next((i for i in range(rank - 2) if meta.shape[i] > 1), None)
+    if d is None:  # (one matrix: its columns' solves are not cut apart)
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    count = meta.shape[d]
+    cut = [t.dim() >= rank - d and t.shape[d - rank] == count for t in operands]
+    pieces = [t.numel() // count * t.element_size() for t, c in zip(operands, cut) if c]
+    pieces.append(meta.numel() // count * meta.element_size())
+    shared = refs_bytes([t for t, c in zip(operands, cut) if not c])
+    step = chunk_elements(sum(pieces), shared, left, count, spec.name, (1,), pieces)
+    settle(list(operands))
+    out = host_result(meta.shape, meta.dtype, stride=meta.stride())
+    with held_on_host([out]):
+        out_host = host_view(out)
+        for start in range(0, count, step):
+            n = min(step, count - start)
+            parts = [gathered_piece(in_order(host_view(t).detach().narrow(d - rank, start, n))) if c else t
+                     for t, c in zip(operands, cut)]
+            result = run_generic(func, parts, kwargs, spec)
+            out_host.narrow(d, start, n).copy_(to_host(result))
+            del parts, result
+    return out
 
 
 # -- convolutions -----------------------------------------------------------------------------

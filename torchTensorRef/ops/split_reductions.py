@@ -1,5 +1,5 @@
 """Sums larger than the budget (``split.py``): ``sum`` along dimensions and ``cumsum``, in
-slices of the outermost dimension they keep; ``flip`` the same way.
+slices of the outermost dimension they keep; ``flip``, ``tril`` and ``triu`` the same way.
 
 A slice of a kept dimension holds whole sums: each value of the result is the sum of the
 same elements, by the same kernel, as in one call, and the slices' results are copied into
@@ -60,6 +60,15 @@ def flip_along(func, args, kwargs, spec: OpSpec, left: int):
     outermost dimension not flipped (copies: the same bits)."""
     dims = args[1] if len(args) > 1 else kwargs["dims"]
     return _in_slices(func, args, kwargs, spec, left, dims, True)
+
+
+@implements([aten.tril.default, aten.triu.default])
+@when_refused
+def triangle_of_each_matrix(func, args, kwargs, spec: OpSpec, left: int):
+    """``tril`` and ``triu`` (a gated delta rule's masks of each chunk) of a batch of
+    matrices that does not fit, in slices of its outermost batch dimension (copies: the same
+    bits)."""
+    return _in_slices(func, args, kwargs, spec, left, (-2, -1), True)
 
 
 def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool):
