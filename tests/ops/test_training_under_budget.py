@@ -1224,12 +1224,15 @@ def test_parts_of_a_tensor_larger_than_the_budget_equal_plain_torch(tight, case)
     assert torch.equal(_plain(big), expected_big)
 
 
-@pytest.mark.parametrize("case", ["experts", "an-expert-larger-than-the-room"])
+@pytest.mark.parametrize("case", ["experts", "an-expert-larger-than-the-room", "few-rows-wide-experts"])
 def test_a_grouped_product_larger_than_the_budget_in_groups_of_experts_equals_one_call(tight, case):
     # transformers' experts run all in one `_grouped_mm` (a Mixtral's at 30% of its weights
-    # was refused, 1-4 KiB short): now in groups of experts, its backward's too
-    experts, inner, width = 6, 64, 48
-    ends = [5, 5, 17, 30, 30, 36] if case == "experts" else [2, 2, 100, 101, 101, 110]
+    # was refused, 1-4 KiB short): now in groups of experts, its backward's too (an Aria's
+    # weight gradient, few rows per expert and wide ones, was sized by its rows squared
+    # for its gradient's piece, rows by width: a group too large, refused)
+    experts, inner, width = (8, 128, 32) if case == "few-rows-wide-experts" else (6, 64, 48)
+    ends = {"experts": [5, 5, 17, 30, 30, 36], "an-expert-larger-than-the-room": [2, 2, 100, 101, 101, 110],
+            "few-rows-wide-experts": [1, 1, 5, 6, 8, 9, 9, 12]}[case]
     rows = ends[-1] + 4  # (rows after the last expert's: the kernel computes none)
     a, pa = _pair(rows, inner)
     b, pb = _pair(experts, width, inner, seed=1)  # (each expert's weight (out, in): used transposed)
@@ -1243,10 +1246,13 @@ def test_a_grouped_product_larger_than_the_budget_in_groups_of_experts_equals_on
         pout.backward(pg)
     computed = slice(0, ends[-1])
     expected = [pout.detach()[computed].cpu(), pa.grad[computed].cpu(), pb.grad.cpu()]
-    _tighten(tight, room=experts * width * inner * 4 // 2)  # (half of the experts' weights)
+    weights = experts * width * inner * 4
+    # (half of the experts' weights; or room for all of them and their gradient's piece of
+    # every row, not for the pieces of the rows too)
+    _tighten(tight, room=weights // 2 if case != "few-rows-wide-experts" else weights + 6 * 1024)
     out = run(a, b, offs)
     out.backward(g)
-    assert tight.stats()["peak_device_bytes"] < experts * width * inner * 4
+    assert tight.stats()["peak_device_bytes"] < weights + (8 * 1024 if case == "few-rows-wide-experts" else 0)
     for got, want in zip([out.detach()[computed], a.grad[computed], b.grad], expected):
         _assert_product_pieces_equal(got, want, inner=max(inner, width, rows))
     assert torch.equal(_plain(out)[ends[-1]:], torch.zeros(rows - ends[-1], width))

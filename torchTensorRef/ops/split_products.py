@@ -247,8 +247,8 @@ def _expert_tiles(a, b, offs, ends, out_dtype, left: int, name: str):
 
     def sizes(experts: int, rows: int):
         """(bytes per row, bytes per column, bytes fixed) of the pieces of ``experts``."""
-        if weights_grad:
-            return (inner * ka, rows * kb), (rows * kb, experts * inner * ko), experts * inner * width * ko
+        if weights_grad:  # (pieces ``(inner, rows)`` and ``(rows, width)``, a result of ``experts``)
+            return (inner * ka, width * kb), (rows * kb, experts * inner * ko), experts * inner * width * ko
         return (inner * ka, width * ko), (), experts * inner * width * kb
 
     def need(experts: int, rows: int) -> int:
