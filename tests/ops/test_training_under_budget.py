@@ -1044,6 +1044,25 @@ def test_the_triangle_of_each_matrix_of_a_batch_larger_than_the_budget_in_slices
     assert tight.stats()["peak_device_bytes"] < x.numel() * 4
 
 
+@pytest.mark.parametrize("case", ["index", "expanded-index"])
+def test_a_scatter_add_into_a_tensor_larger_than_the_budget_in_slices_of_another_dimension(tight, case):
+    # (a sparse attention's backward scatters each head's chosen keys' gradients into
+    # scores (1, heads, queries, keys) larger than a quarter of its weights: refused)
+    x, px = _pair(1, 8, 6, 512)
+    src, psrc = _pair(1, 8, 6, 6, seed=1)
+    torch.manual_seed(2)
+    chosen = torch.randint(0, 512, (1, 8 if case == "index" else 1, 6, 6))
+    with plain_torch():
+        torch.manual_seed(2)
+        pchosen = torch.randint(0, 512, (1, 8 if case == "index" else 1, 6, 6))
+        expected = px.scatter_add(-1, pchosen.expand(1, 8, 6, 6), psrc).cpu()
+    _tighten(tight)
+    got = x.scatter_add(-1, chosen.expand(1, 8, 6, 6), src)
+    assert isinstance(got, TensorRef) and (got.shape, got.stride()) == (expected.shape, expected.stride())
+    assert torch.equal(_plain(got), expected)
+    assert tight.stats()["peak_device_bytes"] < x.numel() * 4
+
+
 def test_a_sum_of_a_whole_tensor_larger_than_the_budget_is_refused_with_what_it_needs(tight):
     x, _px = _pair(1, 6, 8, 16, 32)
     _tighten(tight)

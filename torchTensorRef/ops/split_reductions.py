@@ -1,5 +1,6 @@
-"""Sums larger than the budget (``split.py``): ``sum`` along dimensions and ``cumsum``, in
-slices of the outermost dimension they keep; ``flip``, ``tril`` and ``triu`` the same way.
+"""Sums larger than the budget (``split.py``): ``sum`` along dimensions, ``cumsum`` and
+``scatter_add``, in slices of the outermost dimension they keep; ``flip``, ``tril`` and
+``triu`` the same way.
 
 A slice of a kept dimension holds whole sums: each value of the result is the sum of the
 same elements, by the same kernel, as in one call, and the slices' results are copied into
@@ -71,35 +72,53 @@ def triangle_of_each_matrix(func, args, kwargs, spec: OpSpec, left: int):
     return _in_slices(func, args, kwargs, spec, left, (-2, -1), True)
 
 
-def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool):
+@implements(aten.scatter_add.default)
+@when_refused
+def scatter_add_along(func, args, kwargs, spec: OpSpec, left: int):
+    """``scatter_add`` (a gather's backward: a sparse attention's chosen keys) into a tensor
+    that does not fit, in slices of the outermost other dimension its index and source are
+    as long along: each value sums the same values in the same order as in one call."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if len(args) != 4 or kwargs or not all(isinstance(t, TensorRef) for t in (args[0], args[2], args[3])):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    return _in_slices(func, args, kwargs, spec, left, [dim], True, cut=(0, 2, 3))
+
+
+def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool, cut=(0,)):
     """``func`` along ``dims`` of its first argument, in slices of the outermost dimension
     it keeps, each slice's result copied into its place in a result in host memory; where
     one slice does not fit (one head's segment sums), each is cut along the next dimension
-    kept, in turn."""
+    kept, in turn. The arguments at the positions ``cut`` (the first: the others as long
+    there, else refused) are sliced alike."""
     x = args[0]
     kept = _kept_dimension(x, dims, keepdim) if isinstance(x, TensorRef) and x.dim() else None
-    if kept is None:
+    sliced = [args[i] for i in cut]
+    if kept is None or any(t.dim() != x.dim() or t.shape[kept[0]] != x.shape[kept[0]] for t in sliced):
         raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
     at, out_at = kept
-    meta = func(to_meta(x), *args[1:], **kwargs)  # (the result as one call lays it out)
+    meta = func(*to_meta(list(args)), **kwargs)  # (the result as one call lays it out)
     count = x.shape[at]
-    pieces = (x.numel() // count * x.element_size(), meta.numel() // count * meta.element_size())
+    pieces = [t.numel() // count * t.element_size() for t in sliced] + [meta.numel() // count * meta.element_size()]
     try:
         step = chunk_elements(sum(pieces), 0, left, count, spec.name, (1,), pieces)
     except OutOfBudgetError:
         step = 0
+
+    def with_parts(part):
+        return [part(a) if i in cut else a for i, a in enumerate(args)]
+
     out = host_result(meta.shape, meta.dtype, stride=meta.stride())
     if not step:
         index_by_index(out, out_at, count, lambda i: _in_slices(
-            func, [x.narrow(at, i, 1), *args[1:]], kwargs, spec, left, dims, keepdim))
+            func, with_parts(lambda t: t.narrow(at, i, 1)), kwargs, spec, left, dims, keepdim, cut))
         return out
-    settle([x])
+    settle(sliced)
     with held_on_host([out]):
-        whole, out_host = host_view(x).detach(), host_view(out)
+        out_host = host_view(out)
         for start in range(0, count, step):
             n = min(step, count - start)
-            part = gathered_piece(in_order(whole.narrow(at, start, n)))
-            result = run_generic(func, [part, *args[1:]], kwargs, spec)
+            parts = with_parts(lambda t: gathered_piece(in_order(host_view(t).detach().narrow(at, start, n))))
+            result = run_generic(func, parts, kwargs, spec)
             out_host.narrow(out_at, start, n).copy_(to_host(result))
-            del part, result
+            del parts, result
     return out
