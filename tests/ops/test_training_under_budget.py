@@ -1030,10 +1030,11 @@ def test_a_batched_triangular_solve_larger_than_the_budget_in_groups_of_its_matr
 
 
 @pytest.mark.parametrize("op", ["tril", "triu", "tril-1", "triu+1"])
-def test_the_triangle_of_each_matrix_of_a_batch_larger_than_the_budget_in_slices(tight, op):
+@pytest.mark.parametrize("heads", [8, 2, 1])
+def test_the_triangle_of_each_matrix_of_a_batch_larger_than_the_budget_in_slices(tight, op, heads):
     # (a gated delta rule masks each head's chunk, (1, heads, 1, C, C): refused at a budget
-    # below the batch)
-    x, px = _pair(1, 8, 1, 64, 64)
+    # below the batch; and below one head's matrix, in groups of its rows)
+    x, px = _pair(1, heads, 1, 64 if heads == 8 else 256, 64)
     name, diagonal = op[:4], int(op[4:] or 0)
     with plain_torch():
         expected = getattr(torch, name)(px, diagonal)

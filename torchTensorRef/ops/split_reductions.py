@@ -67,9 +67,31 @@ def flip_along(func, args, kwargs, spec: OpSpec, left: int):
 @when_refused
 def triangle_of_each_matrix(func, args, kwargs, spec: OpSpec, left: int):
     """``tril`` and ``triu`` (a gated delta rule's masks of each chunk) of a batch of
-    matrices that does not fit, in slices of its outermost batch dimension (copies: the same
-    bits)."""
-    return _in_slices(func, args, kwargs, spec, left, (-2, -1), True)
+    matrices that does not fit, in slices of its outermost batch dimension, and one matrix
+    larger than the room in groups of its rows, each with the diagonal counted from its
+    first row (copies: the same bits)."""
+    return _triangle(func, args, kwargs, spec, left)
+
+
+def _triangle(func, args, kwargs, spec: OpSpec, left: int):
+    x = args[0]
+    if not (isinstance(x, TensorRef) and x.dim() >= 2 and all(n == 1 for n in x.shape[:-2])):
+        return _in_slices(func, args, kwargs, spec, left, (-2, -1), True, each=_triangle)
+    diagonal = args[1] if len(args) > 1 else kwargs.get("diagonal", 0)
+    at, count = x.dim() - 2, x.shape[-2]
+    row = x.shape[-1] * x.element_size()
+    step = chunk_elements(2 * row, 0, left, count, spec.name, (1,), (row, row))
+    out = host_result(x.shape, x.dtype)
+    settle([x])
+    with held_on_host([out]):
+        out_host = host_view(out)
+        for start in range(0, count, step):
+            n = min(step, count - start)
+            part = gathered_piece(in_order(host_view(x).detach().narrow(at, start, n)))
+            result = run_generic(func, [part, diagonal + start], {}, spec)
+            out_host.narrow(at, start, n).copy_(to_host(result))
+            del part, result
+    return out
 
 
 @implements(aten.scatter_add.default)
@@ -84,12 +106,13 @@ def scatter_add_along(func, args, kwargs, spec: OpSpec, left: int):
     return _in_slices(func, args, kwargs, spec, left, [dim], True, cut=(0, 2, 3))
 
 
-def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool, cut=(0,)):
+def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool, cut=(0,), each=None):
     """``func`` along ``dims`` of its first argument, in slices of the outermost dimension
     it keeps, each slice's result copied into its place in a result in host memory; where
     one slice does not fit (one head's segment sums), each is cut along the next dimension
-    kept, in turn. The arguments at the positions ``cut`` (the first: the others as long
-    there, else refused) are sliced alike."""
+    kept, in turn (or as ``each(func, args, kwargs, spec, left)`` runs it). The arguments at
+    the positions ``cut`` (the first: the others as long there, else refused) are sliced
+    alike."""
     x = args[0]
     kept = _kept_dimension(x, dims, keepdim) if isinstance(x, TensorRef) and x.dim() else None
     sliced = [args[i] for i in cut]
@@ -109,8 +132,9 @@ def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool,
 
     out = host_result(meta.shape, meta.dtype, stride=meta.stride())
     if not step:
-        index_by_index(out, out_at, count, lambda i: _in_slices(
-            func, with_parts(lambda t: t.narrow(at, i, 1)), kwargs, spec, left, dims, keepdim, cut))
+        run = each or (lambda *a: _in_slices(*a, dims, keepdim, cut))
+        index_by_index(out, out_at, count, lambda i: run(
+            func, with_parts(lambda t: t.narrow(at, i, 1)), kwargs, spec, left))
         return out
     settle(sliced)
     with held_on_host([out]):
