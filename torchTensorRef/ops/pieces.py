@@ -172,16 +172,18 @@ def land(result, out: TensorRef, start: int, stop: int, host=None) -> None:
     flat_host(out)[start:stop].copy_(to_host(result).reshape(-1))
 
 
-def index_by_index(out: Optional[TensorRef], dim: int, count: int, run) -> None:
-    """``run(i)`` for each index ``i`` of ``out``'s dimension ``dim`` (the op on that index's
-    part of its tensors, itself in pieces), its result copied into its place in ``out``, a
-    result in host memory; ``out`` ``None``: the op writes in place, nothing is copied."""
+def in_groups(out: Optional[TensorRef], dim: int, count: int, step: int, run) -> None:
+    """``run(start, n)`` for each group of ``step`` indices of ``out``'s dimension ``dim``
+    (the op on that group's parts of its tensors), its result copied into its place in
+    ``out``, a result in host memory; ``out`` ``None``: the op writes in place, nothing is
+    copied."""
     with held_on_host([out] if out is not None else []):
         whole = host_view(out) if out is not None else None
-        for i in range(count):
-            result = run(i)
+        for start in range(0, count, step):
+            n = min(step, count - start)
+            result = run(start, n)
             if whole is not None:
-                whole.narrow(dim, i, 1).copy_(to_host(result))
+                whole.narrow(dim, start, n).copy_(to_host(result))
             del result
 
 

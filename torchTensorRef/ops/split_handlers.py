@@ -23,7 +23,7 @@ from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
 from .output_size import estimate_output_bytes
 from .result_bounds import to_meta
-from .pieces import gathered_piece, held_on_host, host_result, index_by_index, settle, to_host
+from .pieces import gathered_piece, held_on_host, host_result, in_groups, settle, to_host
 from . import vector_loops
 from .chunks import by_positions, run_chunked, tensors_of
 from .split_on_host import cat_on_host
@@ -267,7 +267,7 @@ def _each_outer_index(func, args, kwargs, spec: OpSpec, left: int):
 
     written = [a for a in args[:1] if spec.write_args and isinstance(a, TensorRef)]
     out = None if written else host_result(meta.shape, meta.dtype, stride=meta.stride())
-    index_by_index(out, d, count, lambda i: _elementwise(
+    in_groups(out, d, count, 1, lambda i, _n: _elementwise(
         func, [at(a, i) for a in args], {k: at(v, i) for k, v in kwargs.items()}, spec, left))
     return written[0] if written else out
 

@@ -15,7 +15,7 @@ from ..core import raw
 from ..core.op_specs import OpSpec, implements, spec_of
 from ..core.tensor_ref import TensorRef, block_of, host_view
 from .dispatch import run_generic
-from .pieces import gathered_piece, held_on_host, host_result, settle, to_host
+from .pieces import gathered_piece, held_on_host, host_result, in_groups, settle, to_host
 from .result_bounds import to_meta
 from .split import block_bytes, chunk_elements, default, op_bytes, refs_bytes, refuse, when_refused
 
@@ -104,6 +104,12 @@ def in_order(view: torch.Tensor) -> torch.Tensor:
     laid = raw.empty([view.shape[d] for d in order], dtype=view.dtype)
     copy = laid.permute([order.index(d) for d in range(view.dim())])
     return copy.copy_(view)
+
+
+def part_of(t: TensorRef, dim: int, start: int, n: int) -> TensorRef:
+    """A piece holding indices ``start`` to ``start + n`` of settled ``t``'s dimension
+    ``dim``, gathered from its host copy in the order of its strides (``in_order``)."""
+    return gathered_piece(in_order(host_view(t).detach().narrow(dim, start, n)))
 
 
 #: the positions of a batched product's operands (bias, a, b) that a tile of its output's
@@ -307,15 +313,8 @@ def solve_triangular(func, args, kwargs, spec: OpSpec, left: int):
     step = chunk_elements(sum(pieces), shared, left, count, spec.name, (1,), pieces)
     settle(list(operands))
     out = host_result(meta.shape, meta.dtype, stride=meta.stride())
-    with held_on_host([out]):
-        out_host = host_view(out)
-        for start in range(0, count, step):
-            n = min(step, count - start)
-            parts = [gathered_piece(in_order(host_view(t).detach().narrow(d - rank, start, n))) if c else t
-                     for t, c in zip(operands, cut)]
-            result = run_generic(func, parts, kwargs, spec)
-            out_host.narrow(d, start, n).copy_(to_host(result))
-            del parts, result
+    in_groups(out, d, count, step, lambda start, n: run_generic(
+        func, [part_of(t, d - rank, start, n) if c else t for t, c in zip(operands, cut)], kwargs, spec))
     return out
 
 

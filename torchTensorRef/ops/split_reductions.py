@@ -15,12 +15,12 @@ import torch
 
 from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements
-from ..core.tensor_ref import TensorRef, host_view
+from ..core.tensor_ref import TensorRef
 from .dispatch import run_generic
-from .pieces import gathered_piece, held_on_host, host_result, index_by_index, settle, to_host
+from .pieces import host_result, in_groups, settle
 from .result_bounds import to_meta
 from .split import chunk_elements, op_bytes, refuse, when_refused
-from .split_products import in_order
+from .split_products import part_of
 
 aten = torch.ops.aten
 
@@ -83,14 +83,8 @@ def _triangle(func, args, kwargs, spec: OpSpec, left: int):
     step = chunk_elements(2 * row, 0, left, count, spec.name, (1,), (row, row))
     out = host_result(x.shape, x.dtype)
     settle([x])
-    with held_on_host([out]):
-        out_host = host_view(out)
-        for start in range(0, count, step):
-            n = min(step, count - start)
-            part = gathered_piece(in_order(host_view(x).detach().narrow(at, start, n)))
-            result = run_generic(func, [part, diagonal + start], {}, spec)
-            out_host.narrow(at, start, n).copy_(to_host(result))
-            del part, result
+    in_groups(out, at, count, step, lambda start, n: run_generic(
+        func, [part_of(x, at, start, n), diagonal + start], {}, spec))
     return out
 
 
@@ -133,16 +127,10 @@ def _in_slices(func, args, kwargs, spec: OpSpec, left: int, dims, keepdim: bool,
     out = host_result(meta.shape, meta.dtype, stride=meta.stride())
     if not step:
         run = each or (lambda *a: _in_slices(*a, dims, keepdim, cut))
-        index_by_index(out, out_at, count, lambda i: run(
+        in_groups(out, out_at, count, 1, lambda i, _n: run(
             func, with_parts(lambda t: t.narrow(at, i, 1)), kwargs, spec, left))
         return out
     settle(sliced)
-    with held_on_host([out]):
-        out_host = host_view(out)
-        for start in range(0, count, step):
-            n = min(step, count - start)
-            parts = with_parts(lambda t: gathered_piece(in_order(host_view(t).detach().narrow(at, start, n))))
-            result = run_generic(func, parts, kwargs, spec)
-            out_host.narrow(out_at, start, n).copy_(to_host(result))
-            del parts, result
+    in_groups(out, out_at, count, step, lambda start, n: run_generic(
+        func, with_parts(lambda t: part_of(t, at, start, n)), kwargs, spec))
     return out
