@@ -933,6 +933,46 @@ def test_a_group_norm_larger_than_the_budget_in_groups_of_samples_equals_one_cal
     assert tight.stats()["peak_device_bytes"] < 2 * x.numel() * 4
 
 
+@pytest.mark.parametrize("case", ["conv2d", "no-bias", "channels-last", "conv1d", "weights-only", "input-only",
+                                  "grouped", "depthwise", "causal-depthwise-conv1d"])
+def test_a_convolution_backward_larger_than_the_budget_in_groups_of_channels_equals_one_call(tight, case):
+    # a gated linear attention's short depthwise conv1d (lara_mini) at 25% of its weights was
+    # refused in its backward; one group: its weight's gradient by output channels, its
+    # input's by input channels
+    conv = torch.nn.functional.conv1d if "conv1d" in case else torch.nn.functional.conv2d
+    groups = {"grouped": 4, "depthwise": 32, "causal-depthwise-conv1d": 32}.get(case, 1)
+    shape, filters = ((2, 32, 16, 16), (96 // (1 if groups == 1 else 3), 32 // groups, 3, 3))
+    if "conv1d" in case:
+        shape, filters = (2, 32, 256), (filters[0], filters[1], 4 if groups > 1 else 3)
+    x, px = _pair(*shape)
+    w, pw = _pair(*filters, seed=1)
+    b, pb = _pair(filters[0], seed=2)
+    if case == "channels-last":
+        x, px, w, pw = (t.to(memory_format=torch.channels_last) for t in (x, px, w, pw))
+    kwargs = {"stride": 2 if groups == 1 else 1, "padding": 3 if case.startswith("causal") else 1, "groups": groups}
+    grads = {"weights-only": (False, True, True), "input-only": (True, False, False)}.get(case, (True, True, True))
+    bias = case != "no-bias"
+    leaves = [(t, p) for t, p, g in zip((x, w, b), (px, pw, pb), grads) if g and (t is not b or bias)]
+    for t, p in leaves:
+        t.requires_grad_(True)
+        p.requires_grad_(True)
+    with plain_torch():
+        py = conv(px, pw, pb if bias else None, **kwargs)
+        pg = torch.randn(py.shape, generator=torch.Generator().manual_seed(3)).to(py.device)
+        py.backward(pg)
+    y = conv(x, w, b if bias else None, **kwargs)
+    g = torch.randn(py.shape, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(_plain(y), py.detach().cpu())  # (the forward fits: the backward alone is cut)
+    # (one group: room for the input or the output's gradient whole, and a few channels)
+    room = max(x.numel(), y.numel()) * 4 + 16 * 1024 if groups == 1 else (x.numel() + y.numel()) * 2
+    _tighten(tight, room=room)
+    y.backward(g)
+    batch_positions = y.numel() // y.shape[1]
+    for t, p in leaves:
+        inner = batch_positions if t is not x else w.shape[0] // groups * math.prod(w.shape[2:])
+        assert t.grad.stride() == p.grad.stride()  # (channels last stays channels last)
+        _assert_product_pieces_equal(t.grad, p.grad.cpu(), inner=inner)
+
 @pytest.mark.parametrize("dims,keepdim,case", [
     ((-1,), False, "contiguous"), ((3,), True, "contiguous"), ((0, 2), False, "transposed"),
     ((-1, 1), False, "float64"), ((1,), False, "transposed")])

@@ -23,8 +23,9 @@ run as several kernels on *pieces* of their tensors, each piece small enough:
   the second operand (rows of the first); every output element is one dot product as in
   one call; ``bmm`` and ``baddbmm`` in groups of batch elements, and one element larger
   than the room in tiles of its output's rows (or columns) as ``mm``; a convolution in
-  groups of its output channels (``split_products.py``), GroupNorm's forward in groups of
-  samples;
+  groups of its output channels, its backward in groups of output channels (the weight's
+  gradient) and of input channels (the input's) (``split_convolutions.py``), GroupNorm's
+  forward in groups of samples;
 - ``softmax`` and ``log_softmax`` over the last dimension, and their backward: chunks of
   whole rows (each row is computed alone, by the same kernel, whatever the other rows).
 

@@ -2,8 +2,8 @@
 ``pieces.py``, and ``split.py``): ``embedding`` and its backward by rows, the elementwise
 ops a training step runs on whole parameters and the activations by chunks (by rows where
 they broadcast, and ``cat`` along an inner dimension), views of big tensors without moving
-bytes, a whole tensor's norm by chunks, GroupNorm's forward by samples (matrix products
-and convolutions: ``split_products.py``).
+bytes, a whole tensor's norm by chunks, GroupNorm's forward by samples (matrix products:
+``split_products.py``; convolutions: ``split_convolutions.py``).
 
 Each handler runs its op by the dispatcher's own paths first and splits it only where they
 refuse it for the budget (``split.when_refused``); ``embedding`` also reads rows alone by choice.
@@ -27,7 +27,8 @@ from .pieces import gathered_piece, held_on_host, host_result, in_groups, settle
 from . import vector_loops
 from .chunks import by_positions, run_chunked, tensors_of
 from .split_on_host import cat_on_host
-from .split_products import in_order, memory_format_of
+from .split_convolutions import memory_format_of
+from .split_products import in_order
 from .split import block_bytes, chunk_elements, default, fits, op_bytes, refs_bytes, refuse, room, when_refused
 
 aten = torch.ops.aten

@@ -1,8 +1,8 @@
-"""Matrix products and convolutions larger than the budget, in tiles of their output (Note
+"""Matrix products larger than the budget, in tiles of their output (Note
 [Pieces] in ``pieces.py``, and ``split.py``): ``mm`` and ``addmm`` by columns (or rows),
 ``bmm`` and ``baddbmm`` by groups of batch elements and, within an element, by rows (or
 columns), ``_grouped_mm`` by groups of experts, a batched triangular solve by groups of
-its matrices, a convolution by groups of its output channels. Every output element is one
+its matrices (convolutions: ``split_convolutions.py``). Every output element is one
 dot product over the same inputs as in one call: equal within rounding, not always bit for
 bit, since the BLAS chooses its kernel and how it blocks the inner dimension by the shape
 it is given (on the CPU as on CUDA: ``docs/concepts.md``)."""
@@ -29,7 +29,7 @@ def _columns(plain: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 #: tile widths: each output element is one dot product whatever the tile, so any width
 #: does; wide tiles are cheaper
-_TILE_ALIGNS = (64, 8, 1)
+TILE_ALIGNS = (64, 8, 1)
 
 
 @implements(aten.mm.default)
@@ -64,10 +64,10 @@ def _matmul_tiles(func, args, kwargs, spec: OpSpec, left: int, a, b, bias):
     if a_bytes <= b_bytes:
         # Tiles of columns: all of a, then b[:, j:j+w], the bias's [j:j+w] and out[:, j:j+w] per tile.
         pieces = (k * b.element_size(), m * out_size) + ((bias.element_size(),) if bias is not None else ())
-        width = chunk_elements(sum(pieces), a_bytes, left, n, spec.name, _TILE_ALIGNS, pieces)
+        width = chunk_elements(sum(pieces), a_bytes, left, n, spec.name, TILE_ALIGNS, pieces)
         return _tiles(func, a, b, width, n, columns=True, bias=bias)
     pieces = (k * a.element_size(), n * out_size)
-    height = chunk_elements(sum(pieces), b_bytes + bias_bytes, left, m, spec.name, _TILE_ALIGNS, pieces)
+    height = chunk_elements(sum(pieces), b_bytes + bias_bytes, left, m, spec.name, TILE_ALIGNS, pieces)
     return _tiles(func, a, b, height, m, columns=False, bias=bias)
 
 
@@ -169,7 +169,7 @@ def _element_tiles(operands, count: int, n: int, m: int, left: int, name: str):
             per_unit.append(element // units)
         else:
             fixed += refs_bytes([t]) if t.shape[0] != count else block_bytes(element)
-    step = chunk_elements(sum(per_unit), fixed, left, units, name, _TILE_ALIGNS, per_unit)
+    step = chunk_elements(sum(per_unit), fixed, left, units, name, TILE_ALIGNS, per_unit)
     return [(slice(i, i + 1),) + ((slice(s, min(s + step, units)), slice(None)) if dim == 1
                                   else (slice(None), slice(s, min(s + step, units))))
             for i in range(count) for s in range(0, units, step)]
@@ -276,7 +276,7 @@ def _expert_tiles(a, b, offs, ends, out_dtype, left: int, name: str):
                           for c in range(0, width, step)]
             else:
                 step = chunk_elements(sum(per_row), block_bytes(inner * width * kb) + offs_bytes, left, count,
-                                      name, _TILE_ALIGNS, per_row)
+                                      name, TILE_ALIGNS, per_row)
                 tiles += [(first, stop, slice(r, min(r + step, ends[first])), whole)
                           for r in range(starts[first], ends[first], step)]
         else:
@@ -316,68 +316,3 @@ def solve_triangular(func, args, kwargs, spec: OpSpec, left: int):
     in_groups(out, d, count, step, lambda start, n: run_generic(
         func, [part_of(t, d - rank, start, n) if c else t for t, c in zip(operands, cut)], kwargs, spec))
     return out
-
-
-# -- convolutions -----------------------------------------------------------------------------
-
-@implements(aten.convolution.default)
-@when_refused
-def convolution(func, args, kwargs, spec: OpSpec, left: int):
-    """A convolution (not transposed) in groups of its output channels when it does not
-    fit: with one group, its input whole, each group's rows of the weight and the bias;
-    with several (a depthwise one), in runs of whole groups, each with its own channels of
-    the input, as a convolution of that many groups. The output is filled channel by
-    channel. Each output channel is computed from the same input by its own filter, as in
-    one call (on the CPU, groups of any size gave one call's bits for every shape, dtype and
-    layout tried; its batch elements cut apart did not)."""
-    if kwargs or len(args) != 9:
-        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
-    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args
-    refs = [t for t in (x, weight, bias) if t is not None]
-    if transposed or not all(isinstance(t, TensorRef) for t in refs):
-        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
-    shaped = raw.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    filters = raw.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device="meta")
-    meta = func(shaped, filters, None, *args[3:])  # (plain torch's checks, result shape and layout)
-    channels = weight.shape[0]
-    units = channels if groups == 1 else groups  # (what a piece takes whole: a channel, or a group)
-    per = channels // units  # output channels of a unit
-    pieces = [per * t.numel() // channels * t.element_size() for t in (weight, meta)]  # (its filters, its output)
-    pieces += [per * bias.element_size()] if bias is not None else []
-    pieces += [x.numel() // groups * x.element_size()] if groups > 1 else []  # (a group's own input)
-    step = chunk_elements(sum(pieces), refs_bytes([x]) if groups == 1 else 0, left, units, spec.name,
-                          _TILE_ALIGNS if groups == 1 else (1,), pieces)
-    settle(refs if groups > 1 else [t for t in (weight, bias) if t is not None])
-    inputs = x.shape[1] // groups  # input channels of a group
-
-    def units_of(start: int):
-        stop = min(start + step, units)
-        rows = slice(start * per, stop * per)
-        part = [gathered_piece(in_order(host_view(t).detach()[rows])) if t is not None else None
-                for t in (weight, bias)]
-        if groups == 1:
-            return run_generic(func, [x, *part, *args[3:]], {}, spec), rows
-        given = gathered_piece(in_order(host_view(x).detach()[:, start * inputs:stop * inputs]))
-        return run_generic(func, [given, *part, *args[3:8], stop - start], {}, spec), rows
-
-    result, rows = units_of(0)
-    # (laid out as the device's kernel lays out its result: channels last or not)
-    layout = raw.empty(meta.shape, device="meta", memory_format=memory_format_of(result)).stride()
-    out = host_result(meta.shape, meta.dtype, stride=layout)
-    with held_on_host([out]):
-        out_host = host_view(out)
-        for start in range(0, units, step):
-            if start:
-                result, rows = units_of(start)
-            out_host[:, rows].copy_(to_host(result))
-            del result
-    return out
-
-
-def memory_format_of(result: torch.Tensor) -> torch.memory_format:
-    """The layout a kernel gave ``result`` (a convolution's, a norm's): channels last where it
-    is so and not also contiguous."""
-    last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(result.dim())
-    if last is not None and result.is_contiguous(memory_format=last) and not result.is_contiguous():
-        return last
-    return torch.contiguous_format
