@@ -865,3 +865,56 @@ def test_a_region_reading_a_tensor_its_call_does_not_hold_trains_as_plain_torch(
     assert not torch.equal(expected[1], expected[3]), "the plain model did not train: the test shows nothing"
     for e, g in zip(expected, got):
         assert_identical(g, e)
+
+
+class _PlainScale(torch.nn.Module):
+    """A block of the stack and a trainable scale that is a plain tensor read from a closure,
+    as a program keeps a tensor made inside ``disabled()``."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.block = Block()
+        self.scaled = lambda t: t * scale
+
+    def forward(self, x):
+        return self.scaled(self.block(x))
+
+
+@pytest.mark.parametrize("plain", ["parameters", "parameters, input frozen", "argument", "closure"])
+def test_plain_tensors_that_need_gradients_get_plain_torch_s_from_every_call(plain):
+    # Note [Plain tensors that need gradients]: a model built inside disabled() and called on
+    # a managed input lost its parameters' gradients from its second call on (the first runs
+    # op by op), silently; with the input frozen its backward was refused
+    def run(managed: bool):
+        torch.manual_seed(0)
+        with plain_torch():
+            x = torch.randn(4, 16).to(tm.torch_device)
+            scale = torch.randn(16).to(tm.torch_device).requires_grad_()
+            model = stack().to(tm.torch_device) if plain != "closure" else None
+        if plain == "closure":  # (the model's own parameters managed, the scale plain)
+            torch.manual_seed(1)
+            if managed:
+                model = _PlainScale(scale)
+            else:
+                with plain_torch():
+                    model = _PlainScale(scale).to(tm.torch_device)
+        leaves = [*model.parameters(), scale]
+        if managed:
+            x = torchTensorRef.manage(x.cpu())
+        x.requires_grad_(plain != "parameters, input frozen")
+        calls = []
+        for _ in range(3):  # (gradients accumulate: each call's must arrive)
+            y = model(x) if plain != "argument" else model(x) * scale
+            calls.append(y)
+            y.sum().backward()
+        return calls, [p.grad for p in leaves if p.grad is not None] + ([x.grad] if x.requires_grad else [])
+
+    with plain_torch():
+        plain_calls, expected = run(managed=False)
+        expected = [g.cpu() for g in expected]
+    calls, got = run(managed=True)
+    assert len(got) == len(expected) > 1
+    for g, e in zip(got, expected):
+        assert_identical(g, e)
+    # (calls reading such a tensor run op by op; a block that reads none is still a region)
+    assert bool(link_nodes(calls[-1])) == (plain == "closure")

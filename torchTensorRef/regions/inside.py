@@ -181,9 +181,13 @@ class Measure(TorchDispatchMode):
     With ``grow`` (a call larger than measured, run in ``room`` made from an estimate: Note
     [Calls larger than measured]), an op whose results would take the call past its room
     first asks ``grow(extra bytes, bytes held now, room)`` for more, as an op of the
-    manager makes room before its kernel; where it is given, the room grows."""
+    manager makes room before its kernel; where it is given, the room grows.
 
-    def __init__(self, known, block_bytes, dev_bytes=None, grow=None, room: int = 0):
+    With ``watch_grads`` (a call op by op with gradients), ``plain_grads`` says whether an op
+    read a plain tensor needing gradients (Note [Plain tensors that need gradients] in
+    ``scan.py``): op by op, every tensor the call made is a TensorRef."""
+
+    def __init__(self, known, block_bytes, dev_bytes=None, grow=None, room: int = 0, watch_grads: bool = False):
         super().__init__()
         self.grow = grow
         self.room = room
@@ -197,12 +201,16 @@ class Measure(TorchDispatchMode):
         self.peak = self.counted_peak = 0
         self.ops = 0
         self.rows = rows_by_choice[0]
+        self.watch_grads = watch_grads
+        self.plain_grads = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         for a in tree_leaves((args, kwargs)):
             if isinstance(a, TensorRef):
                 self.read.add(block_of(a).id)
+            elif self.watch_grads and isinstance(a, _Tensor) and a.requires_grad and torch.is_grad_enabled():
+                self.plain_grads = True
         if isinstance(func, OpOverload):  # (an operator of a higher order has no schema)
             spec = spec_of(func)
             if spec.write_args:

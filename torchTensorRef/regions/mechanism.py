@@ -129,7 +129,7 @@ class Region:
         self.second_order = None
         self.probes = 0  # calls with gradients run op by op to see their backward
         self.mutates = False  # a call changed its module's own state (Note [Stores on modules]): op by op since
-        self.unseen = False  # a measured call read TensorRefs its scan missed: op by op with gradients (scan.py)
+        self.unseen = False  # a measured call read what no scan finds: op by op with gradients (scan.py)
         self.writes: set = set()  # blocks of its tensors a measured call wrote (Note [Unversioned writes])
         #: its module's tensors as one group, under a budget (Note [Region groups] in memory/groups.py)
         self.grouping = Grouping()
@@ -207,8 +207,8 @@ class Region:
         a region."""
         if grad_error is not None:
             raise RuntimeError(grad_error)
-        if self.unseen:
-            raise NotARegion("it reads tensors no scan of its call finds")
+        if self.unseen or call.plain_grad:  # (scan.py: Notes [Tensors no scan finds], [Plain tensors ...])
+            raise NotARegion("it reads tensors no scan of its call finds, or plain ones that need gradients")
         if not train or not self.measure:
             raise NotARegion("needs gradients")
         if self.second_order:
@@ -338,7 +338,7 @@ class Region:
     def _measured(self, mgr, call: Call, fn, args, kwargs, key, grad: bool = False):
         """The call op by op (within the budget, as any code), measuring what its ops allocate
         (what it needs inside as a region); with ``grad``, whether its backward asks for more."""
-        meter = Measure({block_of(r).id for r in call.refs}, mgr.alloc_bytes)
+        meter = Measure({block_of(r).id for r in call.refs}, mgr.alloc_bytes, watch_grads=grad)
         mark = id_mark()  # (blocks the call makes have larger ids)
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
         running, stores.running.call = stores.running.call, call  # (what it assigns: Note [Stores on modules])
@@ -360,8 +360,8 @@ class Region:
         if meter.wrote:
             self.writes.update(meter.wrote.intersection(block_of(v).id for _d, _k, v in call.slots))
         held = call.all_held
-        if not self.unseen and any(b < mark for b in meter.read.difference(block_of(t).id for t in call.refs + held)):
-            self.unseen = True
+        self.unseen = self.unseen or meter.plain_grads or any(
+            b < mark for b in meter.read.difference(block_of(t).id for t in call.refs + held))
         used = self.inside.learn_uses(key, held, meter.read)
         self.inside.record(key, sum(block_of(held[i]).nbytes for i in used), meter.peak)
         self.ops = meter.ops

@@ -32,13 +32,25 @@ class NotARegion(Exception):
 # gradients always is one, as is the first after its module's submodules or tensors changed:
 # ``Region.forget``) sees every block its ops read; one read that is neither the
 # scan's nor made by the call makes the region run its calls with gradients op by op.
+#
+# Note [Plain tensors that need gradients]: a region's backward gives gradients to the
+# TensorRefs its call was given, its inner graph's leaves, and to nothing else: a plain
+# tensor that needs them (the parameters of a model built inside ``disabled()`` or before
+# the import, called with managed inputs; a plain leaf among the arguments) got none, and
+# its ``.grad`` stayed what it was, silently (from the second call with gradients: the
+# first runs op by op); a call that read only such tensors and TensorRefs needing none
+# was run without its graph, and its backward refused. A call that reads one with grad
+# mode on is no region: found by the scan among its module's tensors, its arguments and
+# what its objects hold, and by its measured call among the tensors its ops read (a
+# closure's), after which its calls with gradients run op by op, where autograd sees every
+# tensor, as in plain torch.
 
 
 class Call:
     """One region call's TensorRefs and where they sit."""
 
     __slots__ = ("refs", "slots", "params", "objects", "held", "views", "shapes", "all_held", "kernel_written",
-                 "nested", "stores", "restores", "held_objects", "arg_objects", "host_tensor")
+                 "nested", "stores", "restores", "held_objects", "arg_objects", "host_tensor", "plain_grad")
 
     def __init__(self):
         self.refs = []  # TensorRefs among the arguments, then the slots'
@@ -56,6 +68,7 @@ class Call:
         self.held_objects = []  # containers its modules hold (searched for what it stored after)
         self.arg_objects = []  # plain objects among its arguments (searched likewise)
         self.host_tensor = False  # a plain CPU tensor among the arguments (Note [Plain CPU tensors])
+        self.plain_grad = False  # a plain tensor it reads needs gradients (Note [Plain tensors that need gradients])
 
 
 def is_object(a) -> bool:
@@ -71,8 +84,11 @@ def scan_args(a, call: Call, seen: set, budget: list) -> None:
             return
         if isinstance(a, TensorRef):
             call.refs.append(a)
-        elif a.device.type == "cpu" and a.dim() and not isinstance(a, SimTensor):
-            call.host_tensor = True
+        else:
+            if a.requires_grad:
+                call.plain_grad = True
+            if a.device.type == "cpu" and a.dim() and not isinstance(a, SimTensor):
+                call.host_tensor = True
         call.shapes.append((tuple(a.shape), a.dtype))
     elif a.__class__ in (list, tuple) or isinstance(a, (list, tuple)):
         for e in a:
@@ -157,6 +173,8 @@ def scan_object(obj, call: Call, seen: set, budget: list, depth: int) -> None:
             call.slots.append((container, k, v))
         else:
             call.objects.append((container, k, v))
+            if v.requires_grad:
+                call.plain_grad = True
 
 
 def select_object_slots(call: Call, used) -> None:
@@ -244,6 +262,8 @@ def scan_call(args, kwargs, slots, kernel_written, held=()) -> Call:
         if isinstance(v, TensorRef):
             call.slots.append((d, k, v))
             call.refs.append(v)
+        elif v is not None and v.requires_grad:
+            call.plain_grad = True
     call.params = len(call.slots)
     call.kernel_written = kernel_written
     budget = [OBJECT_VALUES]
@@ -257,7 +277,9 @@ def scan_call(args, kwargs, slots, kernel_written, held=()) -> Call:
         v = d.get(name)
         if isinstance(v, TensorRef):
             call.slots.append((d, name, v))
-        elif v is not None and not isinstance(v, _Tensor):
+        elif isinstance(v, _Tensor):
+            call.plain_grad = call.plain_grad or v.requires_grad
+        elif v is not None:
             call.held_objects.append(v)
             scan_object(v, call, seen, budget, OBJECT_DEPTH)
     if call.nested:
@@ -272,7 +294,8 @@ def scan_call(args, kwargs, slots, kernel_written, held=()) -> Call:
 
 
 def needs_grad(call: Call) -> bool:
-    """Whether the call records gradients: grad mode on and a TensorRef it reads needs them."""
+    """Whether the call records gradients: grad mode on and a tensor it reads needs them."""
     if not torch.is_grad_enabled():
         return False
-    return any(t.requires_grad for t in call.refs) or any(t.requires_grad for _d, _k, t in call.slots[call.params:])
+    return (call.plain_grad or any(t.requires_grad for t in call.refs)
+            or any(t.requires_grad for _d, _k, t in call.slots[call.params:]))
