@@ -26,10 +26,13 @@ region call there, the stream and allocator calls of its copies included (the de
 synchronized after each timed loop; the kernels are queued, not waited for, so at a small
 width the times are the host's). ``--profile N`` then runs the forwards once more under
 ``cProfile`` (without the timers) and prints the N functions taking the most time of their
-own, in µs per region call.
+own, in µs per region call. ``--bytecodes N`` counts the Python bytecodes a region call runs
+(``common.bytecode_counts``: a figure no machine's load moves, unlike a clock), beyond plain
+torch's for its block, by area and in the N functions running the most of their own.
 
     python benchmarks/region_anatomy.py [--layers 8] [--width 16] [--forwards 400] [--budget 0.5]
-                                        [--device cuda] [--profile 25] [--model llama [--tokens 16]]
+                                        [--device cuda] [--profile 25] [--bytecodes 25]
+                                        [--model llama [--tokens 16]]
 """
 
 from __future__ import annotations
@@ -158,9 +161,11 @@ def llama_work(layers: int, width: int, fraction, device: str, tokens: int) -> W
 
 
 def anatomy(layers: int, width: int, forwards: int, fraction, device: str = common.SIM_CPU,
-            profile: int = 0, model: str = "stack", tokens: int = 16) -> dict:
+            profile: int = 0, model: str = "stack", tokens: int = 16, bytecodes: int = 0) -> dict:
     """µs per region call of each step, and of the whole call beyond plain's; with
-    ``profile``, the functions taking the most time of their own in a profiled run."""
+    ``profile``, the functions taking the most time of their own in a profiled run; with
+    ``bytecodes``, the Python bytecodes a region call runs, beyond plain torch's per block
+    and in the functions running the most of their own."""
     work = (stack_work(layers, width, fraction, device) if model == "stack"
             else llama_work(layers, width, fraction, device, tokens))
     on = common.plain_device(device)
@@ -200,6 +205,15 @@ def anatomy(layers: int, width: int, forwards: int, fraction, device: str = comm
     }
     if profile:
         result["profile"] = common.host_profile(work.run, forwards, calls, profile, sync)["functions"]
+    if bytecodes:
+        # (a tenth of the forwards: tracing each bytecode runs Python about 30 times slower)
+        repeats = max(1, forwards // 10)
+        per = calls * repeats / forwards
+        counted = common.bytecode_counts(work.run, repeats, per, bytecodes)
+        with torchTensorRef.disabled(device=on if on != "cpu" else None), torch.no_grad():
+            plain = common.bytecode_counts(work.plain_run, repeats, per, 0)["total"]
+        result["bytecodes"] = {"added_per_call": counted["total"] - plain, "plain_per_block": plain,
+                               "functions": counted["functions"], "areas": counted["areas"]}
     return result
 
 
@@ -211,6 +225,13 @@ def table(result: dict) -> str:
              f"  {'step (inclusive)':<40} {'us/call':>8}"]
     for label, us in result["steps_us_per_call"].items():
         lines.append(f"  {label:<40} {us:8.1f}")
+    if result.get("bytecodes"):
+        counted = result["bytecodes"]
+        lines.append(f"  Python bytecodes: a region call adds {counted['added_per_call']:.0f} to plain torch's "
+                     f"{counted['plain_per_block']:.0f}; by area:")
+        lines += [f"  {n:8.0f}  {area}" for area, n in counted["areas"].items()]
+        lines.append("  by function, its own:")
+        lines += [f"  {n:8.0f}  {where}" for where, n in counted["functions"]]
     if result.get("profile"):
         lines.append("  profiled (cProfile, its own cost included), per region call:")
         lines.append(f"  {'calls':>6} {'own us':>7} {'incl. us':>8}  function")
@@ -230,6 +251,9 @@ def main(argv=None) -> dict:
                         help='"sim-cpu" (the lenient "sim", the default) or "cuda"')
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile the forwards and print the N functions with the most time of their own")
+    parser.add_argument("--bytecodes", type=int, default=0, metavar="N",
+                        help="also count the Python bytecodes a region call runs and print the N functions "
+                             "running the most of their own")
     parser.add_argument("--model", choices=("stack", "llama"), default="stack",
                         help="stack: region_calls' MLP blocks; llama: greedy generate() of a Llama of "
                              "--layers decoder layers of hidden --width")
@@ -242,7 +266,7 @@ def main(argv=None) -> dict:
     regions.enabled = regions.under_budget = True
     try:
         result = anatomy(args.layers, args.width, args.forwards, args.budget, args.device, args.profile,
-                         args.model, args.tokens)
+                         args.model, args.tokens, args.bytecodes)
     finally:
         regions.enabled, regions.under_budget = previous
         tm.budget = None

@@ -566,6 +566,35 @@ def test_a_host_profile_files_each_function_s_own_time_under_its_area():
     assert list(profile["areas"].values()) == sorted(profile["areas"].values(), reverse=True)
 
 
+def test_bytecode_counts_are_each_function_s_own_bytecodes_per_unit_and_leave_no_tracer():
+    model = torch.nn.Linear(4, 4)
+
+    def run():
+        return [common.param_bytes(model) for _ in range(3)]
+
+    tracer = sys.gettrace()  # (a coverage tool's, where one runs)
+    one = common.bytecode_counts(run, repeats=1, per=1, top=500)
+    four = common.bytecode_counts(run, repeats=4, per=2, top=500)
+    assert sys.gettrace() is tracer
+    rows = dict(four["functions"])
+    (mine,) = [k for k in rows if k.startswith("benchmarks/common.py:") and k.endswith("(param_bytes)")]
+    assert rows[mine] == 2 * dict(one["functions"])[mine] > 0  # (4 runs per 2: twice one run's, exactly)
+    assert four["total"] == 2 * one["total"] >= sum(rows.values())
+    assert four["areas"]["benchmarks"] >= rows[mine]
+    assert list(four["areas"].values()) == sorted(four["areas"].values(), reverse=True)
+
+
+def test_region_anatomy_counts_the_bytecodes_a_region_call_adds(fresh_manager):
+    tracer = sys.gettrace()
+    result = region_anatomy.main(["--layers", "4", "--width", "16", "--forwards", "10", "--budget", "0.5",
+                                  "--bytecodes", "20"])
+    counted = result["bytecodes"]
+    assert counted["plain_per_block"] > 0 and counted["added_per_call"] > counted["plain_per_block"]
+    assert len(counted["functions"]) == 20
+    assert counted["areas"]["torchTensorRef/regions"] > 0 and counted["areas"]["torchTensorRef/memory"] > 0
+    assert sys.gettrace() is tracer
+
+
 def test_region_calls_reports_the_copies_of_region_groups(fresh_manager):
     argv = ["--layers", "32", "--width", "32", "--repeats", "3", "--prefetch-evicts"]
     grouped = region_calls.main(argv)["rows"]
