@@ -51,6 +51,18 @@ class Saved:
         #: that tensor was written in place later in the call: refused too
         self.written = False
 
+    def stale(self, region: str):
+        """Why autograd may not use it (written in place since it was saved), or ``None``."""
+        if self.written:
+            return ("one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: the region {region!r} wrote a tensor it saved for backward later in its call")
+        for ref, version in self.watch:
+            if ref._version != version:
+                return ("one of the variables needed for gradient computation has been modified by an inplace "
+                        f"operation: a tensor the region {region!r} saved for backward is at version "
+                        f"{ref._version}; expected version {version} instead")
+        return None
+
     def saw_the_call_end(self) -> None:
         """The call returned: whether it wrote the saved view after saving it, remembered;
         and the version its TensorRef has now watched from here on (the call's writes before
@@ -103,7 +115,14 @@ def _pack(call, t):
 
 
 def _unpack(call, saved):
+    if saved.__class__ is not Saved:
+        return saved  # (a TensorRef kept as it is: no call needed, alive or not)
     training = call()
-    if training is None:  # (not expected: the node whose backward runs holds the call)
-        raise RuntimeError("a region call's saved tensor was unpacked after the call was freed")
-    return training._unpack(saved)
+    if training is not None:
+        return training._unpack(saved)
+    # The region's node is gone, and the node unpacking it is reached past it (Note
+    # [Gradients past a region's node] in ``leaves.py``): its backward runs on TensorRefs.
+    stale = saved.stale("that ran")
+    if stale is not None:
+        raise RuntimeError(stale)
+    return saved.ref.as_strided(*saved.geometry) if saved.ref is not None else saved.plain

@@ -92,6 +92,7 @@ from ..core.tensor_ref import TensorRef, compute_view, block_of
 from ..memory.sim import backward_errors
 from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
+from . import leaves
 from .step import BackwardStep
 from .saved import Saved, saved_hooks, sync_versions
 from .scan import output_tensors
@@ -231,10 +232,8 @@ class Training:
 
     def leaf(self, ref: TensorRef, plain: torch.Tensor) -> torch.Tensor:
         """The plain leaf the call gets for ``ref`` (its view ``plain``)."""
-        if self.sim:
-            given = SimTensor(plain, requires_grad=True)
-        else:
-            given = plain.detach().requires_grad_()
+        given = SimTensor(plain, requires_grad=True) if self.sim else plain.detach().requires_grad_()
+        leaves.watch(given, ref, self.region)  # (Note [Gradients past a region's node] in leaves.py)
         self.refs.append(ref)
         self.leaves.append(given)
         return given
@@ -261,16 +260,9 @@ class Training:
     def _unpack(self, saved):
         if saved.__class__ is not Saved:
             return saved
-        if saved.written:
-            return self._failed(RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"the region {self.region.name!r} wrote a tensor it saved for backward later in its call"))
-        for ref, version in saved.watch:
-            if ref._version != version:
-                return self._failed(RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an "
-                    f"inplace operation: a tensor the region {self.region.name!r} saved for backward is "
-                    f"at version {ref._version}; expected version {version} instead"))
+        stale = saved.stale(self.region.name)
+        if stale is not None:
+            return self._failed(RuntimeError(stale))
         if saved.plain is not None:
             plain = saved.plain  # (unpacked during the call itself: a double backward inside it)
         elif self.by_op:
