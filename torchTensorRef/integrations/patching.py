@@ -18,6 +18,7 @@ from typing import Dict, Tuple
 
 import torch
 import wrapt
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..core import context, list_ops
 from ..core.tensor_ref import TensorRef, saving, block_of, plain_values
@@ -227,7 +228,8 @@ def _warmup_wrapper(wrapped, instance, args, kwargs):
 
 
 def _apply_wrapper(wrapped, instance, args, kwargs):
-    """``Module._apply`` keeping a parameter that several modules share one Parameter.
+    """``Module._apply`` keeping a parameter that several modules share one Parameter, and
+    the gradient hooks of a parameter it swaps.
 
     Plain torch converts a parameter in place (``param.data = new``) where the new tensor's
     type allows it, so a tied parameter stays one. A conversion between a TensorRef and
@@ -235,6 +237,12 @@ def _apply_wrapper(wrapped, instance, args, kwargs):
     module holding the parameter would get a Parameter of its own, and training would
     update the copies apart. Every slot that held one parameter gets the first slot's
     conversion. (Buffers are left as plain torch leaves them.)
+
+    A parameter that becomes a wrapper subclass (a plain model's ``.to("sim")``, and any
+    ``.to`` of one already there) is converted by ``torch.utils.swap_tensors``, which keeps
+    its hook dicts and leaves the hooks autograd runs with the tensor swapped out: its
+    gradient hooks never ran again (peft's OSF projects its gradients by them), where
+    ``.data =`` keeps them on CUDA. They are registered again.
     """
     if getattr(_local, "applying", False):
         return wrapped(*args, **kwargs)  # (a submodule's, inside the outermost call)
@@ -252,7 +260,20 @@ def _apply_wrapper(wrapped, instance, args, kwargs):
         (first_table, first_name), rest = slots[0], slots[1:]
         for table, name in rest:
             table[name] = first_table[first_name]
+        param = first_table[first_name]
+        if param is not None and is_traceable_wrapper_subclass(param):
+            _register_hooks_again(param)
     return result
+
+
+def _register_hooks_again(t: torch.Tensor) -> None:
+    """Register with autograd again the gradient hooks whose dicts ``t`` holds (setting a dict
+    replaces what autograd runs with it)."""
+    if t._backward_hooks:
+        t._backward_hooks = t._backward_hooks
+    hooks = getattr(t, "_post_accumulate_grad_hooks", None)
+    if hooks:
+        t._post_accumulate_grad_hooks = hooks
 
 
 def _owner(name: str):

@@ -382,6 +382,31 @@ def test_plain_module_to_sim_keeps_parameters_and_ties():
         assert torch.equal(logits.data_, want_logits) and torch.equal(grad.data_, want_grad)
 
 
+@pytest.mark.parametrize("moved", ["from the cpu", "on sim already"])
+def test_plain_module_to_sim_keeps_its_parameters_gradient_hooks(moved):
+    # Defect: module.to("sim") swaps each parameter with its SimTensor (swap_tensors), which
+    # left the hooks autograd runs with the tensor swapped out: a hook registered before it
+    # (or before a .to of a module already on sim) never ran again, where CUDA's .data = keeps
+    # them (peft's OSF projects its gradients by hooks: plain torch on sim trained otherwise)
+    def run(device):
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(4, 4)
+        if moved == "on sim already":
+            linear.to(device)
+        seen = []
+        linear.weight.register_hook(lambda g: g * 0 + 1)
+        linear.bias.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        linear.to(device)
+        linear(torch.randn(2, 4).to(device)).sum().backward()
+        return linear.weight.grad, seen
+
+    with torchTensorRef.disabled():
+        grad, seen = run("sim")
+        want_grad, want_seen = run("cpu")
+        assert torch.equal(grad.data_, torch.ones(4, 4)) and torch.equal(want_grad, torch.ones(4, 4))
+        assert len(seen) == len(want_seen) == 1 and torch.equal(seen[0].data_, want_seen[0])
+
+
 # -- autocast ----------------------------------------------------------------------------------
 # Defect: sim tensors reported the CPU to autocast: autocast("sim") did nothing for them and
 # autocast("cpu") cast them.
