@@ -9,9 +9,11 @@ the region's scan did not find is a TensorRef made op by op (Note [Tensors no sc
 backward then accumulated that gradient into the leaf's ``.grad``, which nothing reads, and
 the parameter got none, silently (peft's MonteCLoRA adapters, whose sampler holds its
 samples in a plain object, lost their first training step's gradients: a measured call in
-eval mode had not read them). A gradient accumulated into a leaf is given to its TensorRef
-as autograd gives one (set, or added in place), and the region's later calls with gradients
-run op by op, where autograd sees every tensor.
+eval mode had not read them). Where an op of the manager ran inside a call (a hook on each
+leaf of every call costs more host time than the call's boundary can spare), a gradient
+accumulated into one of its leaves is given to its TensorRef as autograd gives one (set, or
+added in place), and the region's later calls with gradients run op by op, where autograd
+sees every tensor.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import torch
 from ..core.tensor_ref import TensorRef
 
 
-def watch(leaf: torch.Tensor, ref: TensorRef, region) -> None:
-    """Give ``ref`` what autograd accumulates into ``leaf``, its plain leaf in a call of ``region``."""
-    leaf.register_post_accumulate_grad_hook(functools.partial(_past_the_node, ref, region))
+def watch(leaves, refs, region) -> None:
+    """Give each of ``refs`` what autograd accumulates into its plain leaf in a call of
+    ``region`` (``leaves``, in the same order)."""
+    for leaf, ref in zip(leaves, refs):
+        leaf.register_post_accumulate_grad_hook(functools.partial(_past_the_node, ref, region))
 
 
-def _past_the_node(ref: TensorRef, region, leaf: torch.Tensor) -> None:
+def _past_the_node(ref: TensorRef, region, leaf) -> None:
     grad, leaf.grad = leaf.grad, None
     if grad is None:
         return

@@ -89,6 +89,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..core import context, raw
 from ..core.tensor_ref import TensorRef, compute_view, block_of
+from ..memory.manager import tensorsManager as _mgr
 from ..memory.sim import backward_errors
 from ..memory.sim.allocation import PlainMode
 from ..memory.sim.tensor import SimTensor
@@ -233,13 +234,20 @@ class Training:
     def leaf(self, ref: TensorRef, plain: torch.Tensor) -> torch.Tensor:
         """The plain leaf the call gets for ``ref`` (its view ``plain``)."""
         given = SimTensor(plain, requires_grad=True) if self.sim else plain.detach().requires_grad_()
-        leaves.watch(given, ref, self.region)  # (Note [Gradients past a region's node] in leaves.py)
         self.refs.append(ref)
         self.leaves.append(given)
         return given
 
+    @contextlib.contextmanager
     def hooks(self):
-        return saved_hooks(self) if self.paged else contextlib.nullcontext()
+        """Around the call: its saved-tensor hooks, and where an op of the manager ran inside it
+        (on a TensorRef its scan did not find), its leaves watched (Note [Gradients past a
+        region's node] in ``leaves.py``)."""
+        ops = _mgr.op_count
+        with saved_hooks(self) if self.paged else contextlib.nullcontext():
+            yield
+        if _mgr.op_count != ops:
+            leaves.watch(self.leaves, self.refs, self.region)
 
     def _pack(self, t):
         if isinstance(t, TensorRef):
