@@ -392,6 +392,20 @@ def test_a_cat_along_an_inner_dimension_in_rows_equals_one_call(tight, dim):
     assert torch.equal(_plain(got), expected)
 
 
+@pytest.mark.parametrize("dim", [-1, 1, 0])
+def test_a_stack_larger_than_the_budget_equals_one_call(tight, dim):
+    # (a Cohere's rotary embedding stacks its halves on a last dimension: refused at a tenth
+    # of its weights)
+    first, pfirst = _pair(ROWS, DIM // 2)
+    second, psecond = _pair(ROWS, DIM // 2, seed=1)
+    with plain_torch():
+        expected = torch.stack([pfirst, psecond], dim=dim).cpu()
+    _tighten(tight)
+    got = torch.stack([first, second], dim=dim)
+    assert isinstance(got, TensorRef) and (got.shape, got.stride()) == (expected.shape, expected.stride())
+    assert torch.equal(_plain(got), expected)
+
+
 @pytest.mark.parametrize("case", ["rows", "batch-of-one", "mixed-dtypes", "channels-last"])
 def test_a_cat_along_its_outer_dimension_larger_than_the_budget_equals_one_call(tight, case):
     # outputs gathered batch by batch (``torch.cat(outputs)``) larger than the budget were refused

@@ -17,7 +17,7 @@ import torch
 
 from ..core import raw
 from ..core.errors import OutOfBudgetError
-from ..core.op_specs import OpSpec, implements
+from ..core.op_specs import OpSpec, implements, spec_of
 from ..core.tensor_ref import TensorRef, block_of, host_copy, host_view
 from ..memory.manager import tensorsManager as mgr
 from .dispatch import run_generic, view_on_disk
@@ -330,6 +330,22 @@ def cat(func, args, kwargs, spec: OpSpec, left: int):
     if all(n == 1 for n in shaped[0].shape[:dim]):  # (its pieces' results would not be ranges)
         return cat_on_host(func, tensors, dim)
     return run_chunked(func, args, kwargs, spec, left, broadcast=True)
+
+
+@implements(aten.stack.default)
+@when_refused
+def stack(func, args, kwargs, spec: OpSpec, left: int):
+    """``stack`` when its tensors do not fit together (a rotary embedding's halves stacked on
+    a last dimension): as ``cat`` of them each viewed with the new dimension, cut as ``cat``
+    is (the same copies: one call's bits)."""
+    tensors = args[0] if args else kwargs.get("tensors", ())
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if (not tensors or not all(isinstance(t, TensorRef) and t.shape == tensors[0].shape for t in tensors)
+            or not -tensors[0].dim() - 1 <= dim <= tensors[0].dim()):
+        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
+    dim %= tensors[0].dim() + 1
+    joined = aten.cat.default
+    return cat(joined, ([t.unsqueeze(dim) for t in tensors], dim), {}, spec_of(joined))
 
 
 #: what ``_to_copy`` may be asked besides a dtype and stay a same-device elementwise conversion
