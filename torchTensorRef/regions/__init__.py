@@ -150,14 +150,15 @@ def _check(module, name) -> None:
 class _ModuleInfo:
     """A module's region and what its size rule needs (recomputed when its tensors change)."""
 
-    __slots__ = ("region", "methods", "slots", "sizes", "generation", "compiled", "nbytes", "bytes_key", "modules",
-                 "buffers", "held", "layout")
+    __slots__ = ("region", "methods", "slots", "dicts", "sizes", "generation", "compiled", "nbytes", "bytes_key",
+                 "modules", "buffers", "held", "layout")
 
     def __init__(self, module):
         self.region = Region(f"region {type(module).__name__}")
         self.methods = {}  # name -> the Region of its calls (``run_method``)
         self.slots = []
-        self.sizes = ()
+        self.dicts = ()  # its modules' parameter and buffer dicts
+        self.sizes = ()  # their lengths, when last read
         self.generation = -1
         self.compiled = False
         self.nbytes = 0  # (``_tensor_bytes``, as of ``bytes_key``)
@@ -179,13 +180,10 @@ class _ModuleInfo:
 
     def refresh(self, module) -> None:
         """The slots and bytes, if the module's tensors changed since they were read."""
-        if self.generation == generation[0] + stores.structure[0]:
-            sizes = self.sizes  # ((dict, its length), ...): a loop, not a walk of the modules
-            for d, n in sizes:
-                if len(d) != n:
-                    break
-            else:
-                return
+        # (the lengths of its modules' parameter and buffer dicts as when last read, compared
+        # in one C loop: this runs at every call of every module)
+        if self.generation == generation[0] + stores.structure[0] and tuple(map(len, self.dicts)) == self.sizes:
+            return
         stores.watch(module.modules())
         self.slots = parameter_slots(module)
         self.bytes_key = None
@@ -196,7 +194,8 @@ class _ModuleInfo:
                     r.forget()
         self.layout = layout
         self.held = held_values(module)
-        self.sizes = tuple((d, len(d)) for m in module.modules() for d in (m._parameters, m._buffers))
+        self.dicts = tuple(d for m in module.modules() for d in (m._parameters, m._buffers))
+        self.sizes = tuple(map(len, self.dicts))
         self.generation = generation[0] + stores.structure[0]  # (both only grow)
         # (its submodules only: held by the value of a weak dict keyed by the module itself,
         # the module would keep its own entry alive)

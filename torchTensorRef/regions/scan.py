@@ -3,6 +3,9 @@ objects given to it (a key/value cache), and the tensors it left in them afterwa
 
 from __future__ import annotations
 
+import operator
+from itertools import compress
+
 import torch
 
 from ..core.tensor_ref import TensorRef, block_of
@@ -116,6 +119,8 @@ def object_tensors(obj, seen: set, depth: int, budget: list) -> list:
 #: what a value is to the search of an object, by its class: passed over, a tensor, or searched
 _PASS, _TENSOR, _SEARCH = 0, 1, 2
 _kinds: dict = dict.fromkeys(_LEAVES, _PASS)
+_class_of = operator.attrgetter("__class__")
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
 #: classes kept in ``_kinds`` at most (classes made at run time would otherwise pile up)
 _MOST_KINDS = 4096
 
@@ -144,23 +149,43 @@ def _object_tensors(obj, seen: set, depth: int, budget: list, out: list) -> bool
     seen.add(id(obj))
     if isinstance(obj, list):
         container = obj
-        items = enumerate(tuple(obj))
+        values = tuple(obj)
+        keys = range(len(values))
     else:
         container = obj if isinstance(obj, dict) else obj.__dict__
         items = tuple(container.items())  # (a snapshot: another thread may add to a shared object)
-    kinds = _kinds
-    for k, v in items:
+        keys, values = tuple(map(_first, items)), tuple(map(_second, items))
+    n = len(values)
+    if budget[0] < n:
+        return _some_tensors(container, keys, values, seen, depth, budget, out)
+    budget[0] -= n
+    # (what each value is, by its class, in C loops: most of an object's values are passed
+    # over, and this runs for every object given to every region call)
+    kinds = list(map(_kinds.get, map(_class_of, values)))
+    if None in kinds:
+        kinds = [_kind(v) if kind is None else kind for kind, v in zip(kinds, values)]
+    for i in compress(range(n), kinds):  # (the values that are tensors or searched)
+        v = values[i]
+        if kinds[i] == _TENSOR:
+            out.append((container, keys[i], v))
+        elif not _object_tensors(v, seen, depth - 1, budget, out):
+            return False
+    return True
+
+
+def _some_tensors(container, keys, values, seen: set, depth: int, budget: list, out: list) -> bool:
+    """``_object_tensors`` of the values of an object larger than what is left of the budget:
+    one value at a time, until the budget is spent (``False``)."""
+    for k, v in zip(keys, values):
         budget[0] -= 1
         if budget[0] < 0:
             return False
-        kind = kinds.get(v.__class__)
+        kind = _kinds.get(v.__class__)
         if kind is None:
             kind = _kind(v)
-        if kind == _PASS:
-            continue
         if kind == _TENSOR:
             out.append((container, k, v))
-        elif not _object_tensors(v, seen, depth - 1, budget, out):
+        elif kind == _SEARCH and not _object_tensors(v, seen, depth - 1, budget, out):
             return False
     return True
 
