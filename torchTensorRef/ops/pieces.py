@@ -177,14 +177,25 @@ def in_groups(out: Optional[TensorRef], dim: int, count: int, step: int, run) ->
     (the op on that group's parts of its tensors), its result copied into its place in
     ``out``, a result in host memory; ``out`` ``None``: the op writes in place, nothing is
     copied."""
-    with held_on_host([out] if out is not None else []):
-        whole = host_view(out) if out is not None else None
+    fill_in_groups([(out, dim, 1)], count, step, lambda start, n: (run(start, n),))
+
+
+def fill_in_groups(outs, count: int, step: int, run, first=None) -> None:
+    """``run(start, n)`` for each group of ``step`` of an op's ``count`` units (the op on
+    those units' parts), each of the results it gives copied into its place: ``outs`` holds
+    per result ``(TensorRef in host memory, its dimension cut, indices of it per unit)``, the
+    TensorRef ``None`` where nothing is copied. ``first``: a list holding the first group's
+    results, already computed (taken from it: no group's results outlive their copy)."""
+    with held_on_host([o for o, _d, _p in outs if o is not None]):
+        wholes = [(host_view(o), d, per) if o is not None else None for o, d, per in outs]
         for start in range(0, count, step):
             n = min(step, count - start)
-            result = run(start, n)
-            if whole is not None:
-                whole.narrow(dim, start, n).copy_(to_host(result))
-            del result
+            results = first.pop() if first else run(start, n)
+            for whole, result in zip(wholes, results):
+                if whole is not None:
+                    view, d, per = whole
+                    view.narrow(d, start * per, n * per).copy_(to_host(result))
+            del results
 
 
 def host_result(size, dtype, zero: bool = False, stride=None, pinned: bool = False) -> TensorRef:

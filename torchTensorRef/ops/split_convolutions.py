@@ -18,9 +18,9 @@ import torch
 
 from ..core import raw
 from ..core.op_specs import OpSpec, implements
-from ..core.tensor_ref import TensorRef, host_view
+from ..core.tensor_ref import TensorRef
 from .dispatch import run_generic
-from .pieces import held_on_host, host_result, settle, to_host
+from .pieces import fill_in_groups, host_result, settle
 from .result_bounds import to_meta
 from .split import chunk_elements, op_bytes, refs_bytes, refuse, when_refused
 from .split_products import TILE_ALIGNS, part_of
@@ -43,25 +43,17 @@ def _filled(metas, count: int, step: int, run) -> list:
     not asked), each copied into its place; ``metas`` holds per result ``(meta result, its
     dimension cut, indices of it per unit)``, or ``None`` where not asked. Each result is laid
     out as the kernel laid out its first part (channels last or not)."""
-    results = run(0, min(step, count))
-    outs = []
-    for meta, first in zip(metas, results):
-        if meta is None:
-            outs.append(None)
-            continue
-        layout = raw.empty(meta[0].shape, device="meta", memory_format=memory_format_of(first)).stride()
-        outs.append(host_result(meta[0].shape, meta[0].dtype, stride=layout))
-    with held_on_host([o for o in outs if o is not None]):
-        wholes = [host_view(o) if o is not None else None for o in outs]
-        for start in range(0, count, step):
-            n = min(step, count - start)
-            if start:
-                results = run(start, n)
-            for whole, meta, result in zip(wholes, metas, results):
-                if whole is not None:
-                    whole.narrow(meta[1], start * meta[2], n * meta[2]).copy_(to_host(result))
-            del results
+    first = [run(0, min(step, count))]
+    outs = [_laid_out_as(meta[0], result) if meta is not None else None for meta, result in zip(metas, first[0])]
+    fill_in_groups([(o, m[1], m[2]) if o is not None else (None, 0, 0) for o, m in zip(outs, metas)], count, step,
+                   run, first)
     return outs
+
+
+def _laid_out_as(meta: torch.Tensor, part: torch.Tensor) -> TensorRef:
+    """A result in host memory of ``meta``'s shape and dtype, laid out as ``part`` is."""
+    layout = raw.empty(meta.shape, device="meta", memory_format=memory_format_of(part)).stride()
+    return host_result(meta.shape, meta.dtype, stride=layout)
 
 
 def _bytes_per(t, units: int) -> int:
