@@ -934,8 +934,8 @@ def test_the_search_of_an_object_stops_where_its_budget_of_values_ends():
         tensors = [torch.full((1,), float(i)) for i in range(5)]
     holder = type("Holder", (), {})()
     holder.first, holder.rest = tensors[0], list(tensors[1:])
-    for budget, expected, complete in ((2, [0], False), (4, [0, 1, 2], False), (6, [0, 1, 2, 3, 4], True)):
+    for most, expected, complete in ((2, [0], False), (4, [0, 1, 2], False), (6, [0, 1, 2, 3, 4], True)):
         out: list = []
-        assert scan._object_tensors(holder, set(), scan.OBJECT_DEPTH, [budget], out) is complete
+        assert scan._object_tensors(holder, set(), scan.OBJECT_DEPTH, [most], out) is complete
         assert [v.item() for _c, _k, v in out] == expected
         assert all(c[k] is v for c, k, v in out if isinstance(c, list))
