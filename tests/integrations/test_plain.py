@@ -52,3 +52,35 @@ def test_from_pretrained_inside_disabled_on_the_device_loads_as_plain_torch_with
     assert_identical(expected.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
     # creations inside still land on the device, as plain tensors
     assert made.device.type == tensorsManager.torch_device.type and type(made) is not TensorRef
+
+
+@pytest.mark.parametrize("device", [None, "test device"], ids=["no-device", "device"])
+def test_a_backward_run_inside_disabled_makes_plain_tensors_on_autograd_s_device_thread(device):
+    # The backward of device tensors runs on an autograd thread of that device, where a flag of
+    # the calling thread's does not reach: a custom function's backward, a hook, a checkpoint's
+    # recomputation there made managed TensorRefs inside disabled() (the gradients of a plain
+    # model became TensorRefs), unless disabled(device=...) had entered a dispatch mode.
+    import threading
+
+    made, threads = [], []
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            threads.append(threading.current_thread())
+            made.append(torch.full(g.shape, 2.0, device=g.device))  # (a device named: CUDA's thread too)
+            return g * made[-1]
+
+    where = tensorsManager.torch_device if device else None
+    with torchTensorRef.disabled(device=where):
+        w = torch.arange(4.0, device=tensorsManager.torch_device).requires_grad_()
+        Twice.apply(w).sum().backward()
+        expected = torch.full((4,), 2.0, device=tensorsManager.torch_device)
+    if tensorsManager.torch_device.type != "cpu":
+        assert threads[0] is not threading.current_thread()  # (the device's autograd thread)
+    assert type(made[0]) is not TensorRef and type(w.grad) is not TensorRef
+    assert_identical(expected, w.grad)

@@ -11,14 +11,12 @@ Nothing else is registered here.
 
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _manager = None
-_local = threading.local()
 
 
 def install_manager(manager) -> None:
@@ -35,22 +33,34 @@ def manager():
 
 
 # -- disabled(): plain torch in this thread -------------------------------------------------
+# Note [Plain torch on autograd's threads]: the backward of device tensors runs on an autograd
+# thread of that device (of CUDA's, of "sim"'s), not on the thread that called it, so a flag
+# of the calling thread's did not reach a custom function's backward, a hook or a checkpoint's
+# recomputation run there: inside ``disabled()`` they made managed TensorRefs, and a plain
+# model's gradients became TensorRefs. ``disabled()``'s state is kept among PyTorch's
+# thread-local Python objects, which its autograd engine gives the threads that run a
+# backward for as long as they run it: there, as in the calling thread, a backward called
+# inside ``disabled()`` is plain torch. (Erased, not set to ``None``, when the outermost
+# scope ends: a thread must not end holding one, whose release would need the interpreter.)
+
+#: ``disabled()``'s state, ``(device,)`` (the innermost scope's), under this key
+_KEY = "torchTensorRef.disabled"
+_carried, _state_of = torch._C._is_key_in_tls, torch._C._get_obj_in_tls
+_keep, _erase = torch._C._stash_obj_in_tls, torch._C._remove_obj_from_tls
+
+
 def is_disabled() -> bool:
     """Whether creation functions make plain tensors here: inside ``disabled()``, on an
-    autograd thread running the backward of plain tensors made there, or in a DataLoader
+    autograd thread running a backward called inside it (Note [Plain torch on autograd's
+    threads]) or of plain tensors made under a mode marking plain torch, or in a DataLoader
     worker (its tensors cross a process boundary, as plain tensors)."""
-    return (getattr(_local, "depth", 0) > 0 or torch.utils.data.get_worker_info() is not None
-            or _plain_mode_carried())
+    return _carried(_KEY) or torch.utils.data.get_worker_info() is not None or _plain_mode_carried()
 
 
 def _plain_mode_carried() -> bool:
-    """Whether a dispatch mode marking plain torch is active in this thread.
-
-    ``disabled()``'s flag is thread-local, and backward runs on an autograd thread per
-    device; PyTorch carries dispatch modes to those threads, so ``disabled(device="sim")``
-    enters one (``memory.sim.allocation.PlainMode``, ``marks_plain``) and a creation in a
-    Python backward there (``torch.empty`` in an ``autograd.Function``) stays plain too.
-    """
+    """Whether a dispatch mode marking plain torch is active in this thread (a region's
+    backward run op by op on "sim", ``memory.sim.allocation.PlainMode``, ``marks_plain``):
+    PyTorch carries dispatch modes to autograd's threads too."""
     if not torch._C._len_torch_dispatch_stack():
         return False
     return any(getattr(mode, "marks_plain", False) for mode in _get_current_dispatch_mode_stack())
@@ -58,29 +68,31 @@ def _plain_mode_carried() -> bool:
 
 def plain_device() -> Optional[torch.device]:
     """The device the innermost ``disabled(device)`` asked creation functions to default to."""
-    return getattr(_local, "device", None)
+    return _state_of(_KEY)[0] if _carried(_KEY) else None
 
 
-def enter_plain(device: Optional[torch.device]) -> Optional[torch.device]:
+def enter_plain(device: Optional[torch.device]) -> Optional[tuple]:
     """Start a ``disabled()`` scope; returns what :func:`exit_plain` restores."""
-    previous = getattr(_local, "device", None)
-    _local.depth = getattr(_local, "depth", 0) + 1
-    _local.device = device
+    previous = _state_of(_KEY) if _carried(_KEY) else None
+    _keep(_KEY, (device,))
     return previous
 
 
-def exit_plain(previous: Optional[torch.device]) -> None:
-    _local.depth -= 1
-    _local.device = previous
+def exit_plain(previous: Optional[tuple]) -> None:
+    if previous is None:
+        _erase(_KEY)
+    else:
+        _keep(_KEY, previous)
 
 
-def suspend_plain() -> tuple:
+def suspend_plain() -> Optional[tuple]:
     """Leave this thread's ``disabled()`` scopes for a while; returns what
     :func:`resume_plain` restores."""
-    saved = getattr(_local, "depth", 0), getattr(_local, "device", None)
-    _local.depth, _local.device = 0, None
+    saved = _state_of(_KEY) if _carried(_KEY) else None
+    if saved is not None:
+        _erase(_KEY)
     return saved
 
 
-def resume_plain(saved: tuple) -> None:
-    _local.depth, _local.device = saved
+def resume_plain(saved: Optional[tuple]) -> None:
+    exit_plain(saved)

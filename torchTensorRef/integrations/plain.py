@@ -18,7 +18,9 @@ from ..memory.sim.tensor import NAME
 
 @contextlib.contextmanager
 def disabled(device=None):
-    """Plain torch inside: creation functions return plain tensors (this thread only).
+    """Plain torch inside: creation functions return plain tensors (in this thread, and on the
+    autograd threads running a backward called inside it: Note [Plain torch on autograd's
+    threads] in ``core/context.py``; not in other threads it starts).
 
     Ops on existing TensorRefs are still managed, and their results are TensorRefs.
 
@@ -44,7 +46,7 @@ def disabled(device=None):
     previous = context.enter_plain(device)
     mode = PlainMode() if device is not None and device.type == NAME else contextlib.nullcontext()
     try:
-        with mode:  # (plain tensors of the sim device are made in backward too)
+        with mode:  # (marks the sim device's plain ops too, in backward as well)
             yield
     finally:
         context.exit_plain(previous)

@@ -98,12 +98,10 @@ def _bytes_of(t: torch.Tensor, written: bool) -> torch.Tensor:
 
 
 class PlainMode(torch.utils._python_dispatch.TorchDispatchMode):
-    """Marks the ops run inside ``torchTensorRef.disabled(device="sim")``, on every thread.
-
-    The device's ``empty`` kernel must know whether a new tensor is plain (a SimTensor) or
-    managed, and backward runs on an autograd thread where ``disabled()``'s thread-local
-    flag is not set; dispatch modes are carried to those threads.
-    """
+    """Marks the ops run inside ``torchTensorRef.disabled(device="sim")``, on every thread
+    (dispatch modes are carried to autograd's threads): the device's ``empty`` kernel makes
+    their new tensors plain (SimTensors), and an error one raises in a backward is kept for
+    the caller (Note [Errors in backward on sim])."""
 
     marks_plain = True  # (core.context.is_disabled looks for it)
 
