@@ -68,7 +68,7 @@ from ..memory.sim.tensor import SimTensor
 from ..ops.op_context import blocks_of_list, wrap_one
 from .inside import Inside, Measure, measured
 from .op import Giver, Grouping, RegionContext, RegionSpec, Wrapper, bytes_of, take_back_attributes
-from . import stores
+from . import reentrant, stores
 from .step import Plan, Step
 from .scan import (OBJECT_DEPTH, NotARegion, OBJECT_VALUES, Call, collect_object, collect_plain, needs_grad,
                    scan_call, select_object_slots)
@@ -130,6 +130,7 @@ class Region:
         self.probes = 0  # calls with gradients run op by op to see their backward
         self.mutates = False  # a call changed its module's own state (Note [Stores on modules]): op by op since
         self.unseen = False  # a measured call read what no scan finds: op by op with gradients (scan.py)
+        self.reentrant = False  # a measured call ran a reentrant checkpoint: likewise (reentrant.py)
         self.writes: set = set()  # blocks of its tensors a measured call wrote (Note [Unversioned writes])
         #: its module's tensors as one group, under a budget (Note [Region groups] in memory/groups.py)
         self.grouping = Grouping()
@@ -142,7 +143,7 @@ class Region:
     def forget(self) -> None:
         """Its module's submodules or tensors changed (an adapter injected): what its calls
         read and allocate is measured again, with gradients too (Note [Tensors no scan finds])."""
-        self.inside, self.backward_peaks, self.second_order, self.probes = Inside(), {}, None, 0
+        self.inside, self.backward_peaks, self.second_order, self.probes, self.reentrant = Inside(), {}, None, 0, False
 
     def run(self, fn, args, kwargs, slots=(), grad_error=None, train=True, kernel_written=(), room=True, held=()):
         """``fn(*args, **kwargs)`` as one op, with ``slots`` (``(dict, key)``: a module's
@@ -175,9 +176,7 @@ class Region:
         near, held_refs = self._select_held(call, key)
         if not call.refs:
             return fn(*args, **kwargs)  # nothing managed: the call as it is
-        learn = probe = False
-        if grad:
-            learn, probe = self._check_grad(call, key, grad_error, train)
+        learn, probe = self._check_grad(call, key, grad_error, train) if grad else (False, False)
         if _mgr.lock._is_owned():
             raise NotARegion("inside a managed op")  # its blocks must stay where they are
         plan = self._plan(call, key, grad, args, kwargs, room)
@@ -207,8 +206,8 @@ class Region:
         a region."""
         if grad_error is not None:
             raise RuntimeError(grad_error)
-        if self.unseen or call.plain_grad:  # (scan.py: Notes [Tensors no scan finds], [Plain tensors ...])
-            raise NotARegion("it reads tensors no scan of its call finds, or plain ones that need gradients")
+        if self.unseen or call.plain_grad or self.reentrant:  # (the Notes of scan.py and reentrant.py)
+            raise NotARegion("it reads tensors no scan finds or plain ones needing gradients, or checkpoints")
         if not train or not self.measure:
             raise NotARegion("needs gradients")
         if self.second_order:
@@ -339,7 +338,7 @@ class Region:
         """The call op by op (within the budget, as any code), measuring what its ops allocate
         (what it needs inside as a region); with ``grad``, whether its backward asks for more."""
         meter = Measure({block_of(r).id for r in call.refs}, mgr.alloc_bytes, watch_grads=grad)
-        mark = id_mark()  # (blocks the call makes have larger ids)
+        mark, checkpoints = id_mark(), reentrant.runs()  # (blocks the call makes have larger ids)
         state.depth += 1  # (its modules run plain: their ops are measured with the rest)
         running, stores.running.call = stores.running.call, call  # (what it assigns: Note [Stores on modules])
         # (called from a loop on plain tensors, it runs as it would outside one: what it
@@ -357,6 +356,7 @@ class Region:
         self.reads_rows = self.reads_rows or meter.read_rows()
         if grad:
             watch_backward(self, out)
+            self.reentrant = self.reentrant or reentrant.runs() != checkpoints
         if meter.wrote:
             self.writes.update(meter.wrote.intersection(block_of(v).id for _d, _k, v in call.slots))
         held = call.all_held
