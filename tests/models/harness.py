@@ -79,15 +79,17 @@ class Pair:
     plain: torch.nn.Module
     budget: int
 
-    def check_peak(self, when: str) -> None:
-        # The budget covers what is allocated outside the manager too (workspaces, and the
-        # plain reference, which plain_torch() adds to the budget as it allocates it): the
-        # manager's peak fits in what the budget leaves it now.
+    def check_peak(self, when: str, outside: Optional[int] = None) -> None:
+        """The manager's peak fits in what the budget leaves it beside what is allocated
+        outside the manager (workspaces, and the plain reference, which plain_torch() adds to
+        the budget as it allocates it): now, or ``outside`` where given. (The device's own
+        bytes at every op's end are the ``budget`` fixture's to check.)"""
         s = tensorsManager.stats()
         budget = tensorsManager.budget
-        peak = s["peak_device_bytes"] + s["outside_bytes"]
+        outside = s["outside_bytes"] if outside is None else outside
+        peak = s["peak_device_bytes"] + outside
         assert peak <= budget, (f"{when}: peak device bytes {peak} exceed the budget {budget} "
-                                f"({s['outside_bytes']} of them outside the manager)")
+                                f"({outside} of them outside the manager)")
 
     def compare(self, managed, plain, what: str) -> None:
         compare(managed, plain, what, self.case.tolerance)
@@ -162,11 +164,17 @@ def build_pair(case: Case, convert: Callable[[torch.nn.Module], torch.nn.Module]
     return pair
 
 
-def _run(pair: Pair, managed_inputs, plain_inputs, autocast):
+def _run(pair: Pair, managed_inputs, plain_inputs, autocast, when: str):
+    """Both models' forward, compared; the manager's peak checked (``when``) against what was
+    outside it before: the plain reference's activations, which its loss keeps for the
+    backward, and the managed model's own kept plain (a region's saved tensors while nothing
+    pages: Note [Saved while nothing pages]) were counted in the room kept at its peak."""
     ctx = autocast or contextlib.nullcontext
+    before = tensorsManager.stats()["outside_bytes"]
     torch.manual_seed(FORWARD_SEED)
     with ctx():
         logits_m, loss_m = pair.case.forward(pair.managed, managed_inputs)
+    pair.check_peak(when, before)
     with plain_torch():
         torch.manual_seed(FORWARD_SEED)
         with ctx():
@@ -186,9 +194,12 @@ def check_training(
     optimizer: Callable = adamw,
     clip_foreach: Optional[bool] = None,
     scaler: bool = False,
+    steps: int = 2,
 ) -> None:
-    """Forward (logits, loss), backward (every gradient), an optimizer step (every
-    parameter and buffer), then a second forward with the updated weights.
+    """``steps`` training steps, each a forward (logits, loss), backward (every gradient) and
+    an optimizer step (every parameter and buffer), then a forward with the updated weights.
+    (Two by default: a module region's first call with gradients runs op by op, measured,
+    and its later ones as one op with a backward of its own.)
 
     Args:
         autocast: factory of the context the forwards run in (mixed precision).
@@ -201,21 +212,28 @@ def check_training(
     managed_inputs, plain_inputs = inputs_pair(pair.case)
     pair.managed.train()
     pair.plain.train()
-    loss_m, loss_p = _run(pair, managed_inputs, plain_inputs, autocast)
-    pair.check_peak("forward")
+    loss_m, loss_p = _run(pair, managed_inputs, plain_inputs, autocast, "forward")
 
     opt_m = optimizer(pair.managed.parameters())
     scaler_m = torch.amp.GradScaler(device_type(), init_scale=2.0**8) if scaler else None
     with plain_torch():
         opt_p = optimizer(pair.plain.parameters())
         scaler_p = torch.amp.GradScaler(device_type(), init_scale=2.0**8) if scaler else None
-    (scaler_m.scale(loss_m) if scaler else loss_m).backward()
-    with plain_torch():
-        (scaler_p.scale(loss_p) if scaler else loss_p).backward()
-    compare_grads(pair)
-    pair.check_peak("backward")
+    for step in range(1, steps + 1):
+        _train_step(pair, loss_m, loss_p, opt_m, opt_p, scaler_m, scaler_p, clip_foreach, f"step {step}")
+        # The step's in-place writes must be what the next forward reads.
+        loss_m, loss_p = _run(pair, managed_inputs, plain_inputs, autocast, f"forward after step {step}")
 
-    if scaler:
+
+def _train_step(pair: Pair, loss_m, loss_p, opt_m, opt_p, scaler_m, scaler_p, clip_foreach, what: str) -> None:
+    """One backward and optimizer step of both models, compared (``check_training``)."""
+    (scaler_m.scale(loss_m) if scaler_m else loss_m).backward()
+    with plain_torch():
+        (scaler_p.scale(loss_p) if scaler_p else loss_p).backward()
+    compare_grads(pair)
+    pair.check_peak(f"backward, {what}")
+
+    if scaler_m:
         scaler_m.unscale_(opt_m)
         with plain_torch():
             scaler_p.unscale_(opt_p)
@@ -226,7 +244,7 @@ def check_training(
             norm_p = torch.nn.utils.clip_grad_norm_(pair.plain.parameters(), 0.5, foreach=clip_foreach)
         pair.compare(norm_m, norm_p, "total gradient norm")
         compare_grads(pair)
-    if scaler:
+    if scaler_m:
         scaler_m.step(opt_m)
         scaler_m.update()
         with plain_torch():
@@ -240,12 +258,8 @@ def check_training(
     opt_m.zero_grad()
     with plain_torch():
         opt_p.zero_grad()
-    compare_state(pair, f"after a {type(opt_m).__name__} step")
-    pair.check_peak("optimizer step")
-
-    # The step's in-place writes must be what the next forward reads.
-    _run(pair, managed_inputs, plain_inputs, autocast)
-    pair.check_peak("second forward")
+    compare_state(pair, f"after a {type(opt_m).__name__} step ({what})")
+    pair.check_peak(f"optimizer {what}")
 
 
 def check_generate(pair: Pair, generate: Optional[Callable] = None) -> None:
