@@ -262,8 +262,11 @@ def _train_step(pair: Pair, loss_m, loss_p, opt_m, opt_p, scaler_m, scaler_p, cl
     pair.check_peak(f"optimizer {what}")
 
 
-def check_generate(pair: Pair, generate: Optional[Callable] = None) -> None:
-    """``generate()`` (the case's greedy one by default) gives the same tokens.
+def check_generate(pair: Pair, generate: Optional[Callable] = None, calls: int = 3) -> None:
+    """``generate()`` (the case's greedy one by default) gives the same tokens, at each of
+    ``calls`` calls. (Three by default: under a budget that has not paged, a call with new
+    settings runs as a loop of its own, the next is measured op by op, and the third is one
+    region: Note [Regions until the budget pages].)
 
     The RNG is seeded alike before both calls, so sampling draws the same numbers.
     """
@@ -271,14 +274,16 @@ def check_generate(pair: Pair, generate: Optional[Callable] = None) -> None:
     assert generate is not None
     managed_inputs, plain_inputs = inputs_pair(pair.case)
     pair.managed.eval()
-    torch.manual_seed(FORWARD_SEED)
-    tokens_m = generate(pair.managed, managed_inputs)
     with plain_torch():
         pair.plain.eval()
+    for call in range(1, calls + 1):
         torch.manual_seed(FORWARD_SEED)
-        tokens_p = generate(pair.plain, plain_inputs)
-    compare(tokens_m, tokens_p, "generated tokens")
-    pair.check_peak("generate")
+        tokens_m = generate(pair.managed, managed_inputs)
+        with plain_torch():
+            torch.manual_seed(FORWARD_SEED)
+            tokens_p = generate(pair.plain, plain_inputs)
+        compare(tokens_m, tokens_p, f"generated tokens, call {call}")
+        pair.check_peak(f"generate, call {call}")
 
 
 def eval_logits(case: Case, model, inputs: Inputs):
