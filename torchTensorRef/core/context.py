@@ -11,6 +11,7 @@ Nothing else is registered here.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -40,13 +41,37 @@ def manager():
 # model's gradients became TensorRefs. ``disabled()``'s state is kept among PyTorch's
 # thread-local Python objects, which its autograd engine gives the threads that run a
 # backward for as long as they run it: there, as in the calling thread, a backward called
-# inside ``disabled()`` is plain torch. (Erased, not set to ``None``, when the outermost
-# scope ends: a thread must not end holding one, whose release would need the interpreter.)
+# inside ``disabled()`` is plain torch. It is erased, not set to ``None``, when the outermost
+# scope ends: a thread must not end holding one, whose release then needs the interpreter's
+# lock and can deadlock. A torch that cannot erase them (2.11) keeps the state in a plain
+# thread-local, which autograd's threads do not see (``CARRIED`` is false there).
 
 #: ``disabled()``'s state, ``(device,)`` (the innermost scope's), under this key
 _KEY = "torchTensorRef.disabled"
-_carried, _state_of = torch._C._is_key_in_tls, torch._C._get_obj_in_tls
-_keep, _erase = torch._C._stash_obj_in_tls, torch._C._remove_obj_from_tls
+_erase = getattr(torch._C, "_remove_obj_from_tls", None)
+#: whether ``disabled()`` reaches the autograd threads running a backward called inside it
+CARRIED = _erase is not None
+
+if _erase is not None:
+    _carried, _state_of, _keep, _remove = (torch._C._is_key_in_tls, torch._C._get_obj_in_tls,
+                                           torch._C._stash_obj_in_tls, _erase)
+
+    def _state() -> Optional[tuple]:
+        return _state_of(_KEY) if _carried(_KEY) else None
+
+    def _set(state: Optional[tuple]) -> None:
+        if state is None:
+            _remove(_KEY)
+        else:
+            _keep(_KEY, state)
+else:
+    _local = threading.local()
+
+    def _state() -> Optional[tuple]:
+        return getattr(_local, "state", None)
+
+    def _set(state: Optional[tuple]) -> None:
+        _local.state = state
 
 
 def is_disabled() -> bool:
@@ -54,7 +79,7 @@ def is_disabled() -> bool:
     autograd thread running a backward called inside it (Note [Plain torch on autograd's
     threads]) or of plain tensors made under a mode marking plain torch, or in a DataLoader
     worker (its tensors cross a process boundary, as plain tensors)."""
-    return _carried(_KEY) or torch.utils.data.get_worker_info() is not None or _plain_mode_carried()
+    return _state() is not None or torch.utils.data.get_worker_info() is not None or _plain_mode_carried()
 
 
 def _plain_mode_carried() -> bool:
@@ -68,31 +93,29 @@ def _plain_mode_carried() -> bool:
 
 def plain_device() -> Optional[torch.device]:
     """The device the innermost ``disabled(device)`` asked creation functions to default to."""
-    return _state_of(_KEY)[0] if _carried(_KEY) else None
+    state = _state()
+    return state[0] if state is not None else None
 
 
 def enter_plain(device: Optional[torch.device]) -> Optional[tuple]:
     """Start a ``disabled()`` scope; returns what :func:`exit_plain` restores."""
-    previous = _state_of(_KEY) if _carried(_KEY) else None
-    _keep(_KEY, (device,))
+    previous = _state()
+    _set((device,))
     return previous
 
 
 def exit_plain(previous: Optional[tuple]) -> None:
-    if previous is None:
-        _erase(_KEY)
-    else:
-        _keep(_KEY, previous)
+    _set(previous)
 
 
 def suspend_plain() -> Optional[tuple]:
     """Leave this thread's ``disabled()`` scopes for a while; returns what
     :func:`resume_plain` restores."""
-    saved = _state_of(_KEY) if _carried(_KEY) else None
+    saved = _state()
     if saved is not None:
-        _erase(_KEY)
+        _set(None)
     return saved
 
 
 def resume_plain(saved: Optional[tuple]) -> None:
-    exit_plain(saved)
+    _set(saved)

@@ -18,9 +18,9 @@ from ..memory.sim.tensor import NAME
 
 @contextlib.contextmanager
 def disabled(device=None):
-    """Plain torch inside: creation functions return plain tensors (in this thread, and on the
-    autograd threads running a backward called inside it: Note [Plain torch on autograd's
-    threads] in ``core/context.py``; not in other threads it starts).
+    """Plain torch inside: creation functions return plain tensors (in this thread, and where
+    torch allows, on the autograd threads running a backward called inside it: Note [Plain
+    torch on autograd's threads] in ``core/context.py``; not in other threads it starts).
 
     Ops on existing TensorRefs are still managed, and their results are TensorRefs.
 
