@@ -282,6 +282,22 @@ def test_division_and_subtraction_in_chunks_equal_one_call(tight):
         assert torch.equal(_plain(g), e)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("op", ["mul", "div", "add", "sub", "rsub", "mul_", "div_", "add_", "sub_"])
+def test_arithmetic_with_a_number_in_chunks_equals_one_call(tight, op, dtype):
+    # GPT-2's activation backward multiplies a gradient larger than a small budget by a
+    # number (``mul.Scalar``, as autograd's formulas call it): refused where ``mul.Tensor``,
+    # what Python's ``t * 0.5`` calls, ran in chunks.
+    overload = getattr(torch.ops.aten, op).Scalar
+    a, pa = _pair(ROWS, DIM)
+    a = a.to(dtype)
+    with plain_torch():
+        pa = pa.to(dtype)
+        expected = overload(pa, 0.7).cpu()
+    _tighten(tight)
+    assert torch.equal(_plain(overload(a, 0.7)), expected)
+
+
 @pytest.mark.parametrize("case", ["outer", "rows", "columns", "in place", "leading one", "two dims",
                                   "two dims in place"])
 def test_broadcasting_elementwise_ops_in_rows_equal_one_call(tight, case):

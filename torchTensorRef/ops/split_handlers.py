@@ -207,10 +207,14 @@ def _gathered_on_host(t: TensorRef, values: torch.Tensor) -> TensorRef:
 
 #: in-place and out-of-place elementwise ops that meet tensors as large as a parameter
 #: (gradient accumulation, ``zero_grad(set_to_none=False)``, manual updates, a weight
-#: normalized by its own statistic: ``w / w.std()``)
+#: normalized by its own statistic: ``w / w.std()``), and arithmetic with a number, as
+#: autograd's formulas call it on activations' gradients (each element one correctly
+#: rounded operation, by whichever loop computes it: the same bits in pieces)
 POINTWISE = [
     aten.add_.Tensor, aten.add.Tensor, aten.sub_.Tensor, aten.sub.Tensor, aten.mul_.Tensor, aten.mul_.Scalar,
     aten.mul.Tensor, aten.div_.Tensor, aten.div.Tensor, aten.zero_.default, aten.fill_.Scalar, aten.lerp_.Scalar,
+    aten.mul.Scalar, aten.div.Scalar, aten.div_.Scalar, aten.add.Scalar, aten.add_.Scalar, aten.sub.Scalar,
+    aten.sub_.Scalar, aten.rsub.Scalar,
 ]
 
 
