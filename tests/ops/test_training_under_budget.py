@@ -339,9 +339,10 @@ def test_a_broadcast_over_a_transposed_tensor_equals_one_call(tight):
 
 
 @pytest.mark.parametrize("case", ["masked_fill", "masked_fill_", "where", "relu", "clamp", "maximum", "compare",
-                                  "neg"])
+                                  "neg", "relu backward"])
 def test_exact_elementwise_ops_larger_than_the_budget_in_pieces_equal_one_call(tight, case):
-    # (eager attention masks its scores: at a small budget the scores did not fit)
+    # (eager attention masks its scores: at a small budget the scores did not fit; OPT's
+    # ReLU backward, ``threshold_backward``, met a gradient larger than the budget)
     scores, pscores = _pair(2, 4, ROWS // 8, DIM)
     bound, pbound = _pair(DIM, seed=1)
     with plain_torch():
@@ -354,7 +355,8 @@ def test_exact_elementwise_ops_larger_than_the_budget_in_pieces_equal_one_call(t
            "clamp": lambda s, m, b: s.clamp(-0.5, 0.5),
            "maximum": lambda s, m, b: torch.maximum(s, b),
            "compare": lambda s, m, b: s > b,
-           "neg": lambda s, m, b: -s}
+           "neg": lambda s, m, b: -s,
+           "relu backward": lambda s, m, b: torch.ops.aten.threshold_backward(s, s * 2, 0.0)}
     with plain_torch():
         expected = ops[case](pscores, pmask, pbound)
         layout = (expected.shape, expected.stride(), expected.dtype)

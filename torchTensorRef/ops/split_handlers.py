@@ -224,6 +224,7 @@ EXACT = [
     aten.where.self, aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_fill.Tensor,
     aten.masked_fill_.Tensor, aten.relu.default, aten.relu_.default, aten.neg.default, aten.abs.default,
     aten.maximum.default, aten.minimum.default, aten.clamp.default, aten.clamp_.default, aten.logical_not.default,
+    aten.threshold_backward.default,
     *(getattr(getattr(aten, name), overload) for name in ("eq", "ne", "lt", "le", "gt", "ge")
       for overload in ("Tensor", "Scalar")),
 ]
