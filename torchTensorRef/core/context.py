@@ -11,8 +11,9 @@ Nothing else is registered here.
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -51,10 +52,15 @@ _KEY = "torchTensorRef.disabled"
 _erase = getattr(torch._C, "_remove_obj_from_tls", None)
 #: whether ``disabled()`` reaches the autograd threads running a backward called inside it
 CARRIED = _erase is not None
+#: whether a scope is open here (``is_disabled`` runs at every creation and module call:
+#: where carried, one C call)
+_open: Callable[[], bool]
 
 if _erase is not None:
     _carried, _state_of, _keep, _remove = (torch._C._is_key_in_tls, torch._C._get_obj_in_tls,
                                            torch._C._stash_obj_in_tls, _erase)
+
+    _open = functools.partial(_carried, _KEY)
 
     def _state() -> Optional[tuple]:
         return _state_of(_KEY) if _carried(_KEY) else None
@@ -70,6 +76,9 @@ else:
     def _state() -> Optional[tuple]:
         return getattr(_local, "state", None)
 
+    def _open() -> bool:
+        return getattr(_local, "state", None) is not None
+
     def _set(state: Optional[tuple]) -> None:
         _local.state = state
 
@@ -79,7 +88,7 @@ def is_disabled() -> bool:
     autograd thread running a backward called inside it (Note [Plain torch on autograd's
     threads]) or of plain tensors made under a mode marking plain torch, or in a DataLoader
     worker (its tensors cross a process boundary, as plain tensors)."""
-    return _state() is not None or torch.utils.data.get_worker_info() is not None or _plain_mode_carried()
+    return _open() or torch.utils.data.get_worker_info() is not None or _plain_mode_carried()
 
 
 def _plain_mode_carried() -> bool:
