@@ -965,6 +965,24 @@ def test_a_group_norm_larger_than_the_budget_in_groups_of_samples_equals_one_cal
     assert tight.stats()["peak_device_bytes"] < 2 * x.numel() * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_layer_norm_larger_than_the_budget_in_groups_of_batch_elements_equals_one_call(tight, dtype):
+    # OPT's, BERT's and StarCoder2's LayerNorm on 4 x 30 positions at 15% of their weights was refused
+    x, px = _pair(6, 30, 64)
+    w, pw = _pair(64, seed=1)
+    b, pb = _pair(64, seed=2)
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    with plain_torch():
+        px, pw, pb = px.to(dtype), pw.to(dtype), pb.to(dtype)
+        expected = [t.cpu() for t in aten.native_layer_norm(px, [64], pw, pb, 1e-5)]
+    _tighten(tight, room=12 * 1024 * x.element_size())  # (its input and output do not fit together)
+    got = aten.native_layer_norm(x, [64], w, b, 1e-5)
+    assert [(g.shape, g.dtype) for g in got] == [(e.shape, e.dtype) for e in expected]
+    assert all(torch.equal(_plain(g), e) for g, e in zip(got, expected))
+    with torch.no_grad():  # (as a module computes it)
+        assert torch.equal(_plain(torch.nn.functional.layer_norm(x, [64], w, b)), expected[0])
+
+
 @pytest.mark.parametrize("case", ["conv2d", "no-bias", "channels-last", "conv1d", "weights-only", "input-only",
                                   "grouped", "depthwise", "causal-depthwise-conv1d"])
 def test_a_convolution_backward_larger_than_the_budget_in_groups_of_channels_equals_one_call(tight, case):

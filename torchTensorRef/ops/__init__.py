@@ -14,6 +14,7 @@ from . import split_handlers  # noqa: F401,E402  (registers embedding, elementwi
 from . import split_on_host  # noqa: F401,E402  (registers pad, slice and select backward larger than the budget)
 from . import split_products  # noqa: F401,E402  (registers matrix products larger than the budget)
 from . import split_convolutions  # noqa: F401,E402  (registers convolutions and their backward larger than the budget)
+from . import split_norms  # noqa: F401,E402  (registers GroupNorm's and LayerNorm's forward larger than the budget)
 from . import split_losses  # noqa: F401,E402  (registers nll_loss larger than the budget)
 from . import split_reductions  # noqa: F401,E402  (registers sum along dimensions, cumsum and flip larger than the budget)
 from . import device_kernels  # noqa: F401,E402  (registers the ops "sim" runs as composites: histc of integers)

@@ -2,8 +2,8 @@
 ``pieces.py``, and ``split.py``): ``embedding`` and its backward by rows, the elementwise
 ops a training step runs on whole parameters and the activations by chunks (by rows where
 they broadcast, and ``cat`` along an inner dimension), views of big tensors without moving
-bytes, a whole tensor's norm by chunks, GroupNorm's forward by samples (matrix products:
-``split_products.py``; convolutions: ``split_convolutions.py``).
+bytes, a whole tensor's norm by chunks (matrix products: ``split_products.py``;
+convolutions: ``split_convolutions.py``; normalizations: ``split_norms.py``).
 
 Each handler runs its op by the dispatcher's own paths first and splits it only where they
 refuse it for the budget (``split.when_refused``); ``embedding`` also reads rows alone by choice.
@@ -15,7 +15,6 @@ import math
 
 import torch
 
-from ..core import raw
 from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec, implements, spec_of
 from ..core.tensor_ref import TensorRef, block_of, host_copy, host_view
@@ -27,9 +26,7 @@ from .pieces import gathered_piece, held_on_host, host_result, in_groups, settle
 from . import vector_loops
 from .chunks import by_positions, run_chunked, tensors_of
 from .split_on_host import cat_on_host
-from .split_convolutions import memory_format_of
-from .split_products import in_order
-from .split import block_bytes, chunk_elements, default, fits, op_bytes, refs_bytes, refuse, room, when_refused
+from .split import block_bytes, default, fits, op_bytes, refuse, room, when_refused
 
 aten = torch.ops.aten
 
@@ -405,40 +402,6 @@ def rows(func, args, kwargs, spec: OpSpec, left: int):
     args = list(args)
     args[at] = -1  # (each piece is a matrix of rows)
     return run_chunked(func, args, kwargs, spec, left, row=first.shape[-1])
-
-
-@implements(aten.native_group_norm.default)
-@when_refused
-def group_norm(func, args, kwargs, spec: OpSpec, left: int):
-    """GroupNorm's forward in groups of batch elements when it does not fit: each sample's
-    groups are normalized alone, by the same kernel, as in one call (on the CPU, every
-    grouping tried gave one call's bits, with any thread count, dtype and layout)."""
-    if kwargs or len(args) != 8 or not isinstance(args[0], TensorRef):
-        raise refuse(spec.name, op_bytes(spec, args, kwargs), left)
-    x, weight, bias, count, channels, hxw, groups, eps = args
-    sample = x.numel() // max(count, 1) * x.element_size()
-    stat = groups * max(x.element_size(), 4)  # (a sample's means, and its rstds: float or wider)
-    pieces = (sample, sample, stat, stat)
-    step = chunk_elements(sum(pieces), refs_bytes([weight, bias]), left, count, spec.name, (1,), pieces)
-    settle([x])
-
-    def samples(start: int):
-        part = gathered_piece(in_order(host_view(x).detach()[start:start + step]))
-        return run_generic(func, [part, weight, bias, part.shape[0], channels, hxw, groups, eps], {}, spec)
-
-    results = samples(0)
-    # (the output laid out as the device's kernel lays it out: channels last or not)
-    layout = raw.empty(x.shape, device="meta", memory_format=memory_format_of(results[0])).stride()
-    outs = [host_result(x.shape, results[0].dtype, stride=layout)]
-    outs += [host_result((count, groups), r.dtype) for r in results[1:]]
-    with held_on_host(outs):
-        views = [host_view(o) for o in outs]
-        for start in range(0, count, step):
-            results = results if start == 0 else samples(start)
-            for view, r in zip(views, results):
-                view[start:start + step].copy_(to_host(r))
-            del results
-    return tuple(outs)
 
 
 # -- views of tensors larger than the budget -------------------------------------------------
