@@ -69,15 +69,27 @@ def test_a_budget_lowered_below_a_region_s_backward_is_refused_before_anything_r
         torch.testing.assert_close(p.grad.cpu(), expected, rtol=0, atol=0)
 
 
-def test_an_op_refused_inside_a_backward_says_the_backward_stopped_midway():
+@pytest.mark.parametrize("refused", ["whole", "in pieces"])
+def test_an_op_refused_inside_a_backward_says_the_backward_stopped_midway(refused):
     # an op of the per-op path refused inside a backward advised only to raise the budget,
-    # after which the same backward could not run again
+    # after which the same backward could not run again; so did an op split into pieces that
+    # could not be made small enough (its own refusal)
     regions.enabled = False
     tm.strategy = "flow"
-    weights = 3 * 2 * (32 * 32 + 32) * 4
-    m, loss = managed_steps(budget(weights))
-    tm.budget = budget(5 * 1024)
-    with pytest.raises(OutOfBudgetError, match="refused inside a backward") as info:
+    if refused == "whole":  # (a LayerNorm's backward is not split)
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32))
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+        tm.budget = budget(64 * 1024)
+        loss = loss_of(m, x)
+        tm.budget = budget(12 * 1024)
+        detail = "refused inside a backward"
+    else:
+        weights = 3 * 2 * (32 * 32 + 32) * 4
+        m, loss = managed_steps(budget(weights))
+        tm.budget = budget(2 * 1024)
+        detail = "cannot be split into smaller pieces; .*; refused inside a backward"
+    with pytest.raises(OutOfBudgetError, match=detail) as info:
         loss.backward()
     assert "run the forward and backward again" in str(info.value)
 

@@ -40,6 +40,12 @@ _MIDWAY = ("refused inside a backward: the nodes that ran before it freed their 
 _in_backward = torch._C._current_graph_task_id
 
 
+def midway() -> str:
+    """Why an op refused now cannot simply be retried, where a backward is running; ``""``
+    elsewhere (every refusal of an op says it: the protocol's and a split's)."""
+    return _MIDWAY if _in_backward() != -1 else ""
+
+
 class OpInFlight(Protocol):
     """An op in flight as the manager reads it: ``ops.op_context.OpContext`` (a layer above,
     which fills it) and a region's step (``regions.op``) are such ops."""
@@ -164,7 +170,7 @@ class OpProtocol:
                 outside = acct.elsewhere_bytes
             if need + outside > limit:
                 raise OutOfBudgetError(ctx.name, need + outside, limit, outside=outside,
-                                       detail=_MIDWAY if _in_backward() != -1 else "")
+                                       detail=midway())
 
     def _bring_in(self, ctx: OpInFlight) -> int:
         """Room for the op's missing blocks and results, then the blocks fetched; how many were missing."""

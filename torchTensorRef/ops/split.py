@@ -47,6 +47,7 @@ from typing import Optional, Sequence
 from ..core.errors import OutOfBudgetError
 from ..core.op_specs import OpSpec
 from ..core.tensor_ref import TensorRef, block_of
+from ..memory import op_protocol
 from ..memory.manager import tensorsManager as mgr
 from . import dispatch
 from .output_size import estimate_output_bytes
@@ -109,9 +110,10 @@ def op_bytes(spec: OpSpec, args, kwargs, out_bytes: Optional[int] = None) -> int
 def refuse(name: str, smallest: int, left: int):
     """``OutOfBudgetError`` for an op that needs ``smallest`` bytes of room where ``left`` is left."""
     outside = mgr.limit - left
+    midway = op_protocol.midway()
     return OutOfBudgetError(name, smallest + outside, mgr.limit,
                             f"it cannot be split into smaller pieces; a budget of "
-                            f"{smallest + outside} bytes runs it", outside=outside)
+                            f"{smallest + outside} bytes runs it" + (f"; {midway}" if midway else ""), outside=outside)
 
 
 def default(func, args, kwargs, spec: OpSpec):
